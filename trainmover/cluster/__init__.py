@@ -1,0 +1,14 @@
+"""An embedded, real Slurm 22.05 cluster on one machine, for demos and tests.
+
+    info = up(nodes=4, standby=2)      # train[1-4] + spare[1-2], reservation trainmover_standby
+    print(env_lines())                 # export SLURM_CONF=...
+    status(); down()
+
+State lives in `state_dir`, else $TM_CLUSTER_DIR, else /var/tmp/trainmover-cluster.
+See docs/admin.md for the Slurm settings it uses.
+"""
+
+from trainmover.cluster.lifecycle import ClusterInfo, down, env_lines, resolve_dir, status, up
+from trainmover.cluster.procs import ClusterError
+
+__all__ = ["ClusterInfo", "ClusterError", "up", "down", "status", "env_lines", "resolve_dir"]

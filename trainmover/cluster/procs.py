@@ -1,0 +1,150 @@
+"""Process plumbing for the embedded cluster's daemons: bounded commands, pid
+files that are trusted only when the process they name is ours, bounded waits.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Optional
+
+from trainmover.errors import DeadlineExceeded, TrainMoverError
+
+
+class ClusterError(TrainMoverError):
+    """The embedded cluster could not be started, stopped or inspected."""
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return f"(no log at {path})"
+    return "\n".join(text.splitlines()[-lines:]) or f"(empty log {path})"
+
+
+def run_cmd(
+    argv: Sequence[str],
+    *,
+    timeout: float,
+    env: Optional[Mapping[str, str]] = None,
+    what: str = "",
+    check: bool = True,
+    stdin: Optional[str] = None,
+) -> subprocess.CompletedProcess:
+    """A bounded, shell-free command for setting the cluster up (not for Slurm queries)."""
+    argv = [str(a) for a in argv]
+    try:
+        proc = subprocess.run(
+            argv, capture_output=True, text=True, timeout=timeout, env=dict(env) if env is not None else None,
+            input=stdin, stdin=None if stdin is not None else subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise ClusterError(f"{what or argv[0]}: {' '.join(argv)} timed out after {timeout:g}s") from exc
+    except OSError as exc:
+        raise ClusterError(f"{what or argv[0]}: cannot run {argv[0]} ({exc})") from exc
+    if check and proc.returncode != 0:
+        out = (proc.stderr.strip() or proc.stdout.strip())[-2000:]
+        raise ClusterError(f"{what or argv[0]}: {' '.join(argv)} exited with {proc.returncode}: {out}")
+    return proc
+
+
+def read_pid(pid_file: Path) -> Optional[int]:
+    try:
+        return int(pid_file.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _proc_text(pid: int, name: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def _exe_names(program: str) -> set[str]:
+    """Basenames the kernel may report for `program` (Debian installs slurmd as an
+    alternatives link to slurmd-wlm)."""
+    names = {program}
+    for d in ("/usr/sbin", "/usr/bin", "/sbin", "/bin"):
+        path = os.path.join(d, program)
+        if os.path.exists(path):
+            names.add(os.path.basename(os.path.realpath(path)))
+    return names
+
+
+def owned(pid: int, program: str, marker: str) -> bool:
+    """True when `pid` runs `program` and mentions `marker` (our state dir) in its
+    command line or environment: a stale pid file never makes us signal a stranger."""
+    if pid <= 1:
+        return False
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return False
+    if os.path.basename(exe.split(" (deleted)")[0]) not in _exe_names(program):
+        return False
+    if _proc_text(pid, "stat").split(" ")[2:3] == ["Z"]:
+        return False
+    return marker in _proc_text(pid, "cmdline") or marker in _proc_text(pid, "environ")
+
+
+def running_pid(pid_file: Path, program: str, marker: str) -> Optional[int]:
+    pid = read_pid(pid_file)
+    return pid if pid is not None and owned(pid, program, marker) else None
+
+
+def find_pids(program: str, marker: str) -> list[int]:
+    """Processes running `program` whose command line or environment names `marker`."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and owned(int(entry), program, marker):
+            out.append(int(entry))
+    return out
+
+
+def wait_until(
+    what: str,
+    check: Callable[[], bool],
+    *,
+    timeout: float,
+    interval: float = 0.1,
+    max_interval: float = 1.0,
+    on_timeout: Optional[Callable[[], str]] = None,
+) -> None:
+    """Poll `check` with backoff until it is true; raise DeadlineExceeded naming `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if check():
+            return
+        now = time.monotonic()
+        if now >= deadline:
+            detail = on_timeout() if on_timeout else ""
+            raise DeadlineExceeded(f"timed out after {timeout:g}s waiting for {what}" + (f"\n{detail}" if detail else ""))
+        time.sleep(min(interval, deadline - now))
+        interval = min(interval * 1.5, max_interval)
+
+
+def terminate(pids: Sequence[int], program: str, marker: str, *, timeout: float = 15.0) -> None:
+    """SIGTERM our processes, SIGKILL what is left after `timeout` seconds."""
+    live = [p for p in pids if owned(p, program, marker)]
+    for pid in live:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    try:
+        wait_until(f"{program} to exit", lambda: not any(owned(p, program, marker) for p in live), timeout=timeout)
+    except DeadlineExceeded:
+        for pid in live:
+            if owned(pid, program, marker):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        wait_until(f"{program} to die after SIGKILL", lambda: not any(owned(p, program, marker) for p in live), timeout=5)

@@ -1,0 +1,206 @@
+"""The Slurm interface TrainMover uses, and its command-line implementation.
+
+`SlurmClient` is the contract; `CliSlurm` implements it with sinfo/squeue/
+scontrol/salloc/srun through `commands.run` (the only place that forks them). A
+pyslurm backend can implement the same Protocol where the site's Slurm matches
+the pyslurm release (see docs/admin.md); `client(backend=...)` picks one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Optional, Protocol, runtime_checkable
+
+from trainmover.errors import SlurmError
+from trainmover.slurm import argv as build
+from trainmover.slurm import commands, parse
+from trainmover.slurm.model import BatchHostRelease, JobInfo, NodeInfo, NoStandbyAvailable, UnknownNodes
+
+__all__ = ["SlurmClient", "CliSlurm", "client"]
+
+
+@runtime_checkable
+class SlurmClient(Protocol):
+    """What TrainMover needs from Slurm. Every method is bounded in time."""
+
+    def nodes(self, names: Optional[Sequence[str]] = None) -> dict[str, NodeInfo]:
+        """State of `names` (all nodes when None) in one controller call."""
+
+    def job(self, job_id: int) -> JobInfo: ...
+
+    def hostnames(self, nodelist_expr: str) -> list[str]: ...
+
+    def grow(self, job_id: int, *, reservation: str, partition: Optional[str] = None,
+             timeout: float = 30.0) -> str:
+        """Absorb one free node of `reservation` into running job `job_id` and
+        return its name; NoStandbyAvailable (job untouched) when none is granted
+        within `timeout` seconds."""
+
+    def shrink(self, job_id: int, keep: Sequence[str]) -> list[str]:
+        """Release every node of the job not in `keep`; return the released nodes.
+        BatchHostRelease when `keep` lacks the batch host."""
+
+    def drain(self, node: str, reason: str) -> None: ...
+
+    def resume(self, node: str) -> None: ...
+
+    def free_standbys(self, reservation: str) -> list[str]: ...
+
+    def step_argv(self, job_id: int, node: str, argv: Sequence[str], *, ntasks: int = 1,
+                  env_overrides: Optional[Mapping[str, str]] = None) -> list[str]: ...
+
+    def step_env(self, job: JobInfo, base: Optional[Mapping[str, str]] = None) -> dict[str, str]: ...
+
+
+class CliSlurm:
+    """SlurmClient over the Slurm 22.05+ command-line tools.
+
+    `slurm_conf`: the SLURM_CONF to use (None: the process environment's).
+    `timeout`: seconds allowed to each query or update command.
+    """
+
+    def __init__(self, *, slurm_conf: Optional[str] = None, timeout: float = 15.0):
+        self.timeout = timeout
+        self._env: Optional[dict[str, str]] = None
+        if slurm_conf is not None:
+            self._env = {**os.environ, "SLURM_CONF": str(slurm_conf)}
+
+    # --- plumbing -----------------------------------------------------------------
+    def _run(self, argv: list[str], *, timeout: Optional[float] = None, check: bool = True):
+        return commands.run(argv, timeout=timeout or self.timeout, env=self._env, check=check)
+
+    # --- queries ------------------------------------------------------------------
+    def nodes(self, names: Optional[Sequence[str]] = None) -> dict[str, NodeInfo]:
+        names = list(names) if names is not None else None
+        if names == []:
+            return {}
+        proc = self._run(build.show_nodes(names), check=False)
+        found = parse.parse_nodes_text(proc.stdout)
+        if names is None:
+            if proc.returncode != 0:
+                raise SlurmError(f"scontrol show node exited with {proc.returncode}: {proc.stderr.strip()}")
+            return found
+        missing = [n for n in names if n not in found]
+        if missing:
+            raise UnknownNodes(f"Slurm does not know node(s) {missing}: {(proc.stderr or proc.stdout).strip()[:300]}")
+        return {n: found[n] for n in names}
+
+    def job(self, job_id: int) -> JobInfo:
+        return parse.parse_job_text(self._run(build.show_job(job_id)).stdout)
+
+    def hostnames(self, nodelist_expr: str) -> list[str]:
+        if not nodelist_expr.strip():
+            return []
+        return self._run(build.hostnames(nodelist_expr)).stdout.split()
+
+    def reservation_nodes(self, reservation: str) -> list[str]:
+        out = parse.parse_reservation_text(self._run(build.show_reservation(reservation)).stdout)
+        if reservation not in out:
+            raise SlurmError(f"reservation {reservation} not found")
+        return parse.expand_hostlist(out[reservation].get("Nodes", ""))
+
+    def free_standbys(self, reservation: str) -> list[str]:
+        names = self.reservation_nodes(reservation)
+        return [n for n, info in self.nodes(names).items() if info.idle]
+
+    # --- changes --------------------------------------------------------------------
+    def drain(self, node: str, reason: str) -> None:
+        self._run(build.drain(node, reason))
+
+    def resume(self, node: str) -> None:
+        """Return a drained/down node to service; a node already in service is left as is."""
+        proc = self._run(build.resume(node), check=False)
+        if proc.returncode == 0:
+            return
+        info = self.nodes([node])[node]
+        if "DRAIN" in info.flags or info.down:
+            raise SlurmError(f"scontrol could not resume {node} ({info.state}): {proc.stderr.strip()}")
+
+    def _cancel_donors(self, job_id: int) -> list[int]:
+        """Withdraw every donor request for `job_id` still known to the controller."""
+        proc = self._run(build.jobs_named(build.donor_name(job_id)), check=False)
+        ids = [int(x) for x in proc.stdout.split() if x.isdigit()]
+        if ids:
+            self._run(build.scancel(ids), check=False)
+        return ids
+
+    def grow(self, job_id: int, *, reservation: str, partition: Optional[str] = None,
+             timeout: float = 30.0) -> str:
+        before = self.job(job_id)
+        if not before.running:
+            raise SlurmError(f"cannot grow job {job_id}: it is {before.state}, not RUNNING")
+        part = partition or before.partition
+        salloc = build.donor_salloc(job_id, partition=part, reservation=reservation, timeout=timeout)
+        try:
+            proc = self._run(salloc, timeout=timeout + 15, check=False)
+        except SlurmError:
+            self._cancel_donors(job_id)
+            raise
+        donor = parse.parse_salloc_job_id(proc.stderr)
+        if proc.returncode != 0 or not parse.salloc_granted(proc.stderr) or donor is None:
+            self._cancel_donors(job_id)
+            err = proc.stderr.strip()
+            if "Unable to allocate resources" in err and ("timed out" in err or "Connection timed out" in err):
+                raise NoStandbyAvailable(
+                    f"no free standby node in reservation {reservation} for job {job_id} within {timeout:g}s "
+                    f"({err.splitlines()[-1] if err else "salloc printed nothing"})")
+            raise SlurmError(f"salloc for a donor of job {job_id} failed (exit {proc.returncode}): {err}")
+        try:
+            new_nodes = self.job(donor).nodes
+            if len(new_nodes) != 1:
+                raise SlurmError(f"donor job {donor} for job {job_id} holds {new_nodes}, expected one node")
+            self._run(build.merge_donor(donor))
+        except SlurmError:
+            self._run(build.scancel([donor]), check=False)
+            raise
+        self._run(build.absorb(job_id))
+        node = new_nodes[0]
+        after = self.job(job_id)
+        if node not in after.nodes:
+            raise SlurmError(f"job {job_id} did not absorb {node} from donor {donor}: it holds {after.nodelist}")
+        return node
+
+    def shrink(self, job_id: int, keep: Sequence[str]) -> list[str]:
+        keep = list(dict.fromkeys(keep))
+        cur = self.job(job_id)
+        if not cur.running:
+            raise SlurmError(f"cannot shrink job {job_id}: it is {cur.state}, not RUNNING")
+        strangers = [n for n in keep if n not in cur.nodes]
+        if strangers:
+            raise SlurmError(f"cannot shrink job {job_id} to {keep}: {strangers} not in its nodes {cur.nodelist}")
+        if cur.batch_host and cur.batch_host not in keep:
+            raise BatchHostRelease(
+                f"cannot release {cur.batch_host} from job {job_id}: it runs the job's batch script "
+                f"(Slurm can release any node of a running job except the batch host)")
+        released = [n for n in cur.nodes if n not in keep]
+        if not released:
+            return []
+        self._run(build.set_nodelist(job_id, keep))
+        after = self.job(job_id)
+        left = [n for n in released if n in after.nodes]
+        if left:
+            raise SlurmError(f"job {job_id} still holds {left} after shrinking to {keep}")
+        return released
+
+    # --- steps -------------------------------------------------------------------------
+    def step_argv(self, job_id: int, node: str, argv: Sequence[str], *, ntasks: int = 1,
+                  env_overrides: Optional[Mapping[str, str]] = None) -> list[str]:
+        return build.step(job_id, node, argv, ntasks=ntasks, env_overrides=env_overrides)
+
+    def step_env(self, job: JobInfo, base: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+        """Environment for launching step_argv(): `base` (default: this process's
+        environment, plus this client's SLURM_CONF) with the allocation variables
+        updated to `job`'s current nodes. Needed when the caller runs inside the
+        batch script of a job that has since grown or shrunk."""
+        if base is None:
+            base = self._env if self._env is not None else commands.build_env(None)
+        return build.step_env(job, base)
+
+
+def client(backend: str = "cli", **kwargs) -> SlurmClient:
+    """The Slurm backend by name. Only 'cli' exists so far; 'pyslurm' needs a
+    pyslurm release that matches the site's Slurm (pyslurm 25.11 needs Slurm 25.11)."""
+    if backend == "cli":
+        return CliSlurm(**kwargs)
+    raise SlurmError(f"unknown Slurm backend {backend!r} (available: 'cli')")

@@ -1,0 +1,148 @@
+"""The single choke point through which every Slurm command runs.
+
+No shell, a timeout on every call, a per-command call counter, and one error
+type (`SlurmError`) that names the command, its exit status and its stderr.
+Tests replace the executor with `intercept()`; nothing else in TrainMover may
+fork a Slurm command.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Optional
+
+from trainmover.errors import SlurmError
+
+__all__ = ["run", "calls", "seconds", "reset_calls", "intercept", "Runner", "build_env"]
+
+# An executor takes (argv, timeout, env) and returns a CompletedProcess (text mode).
+# It may raise subprocess.TimeoutExpired; run() turns that into SlurmError.
+Runner = Callable[[list[str], float, dict[str, str]], subprocess.CompletedProcess]
+
+_lock = threading.Lock()
+_calls: collections.Counter[str] = collections.Counter()
+_seconds: collections.Counter[str] = collections.Counter()
+_hook: Optional[Runner] = None
+
+# Variables passed through even when the caller gives its own environment:
+# without them the command talks to a different cluster (or none).
+_PASSTHROUGH = ("SLURM_CONF", "PATH")
+
+_STDERR_TAIL = 2000
+
+
+def build_env(env: Optional[Mapping[str, str]]) -> dict[str, str]:
+    """The environment a Slurm command runs with.
+
+    `env=None` means the current process environment. A given `env` is used as
+    is, except that SLURM_CONF and PATH are taken from the process environment
+    when `env` lacks them (a user who ran `eval "$(trainmover cluster env)"`
+    must reach the same cluster from every command).
+    """
+    if env is None:
+        return dict(os.environ)
+    out = dict(env)
+    for key in _PASSTHROUGH:
+        if key not in out and key in os.environ:
+            out[key] = os.environ[key]
+    return out
+
+
+def _execute(argv: list[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL
+    )
+
+
+def _name(argv: list[str]) -> str:
+    return os.path.basename(argv[0]) if argv else "?"
+
+
+def _tail(text: Optional[str | bytes]) -> str:
+    if text is None:
+        return ""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    text = text.strip()
+    return text if len(text) <= _STDERR_TAIL else "..." + text[-_STDERR_TAIL:]
+
+
+def run(
+    argv: list[str],
+    *,
+    timeout: float,
+    env: Optional[Mapping[str, str]] = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
+    """Run one Slurm command and return its CompletedProcess (stdout/stderr as text).
+
+    Raises SlurmError when the command cannot be started, runs past `timeout`
+    seconds, or (with `check=True`) exits non-zero. The message names the
+    command, the exit status and the tail of stderr.
+    """
+    if not argv:
+        raise ValueError("run() needs a non-empty argv")
+    if timeout is None or timeout <= 0:
+        raise ValueError(f"run({argv[0]!r}) needs a positive timeout, got {timeout!r}")
+    argv = [str(a) for a in argv]
+    name = _name(argv)
+    full_env = build_env(env)
+    with _lock:
+        _calls[name] += 1
+        runner = _hook or _execute
+    started = time.monotonic()
+    try:
+        proc = runner(argv, timeout, full_env)
+    except subprocess.TimeoutExpired as exc:
+        raise SlurmError(
+            f"{name} timed out after {timeout:g}s: {' '.join(argv)}"
+            + (f"; stderr: {_tail(exc.stderr)}" if exc.stderr else "")
+        ) from exc
+    except OSError as exc:
+        raise SlurmError(f"{name} could not be started ({exc}): {' '.join(argv)}") from exc
+    finally:
+        with _lock:
+            _seconds[name] += time.monotonic() - started
+    if check and proc.returncode != 0:
+        raise SlurmError(
+            f"{name} exited with status {proc.returncode}: {' '.join(argv)}; "
+            f"stderr: {_tail(proc.stderr) or '(empty)'}"
+        )
+    return proc
+
+
+def calls() -> dict[str, int]:
+    """Calls per command name since the last reset (e.g. {'scontrol': 3})."""
+    with _lock:
+        return dict(_calls)
+
+
+def seconds() -> dict[str, float]:
+    """Wall seconds spent per command name since the last reset."""
+    with _lock:
+        return dict(_seconds)
+
+
+def reset_calls() -> None:
+    with _lock:
+        _calls.clear()
+        _seconds.clear()
+
+
+@contextlib.contextmanager
+def intercept(runner: Runner) -> Iterator[None]:
+    """Route every run() through `runner` instead of forking (tests, dry runs)."""
+    global _hook
+    with _lock:
+        previous, _hook = _hook, runner
+    try:
+        yield
+    finally:
+        with _lock:
+            _hook = previous
