@@ -144,7 +144,7 @@ class CliSlurm:
             if "Unable to allocate resources" in err and ("timed out" in err or "Connection timed out" in err):
                 raise NoStandbyAvailable(
                     f"no free standby node in reservation {reservation} for job {job_id} within {timeout:g}s "
-                    f"({err.splitlines()[-1] if err else "salloc printed nothing"})")
+                    f"({err.splitlines()[-1] if err else 'salloc printed nothing'})")
             raise SlurmError(f"salloc for a donor of job {job_id} failed (exit {proc.returncode}): {err}")
         try:
             new_nodes = self.job(donor).nodes
