@@ -93,7 +93,10 @@ def _load_spec(state_dir: Path) -> Optional[ClusterSpec]:
 
 
 def _port_free(port: int, host: str = "") -> bool:
+    """Nobody listens on `port` (connections in TIME_WAIT do not count: the daemons
+    bind with SO_REUSEADDR too)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -224,7 +227,7 @@ def _start_mariadb(spec: ClusterSpec) -> None:
         [install.which("setsid"), "-f", install.which("mariadbd"), "--no-defaults", f"--datadir={data}",
          f"--socket={spec.db_socket}", f"--port={spec.ports.mariadb}", "--bind-address=127.0.0.1",
          f"--pid-file={spec.pid_file('mariadbd')}", f"--log-error={log}", "--user=root",
-         "--skip-name-resolve", "--innodb-buffer-pool-size=64M", "--innodb-lock-wait-timeout=900",
+         "--skip-name-resolve", "--innodb-buffer-pool-size=128M", "--innodb-lock-wait-timeout=900",
          "--max-allowed-packet=16M"],
         timeout=STEP_TIMEOUT, env=_env(spec), what="mariadbd",
     )
@@ -250,7 +253,8 @@ def _tcp_open(port: int) -> bool:
 
 
 def _start_slurmdbd(spec: ClusterSpec) -> None:
-    run_cmd([install.which("slurmdbd")], timeout=STEP_TIMEOUT, env=_env(spec), what="slurmdbd")
+    run_cmd(_as_host(spec, "localhost", [install.which("slurmdbd")]), timeout=STEP_TIMEOUT, env=_env(spec),
+            what="slurmdbd")
 
     def ready() -> bool:
         if _tcp_open(spec.ports.slurmdbd):
@@ -277,8 +281,8 @@ def _alive(spec: ClusterSpec, name: str) -> None:
 
 
 def _start_slurmctld(spec: ClusterSpec) -> None:
-    run_cmd([install.which("slurmctld"), "-f", spec.slurm_conf], timeout=STEP_TIMEOUT, env=_env(spec),
-            what="slurmctld")
+    run_cmd(_as_host(spec, "localhost", [install.which("slurmctld"), "-f", spec.slurm_conf]),
+            timeout=STEP_TIMEOUT, env=_env(spec), what="slurmctld")
 
     def ready() -> bool:
         if _ctld_up(spec):
@@ -289,13 +293,16 @@ def _start_slurmctld(spec: ClusterSpec) -> None:
     wait_until("slurmctld to answer `scontrol ping`", ready, timeout=STEP_TIMEOUT)
 
 
+def _as_host(spec: ClusterSpec, hostname: str, argv: list) -> list:
+    """`argv` run in its own UTS and mount namespaces as host `hostname`, with the
+    cluster's hosts file as /etc/hosts (see nodeexec.py)."""
+    return [install.which("unshare"), "--uts", "--mount", "--propagation", "private",
+            sys.executable, NODEEXEC, "--hostname", hostname, "--hosts", spec.hosts_file, "--", *argv]
+
+
 def _start_slurmd(spec: ClusterSpec, node: str) -> None:
-    run_cmd(
-        [install.which("unshare"), "--uts", "--mount", "--propagation", "private",
-         sys.executable, NODEEXEC, "--hostname", node, "--hosts", spec.hosts_file, "--",
-         install.which("slurmd"), "-f", spec.slurm_conf, "-N", node],
-        timeout=STEP_TIMEOUT, env=_env(spec), what=f"slurmd:{node}",
-    )
+    run_cmd(_as_host(spec, node, [install.which("slurmd"), "-f", spec.slurm_conf, "-N", node]),
+            timeout=STEP_TIMEOUT, env=_env(spec), what=f"slurmd:{node}")
 
 
 def node_states(spec: ClusterSpec) -> dict[str, str]:

@@ -1,0 +1,72 @@
+"""The embedded cluster's generated configuration (pure rendering, no daemons)."""
+
+from pathlib import Path
+
+import pytest
+
+from trainmover.cluster import spec as specmod
+from trainmover.cluster.__main__ import build_parser
+from trainmover.cluster.spec import ClusterSpec, Ports
+
+
+def _spec(nodes=4, standby=2) -> ClusterSpec:
+    return ClusterSpec(state_dir=Path("/var/tmp/tmc"), nodes=nodes, standby=standby,
+                       ports=Ports(slurmctld=16817, slurmdbd=16819, mariadb=16306, slurmd_base=16901),
+                       db_password="pw")
+
+
+def test_names_addresses_ports():
+    s = _spec()
+    assert s.train_nodes == ["train1", "train2", "train3", "train4"] and s.spare_nodes == ["spare1", "spare2"]
+    assert [s.addr(n) for n in s.all_nodes] == [f"127.0.1.{i}" for i in range(11, 17)]
+    assert s.slurmd_port("spare2") == 16906
+    assert s.train_expr == "train[1-4]" and _spec(1, 1).spare_expr == "spare1"
+
+
+def test_slurm_conf_has_the_settings_trainmover_needs():
+    conf = specmod.render_slurm_conf(_spec()).splitlines()
+    for line in [
+        "SchedulerParameters=permit_job_expansion,batch_sched_delay=0,sched_min_interval=0,default_queue_depth=100",
+        "AccountingStorageType=accounting_storage/slurmdbd",
+        "AccountingStoragePort=16819",
+        "AccountingStoragePass=/var/tmp/tmc/run/munge/munge.socket.2",
+        "AuthInfo=socket=/var/tmp/tmc/run/munge/munge.socket.2",
+        "SlurmctldHost=localhost(127.0.0.1)",
+        "SlurmctldPort=16817",
+        "CommunicationParameters=NoInAddrAny,NoCtldInAddrAny",
+        "NodeName=spare2 NodeAddr=127.0.1.16 NodeHostname=spare2 Port=16906 CPUs=4 RealMemory=2048 Weight=100 "
+        "State=UNKNOWN",
+        "PartitionName=train Nodes=train[1-4],spare[1-2] Default=YES MaxTime=INFINITE State=UP "
+        "OverSubscribe=EXCLUSIVE",
+    ]:
+        assert line in conf, line
+
+
+def test_slurmdbd_conf_and_reservation():
+    dbd = specmod.render_slurmdbd_conf(_spec()).splitlines()
+    assert "StoragePort=16306" in dbd and "DbdPort=16819" in dbd and "StoragePass=pw" in dbd
+    assert specmod.reservation_args(_spec()) == [
+        "ReservationName=trainmover_standby", "Nodes=spare[1-2]", "StartTime=now", "Duration=infinite",
+        "Users=root", "Flags=IGNORE_JOBS"]
+
+
+def test_hosts_file_drops_conflicting_lines():
+    system = "127.0.0.1 localhost\n127.0.1.1 myhost\n127.0.1.12 stale\n10.0.0.5 train3 # old\n"
+    hosts = specmod.render_hosts(_spec(), system).splitlines()
+    assert "127.0.0.1 localhost" in hosts and "127.0.1.1 myhost" in hosts
+    assert "127.0.1.12 stale" not in hosts and not any(h.startswith("10.0.0.5") for h in hosts)
+    assert "127.0.1.13 train3" in hosts and "127.0.1.16 spare2" in hosts
+
+
+def test_spec_round_trips_and_validates():
+    s = _spec()
+    assert ClusterSpec.from_json(s.to_json()) == s
+    with pytest.raises(ValueError):
+        _spec(nodes=0)
+    with pytest.raises(ValueError):
+        _spec(nodes=200, standby=100)
+
+
+def test_cli_parser():
+    a = build_parser().parse_args(["up", "--nodes", "2", "--standby", "1", "--dir", "/d"])
+    assert (a.action, a.nodes, a.standby, a.dir) == ("up", 2, 1, "/d")

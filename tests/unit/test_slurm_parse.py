@@ -1,0 +1,439 @@
+"""Parsing of Slurm 22.05 output and building of command lines, with recorded
+outputs and an intercepted command runner: no Slurm, no processes.
+
+The recorded lines below were taken from the embedded cluster
+(`python -m trainmover.cluster up`, Slurm 22.05.8 on Debian 12). To re-record
+one, run the command named above it against that cluster and paste its output.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from trainmover.errors import SlurmError
+from trainmover.slurm import BatchHostRelease, CliSlurm, JobInfo, NodeInfo, NoStandbyAvailable, UnknownNodes
+from trainmover.slurm import argv as build
+from trainmover.slurm import commands, parse
+
+# scontrol -o show node train1,train2,spare1   (train1 allocated and draining, train2 drained)
+NODES_TEXT = (
+    "NodeName=train1 Arch=x86_64 CoresPerSocket=1  CPUAlloc=4 CPUEfctv=4 CPUTot=4 CPULoad=0.43 "
+    "AvailableFeatures=(null) ActiveFeatures=(null) Gres=(null) NodeAddr=127.0.1.11 NodeHostName=train1 "
+    "Port=16907 Version=22.05.8 OS=Linux 6.18.44-fc-v669 #1 SMP PREEMPT_DYNAMIC @0  RealMemory=2048 "
+    "AllocMem=0 FreeMem=22946 Sockets=4 Boards=1 State=ALLOCATED+DRAIN ThreadsPerCore=1 TmpDisk=0 Weight=1 "
+    "Owner=N/A MCS_label=N/A Partitions=train  BootTime=2026-11-21T10:17:11 SlurmdStartTime=2026-11-21T10:29:55 "
+    "LastBusyTime=2026-11-21T10:29:55 CfgTRES=cpu=4,mem=2G,billing=4 AllocTRES=cpu=4 CapWatts=n/a CurrentWatts=0 "
+    "AveWatts=0 ExtSensorsJoules=n/s ExtSensorsWatts=0 ExtSensorsTemp=n/s Reason=xid 79 on gpu0 "
+    "[root@2026-11-21T10:30:11]\n"
+    "NodeName=train2 Arch=x86_64 CoresPerSocket=1  CPUAlloc=0 CPUEfctv=4 CPUTot=4 CPULoad=0.26 "
+    "AvailableFeatures=(null) ActiveFeatures=(null) Gres=(null) NodeAddr=127.0.1.12 NodeHostName=train2 "
+    "Port=16902 Version=22.05.8 OS=Linux 6.18.44-fc-v669 #1 SMP PREEMPT_DYNAMIC @0  RealMemory=2048 AllocMem=0 "
+    "FreeMem=22447 Sockets=4 Boards=1 State=IDLE+DRAIN ThreadsPerCore=1 TmpDisk=0 Weight=1 Owner=N/A "
+    "MCS_label=N/A Partitions=train  BootTime=2026-11-21T10:17:11 SlurmdStartTime=2026-11-21T10:26:20 "
+    "LastBusyTime=2026-11-21T10:27:50 CfgTRES=cpu=4,mem=2G,billing=4 AllocTRES= CapWatts=n/a CurrentWatts=0 "
+    "AveWatts=0 ExtSensorsJoules=n/s ExtSensorsWatts=0 ExtSensorsTemp=n/s Reason=tm test [root@2026-11-21T10:27:50]\n"
+    "NodeName=spare1 Arch=x86_64 CoresPerSocket=1  CPUAlloc=0 CPUEfctv=4 CPUTot=4 CPULoad=0.21 "
+    "AvailableFeatures=(null) ActiveFeatures=(null) Gres=(null) NodeAddr=127.0.1.15 NodeHostName=spare1 "
+    "Port=16905 Version=22.05.8 OS=Linux 6.18.44-fc-v669 #1 SMP PREEMPT_DYNAMIC @0  RealMemory=2048 AllocMem=0 "
+    "FreeMem=22882 Sockets=4 Boards=1 State=IDLE+RESERVED ThreadsPerCore=1 TmpDisk=0 Weight=100 Owner=N/A "
+    "MCS_label=N/A Partitions=train  BootTime=2026-11-21T10:17:11 SlurmdStartTime=2026-11-21T10:26:20 "
+    "LastBusyTime=2026-11-21T10:26:20 CfgTRES=cpu=4,mem=2G,billing=4 AllocTRES= CapWatts=n/a CurrentWatts=0 "
+    "AveWatts=0 ExtSensorsJoules=n/s ExtSensorsWatts=0 ExtSensorsTemp=n/s\n"
+)
+
+# scontrol -o show job 9   (a 2-node job grown by two spares)
+JOB_TEXT = (
+    "JobId=9 JobName=job2.sh UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901750 Nice=0 "
+    "Account=root QOS=normal JobState=RUNNING Reason=None Dependency=(null) Requeue=1 Restarts=0 BatchFlag=1 "
+    "Reboot=0 ExitCode=0:0 RunTime=00:01:02 TimeLimit=UNLIMITED TimeMin=N/A SubmitTime=2026-11-21T10:26:48 "
+    "EligibleTime=2026-11-21T10:26:48 AccrueTime=2026-11-21T10:26:48 ResizeTime=2026-11-21T10:28:10 "
+    "StartTime=2026-11-21T10:27:01 EndTime=Unknown Deadline=N/A SuspendTime=None SecsPreSuspend=0 "
+    "LastSchedEval=2026-11-21T10:27:01 Scheduler=Main Partition=train AllocNode:Sid=localhost:2287 "
+    "ReqNodeList=(null) ExcNodeList=(null) NodeList=spare[1-2],train[3-4] BatchHost=train3 NumNodes=4 "
+    "NumCPUs=16 NumTasks=4 CPUs/Task=1 ReqB:S:C:T=0:0:*:* TRES=cpu=16,node=4,billing=16 Socks/Node=* "
+    "NtasksPerN:B:S:C=0:0:*:* CoreSpec=* MinCPUsNode=1 MinMemoryNode=0 MinTmpDiskNode=0 Features=(null) "
+    "DelayBoot=00:00:00 OverSubscribe=NO Contiguous=0 Licenses=(null) Network=(null) Command=/tmp/jt/job2.sh "
+    "WorkDir=/tmp/jt StdErr=/tmp/jt/out2.9 StdIn=/dev/null StdOut=/tmp/jt/out2.9 Power= \n"
+)
+
+# scontrol -o show job 19   (pending)
+PENDING_TEXT = (
+    "JobId=19 JobName=wrap UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901741 Nice=0 Account=root "
+    "QOS=normal JobState=PENDING Reason=Resources Dependency=(null) Requeue=1 Restarts=0 BatchFlag=1 Reboot=0 "
+    "ExitCode=0:0 RunTime=00:00:00 TimeLimit=UNLIMITED TimeMin=N/A SubmitTime=2026-11-21T10:30:10 "
+    "EligibleTime=2026-11-21T10:30:10 AccrueTime=2026-11-21T10:30:10 StartTime=Unknown EndTime=Unknown "
+    "Deadline=N/A SuspendTime=None SecsPreSuspend=0 LastSchedEval=2026-11-21T10:30:10 Scheduler=Main "
+    "Partition=train AllocNode:Sid=localhost:2287 ReqNodeList=(null) ExcNodeList=(null) NodeList= NumNodes=4-4 "
+    "NumCPUs=4 NumTasks=4 CPUs/Task=1 ReqB:S:C:T=0:0:*:* TRES=cpu=4,mem=8G,node=4,billing=4 Socks/Node=* "
+    "NtasksPerN:B:S:C=0:0:*:* CoreSpec=* MinCPUsNode=1 MinMemoryNode=0 MinTmpDiskNode=0 Features=(null) "
+    "DelayBoot=00:00:00 OverSubscribe=NO Contiguous=0 Licenses=(null) Network=(null) Command=(null) "
+    "WorkDir=/tmp/jt StdErr=/tmp/jt/slurm-19.out StdIn=/dev/null StdOut=/tmp/jt/slurm-19.out Power= \n"
+)
+
+# scontrol -o show reservation
+RESV_TEXT = (
+    "ReservationName=trainmover_standby StartTime=2026-11-21T10:26:20 EndTime=2027-11-21T10:26:20 "
+    "Duration=365-00:00:00 Nodes=spare[1-2] NodeCnt=2 CoreCnt=8 Features=(null) PartitionName=(null) "
+    "Flags=IGNORE_JOBS,SPEC_NODES TRES=cpu=8 Users=root Groups=(null) Accounts=(null) Licenses=(null) "
+    "State=ACTIVE BurstBuffer=(null) Watts=n/a MaxStartDelay=(null)\n"
+)
+
+# sinfo --json (trimmed to the fields TrainMover reads)
+SINFO_JSON = json.dumps({
+    "meta": {"Slurm": {"release": "22.05.8"}},
+    "errors": [],
+    "nodes": [
+        {"name": "spare1", "address": "127.0.1.15", "state": "idle", "state_flags": ["RESERVED"], "reason": ""},
+        {"name": "train1", "address": "127.0.1.11", "state": "allocated", "state_flags": [], "reason": ""},
+        {"name": "train2", "address": "127.0.1.12", "state": "idle", "state_flags": ["DRAIN"],
+         "reason": "tm test"},
+        {"name": "train3", "address": "127.0.1.13", "state": "allocated", "state_flags": ["DRAIN"],
+         "reason": "ecc"},
+    ],
+})
+
+# squeue --json (trimmed)
+SQUEUE_JSON = json.dumps({
+    "meta": {}, "errors": [],
+    "jobs": [
+        {"job_id": 1, "job_state": "RUNNING", "nodes": "train1", "batch_host": "train1", "restart_cnt": 0,
+         "node_count": 1, "partition": "train", "current_working_directory": "/tmp/jt", "name": "job.sh",
+         "state_reason": "None", "flags": ["JOB_RESIZED"]},
+        {"job_id": 9, "job_state": "RUNNING", "nodes": "train[3-4]", "batch_host": "train3", "restart_cnt": 0,
+         "node_count": 2, "partition": "train", "current_working_directory": "/tmp/jt", "name": "job2.sh",
+         "state_reason": "None"},
+        {"job_id": 14, "job_state": "CANCELLED", "nodes": "", "batch_host": "", "restart_cnt": 0,
+         "node_count": 1, "partition": "train", "current_working_directory": "/tmp/jt",
+         "name": "trainmover-donor-9", "state_reason": "Resources"},
+    ],
+})
+
+
+# --- text parsing ---------------------------------------------------------------------
+
+def test_parse_kv_keeps_values_with_spaces():
+    kv = parse.parse_kv(NODES_TEXT.splitlines()[0])
+    assert kv["OS"] == "Linux 6.18.44-fc-v669 #1 SMP PREEMPT_DYNAMIC @0"
+    assert kv["Reason"] == "xid 79 on gpu0 [root@2026-11-21T10:30:11]"
+    assert kv["CfgTRES"] == "cpu=4,mem=2G,billing=4"
+    kv = parse.parse_kv(JOB_TEXT)
+    assert kv["ReqB:S:C:T"] == "0:0:*:*" and kv["CPUs/Task"] == "1" and kv["Power"] == ""
+
+
+def test_parse_nodes_text():
+    nodes = parse.parse_nodes_text(NODES_TEXT)
+    assert list(nodes) == ["train1", "train2", "spare1"]
+    t1, t2, s1 = nodes["train1"], nodes["train2"], nodes["spare1"]
+    assert t1 == NodeInfo("train1", "127.0.1.11", "ALLOCATED+DRAIN", "xid 79 on gpu0")
+    assert t1.draining and not t1.drained and t1.busy and not t1.idle
+    assert t2.drained and not t2.draining and t2.reason == "tm test" and not t2.idle
+    assert s1.idle and s1.reserved and not s1.drained and s1.flags == {"RESERVED"}
+
+
+@pytest.mark.parametrize("state, draining, drained, down, idle", [
+    ("IDLE", False, False, False, True),
+    ("MIXED+DRAIN", True, False, False, False),
+    ("COMPLETING+DRAIN", True, False, False, False),
+    ("IDLE+DRAIN", False, True, False, False),
+    ("DOWN+DRAIN", False, True, True, False),
+    ("DOWN+NOT_RESPONDING", False, False, True, False),
+    ("IDLE+NOT_RESPONDING", False, False, True, False),
+    ("IDLE+RESERVED", False, False, False, True),
+])
+def test_node_state_properties(state, draining, drained, down, idle):
+    n = NodeInfo("n", "127.0.0.1", state)
+    assert (n.draining, n.drained, n.down, n.idle) == (draining, drained, down, idle)
+
+
+def test_parse_job_text_running_resized():
+    job = parse.parse_job_text(JOB_TEXT)
+    assert job == JobInfo(
+        job_id=9, state="RUNNING", nodes=("spare1", "spare2", "train3", "train4"), batch_host="train3",
+        restart_count=0, work_dir="/tmp/jt", partition="train", num_nodes=4,
+        nodelist="spare[1-2],train[3-4]", name="job2.sh", reason="",
+    )
+    assert job.running
+
+
+def test_parse_job_text_pending_has_no_nodes():
+    job = parse.parse_job_text(PENDING_TEXT)
+    assert job.state == "PENDING" and job.nodes == () and job.batch_host == "" and job.num_nodes == 4
+    assert job.reason == "Resources"
+
+
+def test_parse_job_text_rejects_garbage():
+    with pytest.raises(SlurmError, match="no job"):
+        parse.parse_job_text("slurm_load_jobs error: Invalid job id specified\n")
+
+
+def test_parse_reservation_text():
+    r = parse.parse_reservation_text(RESV_TEXT)["trainmover_standby"]
+    assert r["Nodes"] == "spare[1-2]" and r["Flags"] == "IGNORE_JOBS,SPEC_NODES" and r["Users"] == "root"
+
+
+# --- json parsing -----------------------------------------------------------------------
+
+def test_parse_nodes_json():
+    nodes = parse.parse_nodes_json(SINFO_JSON)
+    assert nodes["spare1"].state == "IDLE+RESERVED" and nodes["spare1"].idle
+    assert nodes["train2"].drained and nodes["train2"].reason == "tm test"
+    assert nodes["train3"].draining and nodes["train1"].addr == "127.0.1.11"
+
+
+def test_parse_jobs_json():
+    jobs = parse.parse_jobs_json(SQUEUE_JSON)
+    assert jobs[9].nodes == ("train3", "train4") and jobs[9].batch_host == "train3"
+    assert jobs[1].restart_count == 0 and jobs[1].work_dir == "/tmp/jt"
+    assert jobs[14].nodes == () and jobs[14].state == "CANCELLED"
+
+
+def test_json_errors_and_garbage_raise():
+    with pytest.raises(SlurmError, match="invalid JSON"):
+        parse.parse_nodes_json("sinfo: error: ...")
+    with pytest.raises(SlurmError, match="reported errors"):
+        parse.parse_jobs_json(json.dumps({"errors": [{"error": "boom"}], "jobs": []}))
+
+
+# --- hostlists and salloc -------------------------------------------------------------------
+
+@pytest.mark.parametrize("expr, names", [
+    ("train1", ["train1"]),
+    ("train[1-3]", ["train1", "train2", "train3"]),
+    ("spare1,train[1-2]", ["spare1", "train1", "train2"]),
+    ("train[1,3-4]", ["train1", "train3", "train4"]),
+    ("n[08-10]", ["n08", "n09", "n10"]),
+    ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
+    ("gpu[1-2]-ib", ["gpu1-ib", "gpu2-ib"]),
+    ("", []),
+    ("(null)", []),
+])
+def test_expand_hostlist(expr, names):
+    assert parse.expand_hostlist(expr) == names
+
+
+@pytest.mark.parametrize("bad", ["train[1-2", "train1-2]", "train[a-b]"])
+def test_expand_hostlist_rejects_malformed(bad):
+    with pytest.raises(SlurmError):
+        parse.expand_hostlist(bad)
+
+
+def test_parse_salloc_job_id():
+    assert parse.parse_salloc_job_id("salloc: Granted job allocation 8\n") == 8
+    pending = ("salloc: Pending job allocation 14\nsalloc: job 14 queued and waiting for resources\n"
+               "salloc: error: Unable to allocate resources: Connection timed out\n")
+    assert parse.parse_salloc_job_id(pending) == 14 and not parse.salloc_granted(pending)
+    assert parse.parse_salloc_job_id("salloc: error: Invalid partition name specified") is None
+
+
+# --- command building -------------------------------------------------------------------------
+
+def test_donor_salloc_argv():
+    assert build.donor_salloc(9, partition="train", reservation="trainmover_standby", timeout=2.5) == [
+        "salloc", "--no-shell", "--dependency=expand:9", "--partition=train", "--reservation=trainmover_standby",
+        "--nodes=1", "--exclusive", "--job-name=trainmover-donor-9", "--immediate=3",
+    ]
+
+
+def test_update_argvs():
+    assert build.merge_donor(10) == ["scontrol", "update", "JobId=10", "NumNodes=0"]
+    assert build.absorb(9) == ["scontrol", "update", "JobId=9", "NumNodes=ALL"]
+    assert build.set_nodelist(9, ["train3", "spare1"]) == ["scontrol", "update", "JobId=9", "NodeList=train3,spare1"]
+    assert build.drain("train2", "xid 79, gpu 0") == [
+        "scontrol", "update", "NodeName=train2", "State=DRAIN", "Reason=xid 79, gpu 0"]
+    assert build.resume("train2") == ["scontrol", "update", "NodeName=train2", "State=RESUME"]
+    assert build.show_nodes(["a", "b"]) == ["scontrol", "-o", "show", "node", "a,b"]
+    with pytest.raises(ValueError):
+        build.drain("train2", " ")
+
+
+def test_step_argv():
+    argv = build.step(9, "spare1", ["python", "-m", "w"], ntasks=2, env_overrides={"A": "1,2", "B_C": "x y"})
+    assert argv == ["srun", "--jobid=9", "--overlap", "--nodes=1", "--ntasks=2", "--nodelist=spare1",
+                    "env", "A=1,2", "B_C=x y", "python", "-m", "w"]
+    assert build.step(9, "spare1", ["hostname"])[-2:] == ["--nodelist=spare1", "hostname"]
+    with pytest.raises(ValueError):
+        build.step(9, "spare1", ["x"], env_overrides={"BAD-NAME": "1"})
+    with pytest.raises(ValueError):
+        build.step(9, "spare1", ["x"], ntasks=0)
+
+
+def test_step_env_replaces_stale_allocation_vars():
+    job = parse.parse_job_text(JOB_TEXT)
+    batch_env = {"SLURM_JOB_NODELIST": "train[3-4]", "SLURM_NNODES": "2", "SLURM_JOB_NUM_NODES": "2",
+                 "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_ID": "9",
+                 "SLURM_CPUS_PER_TASK": "2", "HOME": "/root"}
+    env = build.step_env(job, batch_env)
+    assert env["SLURM_JOB_NODELIST"] == env["SLURM_NODELIST"] == "spare[1-2],train[3-4]"
+    assert env["SLURM_NNODES"] == env["SLURM_JOB_NUM_NODES"] == "4"
+    assert "SLURM_TASKS_PER_NODE" not in env and "SLURM_NTASKS_PER_NODE" not in env
+    assert env["SLURM_JOB_ID"] == "9" and env["SLURM_CPUS_PER_TASK"] == "2" and env["HOME"] == "/root"
+    assert batch_env["SLURM_NNODES"] == "2"  # the input is not modified
+
+
+# --- the choke point -----------------------------------------------------------------------------
+
+class FakeSlurm:
+    """A scripted command runner: (argv prefix, (rc, stdout, stderr)) rules, first match wins."""
+
+    def __init__(self, rules):
+        self.rules = list(rules)
+        self.seen: list[list[str]] = []
+        self.envs: list[dict] = []
+
+    def __call__(self, argv, timeout, env):
+        self.seen.append(argv)
+        self.envs.append(env)
+        for prefix, result in self.rules:
+            if argv[: len(prefix)] == prefix:
+                if isinstance(result, BaseException):
+                    raise result
+                if callable(result):
+                    result = result()
+                rc, out, err = result
+                return subprocess.CompletedProcess(argv, rc, out, err)
+        raise AssertionError(f"unexpected command {argv}")
+
+
+@pytest.fixture
+def fake():
+    def install(*rules):
+        f = FakeSlurm(rules)
+        ctx = commands.intercept(f)
+        ctx.__enter__()
+        installed.append(ctx)
+        return f
+
+    installed = []
+    commands.reset_calls()
+    yield install
+    for ctx in installed:
+        ctx.__exit__(None, None, None)
+
+
+def test_run_counts_calls_and_reports_failures(fake):
+    fake((["scontrol", "ping"], (0, "UP", "")),
+         (["scontrol", "-o", "show", "job"], (1, "", "slurm_load_jobs error: Invalid job id specified")))
+    commands.run(["scontrol", "ping"], timeout=5)
+    with pytest.raises(SlurmError) as ei:
+        commands.run(["scontrol", "-o", "show", "job", "7"], timeout=5)
+    msg = str(ei.value)
+    assert "scontrol exited with status 1" in msg and "Invalid job id specified" in msg and "show job 7" in msg
+    assert commands.run(["scontrol", "-o", "show", "job", "7"], timeout=5, check=False).returncode == 1
+    assert commands.calls() == {"scontrol": 3}
+
+
+def test_run_turns_timeouts_into_slurm_error(fake):
+    fake((["sinfo"], subprocess.TimeoutExpired(["sinfo"], 2.0, stderr=b"sinfo: error: slurm_receive_msg")))
+    with pytest.raises(SlurmError, match=r"sinfo timed out after 2s.*slurm_receive_msg"):
+        commands.run(["sinfo"], timeout=2.0)
+
+
+def test_run_needs_a_positive_timeout():
+    with pytest.raises(ValueError):
+        commands.run(["sinfo"], timeout=0)
+
+
+def test_run_passes_slurm_conf_through(fake, monkeypatch):
+    f = fake((["sinfo"], (0, "", "")))
+    monkeypatch.setenv("SLURM_CONF", "/x/slurm.conf")
+    commands.run(["sinfo"], timeout=1, env={"FOO": "1"})
+    assert f.envs[-1]["SLURM_CONF"] == "/x/slurm.conf" and f.envs[-1]["FOO"] == "1"
+    commands.run(["sinfo"], timeout=1, env={"SLURM_CONF": "/y.conf"})
+    assert f.envs[-1]["SLURM_CONF"] == "/y.conf"
+
+
+# --- CliSlurm against scripted outputs ------------------------------------------------------------
+
+def _job_line(nodelist: str, num: int, job_id: int = 9, batch: str = "train3") -> str:
+    return (JOB_TEXT.replace("NodeList=spare[1-2],train[3-4]", f"NodeList={nodelist}")
+            .replace("NumNodes=4", f"NumNodes={num}").replace("JobId=9", f"JobId={job_id}")
+            .replace("BatchHost=train3", f"BatchHost={batch}"))
+
+
+def test_grow_merges_one_donor(fake):
+    jobs = iter([_job_line("train[3-4]", 2), _job_line("spare1,train[3-4]", 3)])
+    f = fake(
+        (["scontrol", "-o", "show", "job", "9"], lambda: (0, next(jobs), "")),
+        (["salloc"], (0, "", "salloc: Granted job allocation 10\n")),
+        (["scontrol", "-o", "show", "job", "10"], (0, _job_line("spare1", 1, job_id=10, batch="spare1"), "")),
+        (["scontrol", "update"], (0, "", "")),
+    )
+    assert CliSlurm().grow(9, reservation="trainmover_standby", timeout=5) == "spare1"
+    assert ["scontrol", "update", "JobId=10", "NumNodes=0"] in f.seen
+    assert ["scontrol", "update", "JobId=9", "NumNodes=ALL"] in f.seen
+    assert [a for a in f.seen if a[0] == "salloc"][0][3] == "--partition=train"  # the job's own partition
+
+
+def test_grow_without_free_standby_withdraws_the_donor(fake):
+    f = fake(
+        (["scontrol", "-o", "show", "job", "9"], (0, _job_line("train[3-4]", 2), "")),
+        (["salloc"], (1, "", "salloc: Pending job allocation 14\nsalloc: job 14 queued and waiting for resources\n"
+                             "salloc: error: Unable to allocate resources: Connection timed out\n")),
+        (["squeue"], (0, "14\n", "")),
+        (["scancel"], (0, "", "")),
+    )
+    with pytest.raises(NoStandbyAvailable, match="no free standby node in reservation trainmover_standby"):
+        CliSlurm().grow(9, reservation="trainmover_standby", timeout=3)
+    assert ["squeue", "-h", "--name=trainmover-donor-9", "-o", "%i"] in f.seen
+    assert ["scancel", "14"] in f.seen
+    assert not any(a[:2] == ["scontrol", "update"] for a in f.seen)
+
+
+def test_grow_other_salloc_failures_are_plain_slurm_errors(fake):
+    fake(
+        (["scontrol", "-o", "show", "job", "9"], (0, _job_line("train[3-4]", 2), "")),
+        (["salloc"], (1, "", "salloc: error: Invalid reservation name specified\n")),
+        (["squeue"], (0, "", "")),
+    )
+    with pytest.raises(SlurmError) as ei:
+        CliSlurm().grow(9, reservation="nope", timeout=3)
+    assert not isinstance(ei.value, NoStandbyAvailable) and "Invalid reservation" in str(ei.value)
+
+
+def test_shrink_refuses_the_batch_host_without_touching_slurm(fake):
+    f = fake((["scontrol", "-o", "show", "job", "9"], (0, JOB_TEXT, "")))
+    with pytest.raises(BatchHostRelease, match="train3"):
+        CliSlurm().shrink(9, ["train4", "spare1"])
+    assert all(a[:2] != ["scontrol", "update"] for a in f.seen)
+
+
+def test_shrink_releases_the_rest(fake):
+    jobs = iter([JOB_TEXT, _job_line("spare2,train3", 2)])
+    f = fake((["scontrol", "-o", "show", "job", "9"], lambda: (0, next(jobs), "")),
+             (["scontrol", "update"], (0, "", "")))
+    assert CliSlurm().shrink(9, ["train3", "spare2"]) == ["spare1", "train4"]
+    assert ["scontrol", "update", "JobId=9", "NodeList=train3,spare2"] in f.seen
+
+
+def test_nodes_one_call_and_unknown_names(fake):
+    f = fake((["scontrol", "-o", "show", "node", "train1,train2,spare1"], (0, NODES_TEXT, "")),
+             (["scontrol", "-o", "show", "node", "train1,nosuch"],
+              (1, NODES_TEXT.splitlines()[0] + "\nNode nosuch not found\n", "")))
+    c = CliSlurm()
+    assert list(c.nodes(["train1", "train2", "spare1"])) == ["train1", "train2", "spare1"]
+    assert commands.calls() == {"scontrol": 1}
+    with pytest.raises(UnknownNodes, match="nosuch"):
+        c.nodes(["train1", "nosuch"])
+
+
+def test_free_standbys(fake):
+    fake((["scontrol", "-o", "show", "reservation"], (0, RESV_TEXT, "")),
+         (["scontrol", "-o", "show", "node", "spare1,spare2"],
+          (0, NODES_TEXT.splitlines()[2] + "\n" + NODES_TEXT.splitlines()[2].replace("spare1", "spare2")
+           .replace("IDLE+RESERVED", "ALLOCATED+RESERVED") + "\n", "")))
+    assert CliSlurm().free_standbys("trainmover_standby") == ["spare1"]
+
+
+def test_resume_of_a_node_in_service_is_a_no_op(fake):
+    fake((["scontrol", "update"], (1, "", "slurm_update error: Invalid node state specified")),
+         (["scontrol", "-o", "show", "node"], (0, NODES_TEXT.splitlines()[2], "")))
+    CliSlurm().resume("spare1")
+
+
+def test_slurm_conf_given_to_the_client_reaches_the_command(fake):
+    f = fake((["scontrol", "show", "hostnames"], (0, "a1\na2\n", "")))
+    assert CliSlurm(slurm_conf="/c/slurm.conf").hostnames("a[1-2]") == ["a1", "a2"]
+    assert f.envs[-1]["SLURM_CONF"] == "/c/slurm.conf"
