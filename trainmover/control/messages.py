@@ -1,0 +1,73 @@
+"""Control messages between the controller, workers, standby agents and the CLI.
+
+Every message is a JSON object with a `type`; `validate` checks it against the schema
+below and rejects anything else, so a malformed or unexpected message is an error with a
+clear text, never a half-understood command.
+"""
+from __future__ import annotations
+
+from trainmover.errors import ProtocolError
+
+_INT, _FLOAT, _STR, _LIST, _DICT, _BOOL = int, (int, float), str, list, dict, bool
+
+# type -> {field: expected python type(s)}; every field is required, extra fields are refused.
+SCHEMA: dict[str, dict[str, object]] = {
+    # worker / agent -> controller
+    "hello": {"role": _STR, "node": _STR, "ranks": _LIST, "pid": _INT},
+    "ready": {"node": _STR, "warmup_s": _FLOAT, "shadow_steps": _INT},
+    "step": {"rank": _INT, "step": _INT, "loss": _FLOAT, "step_s": _FLOAT, "t": _FLOAT},
+    "prepared": {"epoch": _INT, "rank": _INT, "groups": _LIST, "seconds": _FLOAT},
+    "prepare_failed": {"epoch": _INT, "rank": _INT, "error": _STR},
+    "switched": {"epoch": _INT, "rank": _INT, "role": _STR, "step": _INT, "t": _FLOAT, "detail": _DICT},
+    "finished": {"rank": _INT, "step": _INT, "digest": _STR, "loss": _FLOAT},
+    "failed": {"rank": _INT, "phase": _STR, "error": _STR},
+    # controller -> worker / agent
+    "prepare": {"epoch": _INT, "leavers": _LIST, "joiner_node": _STR, "assign": _DICT, "options": _DICT},
+    "abort": {"epoch": _INT, "reason": _STR},
+    # CLI -> controller, and replies
+    "migrate": {"node": _STR},
+    "status": {},
+    "reply": {"ok": _BOOL, "message": _STR, "data": _DICT},
+}
+
+MAX_RANKS_IN_MESSAGE = 1 << 16
+
+
+def validate(msg: object) -> dict:
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"message must be a JSON object, got {type(msg).__name__}")
+    kind = msg.get("type")
+    if kind not in SCHEMA:
+        raise ProtocolError(f"unknown message type {kind!r}")
+    fields = SCHEMA[kind]
+    extra = set(msg) - set(fields) - {"type"}
+    if extra:
+        raise ProtocolError(f"{kind}: unexpected fields {sorted(extra)}")
+    for name, typ in fields.items():
+        if name not in msg:
+            raise ProtocolError(f"{kind}: missing field {name!r}")
+        value = msg[name]
+        if isinstance(value, bool) and typ is not _BOOL:
+            raise ProtocolError(f"{kind}.{name}: expected {_tname(typ)}, got bool")
+        if not isinstance(value, typ):
+            raise ProtocolError(f"{kind}.{name}: expected {_tname(typ)}, got {type(value).__name__}")
+        if isinstance(value, list) and len(value) > MAX_RANKS_IN_MESSAGE:
+            raise ProtocolError(f"{kind}.{name}: list too long ({len(value)})")
+    for name in ("rank", "epoch", "step"):
+        if name in msg and msg[name] < 0:
+            raise ProtocolError(f"{kind}.{name}: must be >= 0")
+    if "ranks" in msg and not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in msg["ranks"]):
+        raise ProtocolError(f"{kind}.ranks: must be non-negative integers")
+    if "leavers" in msg and not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in msg["leavers"]):
+        raise ProtocolError(f"{kind}.leavers: must be non-negative integers")
+    return msg
+
+
+def make(kind: str, **fields) -> dict:
+    return validate({"type": kind, **fields})
+
+
+def _tname(typ) -> str:
+    if isinstance(typ, tuple):
+        return "/".join(t.__name__ for t in typ)
+    return typ.__name__

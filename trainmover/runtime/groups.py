@@ -1,0 +1,172 @@
+"""Process groups whose backend can be replaced underneath PyTorch.
+
+Why a wrapper: DDP's reducer, Megatron's `parallel_state` globals and optimizers keep
+references to the process-group object they were built with. A migration must change
+who sits behind a rank without touching those references, so every group a workload
+uses is a `SwappableGroup`: a real `torch.distributed.ProcessGroup` (DDP accepts it)
+whose collectives are forwarded to an inner backend that the switch replaces.
+
+Inner backends:
+* a real group (gloo on CPU; NCCL on GPUs) built on a `PrefixStore` by the members only;
+* `SandboxBackend`, used by a standby before it joins: collectives are answered locally,
+  so a standby can build DDP and run shadow steps without reaching the live job.
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future  # present in torch 2.11 and 2.13
+
+from trainmover.errors import MigrationError
+
+
+def _done(result) -> dist.Work:
+    fut = torch.futures.Future()
+    fut.set_result(result)
+    return _create_work_from_future(fut)
+
+
+class SandboxBackend:
+    """Answers collectives without any peer. Replies come from `answers` when given
+    (recorded collectives, issue 4); otherwise a rank's own data stands for every peer's,
+    which is what a shadow step needs to exercise the real code path."""
+
+    def __init__(self, rank: int, size: int, answers: Callable | None = None):
+        self.rank_, self.size_, self.answers = rank, size, answers
+        self.calls: list[tuple] = []  # (op, shapes) in call order: shows when a step is steady
+
+    def _answer(self, op: str, tensors):
+        flat = [t for x in tensors for t in (x if isinstance(x, list) else [x])]
+        self.calls.append((op, tuple(tuple(t.shape) for t in flat)))
+        if self.answers is not None:
+            self.answers(op, tensors)
+        return _done(tensors)
+
+    def allreduce(self, tensors, opts=None):
+        return self._answer("allreduce", tensors)
+
+    def broadcast(self, tensors, opts=None):
+        return self._answer("broadcast", tensors)
+
+    def allgather(self, output_lists, input_tensors, opts=None):
+        for outs, inp in zip(output_lists, input_tensors):
+            for out in outs:
+                out.copy_(inp)
+        return self._answer("allgather", output_lists)
+
+    def _allgather_base(self, output, input, opts=None):
+        output.copy_(input.repeat(self.size_, *([1] * (input.dim() - 1))).view_as(output))
+        return self._answer("allgather", [output])
+
+    def reduce_scatter(self, outputs, input_lists, opts=None):
+        for out, ins in zip(outputs, input_lists):
+            out.copy_(ins[self.rank_])
+        return self._answer("reduce_scatter", outputs)
+
+    def barrier(self, opts=None):
+        return self._answer("barrier", [])
+
+    def send(self, tensors, dst, tag=0):
+        return self._answer("send", tensors)
+
+    def recv(self, tensors, src, tag=0):
+        return self._answer("recv", tensors)
+
+    def shutdown(self):
+        pass
+
+
+class SwappableGroup(dist.ProcessGroup):
+    """A process group with a fixed (rank, size) and a replaceable inner backend."""
+
+    def __init__(self, name: str, rank: int, size: int, global_ranks: list[int], inner):
+        super().__init__(rank, size)
+        self.group_name_ = name
+        self.global_ranks = list(global_ranks)
+        self._inner = inner
+        self._lock = threading.Lock()
+        self.generation = 0
+
+    @property
+    def inner(self):
+        return self._inner
+
+    @property
+    def sandboxed(self) -> bool:
+        return isinstance(self._inner, SandboxBackend)
+
+    def swap(self, new_inner):
+        """Point the group at `new_inner`; returns the old backend (caller disposes of it).
+        Only called at an iteration boundary, when no collective of this group is in flight."""
+        with self._lock:
+            old, self._inner = self._inner, new_inner
+            self.generation += 1
+        return old
+
+    def getBackendName(self) -> str:
+        return "trainmover"
+
+    def __repr__(self) -> str:
+        return f"SwappableGroup({self.group_name_}, rank={self.rank()}/{self.size()}, gen={self.generation})"
+
+    # Collectives: forwarded unchanged. Keep this list in step with what DDP, the
+    # optimizers and Megatron call on a group object.
+    def allreduce(self, *a, **k):
+        if _TRACE: _trace(self, "allreduce", a)
+        return self._inner.allreduce(*a, **k)
+
+    def broadcast(self, *a, **k):
+        if _TRACE: _trace(self, "broadcast", a)
+        return self._inner.broadcast(*a, **k)
+
+    def allgather(self, *a, **k):
+        if _TRACE: _trace(self, "allgather", a)
+        return self._inner.allgather(*a, **k)
+
+    def _allgather_base(self, *a, **k):
+        if _TRACE: _trace(self, "_allgather_base", a)
+        return self._inner._allgather_base(*a, **k)
+
+    def reduce_scatter(self, *a, **k):
+        if _TRACE: _trace(self, "reduce_scatter", a)
+        return self._inner.reduce_scatter(*a, **k)
+
+    def barrier(self, *a, **k):
+        if _TRACE: _trace(self, "barrier", a)
+        return self._inner.barrier(*a, **k)
+
+    def send(self, *a, **k):
+        if _TRACE: _trace(self, "send", a)
+        return self._inner.send(*a, **k)
+
+    def recv(self, *a, **k):
+        if _TRACE: _trace(self, "recv", a)
+        return self._inner.recv(*a, **k)
+
+
+import os, sys
+_TRACE = bool(os.environ.get("TM_TRACE_COLLECTIVES"))
+
+
+def _trace(g, op, args):
+    shapes = [tuple(t.shape) for t in args[0]] if args and isinstance(args[0], list) and args[0] and hasattr(args[0][0], "shape") else ""
+    print(f"TRACE {g.group_name_} gen={g.generation} {op} {shapes}", file=sys.stderr, flush=True)
+
+
+def gloo_group(store: dist.Store, prefix: str, rank: int, size: int, *, host: str,
+               timeout: datetime.timedelta) -> dist.ProcessGroupGloo:
+    """A gloo group built by its members only, on `store` under `prefix`.
+
+    `host` is this node's address from Slurm: every node of the local cluster shares one
+    machine's port space, and on a real cluster it picks the right interface."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    try:
+        return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, opts)
+    except RuntimeError as exc:  # gloo reports rendezvous timeouts as RuntimeError
+        raise MigrationError(f"building group {prefix!r} failed: {exc}", rank=rank, host=host) from exc

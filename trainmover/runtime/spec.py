@@ -1,0 +1,51 @@
+"""What the controller tells a worker or standby agent at launch (env `TM_WORKER_SPEC`)."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+from trainmover.errors import ConfigError
+
+ENV = "TM_WORKER_SPEC"
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    role: str                       # "worker" or "standby"
+    ranks: tuple[int, ...]          # global ranks of this node (worker); () for a standby
+    world_size: int
+    node: str
+    node_addr: str                  # this node's address, from Slurm
+    controller: tuple[str, int]
+    store: tuple[str, int]
+    secret_file: str
+    workload: str
+    workload_options: dict = field(default_factory=dict)
+    seed: int = 1234
+    steps: int = 100
+    group_timeout_s: float = 60.0   # deadline of every collective and rendezvous
+    switch_timeout_s: float = 60.0  # joiner: longest wait for the leaver's state
+    shadow_steps: int = 6          # most shadow steps to reach a steady collective sequence
+    inject: tuple[str, ...] = ()    # fault injection, see trainmover.config.INJECTIONS
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls, environ=os.environ) -> "WorkerSpec":
+        raw = environ.get(ENV)
+        if not raw:
+            raise ConfigError(f"{ENV} is not set: workers are started by the TrainMover controller")
+        try:
+            d = json.loads(raw)
+            d["ranks"] = tuple(d["ranks"])
+            d["controller"] = tuple(d["controller"])
+            d["store"] = tuple(d["store"])
+            d["inject"] = tuple(d.get("inject", ()))
+            return cls(**d)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ConfigError(f"{ENV} is malformed: {exc}") from exc
+
+    def my_rank(self, local_index: int) -> int | None:
+        return self.ranks[local_index] if self.ranks else None

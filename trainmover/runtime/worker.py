@@ -1,0 +1,305 @@
+"""The process that runs on every training node and on every standby node.
+
+One process per rank. A *worker* trains from the start; a *standby* builds the same
+workload against sandboxed groups, runs shadow steps to warm up, then waits. On a
+migration the leaver's slot is taken by a standby, which from then on is a worker.
+
+    python -m trainmover.runtime.worker      (started by the controller through srun)
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from trainmover.control import channel
+from trainmover.control.messages import make
+from trainmover.errors import DeadlineExceeded, MigrationError, TrainMoverError
+from trainmover.runtime import boundary, phase1, rng, transfer
+from trainmover.runtime.groups import SandboxBackend, SwappableGroup, gloo_group
+from trainmover.runtime.plan import GroupSpec, delta
+from trainmover.runtime.spec import WorkerSpec
+from trainmover.workloads import base as workloads
+
+log = logging.getLogger("trainmover.worker")
+
+
+def go_key(epoch: int, leaver: int) -> str:
+    return f"tm/e{epoch}/xfer/r{leaver}/go"
+
+
+def cancel_key(epoch: int, leaver: int) -> str:
+    return f"tm/e{epoch}/xfer/r{leaver}/cancel"
+
+
+class Agent:
+    def __init__(self, spec: WorkerSpec, local_index: int):
+        self.spec, self.local = spec, local_index
+        self.rank = spec.my_rank(local_index)
+        self.role = spec.role
+        self.timeout = datetime.timedelta(seconds=spec.group_timeout_s)
+        self.store = dist.TCPStore(spec.store[0], spec.store[1], is_master=False,
+                                   timeout=self.timeout, wait_for_workers=False)
+        key = channel.read_secret(spec.secret_file)
+        self.conn = channel.connect(tuple(spec.controller), key,
+                                    make("hello", role=spec.role, node=spec.node,
+                                         ranks=[] if self.rank is None else [self.rank], pid=os.getpid()),
+                                    timeout=spec.group_timeout_s)
+        self.inbox: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, name="tm-inbox", daemon=True).start()
+        self.workload = workloads.load(spec.workload, spec.workload_options)
+        self.specs = self.workload.group_specs(spec.world_size)
+        if "world" not in {g.name for g in self.specs}:
+            self.specs.append(GroupSpec("world", tuple(range(spec.world_size))))
+        self.groups: dict[str, SwappableGroup] = {}
+        self.pending: phase1.Prepared | None = None
+        self.reported: set[tuple[int, str]] = set()
+        self.retired: list = []  # old backends, kept until exit (dropping gloo contexts can block)
+
+    # --- control channel -------------------------------------------------------------
+    def _read(self):
+        try:
+            while True:
+                msg = self.conn.framer.recv()
+                self.inbox.put(msg)
+                if msg is None:
+                    return
+        except (OSError, TrainMoverError) as exc:
+            log.error("control channel lost: %s", exc)
+            self.inbox.put(None)
+
+    def send(self, kind: str, **fields):
+        try:
+            self.conn.send(make(kind, **fields))
+        except OSError as exc:  # the controller is gone: training goes on, it cannot migrate
+            log.warning("cannot reach the controller (%s); %s not sent", exc, kind)
+
+    # --- groups ------------------------------------------------------------------------
+    def _make_groups(self, rank: int, sandbox: bool) -> dict[str, SwappableGroup]:
+        groups = {}
+        for g in self.specs:
+            if rank not in g.ranks:
+                continue
+            grank = g.ranks.index(rank)
+            inner = (SandboxBackend(grank, len(g.ranks)) if sandbox else
+                     gloo_group(self.store, f"tm/e0/{g.name}/", grank, len(g.ranks),
+                                host=self.spec.node_addr, timeout=self.timeout))
+            groups[g.name] = SwappableGroup(g.name, grank, len(g.ranks), list(g.ranks), inner)
+        return groups
+
+    def _context(self, rank: int) -> workloads.BuildContext:
+        return workloads.BuildContext(rank=rank, world_size=self.spec.world_size, groups=self.groups,
+                                      seed=self.spec.seed, options=self.spec.workload_options)
+
+    def shadow_until_steady(self, max_steps: int) -> int:
+        """Run shadow steps until a step issues the same collectives as the one before.
+
+        Wrappers do one-time collectives in their first iterations (DDP broadcasts its
+        rebuilt bucket layout in the second forward). A joiner must have done those in the
+        sandbox: issuing them against the live job would mismatch the stayers' sequence."""
+        sandboxes = [g.inner for g in self.groups.values()]
+        previous, steps = None, 0
+        while steps < max_steps:
+            marks = [len(b.calls) for b in sandboxes]
+            self.workload.train_step(self.workload.shadow_data_step())
+            steps += 1
+            signature = [tuple(b.calls[m:]) for b, m in zip(sandboxes, marks)]
+            if signature == previous:
+                return steps
+            previous = signature
+        raise MigrationError(f"collectives still changing after {max_steps} shadow steps", phase="warmup",
+                             host=self.spec.node)
+
+    def full_state(self, step: int) -> dict:
+        return {"workload": self.workload.state_dict(), "rng": rng.capture(), "step": step}
+
+    def digest(self) -> str:
+        sd = self.workload.state_dict()
+        tensors: list = []
+        transfer._flatten({"model": sd["model"], "optimizer": sd.get("optimizer", {})}, tensors, [])
+        return transfer.digest_tensors(tensors)
+
+    # --- lifecycle ---------------------------------------------------------------------
+    def run(self) -> int:
+        if self.role == "worker":
+            self.groups = self._make_groups(self.rank, sandbox=False)
+            self.workload.build(self._context(self.rank))
+            return self.train(0)
+        return self.standby()
+
+    def standby(self) -> int:
+        t0 = time.perf_counter()
+        rehearse = self.local % self.spec.world_size  # any valid rank: the layout is rank-symmetric here
+        self.groups = self._make_groups(rehearse, sandbox=True)
+        self.workload.build(self._context(rehearse))
+        steps = self.shadow_until_steady(self.spec.shadow_steps)
+        self.send("ready", node=self.spec.node, warmup_s=time.perf_counter() - t0, shadow_steps=steps)
+        log.info("standby on %s warm after %.2fs", self.spec.node, time.perf_counter() - t0)
+        while True:
+            msg = self.inbox.get()
+            if msg is None:
+                log.info("controller closed the channel; standby exits")
+                return 0
+            if msg["type"] == "prepare":
+                start = self.join(msg)
+                if start is not None:
+                    return self.train(start)
+
+    def join(self, msg: dict) -> int | None:
+        """Take a leaver's slot. Returns the step to continue from, or None if the
+        migration was cancelled (the agent then stays a standby)."""
+        epoch = msg["epoch"]
+        rank = int(msg["assign"][str(self.local)])
+        leaver = rank
+        # Off the critical path: rebuild groups with the rank we now know, rebind the workload,
+        # and run shadow steps so that the new wrappers' one-time work happens in the sandbox.
+        self.groups = self._make_groups(rank, sandbox=True)
+        self.workload.rebind(self._context(rank))
+        self.shadow_until_steady(self.spec.shadow_steps)
+        prep = phase1.Prepared(epoch, delta(self.specs, msg["leavers"], epoch), "joiner", rank)
+        phase1.start(prep, self.store, self.spec.node_addr, self.spec.group_timeout_s)
+        if not prep.done.wait(self.spec.group_timeout_s + 5) or prep.error:
+            self.send("prepare_failed", epoch=epoch, rank=rank, error=prep.error or "phase 1 deadline")
+            return None
+        self.send("prepared", epoch=epoch, rank=rank, groups=sorted(prep.backends), seconds=prep.seconds)
+        # Wait for the leaver's verdict: it either starts sending (go) or cancels.
+        deadline = time.monotonic() + self.spec.switch_timeout_s
+        while True:
+            if self.store.check([cancel_key(epoch, leaver)]):
+                log.info("epoch %d cancelled by the leaver; back to standby", epoch)
+                return None
+            try:
+                self.store.wait([go_key(epoch, leaver)], datetime.timedelta(milliseconds=50))
+                break
+            except (RuntimeError, dist.DistStoreError):
+                pass
+            if time.monotonic() > deadline:
+                self.send("prepare_failed", epoch=epoch, rank=rank, error="leaver never sent its state")
+                return None
+        t_switch = time.perf_counter()
+        state, stats = transfer.recv_state(prep.xfer, src=0, like=self.full_state(0))
+        self.workload.load_state_dict(state["workload"])
+        rng.restore(state["rng"])
+        for name, backend in prep.backends.items():
+            self.retired.append(self.groups[name].swap(backend))
+        self.rank, self.role = rank, "worker"
+        self.send("switched", epoch=epoch, rank=rank, role="joiner", step=int(state["step"]), t=time.time(),
+                  detail={"recv_s": stats.seconds, "bytes": stats.bytes, "apply_s": time.perf_counter() - t_switch,
+                          "prepare_s": prep.seconds})
+        log.info("joined as rank %d at step %d (%d bytes in %.3fs)", rank, state["step"], stats.bytes, stats.seconds)
+        return int(state["step"])
+
+    def train(self, step: int) -> int:
+        world = self.groups["world"]
+        while step < self.spec.steps:
+            t0 = time.perf_counter()
+            loss = self.workload.train_step(step)
+            step += 1
+            self.send("step", rank=self.rank, step=step, loss=loss, step_s=time.perf_counter() - t0, t=time.time())
+            self._poll_inbox()
+            prep = self.pending
+            ready = prep.epoch if prep and prep.done.is_set() and not prep.error else 0
+            if boundary.agree(world, ready) == ready and ready:
+                if prep.role == "leaver":
+                    self.leave(prep, step)
+                    return 0
+                for name, backend in prep.backends.items():
+                    self.retired.append(self.groups[name].swap(backend))
+                self.pending = None
+                self.send("switched", epoch=prep.epoch, rank=self.rank, role="stayer", step=step, t=time.time(),
+                          detail={"prepare_s": prep.seconds})
+        self.send("finished", rank=self.rank, step=step, digest=self.digest(), loss=loss if step else 0.0)
+        return 0
+
+    def _poll_inbox(self):
+        while True:
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if msg is None:
+                continue  # controller gone: keep training without migrations
+            if msg["type"] == "prepare":
+                self._on_prepare(msg)
+            elif msg["type"] == "abort":
+                self._on_abort(msg)
+        prep = self.pending
+        if prep and prep.done.is_set():
+            what = "failed" if prep.error else "prepared"
+            if (prep.epoch, what) not in self.reported:
+                self.reported.add((prep.epoch, what))
+                if prep.error:
+                    self.send("prepare_failed", epoch=prep.epoch, rank=self.rank, error=prep.error)
+                else:
+                    self.send("prepared", epoch=prep.epoch, rank=self.rank, groups=sorted(prep.backends),
+                              seconds=prep.seconds)
+
+    def _on_prepare(self, msg: dict):
+        epoch = msg["epoch"]
+        d = delta(self.specs, msg["leavers"], epoch)
+        role = "leaver" if self.rank in d.leavers else "stayer"
+        if role == "stayer" and not d.groups_to_build(self.rank):
+            return  # no group of ours contains the leaver: nothing to do (never the case for world)
+        self.pending = phase1.Prepared(epoch, d, role, self.rank)
+        phase1.start(self.pending, self.store, self.spec.node_addr, self.spec.group_timeout_s)
+        log.info("phase 1 epoch %d as %s: %s", epoch, role, [g.name for g in d.groups_to_build(self.rank)])
+
+    def _on_abort(self, msg: dict):
+        prep = self.pending
+        if prep and prep.epoch == msg["epoch"]:
+            self.pending = None
+            if prep.role == "leaver":
+                # Once the leaver stops offering this epoch the MIN can never equal it again:
+                # tell the joiner, which waits on exactly this key.
+                self.store.set(cancel_key(prep.epoch, self.rank), "1")
+            log.info("epoch %d aborted: %s", prep.epoch, msg["reason"])
+
+    def leave(self, prep: phase1.Prepared, step: int):
+        state = self.full_state(step)
+        if "skip-optimizer-state" in self.spec.inject:  # negative control for the digest tests
+            state["workload"].pop("optimizer", None)
+        self.store.set(go_key(prep.epoch, self.rank), "1")
+        stats = transfer.send_state(state, prep.xfer, dst=1, corrupt="corrupt-transfer" in self.spec.inject)
+        self.send("switched", epoch=prep.epoch, rank=self.rank, role="leaver", step=step, t=time.time(),
+                  detail={"send_s": stats.seconds, "bytes": stats.bytes, "tensors": stats.tensors})
+        log.info("left at step %d: sent %d bytes in %.3fs", step, stats.bytes, stats.seconds)
+
+
+def main() -> int:
+    logging.basicConfig(level=os.environ.get("TM_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(name)s[" + os.environ.get("SLURMD_NODENAME", "?") + "] %(message)s")
+    torch.set_num_threads(1)  # determinism and fair sharing of the node's cores
+    spec = WorkerSpec.from_env()
+    local = int(os.environ.get("SLURM_LOCALID", "0"))
+    agent = None
+    try:
+        agent = Agent(spec, local)
+        return agent.run()
+    except (TrainMoverError, RuntimeError, DeadlineExceeded, MigrationError) as exc:
+        log.error("%s on %s failed: %s", spec.role, spec.node, exc)
+        if agent is not None:
+            agent.send("failed", rank=agent.rank if agent.rank is not None else 0, phase=agent.role, error=str(exc)[:2000])
+        return 1
+    finally:
+        if agent is not None:
+            agent.conn.close()
+
+
+def _exit_now(code: int) -> None:
+    # Skip interpreter teardown: destroying gloo/NCCL contexts whose peers have already
+    # left aborts the process (std::terminate) or hangs. All results are reported by now.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    _exit_now(main())

@@ -1,0 +1,75 @@
+"""What a training workload provides to the TrainMover runtime.
+
+The runtime owns the loop, the groups and migrations; a workload owns the model. The same
+class runs on live ranks and on standbys: a standby builds it against sandboxed groups,
+runs shadow steps to warm up, and later receives a live rank's state.
+"""
+from __future__ import annotations
+
+import abc
+import importlib
+from dataclasses import dataclass, field
+
+from trainmover.errors import ConfigError
+from trainmover.runtime.groups import SwappableGroup
+from trainmover.runtime.plan import GroupSpec
+
+
+@dataclass
+class BuildContext:
+    rank: int                      # global rank this process plays (a standby: the rank it rehearses)
+    world_size: int
+    groups: dict[str, SwappableGroup]
+    seed: int
+    options: dict = field(default_factory=dict)
+
+
+class Workload(abc.ABC):
+    """Subclasses must be deterministic given (seed, rank, state): a migration is proven
+    lossless by comparing digests with an uninterrupted run."""
+
+    def group_specs(self, world_size: int) -> list[GroupSpec]:
+        return [GroupSpec("world", tuple(range(world_size)))]
+
+    @abc.abstractmethod
+    def build(self, ctx: BuildContext) -> None: ...
+
+    def rebind(self, ctx: BuildContext) -> None:
+        """A standby learned which rank it takes: re-point rank-dependent parts (group
+        wrappers, data stream) at `ctx` while keeping warm model and optimizer objects.
+        The default rebuilds everything, which is correct but cold."""
+        self.build(ctx)
+
+    @abc.abstractmethod
+    def train_step(self, step: int) -> float:
+        """Run iteration `step` (0-based) fully, optimizer step included; return the local loss."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict:
+        """Everything that decides future steps except RNG (the runtime adds RNG and step):
+        model, optimizer and data position. Keys `model` and `optimizer` are expected."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def shadow_data_step(self) -> int:
+        """Step number a standby uses for shadow iterations (any valid one)."""
+        return 0
+
+
+REGISTRY = {"gpt_demo": "trainmover.workloads.gpt_demo:GPTDemo"}
+
+
+def load(name: str, options: dict | None = None) -> Workload:
+    """`name` is a registry key or `package.module:Class`."""
+    target = REGISTRY.get(name, name)
+    module_name, _, cls_name = target.partition(":")
+    if not cls_name:
+        raise ConfigError(f"workload {name!r}: expected one of {sorted(REGISTRY)} or 'module:Class'")
+    try:
+        cls = getattr(importlib.import_module(module_name), cls_name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"workload {name!r} cannot be loaded: {exc}") from exc
+    if not (isinstance(cls, type) and issubclass(cls, Workload)):
+        raise ConfigError(f"workload {name!r} is not a trainmover Workload")
+    return cls(**(options or {}))

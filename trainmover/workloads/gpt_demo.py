@@ -1,0 +1,128 @@
+"""A small GPT trained with plain PyTorch DDP: the demo and CI workload.
+
+Deterministic by construction: fixed seeds, a synthetic corpus generated from the seed, one
+data cursor per rank (part of the migrated state), dropout on so that RNG state matters.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trainmover.errors import ConfigError
+from trainmover.workloads.base import BuildContext, Workload
+
+PRESETS = {
+    # name: (layers, d_model, heads, seq_len, batch, vocab)
+    "tiny": (2, 64, 4, 32, 8, 256),
+    "small": (4, 128, 4, 64, 8, 256),
+}
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.drop(self.proj(att.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers: int, d: int, heads: int, seq: int, vocab: int, dropout: float = 0.1):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads, dropout) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, idx):
+        x = self.drop(self.tok(idx) + self.pos(torch.arange(idx.shape[1])))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln(x))
+
+
+class TokenStream:
+    """A synthetic corpus (a noisy repeating grammar, so the loss falls) and a cursor."""
+
+    def __init__(self, seed: int, rank: int, vocab: int, length: int = 1 << 16):
+        g = torch.Generator().manual_seed(seed * 1000 + rank)
+        base = torch.randint(0, vocab, (97,), generator=g)
+        noise = torch.randint(0, vocab, (length,), generator=g)
+        keep = torch.rand(length, generator=g) < 0.8
+        self.data = torch.where(keep, base[torch.arange(length) % 97], noise)
+        self.cursor = 0
+
+    def batch(self, batch: int, seq: int):
+        n = batch * (seq + 1)
+        if self.cursor + n > len(self.data):
+            self.cursor = 0
+        chunk = self.data[self.cursor:self.cursor + n].view(batch, seq + 1)
+        self.cursor += n
+        return chunk[:, :-1], chunk[:, 1:]
+
+
+def _ddp(model: nn.Module, group) -> DDP:
+    with warnings.catch_warnings():  # torch 2.13 deprecates broadcast_buffers; 2.11 lacks the new name
+        warnings.simplefilter("ignore", FutureWarning)
+        return DDP(model, process_group=group, broadcast_buffers=False)
+
+
+class GPTDemo(Workload):
+    def __init__(self, preset: str = "tiny", lr: float = 3e-3):
+        if preset not in PRESETS:
+            raise ConfigError(f"gpt_demo: unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+        self.preset, self.lr = preset, float(lr)
+
+    def build(self, ctx: BuildContext) -> None:
+        layers, d, heads, self.seq, self.batch, vocab = PRESETS[self.preset]
+        torch.manual_seed(ctx.seed)  # identical initial weights on every rank
+        self.model = GPT(layers, d, heads, self.seq, vocab)
+        self.ddp = _ddp(self.model, ctx.groups["world"])
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=0.01)
+        self.data = TokenStream(ctx.seed, ctx.rank, vocab)
+        torch.manual_seed(ctx.seed + 7919 * (ctx.rank + 1))  # per-rank dropout stream
+
+    def rebind(self, ctx: BuildContext) -> None:
+        # Keep model and optimizer (warm); new DDP wrapper on the new groups, new data stream.
+        self.ddp = _ddp(self.model, ctx.groups["world"])
+        self.data = TokenStream(ctx.seed, ctx.rank, self.model.tok.num_embeddings)
+
+    def train_step(self, step: int) -> float:
+        x, y = self.data.batch(self.batch, self.seq)
+        logits = self.ddp(x)
+        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.reshape(-1))
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        out = loss.item()
+        if not math.isfinite(out):
+            raise FloatingPointError(f"loss is {out} at step {step}")
+        return out
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                "data": {"cursor": self.data.cursor}}
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():  # in place: DDP's reducer holds these very tensors
+            for name, t in self.model.state_dict().items():
+                src = state["model"][name]
+                if src is not t:
+                    t.copy_(src)
+        if "optimizer" in state:
+            self.opt.load_state_dict(state["optimizer"])
+        self.data.cursor = int(state["data"]["cursor"])
