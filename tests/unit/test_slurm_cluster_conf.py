@@ -33,7 +33,7 @@ def test_slurm_conf_has_the_settings_trainmover_needs():
         "AuthInfo=socket=/var/tmp/tmc/run/munge/munge.socket.2",
         "SlurmctldHost=localhost(127.0.0.1)",
         "SlurmctldPort=16817",
-        "CommunicationParameters=NoInAddrAny,NoCtldInAddrAny",
+        "CommunicationParameters=NoCtldInAddrAny",
         "NodeName=spare2 NodeAddr=127.0.1.16 NodeHostname=spare2 Port=16906 CPUs=4 RealMemory=2048 Weight=100 "
         "State=UNKNOWN",
         "PartitionName=train Nodes=train[1-4],spare[1-2] Default=YES MaxTime=INFINITE State=UP "

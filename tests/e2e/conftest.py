@@ -1,0 +1,94 @@
+"""Fixtures for end-to-end tests against the embedded, real Slurm cluster.
+
+`slurm_cluster` starts it once per session with `trainmover.cluster.up()`
+(4 training + 2 standby nodes, state in $TM_CLUSTER_DIR or
+/var/tmp/trainmover-cluster; it installs the Debian packages on a bare
+machine) and leaves it running afterwards, so that the next session starts in
+about 0.1 s. Stop it with `python -m trainmover.cluster down`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from trainmover.slurm import CliSlurm, JobInfo, commands
+
+TEST_JOB_PREFIX = "tm-e2e-"
+DRAIN_PREFIX = "tm-e2e"
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    if os.geteuid() != 0:
+        pytest.skip("the embedded Slurm cluster needs root (private munged, slurmd in namespaces)")
+    from trainmover import cluster
+
+    info = cluster.up(nodes=4, standby=2)
+    client = CliSlurm(slurm_conf=str(info.slurm_conf))
+    _clean(client, info.slurm_conf)
+    yield info
+    _clean(client, info.slurm_conf)
+
+
+def _clean(client: CliSlurm, slurm_conf) -> None:
+    """Cancel leftover test jobs and donors; resume nodes drained by tests."""
+    env = {**os.environ, "SLURM_CONF": str(slurm_conf)}
+    out = commands.run(["squeue", "-h", "-o", "%i|%j"], timeout=10, env=env).stdout
+    ids = [line.split("|")[0] for line in out.splitlines()
+           if "|" in line and line.split("|", 1)[1].startswith((TEST_JOB_PREFIX, "trainmover-donor-"))]
+    if ids:
+        commands.run(["scancel", *ids], timeout=10, env=env, check=False)
+    for name, node in client.nodes().items():
+        if "DRAIN" in node.flags and node.reason.startswith(DRAIN_PREFIX):
+            client.resume(name)
+
+
+@pytest.fixture
+def slurm_client(slurm_cluster) -> CliSlurm:
+    return CliSlurm(slurm_conf=str(slurm_cluster.slurm_conf))
+
+
+@pytest.fixture
+def slurm_env(slurm_cluster) -> dict[str, str]:
+    return {**os.environ, "SLURM_CONF": str(slurm_cluster.slurm_conf)}
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float = 30.0, interval: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+@pytest.fixture
+def submit(slurm_client, slurm_env, tmp_path) -> Iterator[Callable[..., JobInfo]]:
+    """submit(script_text, nodes=2) -> JobInfo of the RUNNING job; cancelled at teardown."""
+    jobs: list[int] = []
+
+    def _submit(script: str, *, nodes: int = 2, name: str = "job", extra: tuple[str, ...] = (),
+                wait_running: bool = True) -> JobInfo:
+        path = Path(tmp_path) / f"{name}.sh"
+        path.write_text(script)
+        path.chmod(0o755)
+        out = commands.run(
+            ["sbatch", "--parsable", f"--nodes={nodes}", f"--job-name={TEST_JOB_PREFIX}{name}",
+             f"--output={tmp_path}/{name}.%j.out", f"--chdir={tmp_path}", *extra, str(path)],
+            timeout=15, env=slurm_env).stdout
+        job_id = int(out.strip().split(";")[0])
+        jobs.append(job_id)
+        if wait_running:
+            wait_for(f"job {job_id} to run", lambda: slurm_client.job(job_id).running, timeout=30)
+        return slurm_client.job(job_id)
+
+    yield _submit
+    if jobs:
+        commands.run(["scancel", *map(str, jobs)], timeout=10, env=slurm_env, check=False)
+        wait_for("test jobs to end",
+                 lambda: all(slurm_client.job(j).state not in ("RUNNING", "PENDING", "COMPLETING") for j in jobs),
+                 timeout=30)
