@@ -1,0 +1,122 @@
+"""`trainmover` command line.
+
+    trainmover cluster {up,down,status,env} [--nodes N] [--standby S] [--dir D]
+    trainmover controller                  (inside a job: started by the sbatch templates)
+    trainmover status --job J [--json]
+    trainmover migrate --job J --node N
+    trainmover config                      (every TM_* variable, its default and meaning)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from trainmover.errors import TrainMoverError
+
+
+def _run_dir(job: str, run_dir: str | None) -> Path:
+    if run_dir:
+        return Path(run_dir)
+    from trainmover.controller.records import run_dir as default_dir
+    from trainmover.slurm.client import CliSlurm
+    try:
+        work_dir = CliSlurm(timeout=10).job(int(job)).work_dir
+    except TrainMoverError:
+        work_dir = None  # Slurm has forgotten a finished job: look in the current directory
+    path = default_dir(work_dir or ".", job)
+    if not (path / "status.json").exists() and not (path / "controller.json").exists():
+        raise TrainMoverError(f"no TrainMover run found for job {job} (looked in {path}); "
+                              "is it a TrainMover job? pass --run-dir to point at runs/<job>")
+    return path
+
+
+def _status(args) -> int:
+    path = _run_dir(args.job, args.run_dir)
+    try:
+        status = json.loads((path / "status.json").read_text())
+    except FileNotFoundError:
+        raise TrainMoverError(f"job {args.job} has not written its status yet ({path}/status.json)") from None
+    if args.json:
+        print(json.dumps(status, indent=1))
+        return 0
+    print(f"job {status['job_id']}  world size {status['world_size']}  batch host {status['batch_host']}")
+    for n in status["nodes"]:
+        print(f"  node {n['name']:<10} {n['role']:<9} ranks {n['ranks']}  slurm: {n['slurm_state']}")
+    for s in status["standbys"]:
+        warm = f"warm in {s['warmup_s']:.1f}s" if s["warmup_s"] is not None else ""
+        print(f"  standby {s['node']:<7} {s['state']:<9} {warm}")
+    if not status["standbys"]:
+        print(f"  standby pool empty {('(' + status['standby_pool']['note'] + ')') if status['standby_pool']['note'] else ''}")
+    if status.get("message"):
+        print(f"  ! {status['message']}")
+    for m in status["migrations"]:
+        dt = f"downtime {m['downtime_s']:.3f}s" if m["downtime_s"] is not None else "downtime -"
+        print(f"  migration {m['id']}: {m['leaver']} -> {m['joiner'] or '?'}  [{m['trigger']}] {m['state']}  {dt}"
+              f"{'  ' + m['note'] if m['note'] else ''}")
+    if "outcome" in status:
+        print(f"  finished: {status['outcome']['message']}")
+    return 0
+
+
+def _migrate(args) -> int:
+    from trainmover.control import channel
+    from trainmover.control.messages import make
+    path = _run_dir(args.job, args.run_dir)
+    try:
+        where = json.loads((path / "controller.json").read_text())
+    except FileNotFoundError:
+        raise TrainMoverError(f"job {args.job} has no controller address yet ({path}/controller.json)") from None
+    key = channel.read_secret(str(path / "secret"))
+    reply = channel.request((where["host"], where["port"]), key, make("migrate", node=args.node), timeout=args.timeout)
+    print(reply["message"])
+    return 0 if reply["ok"] else 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="trainmover", description="Live migration of training ranks inside Slurm jobs")
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("cluster", help="the embedded local Slurm cluster")
+    c.add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("controller", help="run the job-step controller (inside a job)")
+    s = sub.add_parser("status", help="a job's nodes, standbys and migrations")
+    s.add_argument("--job", required=True)
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--run-dir")
+    m = sub.add_parser("migrate", help="move a node's ranks to a standby without draining it")
+    m.add_argument("--job", required=True)
+    m.add_argument("--node", required=True)
+    m.add_argument("--run-dir")
+    m.add_argument("--timeout", type=float, default=10.0)
+    sub.add_parser("config", help="list every TM_* variable")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "cluster":
+            from trainmover.cluster.__main__ import main as cluster_main
+            return cluster_main(args.rest)
+        if args.command == "controller":
+            from trainmover.controller.main import main as controller_main
+            return controller_main()
+        if args.command == "status":
+            return _status(args)
+        if args.command == "migrate":
+            if not args.job.isdigit():
+                raise TrainMoverError(f"--job must be a Slurm job id, got {args.job!r}")
+            return _migrate(args)
+        if args.command == "config":
+            from trainmover.config import describe
+            print(describe())
+            return 0
+    except TrainMoverError as exc:
+        print(f"trainmover {args.command}: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

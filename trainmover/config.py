@@ -1,0 +1,95 @@
+"""One validated configuration for a TrainMover job, read in one place.
+
+Sources, later wins: defaults, `TM_*` environment variables (what a user sets in an sbatch
+script), command-line options of `trainmover controller`. An unknown `TM_*` variable is an
+error (a typo must not silently fall back to a default); so is a malformed value.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, replace
+
+from trainmover.errors import ConfigError
+
+INJECTIONS = {
+    "skip-optimizer-state": "the leaver leaves its optimizer state out of the copy (negative control)",
+    "corrupt-transfer": "the leaver flips bytes of one tensor on the wire (checksum test)",
+}
+
+# Variables that belong to the runtime or tools, not to the job's configuration.
+_NOT_CONFIG = {"TM_WORKER_SPEC", "TM_LOG_LEVEL", "TM_TRACE_COLLECTIVES", "TM_CLUSTER_DIR", "TM_TEST_KEEP"}
+
+
+@dataclass(frozen=True)
+class Config:
+    steps: int = field(default=1500, metadata={"env": "TM_STEPS", "doc": "training steps (about a minute of the CPU demo)"})
+    workload: str = field(default="gpt_demo", metadata={"env": "TM_WORKLOAD", "doc": "registry name or module:Class"})
+    model: str = field(default="tiny", metadata={"env": "TM_MODEL", "doc": "model preset of the workload"})
+    seed: int = field(default=1234, metadata={"env": "TM_SEED", "doc": "seed of weights, data and dropout"})
+    ranks_per_node: int = field(default=1, metadata={"env": "TM_RANKS_PER_NODE", "doc": "worker processes per node"})
+    standbys: int = field(default=1, metadata={"env": "TM_STANDBYS", "doc": "warm standby nodes kept in the job"})
+    reservation: str = field(default="trainmover_standby", metadata={"env": "TM_RESERVATION", "doc": "Slurm reservation holding the standby nodes"})
+    poll_s: float = field(default=1.0, metadata={"env": "TM_POLL_S", "doc": "interval of node-state polls of slurmctld"})
+    phase1_timeout_s: float = field(default=60.0, metadata={"env": "TM_PHASE1_TIMEOUT_S", "doc": "deadline of Phase 1; past it the migration is aborted, the job unchanged"})
+    group_timeout_s: float = field(default=60.0, metadata={"env": "TM_GROUP_TIMEOUT_S", "doc": "deadline of every collective and rendezvous"})
+    switch_timeout_s: float = field(default=60.0, metadata={"env": "TM_SWITCH_TIMEOUT_S", "doc": "joiner's longest wait for the leaver's state"})
+    standby_wait_s: float = field(default=10.0, metadata={"env": "TM_STANDBY_WAIT_S", "doc": "one attempt to take a standby from the reservation"})
+    standby_retry_s: float = field(default=5.0, metadata={"env": "TM_STANDBY_RETRY_S", "doc": "pause between attempts when none is free"})
+    release_timeout_s: float = field(default=60.0, metadata={"env": "TM_RELEASE_TIMEOUT_S", "doc": "longest wait for the leaver's step to end before its node is released"})
+    shadow_steps: int = field(default=6, metadata={"env": "TM_SHADOW_STEPS", "doc": "most shadow steps a standby runs to warm up"})
+    inject: tuple[str, ...] = field(default=(), metadata={"env": "TM_INJECT", "doc": "comma-separated fault injections: " + ", ".join(INJECTIONS)})
+    run_dir: str = field(default="", metadata={"env": "TM_RUN_DIR", "doc": "output directory (default: <submit dir>/runs/<job id>)"})
+
+    def __post_init__(self):
+        checks = [
+            (self.steps > 0, "TM_STEPS must be > 0"),
+            (self.ranks_per_node > 0, "TM_RANKS_PER_NODE must be > 0"),
+            (self.standbys >= 0, "TM_STANDBYS must be >= 0"),
+            (self.poll_s > 0, "TM_POLL_S must be > 0"),
+            (min(self.phase1_timeout_s, self.group_timeout_s, self.switch_timeout_s, self.standby_wait_s,
+                 self.standby_retry_s, self.release_timeout_s) > 0, "timeouts must be > 0"),
+            (self.shadow_steps >= 2, "TM_SHADOW_STEPS must be >= 2 (steadiness needs two steps to compare)"),
+            (bool(self.reservation), "TM_RESERVATION must not be empty"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        unknown = set(self.inject) - set(INJECTIONS)
+        if unknown:
+            raise ConfigError(f"TM_INJECT: unknown injection(s) {sorted(unknown)}; known: {sorted(INJECTIONS)}")
+
+    @classmethod
+    def from_env(cls, environ=None, **overrides) -> "Config":
+        environ = os.environ if environ is None else environ
+        by_env = {f.metadata["env"]: f for f in fields(cls)}
+        unknown = sorted(k for k in environ if k.startswith("TM_") and k not in by_env and k not in _NOT_CONFIG)
+        if unknown:
+            raise ConfigError(f"unknown TrainMover variable(s) {unknown}; known: {sorted(by_env)}")
+        values = {}
+        for env, f in by_env.items():
+            if env in environ:
+                values[f.name] = _parse(f, environ[env])
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def with_(self, **changes) -> "Config":
+        return replace(self, **changes)
+
+
+def _parse(f, raw: str):
+    env = f.metadata["env"]
+    try:
+        if f.type in ("int", int):
+            return int(raw)
+        if f.type in ("float", float):
+            return float(raw)
+        if f.name == "inject":
+            return tuple(x.strip() for x in raw.split(",") if x.strip())
+        return raw
+    except ValueError:
+        raise ConfigError(f"{env}={raw!r}: expected {f.type}") from None
+
+
+def describe() -> str:
+    """The documentation table of every variable (used by `trainmover config --help`)."""
+    return "\n".join(f"{f.metadata['env']:<22} {str(f.default):<20} {f.metadata['doc']}" for f in fields(Config))

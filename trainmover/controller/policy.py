@@ -1,0 +1,303 @@
+"""The controller's decisions: events in, actions out. No clock, no I/O, no Slurm.
+
+The executor (`controller.main`) feeds it what it observed (node states from Slurm,
+messages from ranks, results of Slurm operations, `now`) and applies the actions it returns.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass, field
+
+from trainmover.config import Config
+from trainmover.control.messages import make
+from trainmover.controller.actions import AcquireStandby, Finish, LaunchStandby, Record, ReleaseNode, Send
+from trainmover.controller.migration import Migration, Phase
+
+log = logging.getLogger("trainmover.policy")
+
+STANDBY_STATES = ("starting", "ready", "joining")
+MAX_ATTEMPTS = 3
+
+
+@dataclass
+class Standby:
+    node: str
+    state: str = "starting"       # starting -> ready -> joining; back to ready if a migration aborts
+    since: float = 0.0
+    warmup_s: float | None = None
+    shadow_steps: int | None = None
+
+
+@dataclass
+class JobView:
+    """What the controller believes about its job."""
+    job_id: int
+    world_size: int
+    ranks_per_node: int
+    batch_host: str
+    rank_node: dict[int, str]
+    standbys: dict[str, Standby] = field(default_factory=dict)
+    released: list[str] = field(default_factory=list)
+    node_state: dict[str, str] = field(default_factory=dict)   # Slurm's word for each node
+
+    def train_nodes(self) -> list[str]:
+        return sorted(set(self.rank_node.values()), key=lambda n: min(r for r, m in self.rank_node.items() if m == n))
+
+    def ranks_of(self, node: str) -> tuple[int, ...]:
+        return tuple(sorted(r for r, n in self.rank_node.items() if n == node))
+
+
+class Policy:
+    def __init__(self, cfg: Config, view: JobView):
+        self.cfg, self.view = cfg, view
+        self.migrations: list[Migration] = []
+        self.epoch = 0
+        self.acquiring = False
+        self.next_acquire_at = 0.0
+        self.acquire_note = ""
+        self.steps: dict[int, list[tuple[int, float]]] = {}     # rank -> [(step, t)]
+        self.rows: dict[int, dict[int, dict]] = {}              # step -> rank -> report
+        self.finished: dict[int, dict] = {}
+        self.done = False
+
+    # --- helpers -----------------------------------------------------------------------
+    def active(self) -> Migration | None:
+        return next((m for m in self.migrations if m.active), None)
+
+    def _want_standby(self) -> bool:
+        return len(self.view.standbys) < self.cfg.standbys and not self.done
+
+    def _maybe_acquire(self, now: float) -> list:
+        if self._want_standby() and not self.acquiring and now >= self.next_acquire_at:
+            self.acquiring = True
+            return [AcquireStandby()]
+        return []
+
+    def _timeline(self, m: Migration, now: float, event: str, **extra) -> Record:
+        return Record("timeline", {"t": now, "migration": m.id, "epoch": m.epoch, "event": event,
+                                   "leaver": m.leaver, "joiner": m.joiner or None, "trigger": m.trigger, **extra})
+
+    # --- events ------------------------------------------------------------------------
+    def start(self, now: float) -> list:
+        return self._maybe_acquire(now)
+
+    def on_standby_acquired(self, now: float, node: str) -> list:
+        self.acquiring = False
+        self.acquire_note = ""
+        self.view.standbys[node] = Standby(node, "starting", now)
+        return [LaunchStandby(node)] + self._maybe_acquire(now)
+
+    def on_standby_unavailable(self, now: float, reason: str) -> list:
+        self.acquiring = False
+        self.next_acquire_at = now + self.cfg.standby_retry_s
+        self.acquire_note = reason
+        return []
+
+    def on_nodes(self, now: float, states: dict[str, object]) -> list:
+        """`states`: node name -> object with `.state` (text) and `.draining` (bool)."""
+        actions = []
+        for node, info in states.items():
+            self.view.node_state[node] = info.state
+            if node in self.view.rank_node.values() and (info.draining or info.drained):
+                actions += self.request(now, node, "drain")[1]
+        return actions
+
+    def request(self, now: float, node: str, trigger: str) -> tuple[bool, str, list]:
+        """Ask for `node` to leave. Returns (accepted, message, actions)."""
+        if node not in self.view.rank_node.values():
+            return False, f"{node} runs no rank of job {self.view.job_id}", []
+        for m in self.migrations:
+            if m.leaver == node and m.active:
+                return True, f"{node} is already migrating (migration {m.id}, {m.phase.value})", []
+        m = Migration(len(self.migrations) + 1, node, self.view.ranks_of(node), trigger, now)
+        self.migrations.append(m)
+        actions = [self._timeline(m, now, "requested")]
+        actions += self._dispatch(now)
+        return True, f"migration {m.id} of {node} requested ({trigger})", actions
+
+    def _dispatch(self, now: float) -> list:
+        """Start the oldest waiting migration if none is running and a standby is ready."""
+        if any(m.phase in (Phase.PREPARING, Phase.SWITCHING) for m in self.migrations):
+            return []
+        waiting = [m for m in self.migrations if m.phase in (Phase.REQUESTED, Phase.WAITING_STANDBY)]
+        if not waiting:
+            return []
+        m = waiting[0]
+        ready = sorted(s.node for s in self.view.standbys.values() if s.state == "ready")
+        if not ready:
+            if m.phase is Phase.REQUESTED:
+                m.to(Phase.WAITING_STANDBY, now, f"no warm standby: the job keeps running on {m.leaver}")
+                return [self._timeline(m, now, "waiting_standby")] + self._maybe_acquire(now)
+            return self._maybe_acquire(now)
+        self.epoch += 1
+        m.epoch, m.joiner = self.epoch, ready[0]
+        self.view.standbys[m.joiner].state = "joining"
+        stayers = [n for n in self.view.train_nodes() if n != m.leaver]
+        m.expected = ({(r, "stayer") for n in stayers for r in self.view.ranks_of(n)}
+                      | {(r, "leaver") for r in m.leaver_ranks} | {(r, "joiner") for r in m.leaver_ranks})
+        m.to(Phase.PREPARING, now, "")
+        common = dict(epoch=m.epoch, leavers=list(m.leaver_ranks), joiner_node=m.joiner, options={})
+        return [
+            self._timeline(m, now, "prepare", stayers=stayers),
+            Send(tuple(stayers) + (m.leaver,), make("prepare", assign={}, **common)),
+            Send((m.joiner,), make("prepare", assign={str(i): r for i, r in enumerate(m.leaver_ranks)}, **common)),
+        ]
+
+    def on_message(self, now: float, node: str, msg: dict) -> list:
+        kind = msg["type"]
+        if kind == "ready":
+            s = self.view.standbys.get(node)
+            if s is None:
+                return []
+            s.state, s.since, s.warmup_s, s.shadow_steps = "ready", now, msg["warmup_s"], msg["shadow_steps"]
+            return self._dispatch(now)
+        if kind == "step":
+            return self._on_step(now, node, msg)
+        if kind == "finished":
+            self.finished[msg["rank"]] = msg
+            if len(self.finished) == self.view.world_size and not self.done:
+                self.done = True
+                digests = [self.finished[r]["digest"] for r in range(self.view.world_size)]
+                import hashlib
+                combined = hashlib.sha256("".join(digests).encode()).hexdigest()
+                return [Record("final", {"job_id": self.view.job_id, "steps": msg["step"], "digest": combined,
+                                         "rank_digests": digests, "final_loss": msg["loss"],
+                                         "migrations": sum(1 for m in self.migrations if m.phase is Phase.DONE)}),
+                        Finish(True, "training finished")]
+            return []
+        m = self.active()
+        if m is None or msg.get("epoch") != m.epoch:
+            return []
+        if kind == "prepared":
+            role = "joiner" if node == m.joiner else ("leaver" if msg["rank"] in m.leaver_ranks else "stayer")
+            m.prepared.add((msg["rank"], role))
+            if m.prepared >= m.expected and m.phase is Phase.PREPARING:
+                m.to(Phase.SWITCHING, now)
+                return [self._timeline(m, now, "prepared")]
+            return []
+        if kind == "prepare_failed":
+            return self._abort(now, m, f"rank {msg['rank']} on {node}: {msg['error']}")
+        if kind == "switched":
+            if m.phase is Phase.PREPARING:  # ranks can switch before every 'prepared' has arrived
+                m.to(Phase.SWITCHING, now)
+            m.switched[(msg["rank"], msg["role"])] = msg
+            m.switch_step = msg["step"]
+            actions = []
+            if msg["role"] == "joiner":
+                self.view.rank_node[msg["rank"]] = m.joiner
+                self.view.standbys.pop(m.joiner, None)
+                actions.append(self._timeline(m, now, "joined", rank=msg["rank"], step=msg["step"], **msg["detail"]))
+            if set(m.switched) >= m.expected and m.phase is Phase.SWITCHING:
+                m.to(Phase.RELEASING, now)
+                actions.append(self._timeline(m, now, "switched", step=m.switch_step))
+                if m.leaver_exited:
+                    actions.append(ReleaseNode(m.leaver))
+                actions += self._maybe_acquire(now)
+            return actions
+        return []
+
+    def _abort(self, now: float, m: Migration, reason: str) -> list:
+        m.to(Phase.ABORTED, now, reason)
+        if m.joiner in self.view.standbys:
+            self.view.standbys[m.joiner].state = "starting"  # it reports 'ready' again once it is back
+        nodes = tuple(self.view.train_nodes()) + ((m.joiner,) if m.joiner else ())
+        # The node still has to leave: ask again, as a new migration, once a standby is ready;
+        # after MAX_ATTEMPTS failures give up (the job keeps running on the node and says so).
+        retry = Migration(len(self.migrations) + 1, m.leaver, m.leaver_ranks, m.trigger, now)
+        self.migrations.append(retry)
+        if sum(1 for x in self.migrations if x.leaver == m.leaver and x.phase is Phase.ABORTED) >= MAX_ATTEMPTS:
+            retry.to(Phase.FAILED, now, f"gave up after {MAX_ATTEMPTS} aborted attempts; {m.leaver} stays in the job")
+        return [self._timeline(m, now, "aborted", reason=reason),
+                Send(nodes, make("abort", epoch=m.epoch, reason=reason[:500]))] + self._dispatch(now)
+
+    def _on_step(self, now: float, node: str, msg: dict) -> list:
+        rank, step = msg["rank"], msg["step"]
+        hist = self.steps.setdefault(rank, [])
+        hist.append((step, msg["t"]))
+        del hist[:-64]
+        row = self.rows.setdefault(step, {})
+        row[rank] = {"loss": msg["loss"], "step_s": msg["step_s"], "node": node, "t": msg["t"]}
+        actions = []
+        if len(row) == self.view.world_size:
+            del self.rows[step]
+            ranks = range(self.view.world_size)
+            actions.append(Record("metrics", {
+                "step": step, "loss": sum(row[r]["loss"] for r in ranks) / self.view.world_size,
+                "losses": [row[r]["loss"] for r in ranks], "step_s": max(row[r]["step_s"] for r in ranks),
+                "nodes": [row[r]["node"] for r in ranks], "t": max(row[r]["t"] for r in ranks)}))
+        for m in self.migrations:
+            if m.switch_step is not None and m.downtime_s is None and step == m.switch_step + 1:
+                m.downtime_s = self._downtime(m)
+        return actions
+
+    def _downtime(self, m: Migration) -> float | None:
+        """Pause seen by the stayers: last step before the switch to the first after, minus
+        one normal step (median interval before), each rank on its own clock; the worst rank."""
+        worst = None
+        for rank, hist in self.steps.items():
+            if rank in m.leaver_ranks:
+                continue
+            t = dict(hist)
+            s = m.switch_step
+            if s not in t or s + 1 not in t:
+                continue
+            before = [t[k + 1] - t[k] for k in range(s - 16, s) if k in t and k + 1 in t]
+            if not before:
+                continue
+            gap = t[s + 1] - t[s] - statistics.median(before)
+            worst = gap if worst is None else max(worst, gap)
+        return None if worst is None else round(max(worst, 0.0), 6)
+
+    def on_step_exit(self, now: float, node: str, code: int) -> list:
+        m = next((m for m in self.migrations if m.leaver == node and m.phase in (Phase.SWITCHING, Phase.RELEASING)), None)
+        if m is not None:
+            m.leaver_exited = True
+            if m.phase is Phase.RELEASING:
+                return [ReleaseNode(node)]
+            return []
+        if node in self.view.standbys:
+            self.view.standbys.pop(node)
+            log.warning("standby agent on %s exited (code %d)", node, code)
+            return self._maybe_acquire(now)
+        if node in self.view.rank_node.values() and not self.done:
+            if code == 0:  # its 'finished' report may still be queued behind this exit
+                return []
+            return [Finish(False, f"worker on {node} (ranks {list(self.view.ranks_of(node))}) exited with code {code}")]
+        return []
+
+    def on_released(self, now: float, node: str, ok: bool, message: str) -> list:
+        m = next((m for m in self.migrations if m.leaver == node and m.phase is Phase.RELEASING), None)
+        if m is None:
+            return []
+        if ok:
+            self.view.released.append(node)
+        m.to(Phase.DONE, now, "" if ok else message)
+        return [self._timeline(m, now, "released" if ok else "kept", note=message, downtime_s=m.downtime_s)] + self._dispatch(now)
+
+    def on_tick(self, now: float) -> list:
+        actions = []
+        m = self.active()
+        if m and m.phase is Phase.PREPARING and now - m.times["preparing"] > self.cfg.phase1_timeout_s:
+            actions += self._abort(now, m, f"phase 1 not done within {self.cfg.phase1_timeout_s:.0f}s")
+        return actions + self._maybe_acquire(now) + self._dispatch(now)
+
+    # --- reporting -----------------------------------------------------------------------
+    def status(self) -> dict:
+        v = self.view
+        nodes = [{"name": n, "role": "train", "ranks": list(v.ranks_of(n)), "slurm_state": v.node_state.get(n, "")}
+                 for n in v.train_nodes()]
+        nodes += [{"name": n, "role": "released", "ranks": [], "slurm_state": v.node_state.get(n, "")} for n in v.released]
+        waiting = [m for m in self.migrations if m.phase is Phase.WAITING_STANDBY]
+        return {
+            "job_id": v.job_id, "world_size": v.world_size, "batch_host": v.batch_host,
+            "nodes": nodes,
+            "standbys": [{"node": s.node, "state": s.state, "warmup_s": s.warmup_s, "shadow_steps": s.shadow_steps,
+                          "slurm_state": v.node_state.get(s.node, "")} for s in v.standbys.values()],
+            "standby_pool": {"wanted": self.cfg.standbys, "acquiring": self.acquiring, "note": self.acquire_note},
+            "waiting_for_standby": [m.leaver for m in waiting],
+            "message": (f"waiting for a standby: the job keeps running on {', '.join(m.leaver for m in waiting)}"
+                        if waiting else ""),
+            "migrations": [m.to_json() for m in self.migrations],
+            "finished": self.done,
+        }

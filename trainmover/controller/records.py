@@ -1,0 +1,45 @@
+"""The files a job writes under `runs/<job id>/` on the shared job directory.
+
+metrics.jsonl   one line per step: step, loss, per-rank losses, step time, node of each rank
+timeline.jsonl  every migration event with its wall-clock time
+status.json     the controller's view (what `trainmover status` prints), replaced atomically
+final.json      step count and the digest of all parameters and optimizer state
+controller.json where the controller listens (address from Slurm, port)
+secret          the job's channel key, mode 0600
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)  # readers never see a half-written file
+
+
+class RunFiles:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._streams = {name: open(self.root / f"{name}.jsonl", "a", buffering=1) for name in ("metrics", "timeline")}
+
+    def append(self, stream: str, row: dict) -> None:
+        self._streams[stream].write(json.dumps(row, sort_keys=True) + "\n")
+
+    def write(self, name: str, obj: dict) -> None:
+        write_json(self.root / f"{name}.json", obj)
+
+    @property
+    def secret(self) -> Path:
+        return self.root / "secret"
+
+    def close(self) -> None:
+        for f in self._streams.values():
+            f.close()
+
+
+def run_dir(work_dir: str, job_id: int | str) -> Path:
+    return Path(work_dir) / "runs" / str(job_id)
