@@ -1,10 +1,12 @@
 """Fixtures for end-to-end tests against the embedded, real Slurm cluster.
 
 `slurm_cluster` starts it once per session with `trainmover.cluster.up()`
-(4 training + 2 standby nodes, state in $TM_CLUSTER_DIR or
-/var/tmp/trainmover-cluster; it installs the Debian packages on a bare
+(4 training + 2 standby nodes; it installs the Debian packages on a bare
 machine) and leaves it running afterwards, so that the next session starts in
-about 0.1 s. Stop it with `python -m trainmover.cluster down`.
+about 0.1 s. The tests use their own cluster, state in $TM_E2E_CLUSTER_DIR or
+/var/tmp/trainmover-cluster-e2e, apart from the default one that demos use
+(tests take it down and need every node free). Stop it with
+`python -m trainmover.cluster down --dir /var/tmp/trainmover-cluster-e2e`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pytest
 from trainmover.slurm import CliSlurm, JobInfo, commands
 
 TEST_JOB_PREFIX = "tm-e2e-"
+E2E_DIR = os.environ.get("TM_E2E_CLUSTER_DIR", "/var/tmp/trainmover-cluster-e2e")
 DRAIN_PREFIX = "tm-e2e"
 
 
@@ -28,7 +31,7 @@ def slurm_cluster():
         pytest.skip("the embedded Slurm cluster needs root (private munged, slurmd in namespaces)")
     from trainmover import cluster
 
-    info = cluster.up(nodes=4, standby=2)
+    info = cluster.up(nodes=4, standby=2, state_dir=E2E_DIR)
     client = CliSlurm(slurm_conf=str(info.slurm_conf))
     _clean(client, info.slurm_conf)
     yield info

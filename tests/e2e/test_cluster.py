@@ -1,7 +1,7 @@
 """The embedded cluster and the Slurm client against real slurmctld/slurmd.
 
-Run: .venv/bin/python -m pytest tests/e2e/test_cluster.py -q   (root; ~1 min on 2 cores)
-The cluster is left running at the end (see conftest.py).
+Run: .venv/bin/python -m pytest tests/e2e/test_cluster.py -q   (root; ~25 s on 2 cores once the
+packages are installed). The tests' own cluster is left running at the end (see conftest.py).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ def wait_for(what, check, timeout=30.0, interval=0.2):
 
 def test_up_is_idempotent(slurm_cluster):
     t = time.monotonic()
-    again = cluster.up(nodes=4, standby=2)
+    again = cluster.up(nodes=4, standby=2, state_dir=slurm_cluster.state_dir)
     assert again.already_running and time.monotonic() - t < 5
-    st = cluster.status()
+    st = cluster.status(slurm_cluster.state_dir)
     assert st["running"] and st["reservation"] == RESV
     assert all(d["up"] for d in st["daemons"].values())
     assert set(st["nodes"]) == {"train1", "train2", "train3", "train4", "spare1", "spare2"}
@@ -179,12 +179,13 @@ def test_batch_host_cannot_be_released(slurm_client, slurm_env, submit):
 
 
 def test_down_is_idempotent_and_up_restarts(slurm_cluster):
-    stopped = cluster.down()
+    d = slurm_cluster.state_dir
+    stopped = cluster.down(d)
     assert "slurmctld" in stopped and "munged" in stopped
-    assert cluster.down() == {}
-    st = cluster.status()
+    assert cluster.down(d) == {}
+    st = cluster.status(d)
     assert not st["running"] and not any(d["up"] for d in st["daemons"].values())
     t = time.monotonic()
-    info = cluster.up(nodes=4, standby=2)
+    info = cluster.up(nodes=4, standby=2, state_dir=d)
     assert not info.already_running and time.monotonic() - t < 30
-    assert cluster.status()["running"]
+    assert cluster.status(d)["running"]
