@@ -175,7 +175,7 @@ class Controller:
             actions = []
             if now >= next_poll:
                 next_poll = now + self.cfg.poll_s
-                watched = self.view.train_nodes() + list(self.view.standbys)
+                watched = self.view.train_nodes() + list(self.view.standbys) + self.view.released
                 try:
                     actions += self.policy.on_nodes(now, self.slurm.nodes(watched))
                 except SlurmError as exc:  # slurmctld slow or down: keep training, try again
