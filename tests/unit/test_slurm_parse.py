@@ -437,3 +437,21 @@ def test_slurm_conf_given_to_the_client_reaches_the_command(fake):
     f = fake((["scontrol", "show", "hostnames"], (0, "a1\na2\n", "")))
     assert CliSlurm(slurm_conf="/c/slurm.conf").hostnames("a[1-2]") == ["a1", "a2"]
     assert f.envs[-1]["SLURM_CONF"] == "/c/slurm.conf"
+
+
+def test_grow_waits_out_the_credential_revocation_of_a_node_it_just_released(fake):
+    """A node released from a job and merged back in the same second refuses the
+    job's next step ('Job credential revoked'); grow() waits for the next second."""
+    jobs = iter([JOB_TEXT, _job_line("spare2,train3,train4", 3),              # shrink: before, after
+                 _job_line("spare2,train3,train4", 3), JOB_TEXT])              # grow: before, after
+    fake((["scontrol", "-o", "show", "job", "9"], lambda: (0, next(jobs), "")),
+         (["scontrol", "-o", "show", "job", "10"], (0, _job_line("spare1", 1, job_id=10, batch="spare1"), "")),
+         (["salloc"], (0, "", "salloc: Granted job allocation 10\n")),
+         (["scontrol", "update"], (0, "", "")))
+    now = [1000.30]
+    slept = []
+    c = CliSlurm(wall_clock=lambda: now[0], sleep=lambda s: (slept.append(s), now.__setitem__(0, now[0] + s)))
+    assert c.shrink(9, ["train3", "train4", "spare2"]) == ["spare1"]
+    now[0] = 1000.70
+    assert c.grow(9, reservation="trainmover_standby", timeout=5) == "spare1"
+    assert slept == [pytest.approx(0.35)] and now[0] >= 1001.0

@@ -39,7 +39,7 @@ def _apt_env() -> dict[str, str]:
     return env
 
 
-def ensure_installed(*, log=lambda msg: print(msg, file=sys.stderr)) -> bool:
+def ensure_installed(*, log=lambda msg: print(f"trainmover cluster: {msg}", file=sys.stderr)) -> bool:
     """Install PACKAGES with apt-get when a required program is missing.
 
     Returns True when it installed something. Needs root and a Debian/Ubuntu
@@ -54,16 +54,16 @@ def ensure_installed(*, log=lambda msg: print(msg, file=sys.stderr)) -> bool:
     if os.geteuid() != 0:
         raise ClusterError(f"missing programs {missing}; run as root so that apt-get can install "
                            f"{' '.join(PACKAGES)}")
-    log(f"trainmover cluster: missing {', '.join(missing)}; installing Debian packages "
+    log(f"missing {', '.join(missing)}; installing Debian packages "
         f"{' '.join(PACKAGES)} (apt-get, about 15 s)")
     env = _apt_env()
     install = ["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES]
     if not glob.glob("/var/lib/apt/lists/*_Packages*"):
-        log("trainmover cluster: apt package lists are empty; running apt-get update")
+        log("apt package lists are empty; running apt-get update")
         run_cmd(["apt-get", "update"], timeout=300, env=env, what="apt-get update")
     proc = run_cmd(install, timeout=900, env=env, what="apt-get install", check=False)
     if proc.returncode != 0:
-        log("trainmover cluster: apt-get install failed; running apt-get update and retrying")
+        log("apt-get install failed; running apt-get update and retrying")
         run_cmd(["apt-get", "update"], timeout=300, env=env, what="apt-get update")
         run_cmd(install, timeout=900, env=env, what="apt-get install")
     still = missing_programs()

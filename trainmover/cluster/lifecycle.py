@@ -173,7 +173,8 @@ def _slurm(spec: ClusterSpec, *argv: str, check: bool = True, timeout: float = Q
 # --- starting ----------------------------------------------------------------------
 
 def _write_files(spec: ClusterSpec, old: Optional[ClusterSpec]) -> None:
-    for d in (spec.etc, spec.run, spec.run / "munge", spec.log, spec.spool, spec.ctld_state):
+    for d in (spec.etc, spec.run, spec.run / "munge", spec.log, spec.spool, spec.ctld_state,
+              *(spec.spool / f"slurmd-{n}" for n in spec.all_nodes)):
         d.mkdir(parents=True, exist_ok=True)
     os.chmod(spec.state_dir, 0o755)
     os.chmod(spec.run / "munge", 0o755)
@@ -184,13 +185,20 @@ def _write_files(spec: ClusterSpec, old: Optional[ClusterSpec]) -> None:
         for p in spec.spool.glob("slurmd-*"):
             shutil.rmtree(p, ignore_errors=True)
         spec.ctld_state.mkdir(parents=True, exist_ok=True)
+        for n in spec.all_nodes:
+            (spec.spool / f"slurmd-{n}").mkdir(parents=True, exist_ok=True)
     if not spec.munge_key.exists():
         spec.munge_key.write_bytes(secrets.token_bytes(1024))
     os.chmod(spec.munge_key, 0o400)
     spec.slurm_conf.write_text(specmod.render_slurm_conf(spec))
     spec.slurmdbd_conf.write_text(specmod.render_slurmdbd_conf(spec))
     os.chmod(spec.slurmdbd_conf, 0o600)
-    spec.hosts_file.write_text(specmod.render_hosts(spec, Path("/etc/hosts").read_text()))
+    try:
+        system_hosts = Path("/etc/hosts").read_text()
+    except FileNotFoundError:
+        raise ClusterError("/etc/hosts is missing: each node bind-mounts its own hosts file over it, "
+                           "so it must exist (e.g. `printf '127.0.0.1 localhost\\n' > /etc/hosts`)")
+    spec.hosts_file.write_text(specmod.render_hosts(spec, system_hosts))
     spec.hosts_file.chmod(0o644)
     _spec_path(spec.state_dir).write_text(spec.to_json())
 

@@ -8,8 +8,10 @@ the pyslurm release (see docs/admin.md); `client(backend=...)` picks one.
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Optional, Protocol, runtime_checkable
 
 from trainmover.errors import SlurmError
@@ -60,8 +62,17 @@ class CliSlurm:
     `timeout`: seconds allowed to each query or update command.
     """
 
-    def __init__(self, *, slurm_conf: Optional[str] = None, timeout: float = 15.0):
+    # A node released from a job and merged back into it within the same wall-clock
+    # second refuses the job's next step: slurmd revoked the job's credential at the
+    # release (1 s resolution) and rejects credentials created no later than that
+    # second ("Job credential revoked"). grow() waits out that second.
+    CRED_REVOKE_MARGIN_S = 1.05
+
+    def __init__(self, *, slurm_conf: Optional[str] = None, timeout: float = 15.0,
+                 wall_clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep):
         self.timeout = timeout
+        self._wall_clock, self._sleep = wall_clock, sleep
+        self._released_at: dict[tuple[int, str], float] = {}
         self._env: Optional[dict[str, str]] = None
         if slurm_conf is not None:
             self._env = {**os.environ, "SLURM_CONF": str(slurm_conf)}
@@ -159,7 +170,19 @@ class CliSlurm:
         after = self.job(job_id)
         if node not in after.nodes:
             raise SlurmError(f"job {job_id} did not absorb {node} from donor {donor}: it holds {after.nodelist}")
+        self._wait_out_revocation(job_id, node)
         return node
+
+    def _wait_out_revocation(self, job_id: int, node: str) -> None:
+        """If this client released `node` from `job_id` moments ago, wait until a step
+        credential created now would postdate that release by a whole second."""
+        released = self._released_at.pop((job_id, node), None)
+        if released is None:
+            return
+        ready_at = math.floor(released) + self.CRED_REVOKE_MARGIN_S
+        wait = ready_at - self._wall_clock()
+        if wait > 0:
+            self._sleep(wait)
 
     def shrink(self, job_id: int, keep: Sequence[str]) -> list[str]:
         keep = list(dict.fromkeys(keep))
@@ -177,6 +200,8 @@ class CliSlurm:
         if not released:
             return []
         self._run(build.set_nodelist(job_id, keep))
+        now = self._wall_clock()
+        self._released_at.update({(job_id, n): now for n in released})
         after = self.job(job_id)
         left = [n for n in released if n in after.nodes]
         if left:
