@@ -138,14 +138,14 @@ time.sleep(600)
     assert stdout == f"{spare} 3"
 
 
-def test_repeated_grow_and_shrink(slurm_client, submit):
+def test_repeated_grow_and_shrink(slurm_client, slurm_env, submit):
     job = submit(SLEEP, nodes=2, name="repeat")
     for round_ in range(3):
         spare = slurm_client.grow(job.job_id, reservation=RESV, timeout=10)
         assert spare in slurm_client.job(job.job_id).nodes
         # a step right away, also on a spare released from this job moments ago
         step = subprocess.run(slurm_client.step_argv(job.job_id, spare, ["hostname"]), capture_output=True,
-                              text=True, timeout=30)
+                              text=True, timeout=30, env=slurm_env)
         assert (step.returncode, step.stdout.strip()) == (0, spare), (round_, step.stderr)
         assert slurm_client.shrink(job.job_id, keep=list(job.nodes)) == [spare]
         now = slurm_client.job(job.job_id)
