@@ -6,6 +6,7 @@ packages are installed). The tests' own cluster is left running at the end (see 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -193,3 +194,28 @@ def test_down_is_idempotent_and_up_restarts(slurm_cluster):
     info = cluster.up(nodes=4, standby=2, state_dir=d)
     assert not info.already_running and time.monotonic() - t < 30
     assert cluster.status(d)["running"]
+
+
+def test_up_names_the_daemon_that_failed(slurm_cluster, monkeypatch):
+    """A broken slurm.conf: up() fails fast, naming slurmctld and showing why."""
+    import shutil
+
+    from trainmover.cluster import ClusterError, lifecycle
+    from trainmover.cluster import spec as specmod
+
+    good = specmod.render_slurm_conf
+    monkeypatch.setattr(specmod, "render_slurm_conf", lambda spec: good(spec) + "NoSuchOption=1\n")
+    # not under pytest's tmp_path: munged wants every parent of its socket searchable by all
+    d = Path(f"/var/tmp/tm-e2e-broken-{os.getpid()}")
+    t = time.monotonic()
+    try:
+        with pytest.raises(ClusterError) as ei:
+            lifecycle.up(nodes=1, standby=1, state_dir=d)
+    finally:
+        cluster.down(d)
+    assert time.monotonic() - t < 30
+    msg = str(ei.value)
+    assert msg.startswith("slurmctld failed") and "unrecognized key: NoSuchOption" in msg
+    assert "last lines of" in msg
+    assert not any(s["up"] for s in cluster.status(d)["daemons"].values())
+    shutil.rmtree(d)

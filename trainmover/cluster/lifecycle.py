@@ -19,7 +19,7 @@ from typing import Iterator, Optional
 
 from trainmover.cluster import install, spec as specmod
 from trainmover.cluster.procs import (
-    ClusterError, find_pids, owned, read_pid, run_cmd, running_pid, tail, terminate, wait_until,
+    ClusterError, find_pids, run_cmd, running_pid, tail, terminate, wait_until,
 )
 from trainmover.cluster.spec import ClusterSpec, Ports
 from trainmover.errors import DeadlineExceeded, SlurmError
@@ -418,11 +418,19 @@ def _start_all(spec: ClusterSpec, running: dict[str, Optional[int]]) -> None:
                    f"{tail(_log_for(spec, 'slurmd:' + n))}"
         return msg
 
+    def ready() -> bool:
+        if _all_nodes_ready(spec):
+            return True
+        for node in spec.all_nodes:  # fail at once when a slurmd died after starting
+            _alive(spec, f"slurmd:{node}")
+        return False
+
     try:
-        wait_until("all nodes to register (idle)", lambda: _all_nodes_ready(spec), timeout=STEP_TIMEOUT,
-                   interval=0.2, on_timeout=not_ready)
+        wait_until("all nodes to register (idle)", ready, timeout=STEP_TIMEOUT, interval=0.2, on_timeout=not_ready)
     except DeadlineExceeded as exc:
         raise ClusterError(f"slurmd: {exc}") from exc
+    except ClusterError as exc:
+        raise _fail(spec, str(exc).split(" ", 1)[0], str(exc)) from exc
     _log(f"{len(spec.all_nodes)} slurmd up ({time.monotonic() - t:.1f}s)")
     try:
         _ensure_reservation(spec)
