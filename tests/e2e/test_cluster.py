@@ -124,7 +124,10 @@ stale = os.environ["SLURM_JOB_NODELIST"]
 env = c.step_env(job, dict(os.environ))
 argv = c.step_argv(job.job_id, node, ["bash", "-c", 'echo $(hostname) $SLURM_JOB_NUM_NODES'])
 out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=20)
-open({str(tmp_path / "inside.out")!r}, "w").write(f"{{stale}}|{{out.returncode}}|{{out.stdout.strip()}}|{{out.stderr}}")
+released = ",".join(c.shrink(job.job_id, [n for n in job.nodes if n != node]))  # from inside the job
+open({str(tmp_path / "inside.tmp")!r}, "w").write(
+    f"{{stale}}|{{released}}|{{out.returncode}}|{{out.stdout.strip()}}|{{out.stderr}}")
+os.rename({str(tmp_path / "inside.tmp")!r}, {str(tmp_path / "inside.out")!r})
 time.sleep(600)
 """
     job = submit(script, nodes=2, name="inside")
@@ -133,10 +136,12 @@ time.sleep(600)
     (tmp_path / "go.tmp").rename(tmp_path / "go")
     result = tmp_path / "inside.out"
     wait_for("the batch script's step", result.exists, timeout=30)
-    stale, rc, stdout, stderr = result.read_text().split("|", 3)
+    stale, released, rc, stdout, stderr = result.read_text().split("|", 4)
     assert slurm_client.hostnames(stale) == list(job.nodes)  # the batch env predates the grow
     assert rc == "0", stderr
     assert stdout == f"{spare} 3"
+    assert released == spare and slurm_client.job(job.job_id).nodes == job.nodes
+    assert not list(tmp_path.glob("slurm_job_*_resize.*"))  # scontrol ran without SLURM_JOBID
 
 
 def test_repeated_grow_and_shrink(slurm_client, slurm_env, submit):

@@ -455,3 +455,17 @@ def test_grow_waits_out_the_credential_revocation_of_a_node_it_just_released(fak
     now[0] = 1000.70
     assert c.grow(9, reservation="trainmover_standby", timeout=5) == "spare1"
     assert slept == [pytest.approx(0.35)] and now[0] >= 1001.0
+
+
+def test_job_updates_run_without_the_job_environment(fake, monkeypatch):
+    """Inside a job, scontrol update would write slurm_job_J_resize.{sh,csh} into the cwd."""
+    monkeypatch.setenv("SLURM_JOBID", "9")
+    monkeypatch.setenv("SLURM_JOB_ID", "9")
+    jobs = iter([JOB_TEXT, _job_line("spare2,train3", 2)])
+    f = fake((["scontrol", "-o", "show", "job", "9"], lambda: (0, next(jobs), "")),
+             (["scontrol", "update"], (0, "", "")))
+    CliSlurm().shrink(9, ["train3", "spare2"])
+    updates = [e for a, e in zip(f.seen, f.envs) if a[:2] == ["scontrol", "update"]]
+    assert updates and all("SLURM_JOBID" not in e and "SLURM_JOB_ID" not in e for e in updates)
+    queries = [e for a, e in zip(f.seen, f.envs) if a[:3] == ["scontrol", "-o", "show"]]
+    assert all(e.get("SLURM_JOBID") == "9" for e in queries)

@@ -81,6 +81,15 @@ class CliSlurm:
     def _run(self, argv: list[str], *, timeout: Optional[float] = None, check: bool = True):
         return commands.run(argv, timeout=timeout or self.timeout, env=self._env, check=check)
 
+    def _update_job(self, argv: list[str]):
+        """`scontrol update JobId=...` without SLURM_JOBID in its environment: run
+        inside a job (the controller in a batch script), scontrol would otherwise
+        write slurm_job_<J>_resize.{sh,csh} into the working directory."""
+        env = commands.build_env(self._env)
+        for key in ("SLURM_JOBID", "SLURM_JOB_ID"):
+            env.pop(key, None)
+        return commands.run(argv, timeout=self.timeout, env=env)
+
     # --- queries ------------------------------------------------------------------
     def nodes(self, names: Optional[Sequence[str]] = None) -> dict[str, NodeInfo]:
         names = list(names) if names is not None else None
@@ -161,11 +170,11 @@ class CliSlurm:
             new_nodes = self.job(donor).nodes
             if len(new_nodes) != 1:
                 raise SlurmError(f"donor job {donor} for job {job_id} holds {new_nodes}, expected one node")
-            self._run(build.merge_donor(donor))
+            self._update_job(build.merge_donor(donor))
         except SlurmError:
             self._run(build.scancel([donor]), check=False)
             raise
-        self._run(build.absorb(job_id))
+        self._update_job(build.absorb(job_id))
         node = new_nodes[0]
         after = self.job(job_id)
         if node not in after.nodes:
@@ -199,7 +208,7 @@ class CliSlurm:
         released = [n for n in cur.nodes if n not in keep]
         if not released:
             return []
-        self._run(build.set_nodelist(job_id, keep))
+        self._update_job(build.set_nodelist(job_id, keep))
         now = self._wall_clock()
         self._released_at.update({(job_id, n): now for n in released})
         after = self.job(job_id)
