@@ -97,9 +97,10 @@ class CliSlurm:
             return {}
         proc = self._run(build.show_nodes(names), check=False)
         found = parse.parse_nodes_text(proc.stdout)
+        if proc.returncode != 0 and (names is None or not found):
+            raise SlurmError(f"scontrol show node exited with {proc.returncode}: "
+                             f"{(proc.stderr or proc.stdout).strip()[:300]}")
         if names is None:
-            if proc.returncode != 0:
-                raise SlurmError(f"scontrol show node exited with {proc.returncode}: {proc.stderr.strip()}")
             return found
         missing = [n for n in names if n not in found]
         if missing:
