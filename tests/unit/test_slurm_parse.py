@@ -419,6 +419,17 @@ def test_nodes_one_call_and_unknown_names(fake):
         c.nodes(["train1", "nosuch"])
 
 
+def test_nodes_single_unknown_and_controller_errors(fake):
+    fake((["scontrol", "-o", "show", "node", "nosuch"], (1, "Node nosuch not found\n", "")),
+         (["scontrol", "-o", "show", "node", "train1"],
+          (1, "", "slurm_load_node error: Unable to contact slurm controller (connect failure)")))
+    with pytest.raises(UnknownNodes, match="nosuch"):
+        CliSlurm().nodes(["nosuch"])
+    with pytest.raises(SlurmError, match="Unable to contact slurm controller") as ei:
+        CliSlurm().nodes(["train1"])
+    assert not isinstance(ei.value, UnknownNodes)
+
+
 def test_free_standbys(fake):
     fake((["scontrol", "-o", "show", "reservation"], (0, RESV_TEXT, "")),
          (["scontrol", "-o", "show", "node", "spare1,spare2"],
