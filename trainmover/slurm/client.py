@@ -104,7 +104,8 @@ class CliSlurm:
             return found
         missing = [n for n in names if n not in found]
         if missing:
-            raise UnknownNodes(f"Slurm does not know node(s) {missing}: {(proc.stderr or proc.stdout).strip()[:300]}")
+            said = [ln for ln in (proc.stdout + proc.stderr).splitlines() if not ln.startswith("NodeName=")]
+            raise UnknownNodes(f"Slurm does not know node(s) {missing}: {'; '.join(said)[:300]}")
         return {n: found[n] for n in names}
 
     def job(self, job_id: int) -> JobInfo:
