@@ -5,6 +5,7 @@
     trainmover status --job J [--json]
     trainmover migrate --job J --node N
     trainmover config                      (every TM_* variable, its default and meaning)
+    trainmover demo [--steps N]            (cluster up, submit, drain, show the migration)
 """
 from __future__ import annotations
 
@@ -90,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--run-dir")
     m.add_argument("--timeout", type=float, default=10.0)
     sub.add_parser("config", help="list every TM_* variable")
+    d = sub.add_parser("demo", help="start the local cluster, submit the demo, drain a node, show the migration")
+    d.add_argument("--steps", type=int, default=1500)
     return p
 
 
@@ -108,6 +111,9 @@ def main(argv=None) -> int:
             if not args.job.isdigit():
                 raise TrainMoverError(f"--job must be a Slurm job id, got {args.job!r}")
             return _migrate(args)
+        if args.command == "demo":
+            from trainmover.demo import main as demo_main
+            return demo_main(steps=args.steps)
         if args.command == "config":
             from trainmover.config import describe
             print(describe())

@@ -17,7 +17,7 @@ INJECTIONS = {
 }
 
 # Variables that belong to the runtime or tools, not to the job's configuration.
-_NOT_CONFIG = {"TM_WORKER_SPEC", "TM_LOG_LEVEL", "TM_TRACE_COLLECTIVES", "TM_CLUSTER_DIR", "TM_TEST_KEEP"}
+_NOT_CONFIG = {"TM_WORKER_SPEC", "TM_LOG_LEVEL", "TM_TRACE_COLLECTIVES", "TM_CLUSTER_DIR", "TM_PYTHON", "TM_E2E_CLUSTER_DIR"}
 
 
 @dataclass(frozen=True)

@@ -280,6 +280,13 @@ class Policy:
         m = self.active()
         if m and m.phase is Phase.PREPARING and now - m.times["preparing"] > self.cfg.phase1_timeout_s:
             actions += self._abort(now, m, f"phase 1 not done within {self.cfg.phase1_timeout_s:.0f}s")
+        elif (m and m.phase is Phase.RELEASING and not m.leaver_exited
+              and now - m.times["releasing"] > self.cfg.release_timeout_s):
+            # The leaver handed over its state but its step lingers: release the node anyway
+            # (Slurm ends the step), rather than hold it in the job forever.
+            m.leaver_exited = True
+            m.note = f"leaver's step still running {self.cfg.release_timeout_s:.0f}s after the switch; released anyway"
+            actions.append(ReleaseNode(m.leaver))
         return actions + self._maybe_acquire(now) + self._dispatch(now)
 
     # --- reporting -----------------------------------------------------------------------

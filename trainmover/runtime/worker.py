@@ -151,6 +151,7 @@ class Agent:
                 start = self.join(msg)
                 if start is not None:
                     return self.train(start)
+                self.send("ready", node=self.spec.node, warmup_s=time.perf_counter() - t0, shadow_steps=0)
 
     def join(self, msg: dict) -> int | None:
         """Take a leaver's slot. Returns the step to continue from, or None if the

@@ -1,0 +1,96 @@
+import json
+import socket
+import struct
+import time
+
+import pytest
+
+from trainmover.control import channel
+from trainmover.control.messages import make, validate
+from trainmover.errors import DeadlineExceeded, ProtocolError
+
+
+@pytest.mark.parametrize("msg, message", [
+    ([], "JSON object"), ({"type": "reboot"}, "unknown message type"),
+    ({"type": "migrate"}, "missing field 'node'"), ({"type": "migrate", "node": 3}, "expected str"),
+    ({"type": "migrate", "node": "a", "x": 1}, "unexpected fields"),
+    ({"type": "step", "rank": -1, "step": 1, "loss": 1.0, "step_s": 0.1, "t": 0.0}, "must be >= 0"),
+    ({"type": "step", "rank": True, "step": 1, "loss": 1.0, "step_s": 0.1, "t": 0.0}, "got bool"),
+    ({"type": "prepare", "epoch": 1, "leavers": ["a"], "joiner_node": "s", "assign": {}, "options": {}}, "leavers"),
+])
+def test_validation_rejects_malformed_messages(msg, message):
+    with pytest.raises(ProtocolError, match=message):
+        validate(msg)
+
+
+@pytest.fixture
+def server():
+    key = channel.new_secret()
+    srv = channel.Server("127.0.0.1", key, handshake_timeout=2.0)
+    yield srv, key
+    srv.close()
+
+
+def hello():
+    return make("hello", role="worker", node="train1", ranks=[0], pid=1)
+
+
+def test_authenticated_round_trip(server):
+    srv, key = server
+    conn = channel.connect(srv.address, key, hello())
+    conn.send(make("migrate", node="train2"))
+    got = [srv.inbox.get(timeout=5)[1] for _ in range(2)]
+    assert got[0]["type"] == "hello" and got[1] == {"type": "migrate", "node": "train2"}
+    conn.close()
+
+
+def _wait_rejected(srv, n):
+    deadline = time.monotonic() + 5
+    while srv.rejected < n and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return srv.rejected
+
+
+def test_wrong_secret_is_rejected_and_delivers_nothing(server):
+    srv, key = server
+    channel.connect(srv.address, b"\x00" * 32, make("migrate", node="train2"))
+    assert _wait_rejected(srv, 1) == 1
+    conn, msg = srv.inbox.get(timeout=5)
+    assert msg is None  # only the "peer gone" marker, never the forged request
+
+
+def test_replayed_frame_is_rejected(server):
+    srv, key = server
+    conn = channel.connect(srv.address, key, hello())
+    body = json.dumps(make("migrate", node="x")).encode()
+    mac = conn.framer._mac(b"C", 0, body)  # a frame valid for sequence 0, sent as sequence 1
+    conn.framer.sock.sendall(struct.pack(">I", len(body)) + body + mac)
+    assert _wait_rejected(srv, 1) == 1
+
+
+def test_oversized_and_garbage_frames_are_rejected(server):
+    srv, key = server
+    for payload in (struct.pack(">I", channel.MAX_FRAME + 1), b"\xff" * 64):
+        s = socket.create_connection(srv.address)
+        s.recv(16)
+        s.sendall(payload)
+        s.close()
+    assert _wait_rejected(srv, 2) == 2
+
+
+def test_unreachable_controller_times_out_with_a_clear_error():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    with pytest.raises(DeadlineExceeded, match=f"127.0.0.1:{port}"):
+        channel.connect(("127.0.0.1", port), b"k" * 32, hello(), timeout=0.5)
+
+
+def test_secret_file_is_private(tmp_path):
+    path = tmp_path / "secret"
+    key = channel.write_secret(str(path))
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    assert channel.read_secret(str(path)) == key
+    with pytest.raises(FileExistsError):
+        channel.write_secret(str(path))  # never overwrite another job's secret

@@ -1,0 +1,148 @@
+"""The controller's decisions, driven with a fake clock and fake observations."""
+from dataclasses import dataclass
+
+from trainmover.config import Config
+from trainmover.controller.actions import AcquireStandby, Finish, LaunchStandby, Record, ReleaseNode, Send
+from trainmover.controller.migration import Phase
+from trainmover.controller.policy import JobView, Policy
+
+
+@dataclass
+class Node:
+    state: str
+
+    @property
+    def draining(self):
+        return "DRAIN" in self.state and self.state.startswith(("ALLOCATED", "MIXED"))
+
+    @property
+    def drained(self):
+        return "DRAIN" in self.state and not self.draining
+
+
+def new_policy(**cfg):
+    view = JobView(7, 3, 1, "train1", {0: "train1", 1: "train2", 2: "train3"})
+    return Policy(Config(**cfg), view)
+
+
+def sends(actions, kind):
+    return [a for a in actions if isinstance(a, Send) and a.msg["type"] == kind]
+
+
+def ready_standby(p, now=1.0, node="spare1"):
+    assert p.start(0.0) == [AcquireStandby()]
+    assert p.on_standby_acquired(now, node) == [LaunchStandby(node)]
+    return p.on_message(now + 1, node, {"type": "ready", "node": node, "warmup_s": 2.0, "shadow_steps": 2})
+
+
+def test_drain_of_a_job_node_starts_phase1_with_the_joiner_in_the_leavers_slot():
+    p = new_policy()
+    ready_standby(p)
+    acts = p.on_nodes(10.0, {"train2": Node("ALLOCATED+DRAIN"), "train1": Node("ALLOCATED")})
+    to_stayers, to_joiner = sends(acts, "prepare")
+    assert set(to_stayers.nodes) == {"train1", "train3", "train2"}
+    assert to_joiner.nodes == ("spare1",) and to_joiner.msg["assign"] == {"0": 1}
+    assert to_stayers.msg["leavers"] == [1] and to_stayers.msg["epoch"] == 1
+    m = p.active()
+    assert m.phase is Phase.PREPARING and m.trigger == "drain" and m.joiner == "spare1"
+    # a second observation of the same drain does not start another migration
+    assert not sends(p.on_nodes(11.0, {"train2": Node("ALLOCATED+DRAIN")}), "prepare")
+
+
+def test_full_migration_then_release_and_refill():
+    p = new_policy(standbys=1)
+    ready_standby(p)
+    p.on_nodes(10.0, {"train2": Node("ALLOCATED+DRAIN")})
+    for rank, node in ((0, "train1"), (2, "train3"), (1, "train2"), (1, "spare1")):
+        p.on_message(10.2, node, {"type": "prepared", "epoch": 1, "rank": rank, "groups": ["world"], "seconds": 0.1})
+    assert p.active().phase is Phase.SWITCHING
+    for rank, node, role in ((0, "train1", "stayer"), (2, "train3", "stayer"), (1, "train2", "leaver")):
+        acts = p.on_message(10.5, node, {"type": "switched", "epoch": 1, "rank": rank, "role": role, "step": 40,
+                                         "t": 10.5, "detail": {}})
+        assert not any(isinstance(a, ReleaseNode) for a in acts)
+    assert p.on_step_exit(10.55, "train2", 0) == []  # leaver gone, but the joiner has not reported yet
+    acts = p.on_message(10.6, "spare1", {"type": "switched", "epoch": 1, "rank": 1, "role": "joiner", "step": 40,
+                                         "t": 10.6, "detail": {"bytes": 10}})
+    assert ReleaseNode("train2") in acts and AcquireStandby() in acts  # refill the pool
+    assert p.view.rank_node[1] == "spare1" and "spare1" not in p.view.standbys
+    acts = p.on_released(11.0, "train2", True, "")
+    assert p.migrations[0].phase is Phase.DONE
+    st = p.status()
+    assert [n["name"] for n in st["nodes"] if n["role"] == "released"] == ["train2"]
+    assert st["migrations"][0]["joiner"] == "spare1" and st["migrations"][0]["trigger"] == "drain"
+
+
+def test_drain_without_standby_waits_and_keeps_the_job_running():
+    p = new_policy()
+    p.start(0.0)
+    p.on_standby_unavailable(1.0, "no free node in reservation trainmover_standby")
+    acts = p.on_nodes(2.0, {"train3": Node("MIXED+DRAIN")})
+    assert not sends(acts, "prepare")
+    st = p.status()
+    assert st["waiting_for_standby"] == ["train3"]
+    assert "waiting for a standby" in st["message"] and "train3" in st["message"]
+    # retries after standby_retry_s, not before (no tight polling)
+    assert AcquireStandby() not in p.on_tick(2.0 + p.cfg.standby_retry_s / 2)
+    assert AcquireStandby() in p.on_tick(2.0 + p.cfg.standby_retry_s + 0.1)
+    # when one arrives and warms up, the waiting migration starts
+    p.on_standby_acquired(9.0, "spare2")
+    acts = p.on_message(12.0, "spare2", {"type": "ready", "node": "spare2", "warmup_s": 2.0, "shadow_steps": 2})
+    assert sends(acts, "prepare") and p.active().phase is Phase.PREPARING
+
+
+def test_drain_of_a_node_outside_the_job_is_ignored_and_manual_request_rejected():
+    p = new_policy()
+    ready_standby(p)
+    assert p.on_nodes(5.0, {"train4": Node("IDLE+DRAIN")}) == []
+    ok, message, acts = p.request(5.0, "train4", "manual")
+    assert not ok and "runs no rank of job 7" in message and acts == []
+    assert p.migrations == []
+
+
+def test_phase1_deadline_aborts_and_retries_then_gives_up():
+    p = new_policy(phase1_timeout_s=5.0)
+    ready_standby(p)
+    p.on_nodes(10.0, {"train2": Node("ALLOCATED+DRAIN")})
+    acts = p.on_tick(15.1)
+    assert sends(acts, "abort") and p.migrations[0].phase is Phase.ABORTED
+    assert "phase 1 not done within 5s" in p.migrations[0].note
+    for attempt in range(2):  # the standby reports ready again after a cancelled join
+        p.on_message(16.0 + attempt * 10, "spare1", {"type": "ready", "node": "spare1", "warmup_s": 0.0, "shadow_steps": 0})
+        p.on_tick(16.0 + attempt * 10 + 5.5)
+    assert [m.phase for m in p.migrations].count(Phase.ABORTED) == 3
+    assert p.migrations[-1].phase is Phase.FAILED and "stays in the job" in p.migrations[-1].note
+
+
+def test_prepare_failure_aborts_before_any_switch():
+    p = new_policy()
+    ready_standby(p)
+    p.on_nodes(10.0, {"train2": Node("ALLOCATED+DRAIN")})
+    acts = p.on_message(10.1, "train3", {"type": "prepare_failed", "epoch": 1, "rank": 2, "error": "gloo timeout"})
+    assert sends(acts, "abort")[0].msg["reason"].startswith("rank 2 on train3")
+
+
+def test_metrics_rows_downtime_and_final():
+    p = new_policy()
+    ready_standby(p)
+    rows = []
+    for step in range(1, 21):
+        t = step * 0.1 + (0.5 if step > 10 else 0.0)  # a 0.5 s pause between step 10 and 11
+        for rank in range(3):
+            rows += [a for a in p.on_message(t, f"train{rank + 1}", {"type": "step", "rank": rank, "step": step,
+                     "loss": 1.0 + rank, "step_s": 0.08, "t": t}) if isinstance(a, Record)]
+        if step == 5:
+            p.on_nodes(t, {"train2": Node("ALLOCATED+DRAIN")})
+            p.migrations[0].switch_step = 10
+    assert len(rows) == 20 and rows[0].payload["losses"] == [1.0, 2.0, 3.0] and rows[0].payload["loss"] == 2.0
+    assert abs(p.migrations[0].downtime_s - 0.5) < 1e-6
+    acts = []
+    for rank in range(3):
+        acts = p.on_message(3.0, "x", {"type": "finished", "rank": rank, "step": 20, "digest": "d", "loss": 1.0})
+    assert isinstance(acts[-1], Finish) and acts[-1].ok
+    assert acts[0].stream == "final" and acts[0].payload["steps"] == 20
+
+
+def test_unexpected_worker_exit_finishes_with_the_root_cause():
+    p = new_policy()
+    acts = p.on_step_exit(3.0, "train3", 137)
+    assert acts == [Finish(False, "worker on train3 (ranks [2]) exited with code 137")]
