@@ -5,8 +5,9 @@ Wire format over a 2-member group (sender group rank 0, receiver 1):
   2. uint8 tensor: the manifest, a `torch.save` of the state with every tensor replaced
      by its index, plus per-tensor (shape, dtype) and a SHA-256 over all tensor bytes;
      loaded with `weights_only=True`, so a peer cannot make us run code;
-  3. one tensor per entry, received *in place* where the receiver already holds a tensor
-     of that key, shape and dtype (a warm standby's buffers), else into a new one.
+  3. one flat buffer per dtype (few large messages rather than one per tensor), unpacked
+     *in place* where the receiver already holds a tensor of that key, shape and dtype (a
+     warm standby's buffers), else into a new one.
 The receiver recomputes the digest; a mismatch is an error, never silently used.
 """
 from __future__ import annotations
@@ -68,6 +69,14 @@ def _wait(work, what: str):
         raise MigrationError(f"state transfer: {what} failed: {exc}", phase="switch") from exc
 
 
+def _by_dtype(tensors: list[torch.Tensor]) -> list[tuple[torch.dtype, list[torch.Tensor]]]:
+    """Tensors grouped by dtype, in first-seen order: the same on sender and receiver."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return list(groups.items())
+
+
 @dataclass
 class TransferStats:
     bytes: int
@@ -90,12 +99,12 @@ def send_state(state: dict, pg, *, dst: int = 1, corrupt: bool = False) -> Trans
     _wait(pg.send([torch.tensor([manifest.numel()], dtype=torch.int64)], dst, 0), "manifest length")
     _wait(pg.send([manifest], dst, 1), "manifest")
     nbytes = manifest.numel()
-    for i, t in enumerate(tensors):
-        if corrupt and i == 0 and t.numel():  # fault injection: flip one tensor's bytes on the wire
-            t = t.clone()
-            t.view(torch.uint8)[0] ^= 0xFF
-        _wait(pg.send([t], dst, 2 + i), f"tensor {i}")
-        nbytes += t.numel() * t.element_size()
+    for tag, (dtype, members) in enumerate(_by_dtype(tensors), start=2):
+        flat = torch.cat([t.reshape(-1) for t in members])
+        if corrupt and tag == 2 and flat.numel():  # fault injection: flip bytes on the wire
+            flat.view(torch.uint8)[0] ^= 0xFF
+        _wait(pg.send([flat], dst, tag), f"{dtype} buffer")
+        nbytes += flat.numel() * flat.element_size()
     return TransferStats(nbytes, time.perf_counter() - t0, len(tensors), digest)
 
 
@@ -127,10 +136,13 @@ def recv_state(pg, *, src: int = 0, like: dict | None = None) -> tuple[dict, Tra
             t = torch.empty(shape, dtype=dt)
         into.append(t)
     nbytes = manifest.numel()
-    for i, t in enumerate(into):
+    for tag, (dtype, members) in enumerate(_by_dtype(into), start=2):
+        flat = torch.empty(sum(t.numel() for t in members), dtype=dtype)
+        _wait(pg.recv([flat], src, tag), f"{dtype} buffer")
+        nbytes += flat.numel() * flat.element_size()
         with torch.no_grad():
-            _wait(pg.recv([t], src, 2 + i), f"tensor {i}")
-        nbytes += t.numel() * t.element_size()
+            for t, part in zip(members, flat.split([t.numel() for t in members])):
+                t.copy_(part.view_as(t))
     got = digest_tensors(into)
     if got != meta["digest"]:
         raise MigrationError(f"state transfer: checksum mismatch (sent {meta['digest'][:12]}, "
