@@ -19,6 +19,7 @@ from trainmover.slurm import commands
 from trainmover.slurm.client import CliSlurm
 
 ROOT = Path(__file__).resolve().parents[1]
+REASON = "trainmover-demo maintenance"  # only nodes drained with this reason are resumed by a later demo
 
 
 def _wait(what: str, check, timeout: float, interval: float = 0.5):
@@ -44,6 +45,9 @@ def main(steps: int = 1500, workdir: Path = ROOT) -> int:
     info = cluster.up(nodes=4, standby=2)
     env = {**os.environ, "SLURM_CONF": str(info.slurm_conf), "TM_STEPS": str(steps)}
     slurm = CliSlurm(slurm_conf=str(info.slurm_conf))
+    for name, node in slurm.nodes().items():  # an earlier demo's drained node: give it back
+        if "DRAIN" in node.flags and node.reason == REASON:
+            slurm.resume(name)
     print(f"[demo] cluster up: training nodes {','.join(info.train_nodes)}, standbys {','.join(info.standby_nodes)} "
           f"(reservation {info.reservation})")
     out = commands.run(["sbatch", "--parsable", f"--chdir={workdir}", str(ROOT / "sbatch_templates" / "demo_gpt_cpu.sbatch")],
@@ -58,8 +62,8 @@ def main(steps: int = 1500, workdir: Path = ROOT) -> int:
     row = _last(metrics)
     leaver = row["nodes"][1]
     print(f"[demo] step {row['step']}, loss {row['loss']:.3f}, ranks on {row['nodes']}; a standby is warm")
-    print(f"[demo] scontrol update nodename={leaver} state=drain reason=maintenance")
-    commands.run(["scontrol", "update", f"nodename={leaver}", "state=drain", "reason=maintenance"], timeout=10, env=env)
+    print(f"[demo] scontrol update nodename={leaver} state=drain reason='{REASON}'")
+    commands.run(["scontrol", "update", f"nodename={leaver}", "state=drain", f"reason={REASON}"], timeout=10, env=env)
     t0 = time.monotonic()
     row = _wait(f"rank 1 to leave {leaver}", lambda: (r := _last(metrics)) and r["nodes"][1] != leaver and r, 30, 0.1)
     print(f"[demo] {time.monotonic() - t0:.1f}s later rank 1 trains on {row['nodes'][1]} (step {row['step']})")
