@@ -1,0 +1,118 @@
+"""Planned migration on the CPU local cluster: downtime and phase times of a drain.
+
+    .venv/bin/python bench/cpu_planned_migration.py --repeats 3 [--steps 600]
+
+Submits the demo template to the embedded cluster (`trainmover cluster up` first), drains
+rank 1's node once training runs, and records what `status.json` reports. Writes
+bench/results/cpu-planned-<time>.json in the format of shared/reference/bench-results.md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from trainmover import cluster  # noqa: E402
+from trainmover.slurm import commands  # noqa: E402
+from trainmover.slurm.client import CliSlurm  # noqa: E402
+
+REASON = "trainmover-bench maintenance"
+
+
+def wait(what, check, timeout, interval=0.1):
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waiting for {what}")
+        time.sleep(interval)
+    return value
+
+
+def last(path: Path):
+    try:
+        lines = path.read_text().splitlines()
+        return json.loads(lines[-1]) if lines else None
+    except FileNotFoundError:
+        return None
+
+
+def one(env, slurm, workdir: Path, steps: int) -> dict:
+    for name, node in slurm.nodes().items():
+        if "DRAIN" in node.flags and node.reason == REASON:
+            slurm.resume(name)
+    job = int(commands.run(["sbatch", "--parsable", f"--chdir={workdir}", "--job-name=tm-bench",
+                            str(ROOT / "sbatch_templates/demo_gpt_cpu.sbatch")], timeout=15, env=env).stdout.split(";")[0])
+    run = workdir / "runs" / str(job)
+    wait("step 100 and a warm standby", lambda: (last(run / "metrics.jsonl") or {}).get("step", 0) >= 100 and any(
+        s["state"] == "ready" for s in json.loads((run / "status.json").read_text())["standbys"]), 180)
+    leaver = last(run / "metrics.jsonl")["nodes"][1]
+    t_drain = time.time()
+    commands.run(["scontrol", "update", f"nodename={leaver}", "state=drain", f"reason={REASON}"], timeout=10, env=env)
+    row = wait("rank 1 to move", lambda: (r := last(run / "metrics.jsonl")) and r["nodes"][1] != leaver and r, 30, 0.05)
+    moved_s = time.time() - t_drain
+    status = wait("downtime and release", lambda: (s := json.loads((run / "status.json").read_text()))
+                  and s["migrations"] and s["migrations"][0]["state"] == "done"
+                  and s["migrations"][0]["downtime_s"] is not None and s, 60)
+    commands.run(["scancel", str(job)], timeout=10, env=env)
+    m = status["migrations"][0]
+    steps_before = [x for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                    if x["step"] <= m["switch_step"]][-30:]
+    intervals = [b["t"] - a["t"] for a, b in zip(steps_before, steps_before[1:])]
+    return {"job_id": job, "leaver": m["leaver"], "joiner": m["joiner"], "downtime_s": m["downtime_s"],
+            "detect_s": round(m["phases"]["requested"] - t_drain, 4), "drain_to_moved_s": round(moved_s, 3),
+            "phase1_s": m["durations"]["phase1_s"], "switch_s": m["durations"]["switch_s"],
+            "release_s": m["durations"]["release_s"], "state_bytes": (m["transfer"] or {}).get("bytes"),
+            "recv_s": (m["transfer"] or {}).get("recv_s"), "steady_step_s": statistics.median(intervals),
+            "first_step_after": row["step"]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=600)
+    args = ap.parse_args()
+    info = cluster.up(nodes=4, standby=2)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TM_")}
+    env.update(SLURM_CONF=str(info.slurm_conf), TM_STEPS=str(args.steps))
+    slurm = CliSlurm(slurm_conf=str(info.slurm_conf))
+    workdir = ROOT / "runs" / "bench"
+    workdir.mkdir(parents=True, exist_ok=True)
+    trials = [one(env, slurm, workdir, args.steps) for _ in range(args.repeats)]
+    for name, node in slurm.nodes().items():
+        if "DRAIN" in node.flags and node.reason == REASON:
+            slurm.resume(name)
+    downs = [t["downtime_s"] for t in trials]
+    result = {
+        "scenario": "planned-cpu-demo", "machine": "cpu-local-cluster",
+        "gpus": "none", "cpu": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
+        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip(),
+        "command": " ".join(["python", "bench/cpu_planned_migration.py", *sys.argv[1:]]),
+        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "settings": {"workload": "gpt_demo tiny", "workers": 3, "standbys": 1, "backend": "gloo", "steps": args.steps,
+                     "slurm": "22.05.8 embedded, one machine"},
+        "metrics": {"planned_downtime_s": statistics.median(downs), "planned_downtime_s_all": downs,
+                    "detect_s": statistics.median(t["detect_s"] for t in trials),
+                    "drain_to_moved_s": statistics.median(t["drain_to_moved_s"] for t in trials),
+                    "phase1_s": statistics.median(t["phase1_s"] for t in trials),
+                    "state_bytes": trials[0]["state_bytes"],
+                    "steady_step_s": statistics.median(t["steady_step_s"] for t in trials)},
+        "trials": trials,
+    }
+    out = ROOT / "bench" / "results" / f"cpu-planned-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result["metrics"], indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
