@@ -25,6 +25,8 @@ class Config:
     steps: int = field(default=1500, metadata={"env": "TM_STEPS", "doc": "training steps (about a minute of the CPU demo)"})
     workload: str = field(default="gpt_demo", metadata={"env": "TM_WORKLOAD", "doc": "registry name or module:Class"})
     model: str = field(default="tiny", metadata={"env": "TM_MODEL", "doc": "model preset of the workload"})
+    device: str = field(default="auto", metadata={"env": "TM_DEVICE", "doc": "cpu, cuda, or auto (cuda when the node has a GPU)"})
+    backend: str = field(default="auto", metadata={"env": "TM_BACKEND", "doc": "gloo, nccl, or auto (nccl on cuda)"})
     seed: int = field(default=1234, metadata={"env": "TM_SEED", "doc": "seed of weights, data and dropout"})
     ranks_per_node: int = field(default=1, metadata={"env": "TM_RANKS_PER_NODE", "doc": "worker processes per node"})
     standbys: int = field(default=1, metadata={"env": "TM_STANDBYS", "doc": "warm standby nodes kept in the job"})
@@ -50,6 +52,9 @@ class Config:
                  self.standby_retry_s, self.release_timeout_s) > 0, "timeouts must be > 0"),
             (self.shadow_steps >= 2, "TM_SHADOW_STEPS must be >= 2 (steadiness needs two steps to compare)"),
             (bool(self.reservation), "TM_RESERVATION must not be empty"),
+            (self.device in ("auto", "cpu", "cuda"), f"TM_DEVICE={self.device!r}: expected auto, cpu or cuda"),
+            (self.backend in ("auto", "gloo", "nccl"), f"TM_BACKEND={self.backend!r}: expected auto, gloo or nccl"),
+            (not (self.device == "cpu" and self.backend == "nccl"), "TM_BACKEND=nccl needs TM_DEVICE=cuda"),
         ]
         for ok, message in checks:
             if not ok:

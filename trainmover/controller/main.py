@@ -76,6 +76,7 @@ class Controller:
                           node_addr=self.addr[node], controller=tuple(self.server.address),
                           store=(self.host, self.store_port), secret_file=str(self.files.secret),
                           workload=self.cfg.workload, workload_options={"preset": self.cfg.model},
+                          device=self.cfg.device, backend=self.cfg.backend,
                           seed=self.cfg.seed, steps=self.cfg.steps, group_timeout_s=self.cfg.group_timeout_s,
                           switch_timeout_s=self.cfg.switch_timeout_s, shadow_steps=self.cfg.shadow_steps,
                           inject=self.cfg.inject)

@@ -6,13 +6,13 @@ is touched: the result is a set of new backends, kept aside until the switch.
 """
 from __future__ import annotations
 
-import datetime
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 
-from trainmover.runtime.groups import gloo_group
+from typing import Callable
+
 from trainmover.runtime.plan import Delta
 
 log = logging.getLogger(__name__)
@@ -35,21 +35,23 @@ class Prepared:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-def start(prep: Prepared, store, host: str, timeout_s: float, joiner_of: dict[int, int] | None = None) -> threading.Thread:
-    """Build in a daemon thread; `prep.done` is set on success or failure (see `prep.error`)."""
+# build(group name, store prefix, group rank, group size) -> a new backend
+Builder = Callable[[str, str, int, int], object]
+
+
+def start(prep: Prepared, build: Builder) -> threading.Thread:
+    """Build in a daemon thread; `prep.done` is set on success or failure (see `prep.error`).
+    Every backend is built with the deadline the builder was configured with."""
 
     def run():
         t0 = time.perf_counter()
-        timeout = datetime.timedelta(seconds=timeout_s)
         try:
             if prep.role in ("stayer", "joiner"):
                 for g in prep.delta.groups_to_build(prep.rank):
-                    prep.backends[g.name] = gloo_group(store, prep.delta.prefix(g), g.ranks.index(prep.rank),
-                                                       len(g.ranks), host=host, timeout=timeout)
+                    prep.backends[g.name] = build(g.name, prep.delta.prefix(g), g.ranks.index(prep.rank), len(g.ranks))
             if prep.role in ("leaver", "joiner"):
                 # Leaver is group rank 0, joiner group rank 1, in a group of their own.
-                prep.xfer = gloo_group(store, xfer_prefix(prep.epoch, prep.rank), 0 if prep.role == "leaver" else 1,
-                                       2, host=host, timeout=timeout)
+                prep.xfer = build("xfer", xfer_prefix(prep.epoch, prep.rank), 0 if prep.role == "leaver" else 1, 2)
         except Exception as exc:  # noqa: BLE001 - reported to the controller, which aborts
             prep.error = f"{type(exc).__name__}: {exc}"
             log.error("phase1 epoch %d rank %d failed: %s", prep.epoch, prep.rank, prep.error)

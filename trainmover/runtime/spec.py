@@ -28,6 +28,15 @@ class WorkerSpec:
     switch_timeout_s: float = 60.0  # joiner: longest wait for the leaver's state
     shadow_steps: int = 6          # most shadow steps to reach a steady collective sequence
     inject: tuple[str, ...] = ()    # fault injection, see trainmover.config.INJECTIONS
+    device: str = "auto"            # cpu, cuda or auto: resolved on the node, which knows its GPUs
+    backend: str = "auto"           # gloo, nccl or auto
+
+    def resolved(self) -> tuple[str, str]:
+        """(device, backend) on this node."""
+        import torch
+        device = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        backend = self.backend if self.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
+        return device, backend
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))

@@ -1,14 +1,17 @@
 """Move a rank's full training state to the rank that takes its slot.
 
-Wire format over a 2-member group (sender group rank 0, receiver 1):
-  1. int64 tensor [manifest_length]
-  2. uint8 tensor: the manifest, a `torch.save` of the state with every tensor replaced
-     by its index, plus per-tensor (shape, dtype) and a SHA-256 over all tensor bytes;
-     loaded with `weights_only=True`, so a peer cannot make us run code;
-  3. one flat buffer per dtype (few large messages rather than one per tensor), unpacked
-     *in place* where the receiver already holds a tensor of that key, shape and dtype (a
-     warm standby's buffers), else into a new one.
-The receiver recomputes the digest; a mismatch is an error, never silently used.
+Protocol, over a *channel* between the leaver (sender) and the joiner (receiver):
+  1. the manifest: a `torch.save` of the state with every tensor replaced by its index,
+     plus per-tensor (key path, shape, dtype) and a checksum of all tensor bytes; loaded
+     with `weights_only=True`, so a peer cannot make us run code;
+  2. the tensors, received *in place* where the receiver already holds a tensor of that
+     key path, shape and dtype (a warm standby's buffers), else into a new one.
+The receiver recomputes the checksum; a mismatch is an error, never silently used.
+
+Channels (one interface, two implementations):
+  * `GlooChannel`: CPU tensors; one flat buffer per dtype, so a few large messages.
+  * `trainmover.nccl.backend.NcclChannel`: GPU tensors; one grouped NCCL send/recv of all
+    tensors straight into the joiner's buffers (no staging copy); manifest via the job store.
 """
 from __future__ import annotations
 
@@ -18,7 +21,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from trainmover.errors import MigrationError
 
@@ -50,22 +52,41 @@ def _unflatten(obj, tensors: list[torch.Tensor]):
     return obj
 
 
+def tensors_of(obj) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    _flatten(obj, out, [])
+    return out
+
+
+def _word_view(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    for dtype, size in ((torch.int32, 4), (torch.int16, 2)):
+        if flat.numel() % size == 0:
+            return flat.view(dtype)
+    return flat
+
+
 def digest_tensors(tensors: list[torch.Tensor]) -> str:
+    """SHA-256 over shapes, dtypes and bytes. CUDA tensors are reduced on the GPU first
+    (sum of their 32/16-bit words, per tensor), so no state crosses to the host."""
     h = hashlib.sha256()
+    sums = []
     for t in tensors:
-        t = t.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
         h.update(str((tuple(t.shape), str(t.dtype))).encode())
-        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.device.type == "cuda":
+            sums.append(_word_view(t).sum(dtype=torch.int64) if t.numel() else torch.zeros((), dtype=torch.int64,
+                                                                                            device=t.device))
+        elif t.numel():
+            h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    if sums:
+        h.update(torch.stack(sums).cpu().numpy().tobytes())
     return h.hexdigest()
 
 
 def _wait(work, what: str):
-    # Timeouts are those of the group (set when it was built); a failure names the step.
     try:
         work.wait()
-    except RuntimeError as exc:
+    except RuntimeError as exc:  # timeouts are the group's (set when it was built)
         raise MigrationError(f"state transfer: {what} failed: {exc}", phase="switch") from exc
 
 
@@ -77,6 +98,47 @@ def _by_dtype(tensors: list[torch.Tensor]) -> list[tuple[torch.dtype, list[torch
     return list(groups.items())
 
 
+class GlooChannel:
+    """The transfer channel over a 2-member gloo group (CPU tensors)."""
+
+    def __init__(self, pg):
+        self.pg = pg
+
+    def send_bytes(self, data: bytes, dst: int) -> None:
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        _wait(self.pg.send([torch.tensor([payload.numel()], dtype=torch.int64)], dst, 0), "manifest length")
+        _wait(self.pg.send([payload], dst, 1), "manifest")
+
+    def recv_bytes(self, src: int) -> bytes:
+        length = torch.zeros(1, dtype=torch.int64)
+        _wait(self.pg.recv([length], src, 0), "manifest length")
+        if not 0 < int(length) < (1 << 31):
+            raise MigrationError(f"state transfer: bad manifest length {int(length)}", phase="switch")
+        payload = torch.empty(int(length), dtype=torch.uint8)
+        _wait(self.pg.recv([payload], src, 1), "manifest")
+        return payload.numpy().tobytes()
+
+    def send_tensors(self, tensors: list[torch.Tensor], dst: int, corrupt: bool = False) -> None:
+        for tag, (dtype, members) in enumerate(_by_dtype(tensors), start=2):
+            flat = torch.cat([t.reshape(-1) for t in members])
+            if corrupt and tag == 2 and flat.numel():  # fault injection: flip bytes on the wire
+                flat.view(torch.uint8)[0] ^= 0xFF
+            _wait(self.pg.send([flat], dst, tag), f"{dtype} buffer")
+
+    def recv_tensors(self, tensors: list[torch.Tensor], src: int) -> None:
+        for tag, (dtype, members) in enumerate(_by_dtype(tensors), start=2):
+            flat = torch.empty(sum(t.numel() for t in members), dtype=dtype)
+            _wait(self.pg.recv([flat], src, tag), f"{dtype} buffer")
+            with torch.no_grad():
+                for t, part in zip(members, flat.split([t.numel() for t in members])):
+                    t.copy_(part.view_as(t))
+
+
+def channel_for(xfer):
+    """The channel for a transfer group: NCCL backends bring their own."""
+    return xfer.channel() if hasattr(xfer, "channel") else GlooChannel(xfer)
+
+
 @dataclass
 class TransferStats:
     bytes: int
@@ -85,40 +147,31 @@ class TransferStats:
     digest: str
 
 
-def send_state(state: dict, pg, *, dst: int = 1, corrupt: bool = False) -> TransferStats:
+def send_state(state: dict, xfer, *, dst: int = 1, corrupt: bool = False) -> TransferStats:
     t0 = time.perf_counter()
+    chan = channel_for(xfer)
     tensors: list[torch.Tensor] = []
     paths: list[str] = []
     skeleton = _flatten(state, tensors, paths)
     tensors = [t.detach().contiguous() for t in tensors]
     digest = digest_tensors(tensors)
     buf = io.BytesIO()
-    specs = [(p, tuple(t.shape), str(t.dtype)) for p, t in zip(paths, tensors)]
+    specs = [(p, tuple(t.shape), str(t.dtype), t.device.type) for p, t in zip(paths, tensors)]
     torch.save({"skeleton": skeleton, "specs": specs, "digest": digest}, buf)
-    manifest = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-    _wait(pg.send([torch.tensor([manifest.numel()], dtype=torch.int64)], dst, 0), "manifest length")
-    _wait(pg.send([manifest], dst, 1), "manifest")
-    nbytes = manifest.numel()
-    for tag, (dtype, members) in enumerate(_by_dtype(tensors), start=2):
-        flat = torch.cat([t.reshape(-1) for t in members])
-        if corrupt and tag == 2 and flat.numel():  # fault injection: flip bytes on the wire
-            flat.view(torch.uint8)[0] ^= 0xFF
-        _wait(pg.send([flat], dst, tag), f"{dtype} buffer")
-        nbytes += flat.numel() * flat.element_size()
+    chan.send_bytes(buf.getvalue(), dst)
+    chan.send_tensors(tensors, dst, corrupt=corrupt)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
     return TransferStats(nbytes, time.perf_counter() - t0, len(tensors), digest)
 
 
-def recv_state(pg, *, src: int = 0, like: dict | None = None) -> tuple[dict, TransferStats]:
+def recv_state(xfer, *, src: int = 0, like: dict | None = None) -> tuple[dict, TransferStats]:
     """Receive a state; tensors land in `like`'s tensors when key, shape and dtype match."""
     t0 = time.perf_counter()
-    length = torch.zeros(1, dtype=torch.int64)
-    _wait(pg.recv([length], src, 0), "manifest length")
-    if not 0 < int(length) < (1 << 31):
-        raise MigrationError(f"state transfer: bad manifest length {int(length)}", phase="switch")
-    manifest = torch.empty(int(length), dtype=torch.uint8)
-    _wait(pg.recv([manifest], src, 1), "manifest")
+    chan = channel_for(xfer)
     try:
-        meta = torch.load(io.BytesIO(manifest.numpy().tobytes()), weights_only=True)
+        meta = torch.load(io.BytesIO(chan.recv_bytes(src)), weights_only=True)
+    except MigrationError:
+        raise
     except Exception as exc:  # noqa: BLE001 - any decoding failure is a protocol error
         raise MigrationError(f"state transfer: undecodable manifest: {exc}", phase="switch") from exc
     have: list[torch.Tensor] = []
@@ -127,24 +180,20 @@ def recv_state(pg, *, src: int = 0, like: dict | None = None) -> tuple[dict, Tra
         _flatten(like, have, have_paths)
     targets = dict(zip(have_paths, have))
     into = []
-    for path, shape, dtype in meta["specs"]:
+    for path, shape, dtype, device in meta["specs"]:
         dt = getattr(torch, str(dtype).removeprefix("torch."), None)
-        if not isinstance(dt, torch.dtype):
-            raise MigrationError(f"state transfer: unknown dtype {dtype!r} at {path}", phase="switch")
+        if not isinstance(dt, torch.dtype) or device not in ("cpu", "cuda"):
+            raise MigrationError(f"state transfer: bad spec {dtype!r}/{device!r} at {path}", phase="switch")
         t = targets.get(path)
-        if t is None or tuple(t.shape) != tuple(shape) or t.dtype != dt or not t.is_contiguous():
-            t = torch.empty(shape, dtype=dt)
+        if (t is None or tuple(t.shape) != tuple(shape) or t.dtype != dt or not t.is_contiguous()
+                or t.device.type != device):
+            t = torch.empty(shape, dtype=dt, device="cuda" if device == "cuda" else "cpu")
         into.append(t)
-    nbytes = manifest.numel()
-    for tag, (dtype, members) in enumerate(_by_dtype(into), start=2):
-        flat = torch.empty(sum(t.numel() for t in members), dtype=dtype)
-        _wait(pg.recv([flat], src, tag), f"{dtype} buffer")
-        nbytes += flat.numel() * flat.element_size()
-        with torch.no_grad():
-            for t, part in zip(members, flat.split([t.numel() for t in members])):
-                t.copy_(part.view_as(t))
+    with torch.no_grad():
+        chan.recv_tensors(into, src)
     got = digest_tensors(into)
     if got != meta["digest"]:
         raise MigrationError(f"state transfer: checksum mismatch (sent {meta['digest'][:12]}, "
                              f"received {got[:12]})", phase="switch")
+    nbytes = sum(t.numel() * t.element_size() for t in into)
     return _unflatten(meta["skeleton"], into), TransferStats(nbytes, time.perf_counter() - t0, len(into), got)

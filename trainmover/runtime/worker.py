@@ -31,6 +31,9 @@ from trainmover.workloads import base as workloads
 log = logging.getLogger("trainmover.worker")
 
 
+CONTROL = "tm-control"
+
+
 def go_key(epoch: int, leaver: int) -> str:
     return f"tm/e{epoch}/xfer/r{leaver}/go"
 
@@ -45,6 +48,9 @@ class Agent:
         self.rank = spec.my_rank(local_index)
         self.role = spec.role
         self.timeout = datetime.timedelta(seconds=spec.group_timeout_s)
+        self.device, self.backend = spec.resolved()
+        if self.device == "cuda":
+            torch.cuda.set_device(local_index % torch.cuda.device_count())
         self.store = dist.TCPStore(spec.store[0], spec.store[1], is_master=False,
                                    timeout=self.timeout, wait_for_workers=False)
         key = channel.read_secret(spec.secret_file)
@@ -56,8 +62,11 @@ class Agent:
         threading.Thread(target=self._read, name="tm-inbox", daemon=True).start()
         self.workload = workloads.load(spec.workload, spec.workload_options)
         self.specs = self.workload.group_specs(spec.world_size)
-        if "world" not in {g.name for g in self.specs}:
+        names = {g.name for g in self.specs}
+        if "world" not in names:
             self.specs.append(GroupSpec("world", tuple(range(spec.world_size))))
+        # The per-step agreement runs on its own CPU group: 8 bytes over gloo cost no GPU sync.
+        self.specs.append(GroupSpec(CONTROL, tuple(range(spec.world_size))))
         self.groups: dict[str, SwappableGroup] = {}
         self.pending: phase1.Prepared | None = None
         self.reported: set[tuple[int, str]] = set()
@@ -82,6 +91,14 @@ class Agent:
             log.warning("cannot reach the controller (%s); %s not sent", exc, kind)
 
     # --- groups ------------------------------------------------------------------------
+    def build_backend(self, name: str, prefix: str, grank: int, size: int):
+        """A real backend for group `name`: gloo for the control group (and on CPU nodes),
+        NCCL through trainmover.nccl on GPU nodes."""
+        if self.backend == "nccl" and name != CONTROL:
+            from trainmover.nccl.backend import nccl_group
+            return nccl_group(self.store, prefix, grank, size, timeout_s=self.spec.group_timeout_s, name=name)
+        return gloo_group(self.store, prefix, grank, size, host=self.spec.node_addr, timeout=self.timeout)
+
     def _make_groups(self, rank: int, sandbox: bool) -> dict[str, SwappableGroup]:
         groups = {}
         for g in self.specs:
@@ -89,14 +106,13 @@ class Agent:
                 continue
             grank = g.ranks.index(rank)
             inner = (SandboxBackend(grank, len(g.ranks)) if sandbox else
-                     gloo_group(self.store, f"tm/e0/{g.name}/", grank, len(g.ranks),
-                                host=self.spec.node_addr, timeout=self.timeout))
+                     self.build_backend(g.name, f"tm/e0/{g.name}/", grank, len(g.ranks)))
             groups[g.name] = SwappableGroup(g.name, grank, len(g.ranks), list(g.ranks), inner)
         return groups
 
     def _context(self, rank: int) -> workloads.BuildContext:
         return workloads.BuildContext(rank=rank, world_size=self.spec.world_size, groups=self.groups,
-                                      seed=self.spec.seed, options=self.spec.workload_options)
+                                      seed=self.spec.seed, options={**self.spec.workload_options, "device": self.device})
 
     def shadow_until_steady(self, max_steps: int) -> int:
         """Run shadow steps until a step issues the same collectives as the one before.
@@ -122,9 +138,7 @@ class Agent:
 
     def digest(self) -> str:
         sd = self.workload.state_dict()
-        tensors: list = []
-        transfer._flatten({"model": sd["model"], "optimizer": sd.get("optimizer", {})}, tensors, [])
-        return transfer.digest_tensors(tensors)
+        return transfer.digest_tensors(transfer.tensors_of({"model": sd["model"], "optimizer": sd.get("optimizer", {})}))
 
     # --- lifecycle ---------------------------------------------------------------------
     def run(self) -> int:
@@ -165,7 +179,7 @@ class Agent:
         self.workload.rebind(self._context(rank))
         self.shadow_until_steady(self.spec.shadow_steps)
         prep = phase1.Prepared(epoch, delta(self.specs, msg["leavers"], epoch), "joiner", rank)
-        phase1.start(prep, self.store, self.spec.node_addr, self.spec.group_timeout_s)
+        phase1.start(prep, self.build_backend)
         if not prep.done.wait(self.spec.group_timeout_s + 5) or prep.error:
             self.send("prepare_failed", epoch=epoch, rank=rank, error=prep.error or "phase 1 deadline")
             return None
@@ -198,7 +212,7 @@ class Agent:
         return int(state["step"])
 
     def train(self, step: int) -> int:
-        world = self.groups["world"]
+        control = self.groups[CONTROL]
         while step < self.spec.steps:
             t0 = time.perf_counter()
             loss = self.workload.train_step(step)
@@ -207,7 +221,7 @@ class Agent:
             self._poll_inbox()
             prep = self.pending
             ready = prep.epoch if prep and prep.done.is_set() and not prep.error else 0
-            if boundary.agree(world, ready) == ready and ready:
+            if boundary.agree(control, ready) == ready and ready:
                 if prep.role == "leaver":
                     self.leave(prep, step)
                     return 0
@@ -249,7 +263,7 @@ class Agent:
         if role == "stayer" and not d.groups_to_build(self.rank):
             return  # no group of ours contains the leaver: nothing to do (never the case for world)
         self.pending = phase1.Prepared(epoch, d, role, self.rank)
-        phase1.start(self.pending, self.store, self.spec.node_addr, self.spec.group_timeout_s)
+        phase1.start(self.pending, self.build_backend)
         log.info("phase 1 epoch %d as %s: %s", epoch, role, [g.name for g in d.groups_to_build(self.rank)])
 
     def _on_abort(self, msg: dict):

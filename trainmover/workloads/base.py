@@ -57,6 +57,23 @@ class Workload(abc.ABC):
         return 0
 
 
+def load_optimizer_in_place(opt, state: dict) -> None:
+    """Load an optimizer state whose tensors may already *be* the optimizer's own (the
+    transfer received them in place into a warm standby's buffers). Then only the
+    non-tensor parts are set; `Optimizer.load_state_dict` would copy every tensor again,
+    doubling the joiner's memory and time at the switch."""
+    import torch
+    own = opt.state_dict()
+    same = (own["state"].keys() == state["state"].keys() and all(
+        all(v is own["state"][k].get(n) for n, v in s.items() if isinstance(v, torch.Tensor))
+        for k, s in state["state"].items()))
+    if not same:
+        opt.load_state_dict(state)
+        return
+    for group, loaded in zip(opt.param_groups, state["param_groups"]):
+        group.update({k: v for k, v in loaded.items() if k != "params"})
+
+
 REGISTRY = {"gpt_demo": "trainmover.workloads.gpt_demo:GPTDemo"}
 
 

@@ -14,12 +14,14 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainmover.errors import ConfigError
-from trainmover.workloads.base import BuildContext, Workload
+from trainmover.workloads.base import BuildContext, Workload, load_optimizer_in_place
 
 PRESETS = {
     # name: (layers, d_model, heads, seq_len, batch, vocab)
     "tiny": (2, 64, 4, 32, 8, 256),
     "small": (4, 128, 4, 64, 8, 256),
+    "125m": (12, 768, 12, 1024, 8, 50304),    # GPU benchmarks: ~0.16B parameters (untied head)
+    "1b": (20, 2048, 16, 1024, 4, 50304),     # GPU benchmarks: ~1.2B parameters
 }
 
 
@@ -49,7 +51,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, idx):
-        x = self.drop(self.tok(idx) + self.pos(torch.arange(idx.shape[1])))
+        x = self.drop(self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device)))
         for blk in self.blocks:
             x = blk(x)
         return self.head(self.ln(x))
@@ -89,12 +91,18 @@ class GPTDemo(Workload):
 
     def build(self, ctx: BuildContext) -> None:
         layers, d, heads, self.seq, self.batch, vocab = PRESETS[self.preset]
+        self.device = torch.device(ctx.options.get("device", "cpu"))
+        if self.device.type == "cuda":
+            torch.use_deterministic_algorithms(True, warn_only=True)  # needs CUBLAS_WORKSPACE_CONFIG
         torch.manual_seed(ctx.seed)  # identical initial weights on every rank
-        self.model = GPT(layers, d, heads, self.seq, vocab)
+        self.model = GPT(layers, d, heads, self.seq, vocab).to(self.device)
         self.ddp = _ddp(self.model, ctx.groups["world"])
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=0.01)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=0.01,
+                                     **({"foreach": True} if self.device.type == "cuda" else {}))
         self.data = TokenStream(ctx.seed, ctx.rank, vocab)
         torch.manual_seed(ctx.seed + 7919 * (ctx.rank + 1))  # per-rank dropout stream
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(ctx.seed + 7919 * (ctx.rank + 1))
 
     def rebind(self, ctx: BuildContext) -> None:
         # Keep model and optimizer (warm); new DDP wrapper on the new groups, new data stream.
@@ -102,9 +110,10 @@ class GPTDemo(Workload):
         self.data = TokenStream(ctx.seed, ctx.rank, self.model.tok.num_embeddings)
 
     def train_step(self, step: int) -> float:
-        x, y = self.data.batch(self.batch, self.seq)
-        logits = self.ddp(x)
-        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.reshape(-1))
+        x, y = (t.to(self.device, non_blocking=True) for t in self.data.batch(self.batch, self.seq))
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            logits = self.ddp(x)
+            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), y.reshape(-1))
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.opt.step()
@@ -124,5 +133,5 @@ class GPTDemo(Workload):
                 if src is not t:
                     t.copy_(src)
         if "optimizer" in state:
-            self.opt.load_state_dict(state["optimizer"])
+            load_optimizer_in_place(self.opt, state["optimizer"])
         self.data.cursor = int(state["data"]["cursor"])

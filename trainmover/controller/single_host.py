@@ -1,0 +1,63 @@
+"""A single-host "allocation" for machines without Slurm (the lent GPU machines).
+
+Each GPU is a node (`gpu0`, `gpu1`, ...): a step on a node is the worker process with
+`CUDA_VISIBLE_DEVICES` set to that GPU; standbys are the GPUs beyond the training ones.
+It implements the part of `SlurmClient` the controller uses, so the real controller,
+policy and runtime run unchanged; only Slurm's own commands are absent (their cost is
+measured on the local Slurm cluster instead). Used by the GPU benchmarks.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+from trainmover.slurm.model import BatchHostRelease, JobInfo, NodeInfo, NoStandbyAvailable
+
+
+class SingleHostAllocation:
+    def __init__(self, gpus: int, train: int, work_dir: str, job_id: int = 1):
+        if not 0 < train <= gpus:
+            raise ValueError(f"need 0 < train ({train}) <= gpus ({gpus})")
+        self.all = [f"gpu{i}" for i in range(gpus)]
+        self.in_job = self.all[:train]
+        self.work_dir, self.job_id = work_dir, job_id
+        self.drained: set[str] = set()
+
+    def job(self, job_id: int) -> JobInfo:
+        return JobInfo(job_id, "RUNNING", tuple(self.in_job), self.in_job[0], 0, self.work_dir, "local",
+                       len(self.in_job))
+
+    def nodes(self, names: Sequence[str] | None = None) -> dict[str, NodeInfo]:
+        out = {}
+        for n in names if names is not None else self.all:
+            state = "ALLOCATED" if n in self.in_job else "IDLE"
+            out[n] = NodeInfo(n, "127.0.0.1", state + ("+DRAIN" if n in self.drained else ""), "")
+        return out
+
+    def grow(self, job_id: int, *, reservation: str, partition: str | None = None, timeout: float = 30.0) -> str:
+        free = [n for n in self.all if n not in self.in_job and n not in self.drained]
+        if not free:
+            raise NoStandbyAvailable(f"no free GPU left on this host for job {job_id}")
+        self.in_job.append(free[0])
+        return free[0]
+
+    def shrink(self, job_id: int, keep: Sequence[str]) -> list[str]:
+        if self.in_job[0] not in keep:
+            raise BatchHostRelease(f"{self.in_job[0]} runs the controller")
+        gone = [n for n in self.in_job if n not in keep]
+        self.in_job = [n for n in self.in_job if n in keep]
+        return gone
+
+    def drain(self, node: str, reason: str) -> None:
+        self.drained.add(node)
+
+    def step_argv(self, job_id: int, node: str, argv: Sequence[str], *, ntasks: int = 1,
+                  env_overrides: Mapping[str, str] | None = None) -> list[str]:
+        if ntasks != 1:
+            raise ValueError("single-host allocation: one rank per GPU node")
+        gpu = node.removeprefix("gpu")
+        extra = [f"{k}={v}" for k, v in (env_overrides or {}).items()]
+        return ["env", f"CUDA_VISIBLE_DEVICES={gpu}", f"SLURMD_NODENAME={node}", *extra, *map(str, argv)]
+
+    def step_env(self, job: JobInfo, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        return dict(base if base is not None else os.environ)

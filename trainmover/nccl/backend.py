@@ -1,0 +1,136 @@
+"""NCCL as an inner backend of `SwappableGroup`, through the communicator-delta library.
+
+Every collective is enqueued on the caller's current CUDA stream and returns an already
+completed `Work`: ordering with the surrounding kernels is the stream's, as with
+ProcessGroupNCCL's default synchronisation, so DDP's bucket hooks and optimizers see the
+results in order without host waits. Communicators are owned by `trainmover.nccl.lib`,
+which builds replacements non-blocking (Phase 1) and revokes old ones (Phase 2).
+"""
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from trainmover.errors import MigrationError
+from trainmover.nccl import lib
+from trainmover.runtime.groups import _done
+
+_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min",
+        dist.ReduceOp.PRODUCT: "prod", dist.ReduceOp.AVG: "avg"}
+
+
+def _op(opts) -> str:
+    op = getattr(opts, "reduceOp", dist.ReduceOp.SUM)
+    for known, name in _OPS.items():
+        if op == known:
+            return name
+    raise MigrationError(f"reduce op {op} is not supported by the NCCL backend")
+
+
+class NcclBackend:
+    def __init__(self, comm: "lib.Comm", store, prefix: str):
+        self.comm, self.store, self.prefix = comm, store, prefix
+        self.rank_, self.size_ = comm.rank, comm.size
+
+    def allreduce(self, tensors, opts=None):
+        op = _op(opts)
+        for t in tensors:
+            self.comm.allreduce(t, t, op)
+        return _done(tensors)
+
+    def broadcast(self, tensors, opts=None):
+        root = getattr(opts, "rootRank", 0)
+        for t in tensors:
+            self.comm.broadcast(t, t, root)
+        return _done(tensors)
+
+    def _allgather_base(self, output, input, opts=None):
+        self.comm.allgather(input, output)
+        return _done([output])
+
+    def allgather(self, output_lists, input_tensors, opts=None):
+        for outs, inp in zip(output_lists, input_tensors):
+            flat = torch.empty((self.size_,) + tuple(inp.shape), dtype=inp.dtype, device=inp.device)
+            self.comm.allgather(inp.contiguous(), flat)
+            for i, out in enumerate(outs):
+                out.copy_(flat[i])
+        return _done(output_lists)
+
+    def reduce_scatter(self, outputs, input_lists, opts=None):
+        op = _op(opts)
+        for out, ins in zip(outputs, input_lists):
+            flat = torch.cat([t.reshape(-1) for t in ins])
+            self.comm.reduce_scatter(flat, out, op)
+        return _done(outputs)
+
+    def barrier(self, opts=None):
+        t = torch.zeros(1, device=torch.cuda.current_device())
+        self.comm.allreduce(t, t, "sum")
+        torch.cuda.current_stream().synchronize()
+        return _done([])
+
+    def send(self, tensors, dst, tag=0):
+        for t in tensors:
+            self.comm.send(t, dst)
+        return _done(tensors)
+
+    def recv(self, tensors, src, tag=0):
+        for t in tensors:
+            self.comm.recv(t, src)
+        return _done(tensors)
+
+    def channel(self) -> "NcclChannel":
+        return NcclChannel(self)
+
+    def shutdown(self):
+        self.comm.revoke()
+
+
+class NcclChannel:
+    """State transfer over a 2-member NCCL communicator: the manifest through the job's
+    store, all tensors in one grouped send/recv directly into the receiver's buffers."""
+
+    def __init__(self, backend: NcclBackend):
+        self.b = backend
+
+    def send_bytes(self, data: bytes, dst: int) -> None:
+        self.b.store.set(self.b.prefix + "manifest", data)
+
+    def recv_bytes(self, src: int) -> bytes:
+        return self.b.store.get(self.b.prefix + "manifest")
+
+    def send_tensors(self, tensors, dst: int, corrupt: bool = False) -> None:
+        if corrupt and tensors:  # fault injection: the first tensor arrives with a flipped byte
+            bad = tensors[0].clone()
+            bad.view(-1).view(torch.uint8)[0] ^= 0xFF
+            tensors = [bad] + list(tensors[1:])
+        with lib.group():
+            for t in tensors:
+                self.b.comm.send(t, dst)
+        torch.cuda.current_stream().synchronize()
+
+    def recv_tensors(self, tensors, src: int) -> None:
+        with lib.group():
+            for t in tensors:
+                self.b.comm.recv(t, src)
+        torch.cuda.current_stream().synchronize()
+
+
+def nccl_group(store, prefix: str, grank: int, size: int, *, timeout_s: float, name: str,
+               device: int | None = None) -> NcclBackend:
+    """Build a communicator by its members only: group rank 0 publishes the unique id on
+    the job store under `prefix`; init is non-blocking and bounded by `timeout_s` (on
+    timeout the half-built communicator is aborted and nothing else changes)."""
+    device = torch.cuda.current_device() if device is None else device
+    key = prefix + "nccl-uid"
+    if grank == 0:
+        uid = lib.unique_id()
+        store.set(key, uid)
+    else:
+        store.wait([key], datetime.timedelta(seconds=timeout_s))
+        uid = store.get(key)
+    comm = lib.Comm.init_start(f"{name}@{prefix}", uid, size, grank, device)
+    comm.wait(int(timeout_s * 1000))
+    return NcclBackend(comm, store, prefix)
