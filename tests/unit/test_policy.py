@@ -54,7 +54,8 @@ def test_full_migration_then_release_and_refill():
     ready_standby(p)
     p.on_nodes(10.0, {"train2": Node("ALLOCATED+DRAIN")})
     for rank, node in ((0, "train1"), (2, "train3"), (1, "train2"), (1, "spare1")):
-        p.on_message(10.2, node, {"type": "prepared", "epoch": 1, "rank": rank, "groups": ["world"], "seconds": 0.1})
+        p.on_message(10.2, node, {"type": "prepared", "epoch": 1, "rank": rank, "groups": ["world"], "seconds": 0.1,
+                                  "detail": {}})
     assert p.active().phase is Phase.SWITCHING
     for rank, node, role in ((0, "train1", "stayer"), (2, "train3", "stayer"), (1, "train2", "leaver")):
         acts = p.on_message(10.5, node, {"type": "switched", "epoch": 1, "rank": rank, "role": role, "step": 40,

@@ -16,7 +16,7 @@ SCHEMA: dict[str, dict[str, object]] = {
     "hello": {"role": _STR, "node": _STR, "ranks": _LIST, "pid": _INT},
     "ready": {"node": _STR, "warmup_s": _FLOAT, "shadow_steps": _INT},
     "step": {"rank": _INT, "step": _INT, "loss": _FLOAT, "step_s": _FLOAT, "t": _FLOAT},
-    "prepared": {"epoch": _INT, "rank": _INT, "groups": _LIST, "seconds": _FLOAT},
+    "prepared": {"epoch": _INT, "rank": _INT, "groups": _LIST, "seconds": _FLOAT, "detail": _DICT},
     "prepare_failed": {"epoch": _INT, "rank": _INT, "error": _STR},
     "switched": {"epoch": _INT, "rank": _INT, "role": _STR, "step": _INT, "t": _FLOAT, "detail": _DICT},
     "finished": {"rank": _INT, "step": _INT, "digest": _STR, "loss": _FLOAT},

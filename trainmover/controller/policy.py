@@ -172,10 +172,12 @@ class Policy:
         if kind == "prepared":
             role = "joiner" if node == m.joiner else ("leaver" if msg["rank"] in m.leaver_ranks else "stayer")
             m.prepared.add((msg["rank"], role))
+            actions = [self._timeline(m, now, "rank_prepared", rank=msg["rank"], role=role, seconds=msg["seconds"],
+                                      groups=msg["groups"], **msg["detail"])]
             if m.prepared >= m.expected and m.phase is Phase.PREPARING:
                 m.to(Phase.SWITCHING, now)
-                return [self._timeline(m, now, "prepared")]
-            return []
+                actions.append(self._timeline(m, now, "prepared"))
+            return actions
         if kind == "prepare_failed":
             return self._abort(now, m, f"rank {msg['rank']} on {node}: {msg['error']}")
         if kind == "switched":
@@ -184,6 +186,8 @@ class Policy:
             m.switched[(msg["rank"], msg["role"])] = msg
             m.switch_step = msg["step"]
             actions = []
+            if msg["role"] != "joiner":
+                actions.append(self._timeline(m, now, f"{msg['role']}_switched", rank=msg["rank"], **msg["detail"]))
             if msg["role"] == "joiner":
                 self.view.rank_node[msg["rank"]] = m.joiner
                 self.view.standbys.pop(m.joiner, None)

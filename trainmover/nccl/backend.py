@@ -8,7 +8,9 @@ which builds replacements non-blocking (Phase 1) and revokes old ones (Phase 2).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import io
 
 import torch
 import torch.distributed as dist
@@ -29,6 +31,17 @@ def _op(opts) -> str:
     raise MigrationError(f"reduce op {op} is not supported by the NCCL backend")
 
 
+@contextlib.contextmanager
+def _on_device(t: torch.Tensor):
+    """NCCL needs device memory; DDP's set-up checks pass small CPU tensors."""
+    if t.device.type == "cuda":
+        yield t
+        return
+    tmp = t.to(torch.cuda.current_device())
+    yield tmp
+    t.copy_(tmp.cpu())
+
+
 class NcclBackend:
     def __init__(self, comm: "lib.Comm", store, prefix: str):
         self.comm, self.store, self.prefix = comm, store, prefix
@@ -37,13 +50,15 @@ class NcclBackend:
     def allreduce(self, tensors, opts=None):
         op = _op(opts)
         for t in tensors:
-            self.comm.allreduce(t, t, op)
+            with _on_device(t) as d:
+                self.comm.allreduce(d, d, op)
         return _done(tensors)
 
     def broadcast(self, tensors, opts=None):
         root = getattr(opts, "rootRank", 0)
         for t in tensors:
-            self.comm.broadcast(t, t, root)
+            with _on_device(t) as d:
+                self.comm.broadcast(d, d, root)
         return _done(tensors)
 
     def _allgather_base(self, output, input, opts=None):
@@ -52,8 +67,9 @@ class NcclBackend:
 
     def allgather(self, output_lists, input_tensors, opts=None):
         for outs, inp in zip(output_lists, input_tensors):
-            flat = torch.empty((self.size_,) + tuple(inp.shape), dtype=inp.dtype, device=inp.device)
-            self.comm.allgather(inp.contiguous(), flat)
+            dev = torch.cuda.current_device()
+            flat = torch.empty((self.size_,) + tuple(inp.shape), dtype=inp.dtype, device=dev)
+            self.comm.allgather(inp.contiguous().to(dev), flat)
             for i, out in enumerate(outs):
                 out.copy_(flat[i])
         return _done(output_lists)
@@ -89,8 +105,9 @@ class NcclBackend:
 
 
 class NcclChannel:
-    """State transfer over a 2-member NCCL communicator: the manifest through the job's
-    store, all tensors in one grouped send/recv directly into the receiver's buffers."""
+    """State transfer over a 2-member NCCL communicator: the manifest and the few small CPU
+    tensors (RNG states, step counters) through the job's store, every GPU tensor in one
+    grouped send/recv directly into the receiver's buffers (no staging copy)."""
 
     def __init__(self, backend: NcclBackend):
         self.b = backend
@@ -102,19 +119,30 @@ class NcclChannel:
         return self.b.store.get(self.b.prefix + "manifest")
 
     def send_tensors(self, tensors, dst: int, corrupt: bool = False) -> None:
-        if corrupt and tensors:  # fault injection: the first tensor arrives with a flipped byte
-            bad = tensors[0].clone()
+        gpu = [t for t in tensors if t.device.type == "cuda"]
+        if corrupt and gpu:  # fault injection: the first tensor arrives with a flipped byte
+            bad = gpu[0].clone()
             bad.view(-1).view(torch.uint8)[0] ^= 0xFF
-            tensors = [bad] + list(tensors[1:])
+            gpu = [bad] + gpu[1:]
+        buf = io.BytesIO()
+        torch.save([t for t in tensors if t.device.type != "cuda"], buf)
+        self.b.store.set(self.b.prefix + "cpu-tensors", buf.getvalue())
         with lib.group():
-            for t in tensors:
+            for t in gpu:
                 self.b.comm.send(t, dst)
         torch.cuda.current_stream().synchronize()
 
     def recv_tensors(self, tensors, src: int) -> None:
+        cpu = [t for t in tensors if t.device.type != "cuda"]
+        got = torch.load(io.BytesIO(self.b.store.get(self.b.prefix + "cpu-tensors")), weights_only=True)
+        if len(got) != len(cpu):
+            raise MigrationError(f"state transfer: {len(got)} CPU tensors sent, {len(cpu)} expected", phase="switch")
+        for t, g in zip(cpu, got):
+            t.copy_(g)
         with lib.group():
             for t in tensors:
-                self.b.comm.recv(t, src)
+                if t.device.type == "cuda":
+                    self.b.comm.recv(t, src)
         torch.cuda.current_stream().synchronize()
 
 

@@ -32,6 +32,8 @@ class Prepared:
     xfer: object | None = None         # leaver/joiner: 2-member transfer group
     seconds: float = 0.0
     error: str = ""
+    memory_before: dict = field(default_factory=dict)   # at the boundary where Phase 1 began
+    comms_before: int = 0
     done: threading.Event = field(default_factory=threading.Event)
 
 

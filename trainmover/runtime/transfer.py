@@ -142,9 +142,10 @@ def channel_for(xfer):
 @dataclass
 class TransferStats:
     bytes: int
-    seconds: float
+    seconds: float       # whole call: checksum, manifest and tensors
     tensors: int
     digest: str
+    copy_s: float = 0.0  # moving the tensors alone
 
 
 def send_state(state: dict, xfer, *, dst: int = 1, corrupt: bool = False) -> TransferStats:
@@ -159,9 +160,11 @@ def send_state(state: dict, xfer, *, dst: int = 1, corrupt: bool = False) -> Tra
     specs = [(p, tuple(t.shape), str(t.dtype), t.device.type) for p, t in zip(paths, tensors)]
     torch.save({"skeleton": skeleton, "specs": specs, "digest": digest}, buf)
     chan.send_bytes(buf.getvalue(), dst)
+    t1 = time.perf_counter()
     chan.send_tensors(tensors, dst, corrupt=corrupt)
+    t2 = time.perf_counter()
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    return TransferStats(nbytes, time.perf_counter() - t0, len(tensors), digest)
+    return TransferStats(nbytes, t2 - t0, len(tensors), digest, t2 - t1)
 
 
 def recv_state(xfer, *, src: int = 0, like: dict | None = None) -> tuple[dict, TransferStats]:
@@ -189,11 +192,13 @@ def recv_state(xfer, *, src: int = 0, like: dict | None = None) -> tuple[dict, T
                 or t.device.type != device):
             t = torch.empty(shape, dtype=dt, device="cuda" if device == "cuda" else "cpu")
         into.append(t)
+    t1 = time.perf_counter()
     with torch.no_grad():
         chan.recv_tensors(into, src)
+    copy_s = time.perf_counter() - t1
     got = digest_tensors(into)
     if got != meta["digest"]:
         raise MigrationError(f"state transfer: checksum mismatch (sent {meta['digest'][:12]}, "
                              f"received {got[:12]})", phase="switch")
     nbytes = sum(t.numel() * t.element_size() for t in into)
-    return _unflatten(meta["skeleton"], into), TransferStats(nbytes, time.perf_counter() - t0, len(into), got)
+    return _unflatten(meta["skeleton"], into), TransferStats(nbytes, time.perf_counter() - t0, len(into), got, copy_s)

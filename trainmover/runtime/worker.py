@@ -133,6 +133,20 @@ class Agent:
         raise MigrationError(f"collectives still changing after {max_steps} shadow steps", phase="warmup",
                              host=self.spec.node)
 
+    def memory(self) -> dict:
+        """What a migration costs this rank in memory: torch's allocator and the device."""
+        if self.device != "cuda":
+            return {}
+        free, total = torch.cuda.mem_get_info()
+        return {"alloc_bytes": torch.cuda.memory_allocated(), "reserved_bytes": torch.cuda.memory_reserved(),
+                "device_used_bytes": total - free}
+
+    def comms_created(self) -> int:
+        if self.backend != "nccl":
+            return 0
+        from trainmover.nccl import lib
+        return lib.created_count()
+
     def full_state(self, step: int) -> dict:
         return {"workload": self.workload.state_dict(), "rng": rng.capture(), "step": step}
 
@@ -183,7 +197,8 @@ class Agent:
         if not prep.done.wait(self.spec.group_timeout_s + 5) or prep.error:
             self.send("prepare_failed", epoch=epoch, rank=rank, error=prep.error or "phase 1 deadline")
             return None
-        self.send("prepared", epoch=epoch, rank=rank, groups=sorted(prep.backends), seconds=prep.seconds)
+        self.send("prepared", epoch=epoch, rank=rank, groups=sorted(prep.backends), seconds=prep.seconds,
+                  detail={"role": "joiner"})
         # Wait for the leaver's verdict: it either starts sending (go) or cancels.
         deadline = time.monotonic() + self.spec.switch_timeout_s
         while True:
@@ -206,8 +221,9 @@ class Agent:
             self.retired.append(self.groups[name].swap(backend))
         self.rank, self.role = rank, "worker"
         self.send("switched", epoch=epoch, rank=rank, role="joiner", step=int(state["step"]), t=time.time(),
-                  detail={"recv_s": stats.seconds, "bytes": stats.bytes, "apply_s": time.perf_counter() - t_switch,
-                          "prepare_s": prep.seconds})
+                  detail={"recv_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
+                          "apply_s": time.perf_counter() - t_switch, "prepare_s": prep.seconds,
+                          "comms_created": self.comms_created(), **self.memory()})
         log.info("joined as rank %d at step %d (%d bytes in %.3fs)", rank, state["step"], stats.bytes, stats.seconds)
         return int(state["step"])
 
@@ -229,7 +245,8 @@ class Agent:
                     self.retired.append(self.groups[name].swap(backend))
                 self.pending = None
                 self.send("switched", epoch=prep.epoch, rank=self.rank, role="stayer", step=step, t=time.time(),
-                          detail={"prepare_s": prep.seconds})
+                          detail={"prepare_s": prep.seconds, "comms_created": self.comms_created(),
+                                  "comms_created_before": prep.comms_before})
         self.send("finished", rank=self.rank, step=step, digest=self.digest(), loss=loss if step else 0.0)
         return 0
 
@@ -252,9 +269,10 @@ class Agent:
                 self.reported.add((prep.epoch, what))
                 if prep.error:
                     self.send("prepare_failed", epoch=prep.epoch, rank=self.rank, error=prep.error)
-                else:
+                else:  # memory measured at step boundaries, where a steady step's usage repeats
                     self.send("prepared", epoch=prep.epoch, rank=self.rank, groups=sorted(prep.backends),
-                              seconds=prep.seconds)
+                              seconds=prep.seconds, detail={"role": prep.role, "before": prep.memory_before,
+                                                            "after": self.memory()})
 
     def _on_prepare(self, msg: dict):
         epoch = msg["epoch"]
@@ -263,6 +281,7 @@ class Agent:
         if role == "stayer" and not d.groups_to_build(self.rank):
             return  # no group of ours contains the leaver: nothing to do (never the case for world)
         self.pending = phase1.Prepared(epoch, d, role, self.rank)
+        self.pending.memory_before, self.pending.comms_before = self.memory(), self.comms_created()
         phase1.start(self.pending, self.build_backend)
         log.info("phase 1 epoch %d as %s: %s", epoch, role, [g.name for g in d.groups_to_build(self.rank)])
 
@@ -283,7 +302,8 @@ class Agent:
         self.store.set(go_key(prep.epoch, self.rank), "1")
         stats = transfer.send_state(state, prep.xfer, dst=1, corrupt="corrupt-transfer" in self.spec.inject)
         self.send("switched", epoch=prep.epoch, rank=self.rank, role="leaver", step=step, t=time.time(),
-                  detail={"send_s": stats.seconds, "bytes": stats.bytes, "tensors": stats.tensors})
+                  detail={"send_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
+                          "tensors": stats.tensors})
         log.info("left at step %d: sent %d bytes in %.3fs", step, stats.bytes, stats.seconds)
 
 
