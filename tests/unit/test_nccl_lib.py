@@ -1,0 +1,447 @@
+"""The communicator-delta library (cuda/) and its binding (trainmover.nccl.lib).
+
+CPU (any machine with a C++ compiler): the build, the delta plan against
+trainmover/runtime/plan.py on random layouts (against both libraries), the slot table, the
+slot logic on test-hook communicators, the exported symbols, the NCCL enum values.
+GPU (`-m gpu`, >= 2 GPUs; the migration test >= 3): real communicators in spawned processes.
+    python -m pytest tests/unit/test_nccl_lib.py -m gpu
+"""
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+import random
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainmover.nccl import lib
+from trainmover.runtime.plan import GroupSpec, delta
+
+REPO = Path(__file__).resolve().parents[2]
+BUILD = REPO / "scripts" / "build_cuda.sh"
+# Every GPU run on the shared machines keeps NVLink multicast off.
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@pytest.fixture(scope="session")
+def build() -> str:
+    """Runs the build script once; returns its last line ("build_cuda: built/skipped ...")."""
+    proc = subprocess.run(["bash", str(BUILD)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"build_cuda.sh failed:\n{proc.stdout}\n{proc.stderr}"
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith(("build_cuda: built", "build_cuda: skipped")), proc.stdout
+    lib._loaded.clear()  # load what this build produced
+    return last
+
+
+@pytest.fixture
+def full(build):
+    ok, why = lib.available()
+    if not ok:
+        pytest.skip(build if "skipped" in build else why)
+    return lib.load()
+
+
+@pytest.fixture(params=["plan", "full"])
+def which(request, build, monkeypatch):
+    """Runs a test against each library that was built: one contract, two implementations."""
+    try:
+        chosen = lib._load(request.param)
+    except lib.NcclUnavailable as exc:
+        pytest.skip(f"{request.param} library: {exc} ({build})")
+    monkeypatch.setattr(lib, "_plan_lib", lambda: chosen)
+    return request.param
+
+
+def test_build_script_builds_or_says_what_is_missing(build):
+    if "skipped" in build:
+        assert "no " in build  # names what is missing
+    else:
+        assert (REPO / "cuda/build/libtmdelta.so").is_file()
+    if shutil.which(os.environ.get("CXX", "g++")) and shutil.which("make"):
+        assert (REPO / "cuda/build/libtmdelta_plan.so").is_file()
+
+
+# ---- delta plan: contract with trainmover/runtime/plan.py -------------------------------------
+
+def megatron_groups(tp: int, pp: int, dp: int) -> list[GroupSpec]:
+    """Megatron's order: rank = tp_i + tp * (dp_i + dp * pp_i)."""
+    def r(t, d, p):
+        return t + tp * (d + dp * p)
+    groups = [GroupSpec(f"tp{d}.{p}", tuple(r(t, d, p) for t in range(tp))) for d in range(dp) for p in range(pp)]
+    groups += [GroupSpec(f"dp{t}.{p}", tuple(r(t, d, p) for d in range(dp))) for t in range(tp) for p in range(pp)]
+    groups += [GroupSpec(f"pp{t}.{d}", tuple(r(t, d, p) for p in range(pp))) for t in range(tp) for d in range(dp)]
+    groups.append(GroupSpec("world", tuple(range(tp * pp * dp))))
+    return groups
+
+
+def random_layouts(n: int, seed: int = 7):
+    rng = random.Random(seed)
+    shapes = [s for s in itertools.product([1, 2, 4, 8], [1, 2, 4], [1, 2, 4, 8]) if 2 <= s[0] * s[1] * s[2] <= 64]
+    for _ in range(n):
+        tp, pp, dp = rng.choice(shapes)
+        groups = megatron_groups(tp, pp, dp)
+        rng.shuffle(groups)  # the plan must not depend on group order
+        if rng.random() < 0.3:  # a permuted world: group ranks need not be sorted
+            world = list(range(tp * pp * dp))
+            rng.shuffle(world)
+            groups.append(GroupSpec("world_perm", tuple(world)))
+        size = tp * pp * dp
+        leavers = set(rng.sample(range(size), k=min(size, rng.choice([1, 2]))))
+        yield groups, leavers
+
+
+def test_plan_agrees_with_python_plan(which):
+    cases = 0
+    for groups, leavers in random_layouts(300):
+        d = delta(groups, leavers, epoch=1)
+        changed_names = {g.name for g in d.changed}
+        size = max(r for g in groups for r in g.ranks) + 1
+        native = lib.plan(groups, leavers)
+        assert {g.name for g, c in zip(groups, native.changed) if c} == changed_names
+        for rank in range(size):
+            mine = lib.plan(groups, leavers, rank=rank).mine
+            expect = [(groups.index(g), g.ranks.index(rank)) for g in d.groups_to_build(rank)]
+            assert list(mine) == expect, (which, [g.name for g in groups], leavers, rank)
+        cases += 1
+    assert cases == 300
+
+
+def test_plan_known_case(which):
+    groups = [GroupSpec("tp0", (0, 1)), GroupSpec("tp1", (2, 3)), GroupSpec("dp0", (0, 2)),
+              GroupSpec("dp1", (1, 3)), GroupSpec("world", (0, 1, 2, 3))]
+    p = lib.plan(groups, [3], rank=1)
+    assert p.changed == (False, True, False, True, True)
+    assert p.mine == ((3, 0), (4, 1))  # dp1 as group rank 0, world as group rank 1
+    assert lib.plan(groups, [3], rank=3).mine == ((1, 1), (3, 1), (4, 3))  # the joiner's slots
+
+
+@pytest.mark.parametrize("groups, leavers, message", [
+    ([(0, 1)], [9], "leaving rank 9 is not in the job"),
+    ([(0, 1)], [], "no leaving ranks"),
+    ([(0, 0)], [0], "ranks must be distinct"),
+    ([(0, 1), ()], [0], "group 1 is empty"),
+    ([(0, -1)], [0], "negative rank"),  # stricter than plan.py, which accepts negative ranks
+])
+def test_plan_rejects_what_python_rejects(which, groups, leavers, message):
+    with pytest.raises(lib.NcclError, match=message) as err:
+        lib.plan(groups, leavers)
+    assert err.value.status == lib.Status.INVALID
+    specs_ok = all(len(set(g)) == len(g) and g for g in groups)
+    if specs_ok and min(r for g in groups for r in g) >= 0:  # the Python plan rejects it too
+        with pytest.raises(ValueError):
+            delta([GroupSpec(f"g{i}", tuple(g)) for i, g in enumerate(groups)], set(leavers), 1)
+
+
+# ---- slot state machine -----------------------------------------------------------------------
+
+S, E = lib.SlotState, lib.SlotEvent
+LEGAL = {
+    (S.ACTIVE, E.PREPARE): S.PREPARED, (S.ACTIVE, E.CLOSE): S.CLOSED,
+    (S.PREPARED, E.SWITCH): S.SWITCHING, (S.PREPARED, E.CANCEL): S.ACTIVE, (S.PREPARED, E.CLOSE): S.CLOSED,
+    (S.SWITCHING, E.SWITCHED): S.ACTIVE,
+}
+
+
+@pytest.mark.parametrize("state, event", list(itertools.product(S, E)))
+def test_slot_table(which, state, event):
+    if (state, event) in LEGAL:
+        assert lib.slot_transition(state, event) == LEGAL[(state, event)]
+    else:
+        with pytest.raises(lib.NcclStateError, match=f"illegal transition: {event.name.lower()} in state {state.name}"):
+            lib.slot_transition(state, event)
+
+
+def test_slot_switch_revokes_and_destroys_the_old(full):
+    old, new = lib.Comm._fake("tp1", 1, 2), lib.Comm._fake("tp1", 1, 2)
+    slot = lib.Slot("tp1", old)
+    assert slot.state == S.ACTIVE and slot.active is old
+    with pytest.raises(lib.NcclStateError, match="slot 'tp1': illegal transition: switch in state ACTIVE"):
+        slot.switch()
+    with pytest.raises(lib.NcclStateError, match="cancel in state ACTIVE"):
+        slot.cancel()
+    slot.prepare(new)
+    assert slot.state == S.PREPARED and slot.active is old  # Phase 1 leaves the live comm alone
+    with pytest.raises(lib.NcclStateError, match="prepare in state PREPARED"):
+        slot.prepare(lib.Comm._fake("tp1", 1, 2))
+    slot.switch()
+    assert slot.state == S.ACTIVE and slot.active is new
+    assert old.state == lib.CommState.DESTROYED and new.state == lib.CommState.READY
+    slot.close()
+    with pytest.raises(lib.NcclStateError, match="closed"):
+        slot.state
+    assert new.state == lib.CommState.READY  # the Python object still holds its reference
+    new.release()
+
+
+def test_slot_cancel_aborts_only_the_prepared(full):
+    old, new = lib.Comm._fake("dp0", 0, 4), lib.Comm._fake("dp0", 0, 4)
+    slot = lib.Slot("dp0", old)
+    slot.prepare(new)
+    slot.cancel()
+    assert slot.state == S.ACTIVE and slot.active is old
+    assert new.state == lib.CommState.ABORTED and old.state == lib.CommState.READY
+    with pytest.raises(lib.NcclStateError, match="must be READY"):
+        slot.prepare(new)  # an aborted communicator cannot be prepared again
+    slot.close()
+
+
+def test_slot_refuses_a_replacement_in_another_slot_position(full):
+    slot = lib.Slot("pp0", lib.Comm._fake("pp0", 0, 2))
+    with pytest.raises(lib.NcclError, match="does not keep the slot's rank 0/2"):
+        slot.prepare(lib.Comm._fake("pp0", 1, 2))
+    assert slot.state == S.ACTIVE
+    slot.close()
+
+
+def test_comm_lifecycle_on_fakes(full):
+    c = lib.Comm._fake("x", 0, 1)
+    c.revoke()
+    assert c.state == lib.CommState.REVOKED
+    c.destroy()
+    assert c.state == lib.CommState.DESTROYED
+    with pytest.raises(lib.NcclStateError, match="comm 'x' rank 0/1 phase=revoke: communicator is DESTROYED"):
+        c.revoke()
+    c.release()
+    with pytest.raises(lib.NcclStateError, match="released"):
+        c.state
+
+
+# ---- native hygiene and binding details ------------------------------------------------------
+
+@pytest.mark.skipif(not shutil.which("nm"), reason="nm (binutils) not installed")
+@pytest.mark.parametrize("name", ["libtmdelta.so", "libtmdelta_plan.so"])
+def test_only_tm_symbols_are_exported(build, name):
+    path = REPO / "cuda/build" / name
+    if not path.is_file():
+        pytest.skip(build)
+    out = subprocess.run(["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True).stdout
+    names = [line.split()[-1] for line in out.splitlines() if line.strip()]
+    assert names and all(n.startswith("tm_") for n in names), names
+
+
+def _nccl_header() -> Path | None:
+    for p in [os.environ.get("NCCL_HOME", "")] + [str(Path(s) / "nvidia" / "nccl") for s in __import__("sys").path]:
+        if p and (Path(p) / "include/nccl.h").is_file():
+            return Path(p) / "include/nccl.h"
+    return None
+
+
+def test_dtype_and_op_values_match_nccl_h():
+    header = _nccl_header()
+    if header is None:
+        pytest.skip("no nccl.h in NCCL_HOME or site-packages nvidia/nccl")
+    text = header.read_text()
+    names = {"int8": "ncclInt8", "uint8": "ncclUint8", "int32": "ncclInt32", "int64": "ncclInt64",
+             "float16": "ncclFloat16", "float32": "ncclFloat32", "float64": "ncclFloat64",
+             "bfloat16": "ncclBfloat16", "sum": "ncclSum", "prod": "ncclProd", "max": "ncclMax",
+             "min": "ncclMin", "avg": "ncclAvg"}
+    table = {**lib._NCCL_DTYPES, **lib._NCCL_OPS}
+    for ours, theirs in names.items():
+        m = re.search(rf"\b{theirs}\s*=\s*(\d+)", text)
+        assert m and int(m.group(1)) == table[ours], ours
+
+
+def test_op_names_and_reduce_ops():
+    import torch.distributed as dist
+    assert lib._op(dist.ReduceOp.AVG) == lib._op("avg") == 4
+    assert lib._op(dist.ReduceOp.PRODUCT) == lib._op("prod")
+    with pytest.raises(ValueError, match="not supported"):
+        lib._op(dist.ReduceOp.BAND)
+    assert lib._dtype(torch.zeros(1, dtype=torch.bfloat16)) == 9
+    with pytest.raises(ValueError, match="not supported"):
+        lib._dtype(torch.zeros(1, dtype=torch.complex64))
+
+
+def test_available_never_raises(monkeypatch, tmp_path):
+    monkeypatch.setenv("TM_NCCL_LIB", str(tmp_path / "nope.so"))
+    monkeypatch.setattr(lib, "_loaded", {})
+    ok, why = lib.available()
+    assert not ok and "nope.so is not built" in why
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error path without a GPU")
+def test_init_without_a_gpu_names_comm_rank_and_phase(full):
+    with pytest.raises(lib.NcclError, match=r"comm 'world@e1' rank 1/2 phase=init: cudaSetDevice failed") as err:
+        lib.Comm.init_start("world@e1", lib.unique_id(), 2, 1, 0)
+    assert err.value.status == lib.Status.CUDA
+
+
+def test_unique_ids_differ_and_no_comm_was_created(full):
+    before = lib.created_count()
+    a, b = lib.unique_id(), lib.unique_id()
+    assert len(a) == lib.UNIQUE_ID_BYTES and a != b
+    lib.Comm._fake("f", 0, 1).release()
+    assert lib.created_count() == before
+
+
+# ---- GPU: real communicators in spawned processes ---------------------------------------------
+TIMEOUT_MS = 60_000
+
+
+def _store(port: int):
+    from torch.distributed import TCPStore
+    return TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+
+
+def _uid(store, key: str, create: bool) -> bytes:
+    if create:
+        store.set(key, lib.unique_id())
+    return store.get(key)  # waits (store timeout) until the creator has set it
+
+
+def _check_collectives(comm, i: int, m: int):
+    """allreduce (sum, avg), broadcast, allgather, reduce_scatter on a READY comm of m ranks."""
+    x = torch.full((1000,), float(i + 1), device="cuda")
+    comm.allreduce(x)
+    a = torch.full((10,), float(i), device="cuda", dtype=torch.float64)
+    comm.allreduce(a, op=torch.distributed.ReduceOp.AVG)
+    b = torch.arange(8, device="cuda", dtype=torch.int64) * (i + 1)
+    comm.broadcast(b, root=m - 1)
+    g = torch.empty(m * 3, device="cuda", dtype=torch.bfloat16)
+    comm.allgather(torch.full((3,), float(i), device="cuda", dtype=torch.bfloat16), g)
+    rs = torch.empty(4, device="cuda", dtype=torch.int32)
+    comm.reduce_scatter(torch.arange(4 * m, device="cuda", dtype=torch.int32), rs)
+    torch.cuda.synchronize()
+    assert torch.all(x == m * (m + 1) / 2), x[:4]
+    assert torch.allclose(a, torch.full_like(a, (m - 1) / 2))
+    assert torch.equal(b, torch.arange(8, device="cuda", dtype=torch.int64) * m)
+    assert torch.equal(g.float(), torch.arange(m, device="cuda").repeat_interleave(3).float())
+    assert torch.equal(rs, (torch.arange(4, device="cuda", dtype=torch.int32) + 4 * comm.rank) * m)
+
+
+STATE = [(1000, torch.float32), (333, torch.bfloat16), (77, torch.int64), (4096, torch.float16), (5, torch.uint8)]
+
+
+def _state_tensors(seed: int):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return [torch.randint(0, 100, (n,), generator=g).to(dt).cuda() for n, dt in STATE]
+
+
+def _migration_child(i: int, port: int, m: int, k: int):
+    """Members 0..m-1 on GPUs 0..m-1 share `world`; process m (GPU m) is the spare. Member k
+    leaves: the spare takes group rank k in a new `world`, receives k's state in one grouped
+    transfer, stayers switch their slot, the old comm is revoked and the results agree."""
+    store = _store(port)
+    torch.cuda.set_device(i)
+    role = "joiner" if i == m else ("leaver" if i == k else "stayer")
+    grank = k if role == "joiner" else i
+    slot = None
+    if role != "joiner":
+        old = lib.Comm.init_start("world", _uid(store, "e0/world", i == 0), m, i, i)
+        old.wait(TIMEOUT_MS)
+        slot = lib.Slot("world", old)
+        _check_collectives(slot.active, i, m)
+    # Phase 1, while the old comm keeps working.
+    if role in ("stayer", "joiner"):
+        new = lib.Comm.init_start("world@e1", _uid(store, "e1/world", i == 0), m, grank, i)
+    if role in ("leaver", "joiner"):
+        xfer = lib.Comm.init_start("xfer@e1", _uid(store, "e1/xfer", role == "leaver"), 2,
+                                   0 if role == "leaver" else 1, i)
+    if role != "joiner":
+        y = torch.ones(16, device="cuda")
+        slot.active.allreduce(y)
+        torch.cuda.synchronize()
+        assert torch.all(y == m)
+    if role in ("stayer", "joiner"):
+        new.wait(TIMEOUT_MS)
+    if role in ("leaver", "joiner"):
+        xfer.wait(TIMEOUT_MS)
+    if role == "stayer":
+        slot.prepare(new)
+        assert slot.active is old and slot.state == lib.SlotState.PREPARED
+    # State transfer: several tensors of several dtypes, one grouped send/recv.
+    if role == "leaver":
+        with lib.group():
+            for t in _state_tensors(seed=k):
+                xfer.send(t, 1)
+        torch.cuda.synchronize()
+    if role == "joiner":
+        got = [torch.zeros(n, dtype=dt, device="cuda") for n, dt in STATE]
+        with lib.group():
+            for t in got:
+                xfer.recv(t, 0)
+        torch.cuda.synchronize()
+        for a, b in zip(got, _state_tensors(seed=k)):
+            assert torch.equal(a, b), (a.dtype, a[:4], b[:4])
+    # Switch (the iteration boundary).
+    if role == "stayer":
+        slot.switch()
+        assert slot.active is new and old.state in (lib.CommState.DESTROYED, lib.CommState.ABORTED)
+        with pytest.raises(lib.NcclStateError, match="communicator is"):
+            old.allreduce(torch.ones(4, device="cuda"))
+    if role == "leaver":
+        old.revoke()
+        old.destroy()
+        slot.close()
+        xfer.destroy()
+    if role == "joiner":
+        xfer.destroy()
+        slot = lib.Slot("world", new)
+    if role != "leaver":
+        new.set_op_timeout(TIMEOUT_MS)
+        _check_collectives(slot.active, grank, m)  # the joiner answers as rank k did
+        assert lib.created_count() == 2
+        slot.close()
+    store.set(f"done/{i}", b"1")
+    store.wait([f"done/{j}" for j in range(m + 1)])
+
+
+def _timeout_child(i: int, port: int):
+    """Two members share `world`; member 0 starts a replacement that member 1 never joins."""
+    store = _store(port)
+    torch.cuda.set_device(i)
+    old = lib.Comm.init_start("world", _uid(store, "t/world", i == 0), 2, i, i)
+    old.wait(TIMEOUT_MS)
+    if i == 0:
+        new = lib.Comm.init_start("world@e1", lib.unique_id(), 2, 0, i)  # nobody else has this id
+        t0 = time.monotonic()
+        with pytest.raises(lib.NcclTimeout, match=r"comm 'world@e1' rank 0/2 phase=init: not ready after 2000 ms") as err:
+            new.wait(2000)
+        elapsed = time.monotonic() - t0
+        assert 1.9 <= elapsed < 10, elapsed
+        assert new.state == lib.CommState.ABORTED and err.value.status == lib.Status.TIMEOUT
+    store.set(f"t/phase1-over/{i}", b"1")
+    store.wait(["t/phase1-over/0", "t/phase1-over/1"])
+    x = torch.full((256,), float(i + 1), device="cuda")
+    old.allreduce(x)  # the old communicator is untouched
+    torch.cuda.synchronize()
+    assert torch.all(x == 3) and old.state == lib.CommState.READY
+    old.destroy()
+
+
+def _spawn(fn, nprocs: int, *args, monkeypatch):
+    from torch.distributed import TCPStore
+    import torch.multiprocessing as mp
+    for k, v in GPU_ENV.items():
+        monkeypatch.setenv(k, v)
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=60))
+    mp.spawn(fn, args=(master.port, *args), nprocs=nprocs, join=True)
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(_gpus() < 3, reason="needs 3 GPUs (2 members + a spare); NCCL refuses 2 ranks of one comm on one GPU")
+def test_joiner_takes_the_leavers_slot(full, monkeypatch):
+    n = min(_gpus(), 4)
+    m = n - 1  # members; the last GPU holds the spare
+    _spawn(_migration_child, n, m, 1, monkeypatch=monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")
+def test_phase1_timeout_aborts_only_the_new_comm(full, monkeypatch):
+    _spawn(_timeout_child, 2, monkeypatch=monkeypatch)
