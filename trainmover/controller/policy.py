@@ -75,8 +75,9 @@ class Policy:
         return []
 
     def _timeline(self, m: Migration, now: float, event: str, **extra) -> Record:
-        return Record("timeline", {"t": now, "migration": m.id, "epoch": m.epoch, "event": event,
-                                   "leaver": m.leaver, "joiner": m.joiner or None, "trigger": m.trigger, **extra})
+        # Fields from ranks' messages come nested under "detail": they can never replace these.
+        return Record("timeline", {**extra, "t": now, "migration": m.id, "epoch": m.epoch, "event": event,
+                                   "leaver": m.leaver, "joiner": m.joiner or None, "trigger": m.trigger})
 
     # --- events ------------------------------------------------------------------------
     def start(self, now: float) -> list:
@@ -173,7 +174,7 @@ class Policy:
             role = "joiner" if node == m.joiner else ("leaver" if msg["rank"] in m.leaver_ranks else "stayer")
             m.prepared.add((msg["rank"], role))
             actions = [self._timeline(m, now, "rank_prepared", rank=msg["rank"], role=role, seconds=msg["seconds"],
-                                      groups=msg["groups"], **msg["detail"])]
+                                      groups=msg["groups"], detail=msg["detail"])]
             if m.prepared >= m.expected and m.phase is Phase.PREPARING:
                 m.to(Phase.SWITCHING, now)
                 actions.append(self._timeline(m, now, "prepared"))
@@ -187,11 +188,11 @@ class Policy:
             m.switch_step = msg["step"]
             actions = []
             if msg["role"] != "joiner":
-                actions.append(self._timeline(m, now, f"{msg['role']}_switched", rank=msg["rank"], **msg["detail"]))
+                actions.append(self._timeline(m, now, f"{msg['role']}_switched", rank=msg["rank"], detail=msg["detail"]))
             if msg["role"] == "joiner":
                 self.view.rank_node[msg["rank"]] = m.joiner
                 self.view.standbys.pop(m.joiner, None)
-                actions.append(self._timeline(m, now, "joined", rank=msg["rank"], step=msg["step"], **msg["detail"]))
+                actions.append(self._timeline(m, now, "joined", rank=msg["rank"], step=msg["step"], detail=msg["detail"]))
             if set(m.switched) >= m.expected and m.phase is Phase.SWITCHING:
                 m.to(Phase.RELEASING, now)
                 actions.append(self._timeline(m, now, "switched", step=m.switch_step))

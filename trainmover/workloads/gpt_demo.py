@@ -11,6 +11,7 @@ import warnings
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainmover.errors import ConfigError
@@ -37,7 +38,8 @@ class Block(nn.Module):
     def forward(self, x):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        with sdpa_kernel(SDPBackend.MATH):  # the fused kernels' backward is not bit-reproducible on GPUs
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.drop(self.proj(att.transpose(1, 2).reshape(b, t, d)))
         return x + self.drop(self.mlp(self.ln2(x)))
 
@@ -95,7 +97,8 @@ class GPTDemo(Workload):
         if self.device.type == "cuda":
             torch.use_deterministic_algorithms(True, warn_only=True)  # needs CUBLAS_WORKSPACE_CONFIG
         torch.manual_seed(ctx.seed)  # identical initial weights on every rank
-        self.model = GPT(layers, d, heads, self.seq, vocab).to(self.device)
+        with self.device:  # built where it runs: a 1B model initialised on the CPU takes seconds
+            self.model = GPT(layers, d, heads, self.seq, vocab)
         self.ddp = _ddp(self.model, ctx.groups["world"])
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=0.01,
                                      **({"foreach": True} if self.device.type == "cuda" else {}))
