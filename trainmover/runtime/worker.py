@@ -70,19 +70,31 @@ class Agent:
         self.groups: dict[str, SwappableGroup] = {}
         self.pending: phase1.Prepared | None = None
         self.reported: set[tuple[int, str]] = set()
-        self.retired: list = []  # old backends, kept until exit (dropping gloo contexts can block)
+        self.retired: list = []  # old backends: released off the critical path (see retire)
 
     # --- control channel -------------------------------------------------------------
     def _read(self):
         try:
             while True:
                 msg = self.conn.framer.recv()
-                self.inbox.put(msg)
                 if msg is None:
-                    return
+                    break
+                self.inbox.put(msg)
         except (OSError, TrainMoverError) as exc:
             log.error("control channel lost: %s", exc)
-            self.inbox.put(None)
+        if self.role == "standby":  # nobody can call on an idle standby any more: free the node now
+            log.info("controller closed the channel; standby exits")
+            _exit_now(0)
+        self.inbox.put(None)
+
+    def retire(self, old) -> None:
+        """Release a replaced backend without pausing training: NCCL communicators are
+        aborted in a background thread (safe with a departed peer); gloo contexts are kept
+        until exit, since destroying them with a departed peer can block."""
+        self.retired.append(old)
+        comm = getattr(old, "comm", None)
+        if comm is not None:
+            threading.Thread(target=comm.abort, name="tm-retire", daemon=True).start()
 
     def send(self, kind: str, **fields):
         try:
@@ -218,7 +230,7 @@ class Agent:
         self.workload.load_state_dict(state["workload"])
         rng.restore(state["rng"])
         for name, backend in prep.backends.items():
-            self.retired.append(self.groups[name].swap(backend))
+            self.retire(self.groups[name].swap(backend))
         self.rank, self.role = rank, "worker"
         self.send("switched", epoch=epoch, rank=rank, role="joiner", step=int(state["step"]), t=time.time(),
                   detail={"recv_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
@@ -242,7 +254,7 @@ class Agent:
                     self.leave(prep, step)
                     return 0
                 for name, backend in prep.backends.items():
-                    self.retired.append(self.groups[name].swap(backend))
+                    self.retire(self.groups[name].swap(backend))
                 self.pending = None
                 self.send("switched", epoch=prep.epoch, rank=self.rank, role="stayer", step=step, t=time.time(),
                           detail={"prepare_s": prep.seconds, "comms_created": self.comms_created(),
