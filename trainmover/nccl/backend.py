@@ -97,6 +97,21 @@ class NcclBackend:
             self.comm.recv(t, src)
         return _done(tensors)
 
+    def preconnect(self, p2p: bool) -> None:
+        """Make NCCL set up its connections now (Phase 1), not at the first real use (the
+        pause): one tiny collective, or for a transfer pair one tiny send/recv, since p2p
+        connections are separate from ring/tree ones. Run by every member on a private
+        stream, so it never queues behind (or ahead of) training kernels on other comms."""
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            t = torch.ones(1, device=torch.cuda.current_device())
+            if p2p:
+                with lib.group():
+                    (self.comm.send if self.rank_ == 0 else self.comm.recv)(t, 1 - self.rank_)
+            else:
+                self.comm.allreduce(t, t, "sum")
+        stream.synchronize()
+
     def channel(self) -> "NcclChannel":
         return NcclChannel(self)
 

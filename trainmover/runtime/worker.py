@@ -32,6 +32,7 @@ log = logging.getLogger("trainmover.worker")
 
 
 CONTROL = "tm-control"
+RETIRE_AFTER = 3  # steps between a switch and the release of the replaced communicators
 
 
 def go_key(epoch: int, leaver: int) -> str:
@@ -87,14 +88,20 @@ class Agent:
             _exit_now(0)
         self.inbox.put(None)
 
-    def retire(self, old) -> None:
+    def retire(self, old, step: int) -> None:
         """Release a replaced backend without pausing training: NCCL communicators are
-        aborted in a background thread (safe with a departed peer); gloo contexts are kept
-        until exit, since destroying them with a departed peer can block."""
-        self.retired.append(old)
-        comm = getattr(old, "comm", None)
-        if comm is not None:
-            threading.Thread(target=comm.abort, name="tm-retire", daemon=True).start()
+        aborted in a background thread (safe with a departed peer) RETIRE_AFTER steps after
+        the switch, so that freeing their buffers (cudaFree synchronises the device) stays
+        out of the first steps; gloo contexts are kept until exit, since destroying them with
+        a departed peer can block."""
+        self.retired.append((step + RETIRE_AFTER, old))
+
+    def _release_retired(self, step: int) -> None:
+        due = [old for at, old in self.retired if at == step]
+        for old in due:
+            comm = getattr(old, "comm", None)
+            if comm is not None:
+                threading.Thread(target=comm.abort, name="tm-retire", daemon=True).start()
 
     def send(self, kind: str, **fields):
         try:
@@ -108,7 +115,9 @@ class Agent:
         NCCL through trainmover.nccl on GPU nodes."""
         if self.backend == "nccl" and name != CONTROL:
             from trainmover.nccl.backend import nccl_group
-            return nccl_group(self.store, prefix, grank, size, timeout_s=self.spec.group_timeout_s, name=name)
+            backend = nccl_group(self.store, prefix, grank, size, timeout_s=self.spec.group_timeout_s, name=name)
+            backend.preconnect(p2p=name == "xfer")
+            return backend
         return gloo_group(self.store, prefix, grank, size, host=self.spec.node_addr, timeout=self.timeout)
 
     def _make_groups(self, rank: int, sandbox: bool) -> dict[str, SwappableGroup]:
@@ -230,7 +239,7 @@ class Agent:
         self.workload.load_state_dict(state["workload"])
         rng.restore(state["rng"])
         for name, backend in prep.backends.items():
-            self.retire(self.groups[name].swap(backend))
+            self.retire(self.groups[name].swap(backend), int(state["step"]))
         self.rank, self.role = rank, "worker"
         self.send("switched", epoch=epoch, rank=rank, role="joiner", step=int(state["step"]), t=time.time(),
                   detail={"recv_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
@@ -246,6 +255,7 @@ class Agent:
             loss = self.workload.train_step(step)
             step += 1
             self.send("step", rank=self.rank, step=step, loss=loss, step_s=time.perf_counter() - t0, t=time.time())
+            self._release_retired(step)
             self._poll_inbox()
             prep = self.pending
             ready = prep.epoch if prep and prep.done.is_set() and not prep.error else 0
@@ -254,7 +264,7 @@ class Agent:
                     self.leave(prep, step)
                     return 0
                 for name, backend in prep.backends.items():
-                    self.retire(self.groups[name].swap(backend))
+                    self.retire(self.groups[name].swap(backend), step)
                 self.pending = None
                 self.send("switched", epoch=prep.epoch, rank=self.rank, role="stayer", step=step, t=time.time(),
                           detail={"prepare_s": prep.seconds, "comms_created": self.comms_created(),
