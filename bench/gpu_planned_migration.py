@@ -121,7 +121,9 @@ def summarize(ref: dict, mig: dict, p2p: float) -> dict:
     ref_losses = {r["step"]: r["losses"] for r in ref["metrics"]}
     mig_losses = {r["step"]: r["losses"] for r in mig["metrics"]}
     differ = [k for k in ref_losses if ref_losses[k] != mig_losses.get(k)]
-    joiner_first = rows.get(s + 1, {}).get("step_s")
+    joiner_rank = m["leaver_ranks"][0]
+    joiner_first = rows.get(s + 1, {}).get("step_s_ranks", [None] * (joiner_rank + 1))[joiner_rank]
+    around = {k: rows[k].get("step_s_ranks") for k in range(s - 1, s + 4) if k in rows}
     steady_step_s = statistics.median(r["step_s"] for r in mig["metrics"][5:s])
     return {
         "planned_downtime_s": m["downtime_s"],
@@ -140,6 +142,7 @@ def summarize(ref: dict, mig: dict, p2p: float) -> dict:
         "comm_inits_per_stayer": [e["comms_created"] - e["comms_created_before"] for e in switched],
         "first_step_ratio": joiner_first / steady_step_s if joiner_first else None,
         "steady_step_s": steady_step_s,
+        "step_s_per_rank_around_switch": around,
         "losses_equal": not differ, "first_differing_steps": differ[:5],
         "digest_equal": bool(ref["final"] and mig["final"] and ref["final"]["digest"] == mig["final"]["digest"]),
     }

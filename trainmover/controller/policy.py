@@ -230,6 +230,7 @@ class Policy:
             actions.append(Record("metrics", {
                 "step": step, "loss": sum(row[r]["loss"] for r in ranks) / self.view.world_size,
                 "losses": [row[r]["loss"] for r in ranks], "step_s": max(row[r]["step_s"] for r in ranks),
+                "step_s_ranks": [round(row[r]["step_s"], 6) for r in ranks],
                 "nodes": [row[r]["node"] for r in ranks], "t": max(row[r]["t"] for r in ranks)}))
         for m in self.migrations:
             if m.switch_step is not None and m.downtime_s is None and step == m.switch_step + 1:

@@ -19,6 +19,8 @@ from trainmover.errors import MigrationError
 from trainmover.nccl import lib
 from trainmover.runtime.groups import _done
 
+WARM_SIZES = (256, 1 << 16, 1 << 20, 1 << 23)  # float32 elements: LL, LL128 and Simple ranges
+
 _OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min",
         dist.ReduceOp.PRODUCT: "prod", dist.ReduceOp.AVG: "avg"}
 
@@ -108,6 +110,13 @@ class NcclBackend:
             if p2p:
                 with lib.group():
                     (self.comm.send if self.rank_ == 0 else self.comm.recv)(t, 1 - self.rank_)
+                # The pair (leaver, joiner) also runs all-reduces of the sizes DDP buckets use:
+                # the joiner has so far only met sandboxed collectives, and NCCL loads kernels
+                # and sets up protocols on first use. Stayers take no part (no memory of theirs).
+                for n in WARM_SIZES:
+                    buf = torch.ones(n, device=torch.cuda.current_device())
+                    self.comm.allreduce(buf, buf, "sum")
+                    del buf
             else:
                 self.comm.allreduce(t, t, "sum")
         stream.synchronize()
