@@ -33,6 +33,7 @@ log = logging.getLogger("trainmover.worker")
 
 CONTROL = "tm-control"
 RETIRE_AFTER = 3  # steps between a switch and the release of the replaced communicators
+TRACE_STEPS = 2 if os.environ.get("TM_TRACE_SWITCH") else 0  # log timings of the steps after a switch
 
 
 def go_key(epoch: int, leaver: int) -> str:
@@ -72,6 +73,7 @@ class Agent:
         self.pending: phase1.Prepared | None = None
         self.reported: set[tuple[int, str]] = set()
         self.retired: list = []  # old backends: released off the critical path (see retire)
+        self.trace_steps = 0
 
     # --- control channel -------------------------------------------------------------
     def _read(self):
@@ -87,6 +89,10 @@ class Agent:
             log.info("controller closed the channel; standby exits")
             _exit_now(0)
         self.inbox.put(None)
+
+    def _trace(self, what: str) -> None:
+        if TRACE_STEPS:
+            log.info("trace %.6f %s", time.time(), what)
 
     def retire(self, old, step: int) -> None:
         """Release a replaced backend without pausing training: NCCL communicators are
@@ -246,12 +252,20 @@ class Agent:
                           "apply_s": time.perf_counter() - t_switch, "prepare_s": prep.seconds,
                           "comms_created": self.comms_created(), **self.memory()})
         log.info("joined as rank %d at step %d (%d bytes in %.3fs)", rank, state["step"], stats.bytes, stats.seconds)
+        self.trace_steps = TRACE_STEPS
         return int(state["step"])
 
     def train(self, step: int) -> int:
         control = self.groups[CONTROL]
+        self._trace("train loop entered")
         while step < self.spec.steps:
             t0 = time.perf_counter()
+            if self.trace_steps:
+                self.trace_steps -= 1
+                self._trace(f"step {step + 1} begins")
+                self.workload.trace = self._trace
+            elif getattr(self.workload, "trace", None):
+                self.workload.trace = None
             loss = self.workload.train_step(step)
             step += 1
             self.send("step", rank=self.rank, step=step, loss=loss, step_s=time.perf_counter() - t0, t=time.time())
@@ -266,6 +280,8 @@ class Agent:
                 for name, backend in prep.backends.items():
                     self.retire(self.groups[name].swap(backend), step)
                 self.pending = None
+                self.trace_steps = TRACE_STEPS
+                self._trace("stayer swapped")
                 self.send("switched", epoch=prep.epoch, rank=self.rank, role="stayer", step=step, t=time.time(),
                           detail={"prepare_s": prep.seconds, "comms_created": self.comms_created(),
                                   "comms_created_before": prep.comms_before})

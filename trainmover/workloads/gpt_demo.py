@@ -112,14 +112,26 @@ class GPTDemo(Workload):
         self.ddp = _ddp(self.model, ctx.groups["world"])
         self.data = TokenStream(ctx.seed, ctx.rank, self.model.tok.num_embeddings)
 
+    trace = None  # set by the runtime to time the sections of chosen steps
+
+    def _mark(self, what: str) -> None:
+        if self.trace:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            self.trace(what)
+
     def train_step(self, step: int) -> float:
         x, y = (t.to(self.device, non_blocking=True) for t in self.data.batch(self.batch, self.seq))
+        self._mark("data")
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
             logits = self.ddp(x)
             loss = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), y.reshape(-1))
+        self._mark("forward")
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        self._mark("backward (DDP all-reduce)")
         self.opt.step()
+        self._mark("optimizer")
         out = loss.item()
         if not math.isfinite(out):
             raise FloatingPointError(f"loss is {out} at step {step}")
