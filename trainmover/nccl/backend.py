@@ -18,6 +18,7 @@ import torch.distributed as dist
 from trainmover.errors import MigrationError
 from trainmover.nccl import lib
 from trainmover.runtime.groups import _done
+from trainmover.runtime.transfer import _by_dtype
 
 WARM_SIZES = (256, 1 << 16, 1 << 20, 1 << 23)  # float32 elements: LL, LL128 and Simple ranges
 
@@ -143,16 +144,17 @@ class NcclChannel:
         return self.b.store.get(self.b.prefix + "manifest")
 
     def send_tensors(self, tensors, dst: int, corrupt: bool = False) -> None:
-        gpu = [t for t in tensors if t.device.type == "cuda"]
-        if corrupt and gpu:  # fault injection: the first tensor arrives with a flipped byte
-            bad = gpu[0].clone()
+        big, small = _split([t for t in tensors if t.device.type == "cuda"])
+        if corrupt and big:  # fault injection: the first tensor arrives with a flipped byte
+            bad = big[0].clone()
             bad.view(-1).view(torch.uint8)[0] ^= 0xFF
-            gpu = [bad] + gpu[1:]
+            big = [bad] + big[1:]
         buf = io.BytesIO()
         torch.save([t for t in tensors if t.device.type != "cuda"], buf)
         self.b.store.set(self.b.prefix + "cpu-tensors", buf.getvalue())
+        packed = [torch.cat([t.reshape(-1) for t in ts]) for _, ts in _by_dtype(small)]
         with lib.group():
-            for t in gpu:
+            for t in big + packed:
                 self.b.comm.send(t, dst)
         torch.cuda.current_stream().synchronize()
 
@@ -163,11 +165,28 @@ class NcclChannel:
             raise MigrationError(f"state transfer: {len(got)} CPU tensors sent, {len(cpu)} expected", phase="switch")
         for t, g in zip(cpu, got):
             t.copy_(g)
+        big, small = _split([t for t in tensors if t.device.type == "cuda"])
+        groups = _by_dtype(small)
+        packed = [torch.empty(sum(t.numel() for t in ts), dtype=dt, device=ts[0].device) for dt, ts in groups]
         with lib.group():
-            for t in tensors:
-                if t.device.type == "cuda":
-                    self.b.comm.recv(t, src)
+            for t in big + packed:
+                self.b.comm.recv(t, src)
+        with torch.no_grad():
+            for flat, (_, ts) in zip(packed, groups):
+                for t, part in zip(ts, flat.split([t.numel() for t in ts])):
+                    t.copy_(part.view_as(t))
         torch.cuda.current_stream().synchronize()
+
+
+PACK_BELOW_BYTES = 1 << 20  # smaller tensors travel packed: one message per dtype, not hundreds
+
+
+def _split(tensors):
+    """(big, small): big ones go straight into the receiver's buffers; small ones (biases,
+    norms, a few MB in all) are packed, since per-message cost dominates for them."""
+    big = [t for t in tensors if t.numel() * t.element_size() >= PACK_BELOW_BYTES]
+    small = [t for t in tensors if t.numel() * t.element_size() < PACK_BELOW_BYTES]
+    return big, small
 
 
 def nccl_group(store, prefix: str, grank: int, size: int, *, timeout_s: float, name: str,

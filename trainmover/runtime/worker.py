@@ -246,6 +246,9 @@ class Agent:
         rng.restore(state["rng"])
         for name, backend in prep.backends.items():
             self.retire(self.groups[name].swap(backend), int(state["step"]))
+        # The transfer pair is done too; dropping its last reference here would abort the
+        # communicator synchronously, inside the pause (measured: 0.5 s on an H200).
+        self.retire(prep.xfer, int(state["step"]))
         self.rank, self.role = rank, "worker"
         self.send("switched", epoch=epoch, rank=rank, role="joiner", step=int(state["step"]), t=time.time(),
                   detail={"recv_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
