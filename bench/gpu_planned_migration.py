@@ -88,7 +88,7 @@ def run_job(name: str, out: Path, args, migrate: bool) -> dict:
                 where = json.loads((run / "controller.json").read_text())
                 trigger["t"] = time.time()
                 reply = channel.request((where["host"], where["port"]), channel.read_secret(str(run / "secret")),
-                                        make("migrate", node="gpu1"))
+                                        make("migrate", node=args.leaver))
                 trigger["reply"] = reply["message"]
                 return
             time.sleep(0.05)
@@ -121,7 +121,7 @@ def summarize(ref: dict, mig: dict, p2p: float) -> dict:
     ref_losses = {r["step"]: r["losses"] for r in ref["metrics"]}
     mig_losses = {r["step"]: r["losses"] for r in mig["metrics"]}
     differ = [k for k in ref_losses if ref_losses[k] != mig_losses.get(k)]
-    joiner_rank = m["leaver_ranks"][0]
+    joiner_rank = m["leaver_ranks"][0]  # the joiner holds the leaver's rank
     joiner_first = rows.get(s + 1, {}).get("step_s_ranks", [None] * (joiner_rank + 1))[joiner_rank]
     around = {k: rows[k].get("step_s_ranks") for k in range(s - 1, s + 4) if k in rows}
     steady_step_s = statistics.median(r["step_s"] for r in mig["metrics"][5:s])
@@ -157,15 +157,16 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--machine", default=os.environ.get("TM_BENCH_MACHINE", "unknown"))
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the same flow over gloo")
+    ap.add_argument("--leaver", default="gpu1", help="the GPU 'node' to migrate (gpu0 runs the controller: it stays allocated)")
     args = ap.parse_args()
     import torch
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     p2p = p2p_bandwidth() if args.device == "cuda" else None
     print(f"p2p {p2p} GB/s", flush=True)
-    ref = run_job(f"ref-{args.preset}", out / "work", args, migrate=False)
+    ref = run_job(f"ref-{args.preset}-{args.leaver}", out / "work", args, migrate=False)
     print(f"reference: rc={ref['rc']} {ref['wall_s']:.1f}s", flush=True)
-    mig = run_job(f"mig-{args.preset}", out / "work", args, migrate=True)
+    mig = run_job(f"mig-{args.preset}-{args.leaver}", out / "work", args, migrate=True)
     print(f"migration: rc={mig['rc']} {mig['wall_s']:.1f}s trigger={mig['trigger']}", flush=True)
     metrics = summarize(ref, mig, p2p)
     from trainmover.workloads.gpt_demo import PRESETS, GPT
@@ -173,7 +174,7 @@ def main():
     with torch.device("meta"):
         params = sum(p.numel() for p in GPT(layers, d, heads, seq, vocab).parameters())
     result = {
-        "scenario": f"planned-gpu-{args.preset}", "machine": args.machine,
+        "scenario": f"planned-gpu-{args.preset}", "machine": args.machine, "leaver": args.leaver,
         "gpus": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}" if args.device == "cuda" else "none",
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
         or os.environ.get("TM_COMMIT", ""),
@@ -187,7 +188,7 @@ def main():
         "metrics": metrics,
         "migration": mig["status"]["migrations"][0],
     }
-    path = out / f"gpu-planned-{args.preset}.json"
+    path = out / f"gpu-planned-{args.preset}-{args.leaver}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(metrics, indent=1))
     print(f"wrote {path}")
