@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import io
+import time
 
 import torch
 import torch.distributed as dist
@@ -136,6 +137,7 @@ class NcclChannel:
 
     def __init__(self, backend: NcclBackend):
         self.b = backend
+        self.group_s = 0.0
 
     def send_bytes(self, data: bytes, dst: int) -> None:
         self.b.store.set(self.b.prefix + "manifest", data)
@@ -153,10 +155,13 @@ class NcclChannel:
         torch.save([t for t in tensors if t.device.type != "cuda"], buf)
         self.b.store.set(self.b.prefix + "cpu-tensors", buf.getvalue())
         packed = [torch.cat([t.reshape(-1) for t in ts]) for _, ts in _by_dtype(small)]
+        torch.cuda.current_stream().synchronize()
+        t0 = time.perf_counter()
         with lib.group():
             for t in big + packed:
                 self.b.comm.send(t, dst)
         torch.cuda.current_stream().synchronize()
+        self.group_s = time.perf_counter() - t0
 
     def recv_tensors(self, tensors, src: int) -> None:
         cpu = [t for t in tensors if t.device.type != "cuda"]
@@ -168,9 +173,13 @@ class NcclChannel:
         big, small = _split([t for t in tensors if t.device.type == "cuda"])
         groups = _by_dtype(small)
         packed = [torch.empty(sum(t.numel() for t in ts), dtype=dt, device=ts[0].device) for dt, ts in groups]
+        torch.cuda.current_stream().synchronize()
+        t0 = time.perf_counter()
         with lib.group():
             for t in big + packed:
                 self.b.comm.recv(t, src)
+        torch.cuda.current_stream().synchronize()
+        self.group_s = time.perf_counter() - t0  # the NCCL transfer alone
         with torch.no_grad():
             for flat, (_, ts) in zip(packed, groups):
                 for t, part in zip(ts, flat.split([t.numel() for t in ts])):

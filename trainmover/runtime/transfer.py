@@ -164,7 +164,7 @@ def send_state(state: dict, xfer, *, dst: int = 1, corrupt: bool = False) -> Tra
     chan.send_tensors(tensors, dst, corrupt=corrupt)
     t2 = time.perf_counter()
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    return TransferStats(nbytes, t2 - t0, len(tensors), digest, t2 - t1)
+    return TransferStats(nbytes, t2 - t0, len(tensors), digest, getattr(chan, "group_s", 0.0) or t2 - t1)
 
 
 def recv_state(xfer, *, src: int = 0, like: dict | None = None) -> tuple[dict, TransferStats]:
@@ -195,7 +195,7 @@ def recv_state(xfer, *, src: int = 0, like: dict | None = None) -> tuple[dict, T
     t1 = time.perf_counter()
     with torch.no_grad():
         chan.recv_tensors(into, src)
-    copy_s = time.perf_counter() - t1
+    copy_s = getattr(chan, "group_s", 0.0) or time.perf_counter() - t1
     got = digest_tensors(into)
     if got != meta["digest"]:
         raise MigrationError(f"state transfer: checksum mismatch (sent {meta['digest'][:12]}, "
