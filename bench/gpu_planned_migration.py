@@ -135,9 +135,12 @@ def summarize(ref: dict, mig: dict, p2p: float) -> dict:
         "stayer_extra_alloc_bytes": max(alloc_growth) if alloc_growth else None,
         "stayer_extra_reserved_bytes": max(reserved_growth) if reserved_growth else None,
         "stayer_device_mem_growth_bytes": max(device_growth) if device_growth else None,
-        # the slower side's timing of the grouped NCCL transfer (each side synchronises its stream)
-        "state_bytes": joined["bytes"], "state_copy_s": max(joined["copy_s"], leaver.get("copy_s", 0.0)),
-        "state_copy_GBps": joined["bytes"] / max(joined["copy_s"], leaver.get("copy_s", 0.0)) / 1e9,
+        # Each side times its grouped NCCL call from posting to completion; the side that posts
+        # first also waits for the other to post, so the later poster's (shorter) time is the
+        # transfer itself. Both are kept.
+        "state_bytes": joined["bytes"], "state_copy_s": min(joined["copy_s"], leaver.get("copy_s") or joined["copy_s"]),
+        "state_copy_s_joiner": joined["copy_s"], "state_copy_s_leaver": leaver.get("copy_s"),
+        "state_copy_GBps": joined["bytes"] / min(joined["copy_s"], leaver.get("copy_s") or joined["copy_s"]) / 1e9,
         "leaver_send_s": leaver.get("send_s"), "joiner_recv_s": joined["recv_s"], "joiner_apply_s": joined["apply_s"],
         "p2p_GBps": p2p,
         "comm_inits_per_stayer": [e["comms_created"] - e["comms_created_before"] for e in switched],
