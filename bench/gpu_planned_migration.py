@@ -180,8 +180,9 @@ def main():
     result = {
         "scenario": f"planned-gpu-{args.preset}", "machine": args.machine, "leaver": args.leaver,
         "gpus": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}" if args.device == "cuda" else "none",
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-        or os.environ.get("TM_COMMIT", ""),
+        # the device machine gets a copy of the tree without history: the caller passes TM_COMMIT
+        "commit": os.environ.get("TM_COMMIT") or subprocess.run(["git", "rev-parse", "--verify", "HEAD"],
+                                                                capture_output=True, text=True, cwd=ROOT).stdout.strip(),
         "command": " ".join(["python", "bench/gpu_planned_migration.py", *sys.argv[1:]]),
         "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "settings": {"model_params": params, "preset": args.preset, "dtype": "bf16 autocast, fp32 master + AdamW",
