@@ -16,5 +16,11 @@ fi
 # torch first, pinned: any unpinned torch requirement would pull the multi-GB CUDA build.
 .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt "torch==2.13.0"
 .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt -e ".[test]"
+# NCCL's headers and library (the wheel torch's CUDA builds use; no dependencies) so that
+# cuda/libtmdelta.so compiles where a CUDA toolkit exists. Same version as the GPU machines.
+if [ -f /usr/local/cuda/include/cuda_runtime.h ] || command -v nvcc >/dev/null 2>&1; then
+  .venv/bin/pip install -q --disable-pip-version-check --no-deps "nvidia-nccl-cu13==2.28.9" \
+    || echo "setup: nvidia-nccl-cu13 not installed; cuda/ will build its plan-only library" >&2
+fi
 touch .venv/.installed
 echo "setup: .venv ready ($(.venv/bin/python -c 'import torch, trainmover; print("torch", torch.__version__, "trainmover", trainmover.__version__)'))"
