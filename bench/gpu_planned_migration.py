@@ -104,7 +104,12 @@ def run_job(name: str, out: Path, args, migrate: bool) -> dict:
 
 
 def summarize(ref: dict, mig: dict, p2p: float) -> dict:
+    if not mig["status"]["migrations"]:
+        raise SystemExit("no migration happened (was the standby ready before training ended?)")
     m = mig["status"]["migrations"][0]
+    if m["state"] != "done" or m["switch_step"] is None or m["downtime_s"] is None:
+        raise SystemExit(f"the migration did not complete before training ended (state {m['state']}, switch step "
+                         f"{m['switch_step']}): use more --steps or an earlier --migrate-at")
     tl = mig["timeline"]
     s = m["switch_step"]
     rows = {r["step"]: r for r in mig["metrics"]}
