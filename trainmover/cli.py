@@ -33,12 +33,15 @@ def _run_dir(job: str, run_dir: str | None) -> Path:
     return path
 
 
-def _status(args) -> int:
-    path = _run_dir(args.job, args.run_dir)
+def _read_run_file(path: Path, job: str, what: str) -> dict:
     try:
-        status = json.loads((path / "status.json").read_text())
+        return json.loads(path.read_text())
     except FileNotFoundError:
-        raise TrainMoverError(f"job {args.job} has not written its status yet ({path}/status.json)") from None
+        raise TrainMoverError(f"job {job} has not written its {what} yet ({path})") from None
+
+
+def _status(args) -> int:
+    status = _read_run_file(_run_dir(args.job, args.run_dir) / "status.json", args.job, "status")
     if args.json:
         print(json.dumps(status, indent=1))
         return 0
@@ -65,10 +68,7 @@ def _migrate(args) -> int:
     from trainmover.control import channel
     from trainmover.control.messages import make
     path = _run_dir(args.job, args.run_dir)
-    try:
-        where = json.loads((path / "controller.json").read_text())
-    except FileNotFoundError:
-        raise TrainMoverError(f"job {args.job} has no controller address yet ({path}/controller.json)") from None
+    where = _read_run_file(path / "controller.json", args.job, "controller address")
     key = channel.read_secret(str(path / "secret"))
     reply = channel.request((where["host"], where["port"]), key, make("migrate", node=args.node), timeout=args.timeout)
     print(reply["message"])

@@ -14,6 +14,8 @@ Inner backends:
 from __future__ import annotations
 
 import datetime
+import os
+import sys
 import threading
 from typing import Callable
 
@@ -113,47 +115,32 @@ class SwappableGroup(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"SwappableGroup({self.group_name_}, rank={self.rank()}/{self.size()}, gen={self.generation})"
 
-    # Collectives: forwarded unchanged. Keep this list in step with what DDP, the
-    # optimizers and Megatron call on a group object.
-    def allreduce(self, *a, **k):
-        if _TRACE: _trace(self, "allreduce", a)
-        return self._inner.allreduce(*a, **k)
-
-    def broadcast(self, *a, **k):
-        if _TRACE: _trace(self, "broadcast", a)
-        return self._inner.broadcast(*a, **k)
-
-    def allgather(self, *a, **k):
-        if _TRACE: _trace(self, "allgather", a)
-        return self._inner.allgather(*a, **k)
-
-    def _allgather_base(self, *a, **k):
-        if _TRACE: _trace(self, "_allgather_base", a)
-        return self._inner._allgather_base(*a, **k)
-
-    def reduce_scatter(self, *a, **k):
-        if _TRACE: _trace(self, "reduce_scatter", a)
-        return self._inner.reduce_scatter(*a, **k)
-
-    def barrier(self, *a, **k):
-        if _TRACE: _trace(self, "barrier", a)
-        return self._inner.barrier(*a, **k)
-
-    def send(self, *a, **k):
-        if _TRACE: _trace(self, "send", a)
-        return self._inner.send(*a, **k)
-
-    def recv(self, *a, **k):
-        if _TRACE: _trace(self, "recv", a)
-        return self._inner.recv(*a, **k)
 
 
-import os, sys
+def _forwarder(op: str):
+    """A method that forwards collective `op` to the current inner backend, unchanged."""
+    def forward(self, *a, **k):
+        if _TRACE:
+            _trace(self, op, a)
+        return getattr(self._inner, op)(*a, **k)
+    forward.__name__ = op
+    return forward
+
+
+# The collectives DDP, the optimizers and Megatron call on a group object; the Python
+# ProcessGroup trampoline dispatches to these class attributes.
+FORWARDED = ("allreduce", "broadcast", "allgather", "_allgather_base", "reduce_scatter", "barrier", "send", "recv")
+for _op in FORWARDED:
+    setattr(SwappableGroup, _op, _forwarder(_op))
+
+# TM_TRACE_COLLECTIVES=1 prints every collective a group forwards (debugging mismatched
+# sequences between ranks, e.g. a joiner's one-time DDP broadcasts).
 _TRACE = bool(os.environ.get("TM_TRACE_COLLECTIVES"))
 
 
 def _trace(g, op, args):
-    shapes = [tuple(t.shape) for t in args[0]] if args and isinstance(args[0], list) and args[0] and hasattr(args[0][0], "shape") else ""
+    first = args[0] if args else None
+    shapes = [tuple(t.shape) for t in first if hasattr(t, "shape")] if isinstance(first, list) else ""
     print(f"TRACE {g.group_name_} gen={g.generation} {op} {shapes}", file=sys.stderr, flush=True)
 
 
