@@ -10,6 +10,7 @@ from trainmover.controller.policy import JobView, Policy
 @dataclass
 class Node:
     state: str
+    reason: str = ""
 
     @property
     def draining(self):
@@ -147,3 +148,10 @@ def test_unexpected_worker_exit_finishes_with_the_root_cause():
     p = new_policy()
     acts = p.on_step_exit(3.0, "train3", 137)
     assert acts == [Finish(False, "worker on train3 (ranks [2]) exited with code 137")]
+
+
+def test_a_trainmover_health_check_drain_is_its_own_trigger():
+    p = new_policy()
+    ready_standby(p)
+    p.on_nodes(10.0, {"train3": Node("ALLOCATED+DRAIN", "trainmover: xid 79 on GPU 2")})
+    assert p.active().trigger == "healthcheck"

@@ -101,7 +101,9 @@ class Policy:
         for node, info in states.items():
             self.view.node_state[node] = info.state
             if node in self.view.rank_node.values() and (info.draining or info.drained):
-                actions += self.request(now, node, "drain")[2]
+                # TrainMover's own health check drains with a "trainmover:" reason
+                trigger = "healthcheck" if getattr(info, "reason", "").startswith("trainmover:") else "drain"
+                actions += self.request(now, node, trigger)[2]
         return actions
 
     def request(self, now: float, node: str, trigger: str) -> tuple[bool, str, list]:
