@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
-from trainmover.cluster import install, spec as specmod
+from trainmover.cluster import install, plugin, spec as specmod
 from trainmover.cluster.procs import (
     ClusterError, find_pids, run_cmd, running_pid, tail, terminate, wait_until,
 )
@@ -191,6 +191,7 @@ def _write_files(spec: ClusterSpec, old: Optional[ClusterSpec]) -> None:
         spec.munge_key.write_bytes(secrets.token_bytes(1024))
     os.chmod(spec.munge_key, 0o400)
     spec.slurm_conf.write_text(specmod.render_slurm_conf(spec))
+    plugin.install(spec.etc, _log)
     spec.slurmdbd_conf.write_text(specmod.render_slurmdbd_conf(spec))
     os.chmod(spec.slurmdbd_conf, 0o600)
     try:
@@ -365,6 +366,7 @@ def up(nodes: int = 4, standby: int = 2, state_dir=None) -> ClusterInfo:
                 f"not {nodes} + {standby}; run `trainmover cluster down` first")
         if old and len(live) == len(running) and _ctld_up(old) and _all_nodes_ready(old) \
                 and (old.standby == 0 or _reservation_exists(old)):
+            plugin.install(old.etc, _log)  # sbatch/srun/slurmstepd read plugstack.conf at every call
             _log(f"already running in {state_dir} ({old.nodes} training + {old.standby} standby nodes)")
             return _info(old, already=True, installed=installed, t0=t0)
         if live:
