@@ -49,8 +49,18 @@ def _status(args) -> int:
     for n in status["nodes"]:
         print(f"  node {n['name']:<10} {n['role']:<9} ranks {n['ranks']}  slurm: {n['slurm_state']}")
     for s in status["standbys"]:
-        warm = f"warm in {s['warmup_s']:.1f}s" if s["warmup_s"] is not None else ""
+        warm = f"warm in {s['warmup_s']:.1f}s" if s["warmup_s"] is not None else "warming up"
+        shadow = s.get("shadow") or {}
+        if shadow.get("replay") == "done":
+            warm += (f", {shadow['iterations']} shadow iterations on recorded collectives, losses "
+                     f"{'equal to' if shadow['loss_equal'] else 'DIFFERENT from'} rank {shadow['rank']}'s")
+        elif shadow.get("replay"):
+            warm += f", shadow iterations answered locally ({shadow['replay']})"
         print(f"  standby {s['node']:<7} {s['state']:<9} {warm}")
+    rec = status.get("recording") or {}
+    if rec:
+        print(f"  recording: rank {rec['rank']}, {rec['iterations']} iterations, {rec['bytes']} bytes, "
+              f"{rec['overhead_s']:.3f}s of overhead")
     if not status["standbys"]:
         print(f"  standby pool empty {('(' + status['standby_pool']['note'] + ')') if status['standby_pool']['note'] else ''}")
     if status.get("message"):

@@ -38,6 +38,8 @@ class Config:
     standby_wait_s: float = field(default=10.0, metadata={"env": "TM_STANDBY_WAIT_S", "doc": "one attempt to take a standby from the reservation"})
     standby_retry_s: float = field(default=5.0, metadata={"env": "TM_STANDBY_RETRY_S", "doc": "pause between attempts when none is free"})
     release_timeout_s: float = field(default=60.0, metadata={"env": "TM_RELEASE_TIMEOUT_S", "doc": "longest wait for the leaver's step to end before its node is released"})
+    record_iterations: int = field(default=3, metadata={"env": "TM_RECORD_ITERATIONS", "doc": "iterations whose collectives are recorded for standbys' shadow steps (0: none)"})
+    record_rank: int = field(default=0, metadata={"env": "TM_RECORD_RANK", "doc": "the rank that records and that standbys rehearse"})
     shadow_steps: int = field(default=6, metadata={"env": "TM_SHADOW_STEPS", "doc": "most shadow steps a standby runs to warm up"})
     inject: tuple[str, ...] = field(default=(), metadata={"env": "TM_INJECT", "doc": "comma-separated fault injections: " + ", ".join(INJECTIONS)})
     run_dir: str = field(default="", metadata={"env": "TM_RUN_DIR", "doc": "output directory (default: <submit dir>/runs/<job id>)"})
@@ -50,6 +52,7 @@ class Config:
             (self.poll_s > 0, "TM_POLL_S must be > 0"),
             (min(self.phase1_timeout_s, self.group_timeout_s, self.switch_timeout_s, self.standby_wait_s,
                  self.standby_retry_s, self.release_timeout_s) > 0, "timeouts must be > 0"),
+            (self.record_iterations >= 0 and self.record_rank >= 0, "TM_RECORD_ITERATIONS and TM_RECORD_RANK must be >= 0"),
             (self.shadow_steps >= 2, "TM_SHADOW_STEPS must be >= 2 (steadiness needs two steps to compare)"),
             (bool(self.reservation), "TM_RESERVATION must not be empty"),
             (self.device in ("auto", "cpu", "cuda"), f"TM_DEVICE={self.device!r}: expected auto, cpu or cuda"),

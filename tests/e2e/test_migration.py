@@ -132,6 +132,12 @@ def assert_same_training(run: Run, reference: Run):
 def test_drain_moves_the_rank_to_a_standby_bit_exactly(demo, reference, slurm_client):
     run = demo("drain")
     job = start_training(run, slurm_client)
+    # The standby warmed up on the live job's recorded collectives and reproduced its losses.
+    wait_for("a warm standby", lambda: any(s["state"] == "ready" for s in run.status()["standbys"]), timeout=60)
+    status = run.status()
+    (standby,) = status["standbys"]
+    assert standby["shadow"]["replay"] == "done" and standby["shadow"]["loss_equal"] is True, standby
+    assert status["recording"]["bytes"] > 0 and status["recording"]["iterations"] == 3
     leaver = leaver_of(run)
     commands.run(["scontrol", "update", f"nodename={leaver}", "state=drain", f"reason={DRAIN_REASON}"],
                  timeout=10, env=run.env)

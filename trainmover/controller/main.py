@@ -77,6 +77,9 @@ class Controller:
                           store=(self.host, self.store_port), secret_file=str(self.files.secret),
                           workload=self.cfg.workload, workload_options={"preset": self.cfg.model},
                           device=self.cfg.device, backend=self.cfg.backend,
+                          record_iterations=self.cfg.record_iterations, record_rank=self.cfg.record_rank,
+                          recording_path=str(self.files.root / "recordings" / f"rank{self.cfg.record_rank}.h5")
+                          if self.cfg.record_iterations else "",
                           seed=self.cfg.seed, steps=self.cfg.steps, group_timeout_s=self.cfg.group_timeout_s,
                           switch_timeout_s=self.cfg.switch_timeout_s, shadow_steps=self.cfg.shadow_steps,
                           inject=self.cfg.inject)

@@ -27,6 +27,7 @@ class Standby:
     since: float = 0.0
     warmup_s: float | None = None
     shadow_steps: int | None = None
+    shadow: dict = field(default_factory=dict)   # replay of recorded collectives: losses, equality
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Policy:
         self.steps: dict[int, list[tuple[int, float]]] = {}     # rank -> [(step, t)]
         self.rows: dict[int, dict[int, dict]] = {}              # step -> rank -> report
         self.finished: dict[int, dict] = {}
+        self.recording: dict = {}
         self.done = False
 
     # --- helpers -----------------------------------------------------------------------
@@ -154,7 +156,11 @@ class Policy:
             if s is None:
                 return []
             s.state, s.since, s.warmup_s, s.shadow_steps = "ready", now, msg["warmup_s"], msg["shadow_steps"]
+            s.shadow = msg["detail"] or s.shadow  # a re-ready after a cancelled join keeps the first report
             return self._dispatch(now)
+        if kind == "recorded":
+            self.recording = {k: msg[k] for k in ("rank", "iterations", "bytes", "overhead_s", "step_s")}
+            return []
         if kind == "step":
             return self._on_step(now, node, msg)
         if kind == "finished":
@@ -308,7 +314,8 @@ class Policy:
             "job_id": v.job_id, "world_size": v.world_size, "batch_host": v.batch_host,
             "nodes": nodes,
             "standbys": [{"node": s.node, "state": s.state, "warmup_s": s.warmup_s, "shadow_steps": s.shadow_steps,
-                          "slurm_state": v.node_state.get(s.node, "")} for s in v.standbys.values()],
+                          "shadow": s.shadow, "slurm_state": v.node_state.get(s.node, "")} for s in v.standbys.values()],
+            "recording": self.recording,
             "standby_pool": {"wanted": self.cfg.standbys, "acquiring": self.acquiring, "note": self.acquire_note},
             "waiting_for_standby": [m.leaver for m in waiting],
             "message": (f"waiting for a standby: the job keeps running on {', '.join(m.leaver for m in waiting)}"

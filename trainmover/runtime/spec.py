@@ -28,6 +28,9 @@ class WorkerSpec:
     switch_timeout_s: float = 60.0  # joiner: longest wait for the leaver's state
     shadow_steps: int = 6          # most shadow steps to reach a steady collective sequence
     inject: tuple[str, ...] = ()    # fault injection, see trainmover.config.INJECTIONS
+    record_iterations: int = 3      # iterations whose collectives the recording rank records (0: none)
+    record_rank: int = 0            # the rank a standby rehearses
+    recording_path: str = ""        # HDF5 file on the job's shared directory
     device: str = "auto"            # cpu, cuda or auto: resolved on the node, which knows its GPUs
     backend: str = "auto"           # gloo, nccl or auto
 

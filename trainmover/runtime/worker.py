@@ -15,6 +15,7 @@ import queue
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -74,6 +75,7 @@ class Agent:
         self.reported: set[tuple[int, str]] = set()
         self.retired: list = []  # old backends: released off the critical path (see retire)
         self.trace_steps = 0
+        self.writer = None  # set while this rank records its collectives
 
     # --- control channel -------------------------------------------------------------
     def _read(self):
@@ -185,17 +187,92 @@ class Agent:
     def run(self) -> int:
         if self.role == "worker":
             self.groups = self._make_groups(self.rank, sandbox=False)
+            if self.spec.recording_path and self.rank == self.spec.record_rank and self.spec.record_iterations:
+                self._start_recording()
             self.workload.build(self._context(self.rank))
             return self.train(0)
         return self.standby()
 
+    # --- recorded collectives (the live side) -----------------------------------------------
+    def _start_recording(self) -> None:
+        """Record this rank's collectives from the workload's construction through the first
+        `record_iterations` steps, for standbys' shadow iterations (trainmover.sandbox)."""
+        from trainmover.sandbox import recording
+        ok, why = recording.available()
+        if not ok:
+            log.warning("not recording collectives: %s", why)
+            return
+        self.writer = recording.RecordingWriter(Path(self.spec.recording_path), self.rank, self.spec.record_iterations)
+        self.live_backends = {name: g.swap(recording.RecordingBackend(g.inner, self.writer, name))
+                              for name, g in self.groups.items() if name != CONTROL}
+        self.writer.begin("init")
+        self.record_step_s: list[float] = []
+
+    def _record_step(self, step: int, loss: float | None, step_s: float) -> None:
+        """Called before (loss None) and after each step while recording."""
+        w = self.writer
+        if loss is None:
+            w.begin(step)
+            return
+        w.end_iteration(loss)
+        self.record_step_s.append(step_s)
+        if step + 1 == self.spec.record_iterations:  # done: the hook is removed
+            for name, live in self.live_backends.items():
+                self.groups[name].swap(live)
+            size = w.close()
+            self.writer = None
+            self.send("recorded", rank=self.rank, iterations=self.spec.record_iterations, bytes=size,
+                      overhead_s=w.overhead_s, step_s=self.record_step_s)
+            log.info("recorded %d iterations of collectives: %d bytes, %.3fs of overhead",
+                     self.spec.record_iterations, size, w.overhead_s)
+
+    # --- standby -------------------------------------------------------------------------
+    def _replay(self) -> dict:
+        """Shadow iterations answered from the live job's recording: the standby rehearses the
+        recorded rank and must compute the very losses that rank computed."""
+        from trainmover.sandbox import recording
+        ok, why = recording.available()
+        path = Path(self.spec.recording_path)
+        if not ok or not self.spec.recording_path or not self.spec.record_iterations:
+            return {"replay": f"unavailable: {why or 'recording disabled'}"}
+        deadline = time.monotonic() + self.spec.group_timeout_s
+        log.info("standby waits for the recording %s", path)
+        while not path.exists():  # written by the live rank during its first iterations
+            if time.monotonic() > deadline:
+                return {"replay": f"unavailable: no recording at {path} after {self.spec.group_timeout_s:.0f}s"}
+            time.sleep(0.2)
+        replay = recording.Replay(path)
+        rank = replay.rank
+        log.info("replaying %d recorded iterations of rank %d", replay.iterations, rank)
+        self.groups = {}
+        for g in self.specs:
+            if rank in g.ranks:
+                grank = g.ranks.index(rank)
+                answers = None if g.name == CONTROL else replay.for_group(g.name)
+                self.groups[g.name] = SwappableGroup(g.name, grank, len(g.ranks), list(g.ranks),
+                                                     SandboxBackend(grank, len(g.ranks), answers=answers))
+        replay.begin("init")
+        self.workload.build(self._context(rank))
+        pairs = []
+        for it in range(replay.iterations):
+            replay.begin(it)
+            pairs.append((replay.loss(it), self.workload.train_step(it)))
+        replay.close()
+        for g in self.groups.values():  # later shadow steps: answered locally
+            g.swap(SandboxBackend(g.rank(), g.size()))
+        return {"replay": "done", "rank": rank, "iterations": len(pairs), "recorded_losses": [a for a, _ in pairs],
+                "shadow_losses": [b for _, b in pairs], "loss_equal": all(a == b for a, b in pairs)}
+
     def standby(self) -> int:
         t0 = time.perf_counter()
-        rehearse = self.local % self.spec.world_size  # any valid rank: the layout is rank-symmetric here
-        self.groups = self._make_groups(rehearse, sandbox=True)
-        self.workload.build(self._context(rehearse))
+        shadow = self._replay()
+        if shadow["replay"] != "done":
+            log.warning("shadow iterations without a recording: %s", shadow["replay"])
+            rehearse = self.local % self.spec.world_size  # any valid rank: the layout is rank-symmetric here
+            self.groups = self._make_groups(rehearse, sandbox=True)
+            self.workload.build(self._context(rehearse))
         steps = self.shadow_until_steady(self.spec.shadow_steps)
-        self.send("ready", node=self.spec.node, warmup_s=time.perf_counter() - t0, shadow_steps=steps)
+        self.send("ready", node=self.spec.node, warmup_s=time.perf_counter() - t0, shadow_steps=steps, detail=shadow)
         log.info("standby on %s warm after %.2fs", self.spec.node, time.perf_counter() - t0)
         while True:
             msg = self.inbox.get()
@@ -206,7 +283,7 @@ class Agent:
                 start = self.join(msg)
                 if start is not None:
                     return self.train(start)
-                self.send("ready", node=self.spec.node, warmup_s=time.perf_counter() - t0, shadow_steps=0)
+                self.send("ready", node=self.spec.node, warmup_s=time.perf_counter() - t0, shadow_steps=0, detail={})
 
     def join(self, msg: dict) -> int | None:
         """Take a leaver's slot. Returns the step to continue from, or None if the
@@ -263,6 +340,8 @@ class Agent:
         self._trace("train loop entered")
         while step < self.spec.steps:
             t0 = time.perf_counter()
+            if self.writer:
+                self._record_step(step, None, 0.0)
             if self.trace_steps:
                 self.trace_steps -= 1
                 self._trace(f"step {step + 1} begins")
@@ -270,6 +349,8 @@ class Agent:
             elif getattr(self.workload, "trace", None):
                 self.workload.trace = None
             loss = self.workload.train_step(step)
+            if self.writer:
+                self._record_step(step, loss, time.perf_counter() - t0)
             step += 1
             self.send("step", rank=self.rank, step=step, loss=loss, step_s=time.perf_counter() - t0, t=time.time())
             self._release_retired(step)
