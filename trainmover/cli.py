@@ -6,6 +6,7 @@
     trainmover migrate --job J --node N
     trainmover config                      (every TM_* variable, its default and meaning)
     trainmover demo [--steps N]            (cluster up, submit, drain, show the migration)
+    trainmover healthcheck [--node N] ...  (node health; drains with a 'trainmover:' reason)
 """
 from __future__ import annotations
 
@@ -103,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("config", help="list every TM_* variable")
     d = sub.add_parser("demo", help="start the local cluster, submit the demo, drain a node, show the migration")
     d.add_argument("--steps", type=int, default=1500)
+    from trainmover.healthcheck.cli import add_arguments as healthcheck_arguments
+    healthcheck_arguments(sub.add_parser("healthcheck", help="check this node (GPU, disk); drain it on a fault"))
     return p
 
 
@@ -124,6 +127,9 @@ def main(argv=None) -> int:
         if args.command == "demo":
             from trainmover.demo import main as demo_main
             return demo_main(steps=args.steps)
+        if args.command == "healthcheck":
+            from trainmover.healthcheck.cli import main as healthcheck_main
+            return healthcheck_main(args)
         if args.command == "config":
             from trainmover.config import describe
             print(describe())
