@@ -6,7 +6,7 @@ and each Slurm command has its own timeout. Total: `deadline_s` + 2 Slurm calls.
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,17 +77,26 @@ def collect(opts: Options, extra: Sequence[tuple[str, Callable[[], list[Finding]
         jobs.append(("gpu", lambda: _gpu_checks(opts)))
     jobs += list(extra)
     deadline = time.monotonic() + opts.deadline_s
-    pool = cf.ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="healthcheck")
-    futures = {name: pool.submit(fn) for name, fn in jobs}
-    out: list[Finding] = []
-    for name, fut in futures.items():
+    results: dict[str, list[Finding]] = {}
+
+    def work(name: str, fn: Callable[[], list[Finding]]) -> None:
         try:
-            out += fut.result(timeout=max(0.0, deadline - time.monotonic()))
-        except cf.TimeoutError:
-            out.append(Finding(name, False, f"check did not finish within {opts.deadline_s:g}s"))
+            results[name] = fn()
         except Exception as exc:  # a broken check is reported, not hidden
-            out.append(Finding(name, False, f"check failed: {type(exc).__name__}: {exc}"))
-    pool.shutdown(wait=False, cancel_futures=True)
+            results[name] = [Finding(name, False, f"check failed: {type(exc).__name__}: {exc}")]
+
+    # Daemon threads: a check stuck in a driver call must not keep the process alive.
+    threads = [(name, threading.Thread(target=work, args=(name, fn), daemon=True, name=f"healthcheck-{name}"))
+               for name, fn in jobs]
+    for _, t in threads:
+        t.start()
+    out: list[Finding] = []
+    for name, t in threads:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            out.append(Finding(name, False, f"check did not finish within {opts.deadline_s:g}s"))
+        else:
+            out += results[name]
     return out
 
 

@@ -1,0 +1,143 @@
+"""trainmover.healthcheck without Slurm or GPUs: a fake NVML, a fake Slurm client."""
+from __future__ import annotations
+
+import time
+from collections import namedtuple
+from pathlib import Path
+from types import SimpleNamespace
+
+from trainmover.healthcheck import Finding, Options, decide, run
+from trainmover.healthcheck import checks, gpu
+from trainmover.healthcheck.decide import MAX_REASON
+from trainmover.slurm.model import NodeInfo
+
+Usage = namedtuple("Usage", "total used free")
+
+
+class FakeNvml:
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC = 1, 0
+    NVML_NVLINK_MAX_LINKS = 2
+    NVML_NVLINK_ERROR_DL_REPLAY, NVML_NVLINK_ERROR_DL_RECOVERY = 0, 1
+    NVML_NVLINK_ERROR_DL_CRC_FLIT, NVML_NVLINK_ERROR_DL_CRC_DATA = 2, 3
+    nvmlClocksThrottleReasonHwSlowdown = 0x8
+
+    def __init__(self, gpus):
+        self.gpus = gpus  # list of dicts
+
+    def nvmlDeviceGetCount(self):
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return self.gpus[i]
+
+    def nvmlDeviceGetTotalEccErrors(self, h, kind, counter):
+        return h.get("ecc", 0)
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, h):
+        return h.get("pending", 0)
+
+    def nvmlDeviceGetRemappedRows(self, h):
+        if "remap" not in h:
+            raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+        return (0, 0, 0, h["remap"])
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, h):
+        return h.get("throttle", 0)
+
+    def nvmlDeviceGetNvLinkState(self, h, link):
+        return 1 if link < len(h.get("nvlink", [])) else 0
+
+    def nvmlDeviceGetNvLinkErrorCounter(self, h, link, counter):
+        return h["nvlink"][link] if counter == self.NVML_NVLINK_ERROR_DL_CRC_FLIT else 0
+
+
+def test_healthy_gpus():
+    found = gpu.check_gpus(FakeNvml([{"remap": 0, "nvlink": [0, 3]}, {}]))
+    assert [f.ok for f in found] == [True, True]
+
+
+def test_each_gpu_fault_is_reported():
+    nvml = FakeNvml([{"ecc": 2}, {"pending": 1}, {"remap": 1}, {"throttle": 0x8}, {"nvlink": [0, 500]}])
+    details = [f.detail for f in gpu.check_gpus(nvml) if not f.ok]
+    assert details == ["GPU 0: 2 uncorrected ECC errors", "GPU 1: retired pages pending (reset needed)",
+                       "GPU 2: row remapping failed", "GPU 3: throttled: HW slowdown", "GPU 4: NVLink 1: 500 errors"]
+
+
+def test_no_nvml_is_a_skip_with_a_note():
+    nvml, why = gpu.load_nvml()
+    if nvml is None:
+        assert "no GPU checks" in why or "no GPU" in why
+
+
+def test_kernel_xids_since_the_cursor(tmp_path):
+    records = ["6,100,1,-;NVRM: Xid (PCI:0000:3b:00): 79, pid=1, GPU has fallen off the bus.",
+               "6,101,2,-;usb 1-1: new device",
+               "6,102,3,-;NVRM: Xid (PCI:0000:5e:00): 13, Graphics Engine Exception",
+               "6,103,4,-;NVRM: Xid (PCI:0000:5e:00): 48, DBE"]
+    cursor = tmp_path / "kmsg-cursor"
+    first = gpu.check_kernel_xids(records, cursor)
+    assert [f.detail for f in first] == ["XID 79 on PCI 0000:3b:00 (kernel log)", "XID 48 on PCI 0000:5e:00 (kernel log)"]
+    assert cursor.read_text() == "103"
+    assert gpu.check_kernel_xids(records, cursor) == [], "seen XIDs are not reported twice"
+
+
+def test_disk_and_injection(tmp_path):
+    found = checks.check_disk(["/a", "/b"], 5, usage=lambda p: Usage(100e9, 0, 10e9 if p == "/a" else 1e9))
+    assert [f.ok for f in found] == [True, False] and "1.0 GB free (minimum 5 GB)" in found[1].detail
+    assert checks.check_injected(tmp_path, "n1") == []
+    (tmp_path / "inject-fault-n1").write_text("XID 79\n")
+    (f,) = checks.check_injected(tmp_path, "n1")
+    assert not f.ok and f.detail.startswith("XID 79 (fault injected by")
+
+
+def test_decide():
+    bad = [Finding("gpu", False, "GPU 0: 2 uncorrected ECC errors"), Finding("disk", False, "/: full")]
+    ok = [Finding("disk", True, "fine"), Finding("gpu", True, "no NVML", skipped=True)]
+    assert not decide(ok, drained=False).drain
+    a = decide(bad, drained=False)
+    assert a.drain and a.reason == "trainmover: healthcheck gpu: GPU 0: 2 uncorrected ECC errors (+1 more)"
+    assert not decide(bad, drained=True, current_reason="trainmover: x").drain
+    assert "someone else" in decide(bad, drained=True, current_reason="admin").reason
+    assert not decide(bad, drained=False, may_drain=False).drain
+    long = decide([Finding("gpu", False, "x" * 500)], drained=False).reason
+    assert len(long) == MAX_REASON and long.startswith("trainmover:")
+
+
+class FakeSlurm:
+    def __init__(self, state="IDLE", reason=""):
+        self.info = NodeInfo(name="n1", addr="a", state=state, reason=reason)
+        self.drained: list[tuple[str, str]] = []
+
+    def nodes(self, names):
+        return {n: self.info for n in names}
+
+    def drain(self, node, reason):
+        self.drained.append((node, reason))
+
+
+def test_run_drains_on_fault_once(tmp_path):
+    (tmp_path / "inject-fault-n1").write_text("boom\n")
+    opts = Options(node="n1", state_dir=tmp_path, disk_paths=(str(tmp_path),), gpu=False)
+    client = FakeSlurm()
+    report = run(opts, client)
+    assert report.drained and client.drained == [("n1", f"trainmover: healthcheck inject: boom (fault injected by {tmp_path}/inject-fault-n1)")]
+    again = run(opts, FakeSlurm(state="IDLE+DRAIN", reason=client.drained[0][1]))
+    assert not again.drained and "already drained by TrainMover" in again.action.reason
+
+
+def test_a_hung_check_is_a_fault_within_the_deadline(tmp_path):
+    opts = Options(node="n1", state_dir=tmp_path, disk_paths=(str(tmp_path),), gpu=False, deadline_s=0.3)
+    client = FakeSlurm()
+    t0 = time.monotonic()
+    report = run(opts, client, extra=[("gpu", lambda: time.sleep(3) or [])])
+    assert time.monotonic() - t0 < 1.5
+    assert report.drained and "gpu: check did not finish within 0.3s" in client.drained[0][1]
+
+
+def test_healthy_run_touches_no_slurm(tmp_path):
+    class NoSlurm:
+        def __getattr__(self, name):
+            raise AssertionError(f"Slurm called: {name}")
+    report = run(Options(node="n1", state_dir=tmp_path, disk_paths=(str(tmp_path),), gpu=False,
+                         min_free_gb=0), NoSlurm())
+    assert report.healthy and not report.drained and report.action.reason == "healthy"
