@@ -480,3 +480,17 @@ def test_job_updates_run_without_the_job_environment(fake, monkeypatch):
     assert updates and all("SLURM_JOBID" not in e and "SLURM_JOB_ID" not in e for e in updates)
     queries = [e for a, e in zip(f.seen, f.envs) if a[:3] == ["scontrol", "-o", "show"]]
     assert all(e.get("SLURM_JOBID") == "9" for e in queries)
+
+
+def test_resume_of_a_node_that_is_just_back_in_service_is_not_an_error(fake):
+    """A second resume right after the first: scontrol refuses ("Invalid node state") while
+    the node briefly shows IDLE+NOT_RESPONDING; it is in service, so resume() succeeds."""
+    back = NODES_TEXT.split("\n")[1].replace("State=IDLE+DRAIN", "State=IDLE+NOT_RESPONDING") + "\n"
+    fake((["scontrol", "update"], (1, "", "slurm_update error: Invalid node state specified")),
+         (["scontrol", "-o", "show", "node"], (0, back, "")))
+    CliSlurm().resume("train2")
+    still = NODES_TEXT.split("\n")[1] + "\n"  # IDLE+DRAIN: the resume really failed
+    fake((["scontrol", "update"], (1, "", "slurm_update error: Invalid node state specified")),
+         (["scontrol", "-o", "show", "node"], (0, still, "")))
+    with pytest.raises(SlurmError, match="could not resume train2"):
+        CliSlurm().resume("train2")

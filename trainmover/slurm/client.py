@@ -136,7 +136,9 @@ class CliSlurm:
         if proc.returncode == 0:
             return
         info = self.nodes([node])[node]
-        if "DRAIN" in info.flags or info.down:
+        # Just after a resume a node shows IDLE+NOT_RESPONDING for a moment: it is back in
+        # service all the same. Only a node still draining or really DOWN failed to resume.
+        if "DRAIN" in info.flags or info.base_state == "DOWN":
             raise SlurmError(f"scontrol could not resume {node} ({info.state}): {proc.stderr.strip()}")
 
     def _cancel_donors(self, job_id: int) -> list[int]:
