@@ -106,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=1500)
     from trainmover.healthcheck.cli import add_arguments as healthcheck_arguments
     healthcheck_arguments(sub.add_parser("healthcheck", help="check this node (GPU, disk); drain it on a fault"))
+    from trainmover.simulate.cli import add_arguments as simulate_arguments
+    simulate_arguments(sub.add_parser("simulate", help="Monte-Carlo ETTR of checkpoint-restart, elastic and TrainMover"))
     return p
 
 
@@ -130,6 +132,9 @@ def main(argv=None) -> int:
         if args.command == "healthcheck":
             from trainmover.healthcheck.cli import main as healthcheck_main
             return healthcheck_main(args)
+        if args.command == "simulate":
+            from trainmover.simulate.cli import main as simulate_main
+            return simulate_main(args)
         if args.command == "config":
             from trainmover.config import describe
             print(describe())
