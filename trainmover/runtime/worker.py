@@ -75,7 +75,7 @@ class Agent:
         self.reported: set[tuple[int, str]] = set()
         self.retired: list = []  # old backends: released off the critical path (see retire)
         self.trace_steps = 0
-        self.writer = None  # set while this rank records its collectives
+        self.recorder = None  # set while this rank records its collectives
 
     # --- control channel -------------------------------------------------------------
     def _read(self):
@@ -193,75 +193,30 @@ class Agent:
             return self.train(0)
         return self.standby()
 
-    # --- recorded collectives (the live side) -----------------------------------------------
+    # --- recorded collectives (trainmover.sandbox) ------------------------------------------
     def _start_recording(self) -> None:
-        """Record this rank's collectives from the workload's construction through the first
-        `record_iterations` steps, for standbys' shadow iterations (trainmover.sandbox)."""
-        from trainmover.sandbox import recording
+        from trainmover.sandbox import live, recording
         ok, why = recording.available()
         if not ok:
             log.warning("not recording collectives: %s", why)
             return
-        self.writer = recording.RecordingWriter(Path(self.spec.recording_path), self.rank, self.spec.record_iterations)
-        self.live_backends = {name: g.swap(recording.RecordingBackend(g.inner, self.writer, name))
-                              for name, g in self.groups.items() if name != CONTROL}
-        self.writer.begin("init")
-        self.record_step_s: list[float] = []
+        self.recorder = live.Recorder(self.groups, Path(self.spec.recording_path), self.rank,
+                                      self.spec.record_iterations, skip=CONTROL)
 
-    def _record_step(self, step: int, loss: float | None, step_s: float) -> None:
-        """Called before (loss None) and after each step while recording."""
-        w = self.writer
-        if loss is None:
-            w.begin(step)
-            return
-        w.end_iteration(loss)
-        self.record_step_s.append(step_s)
-        if step + 1 == self.spec.record_iterations:  # done: the hook is removed
-            for name, live in self.live_backends.items():
-                self.groups[name].swap(live)
-            size = w.close()
-            self.writer = None
-            self.send("recorded", rank=self.rank, iterations=self.spec.record_iterations, bytes=size,
-                      overhead_s=w.overhead_s, step_s=self.record_step_s)
-            log.info("recorded %d iterations of collectives: %d bytes, %.3fs of overhead",
-                     self.spec.record_iterations, size, w.overhead_s)
-
-    # --- standby -------------------------------------------------------------------------
     def _replay(self) -> dict:
-        """Shadow iterations answered from the live job's recording: the standby rehearses the
-        recorded rank and must compute the very losses that rank computed."""
-        from trainmover.sandbox import recording
-        ok, why = recording.available()
-        path = Path(self.spec.recording_path)
-        if not ok or not self.spec.recording_path or not self.spec.record_iterations:
-            return {"replay": f"unavailable: {why or 'recording disabled'}"}
-        deadline = time.monotonic() + self.spec.group_timeout_s
-        log.info("standby waits for the recording %s", path)
-        while not path.exists():  # written by the live rank during its first iterations
-            if time.monotonic() > deadline:
-                return {"replay": f"unavailable: no recording at {path} after {self.spec.group_timeout_s:.0f}s"}
-            time.sleep(0.2)
-        replay = recording.Replay(path)
-        rank = replay.rank
-        log.info("replaying %d recorded iterations of rank %d", replay.iterations, rank)
-        self.groups = {}
-        for g in self.specs:
-            if rank in g.ranks:
-                grank = g.ranks.index(rank)
-                answers = None if g.name == CONTROL else replay.for_group(g.name)
-                self.groups[g.name] = SwappableGroup(g.name, grank, len(g.ranks), list(g.ranks),
-                                                     SandboxBackend(grank, len(g.ranks), answers=answers))
-        replay.begin("init")
-        self.workload.build(self._context(rank))
-        pairs = []
-        for it in range(replay.iterations):
-            replay.begin(it)
-            pairs.append((replay.loss(it), self.workload.train_step(it)))
-        replay.close()
-        for g in self.groups.values():  # later shadow steps: answered locally
-            g.swap(SandboxBackend(g.rank(), g.size()))
-        return {"replay": "done", "rank": rank, "iterations": len(pairs), "recorded_losses": [a for a, _ in pairs],
-                "shadow_losses": [b for _, b in pairs], "loss_equal": all(a == b for a, b in pairs)}
+        """Shadow iterations on the live job's recording: the standby rehearses the recorded
+        rank and must compute the very losses that rank computed."""
+        if not self.spec.recording_path or not self.spec.record_iterations:
+            return {"replay": "unavailable: recording disabled"}
+        from trainmover.sandbox import shadow
+
+        def build(rank, groups):
+            self.groups = groups
+            self.workload.build(self._context(rank))
+
+        _, report = shadow.replay(self.specs, Path(self.spec.recording_path), self.spec.group_timeout_s, CONTROL,
+                                  build, self.workload.train_step)
+        return report
 
     def standby(self) -> int:
         t0 = time.perf_counter()
@@ -340,8 +295,8 @@ class Agent:
         self._trace("train loop entered")
         while step < self.spec.steps:
             t0 = time.perf_counter()
-            if self.writer:
-                self._record_step(step, None, 0.0)
+            if self.recorder:
+                self.recorder.before(step)
             if self.trace_steps:
                 self.trace_steps -= 1
                 self._trace(f"step {step + 1} begins")
@@ -349,8 +304,11 @@ class Agent:
             elif getattr(self.workload, "trace", None):
                 self.workload.trace = None
             loss = self.workload.train_step(step)
-            if self.writer:
-                self._record_step(step, loss, time.perf_counter() - t0)
+            if self.recorder:
+                report = self.recorder.after(step, loss, time.perf_counter() - t0)
+                if report:
+                    self.recorder = None
+                    self.send("recorded", **report)
             step += 1
             self.send("step", rank=self.rank, step=step, loss=loss, step_s=time.perf_counter() - t0, t=time.time())
             self._release_retired(step)
