@@ -1,0 +1,1 @@
+"""Pure decision policies fed with measurements (no clock, no I/O): straggler detection."""
