@@ -224,3 +224,59 @@ def test_malformed_configuration_fails_at_start_with_a_clear_message(demo, slurm
     run = demo("badconfig", TM_STEPS="lots")
     assert run.wait_done(slurm_client, timeout=60) == "FAILED"
     assert "TM_STEPS='lots': expected int" in run.slurm_out()
+
+
+def test_hostile_control_messages_are_rejected_and_the_job_is_unaffected(demo, reference, slurm_client):
+    """A wrong secret, garbage, an oversized frame and a schema-invalid message (sent with the
+    right secret) reach the running job's controller: each is rejected, nothing migrates, and
+    training ends bit-exact."""
+    import socket
+    import struct
+
+    from trainmover.control import channel
+    from trainmover.control.messages import make
+    run = demo("hostile")
+    start_training(run, slurm_client)
+    where = json.loads((run.dir / "controller.json").read_text())
+    address = (where["host"], where["port"])
+    forged = channel.connect(address, b"\x00" * 32, make("migrate", node=leaver_of(run)))  # wrong secret
+    for payload in (b"\xff" * 64, struct.pack(">I", channel.MAX_FRAME + 1)):
+        s = socket.create_connection(address, timeout=5)
+        s.recv(16)
+        s.sendall(payload)
+        s.close()
+    # The right secret but a message the schema refuses: validated before it is acted on.
+    good = channel.connect(address, channel.read_secret(str(run.dir / "secret")), make("status"))
+    body = json.dumps({"type": "migrate", "node": leaver_of(run), "now": True}).encode()
+    good.framer.sock.sendall(struct.pack(">I", len(body)) + body + good.framer._mac(b"C", 1, body))
+    time.sleep(2)
+    forged.close()
+    good.close()
+    assert run.wait_done(slurm_client) == "COMPLETED", run.slurm_out()[-3000:]
+    assert run.status()["migrations"] == []
+    assert "dropped connection" in run.slurm_out()
+    assert_same_training(run, reference)
+
+
+def test_two_nodes_drained_at_once_both_move_bit_exactly(demo, reference, slurm_client):
+    """Two of the job's nodes drained in the same second: the first moves to the warm standby,
+    the second waits (status says so) until the pool is refilled from the reservation and the
+    new standby is warm, then moves too; nothing is lost."""
+    run = demo("twodrains")
+    start_training(run, slurm_client)
+    wait_for("a warm standby", lambda: any(s["state"] == "ready" for s in run.status()["standbys"]), timeout=60)
+    nodes = run.metrics()[-1]["nodes"]
+    leavers = nodes[1:]  # ranks 1 and 2; rank 0's node runs the batch script
+    for node in leavers:
+        commands.run(["scontrol", "update", f"nodename={node}", "state=drain", f"reason={DRAIN_REASON}"],
+                     timeout=10, env=run.env)
+    assert run.wait_done(slurm_client) == "COMPLETED", run.slurm_out()[-3000:]
+    migrations = run.status()["migrations"]
+    assert sorted(m["leaver"] for m in migrations) == sorted(leavers), migrations
+    assert all(m["state"] == "done" and m["trigger"] == "drain" for m in migrations)
+    assert len({m["joiner"] for m in migrations}) == 2  # the second went to the refilled standby
+    final_nodes = run.metrics()[-1]["nodes"]
+    assert not set(leavers) & set(final_nodes)
+    assert slurm_client.job(run.job_id).restart_count == 0
+    assert all(slurm_client.nodes([n])[n].drained for n in leavers)
+    assert_same_training(run, reference)
