@@ -14,7 +14,20 @@ from trainmover.errors import ConfigError
 INJECTIONS = {
     "skip-optimizer-state": "the leaver leaves its optimizer state out of the copy (negative control)",
     "corrupt-transfer": "the leaver flips bytes of one tensor on the wire (checksum test)",
+    "slow:<rank>:<fraction>": "the worker launched for <rank> sleeps <fraction> of its compute time each step (a straggling node)",
 }
+
+
+def parse_slow(item: str) -> tuple[int, float]:
+    """`slow:<rank>:<fraction>` -> (rank, fraction)."""
+    try:
+        _, rank, fraction = item.split(":")
+        rank_i, frac = int(rank), float(fraction)
+    except ValueError:
+        raise ConfigError(f"TM_INJECT: {item!r} is not slow:<rank>:<fraction>") from None
+    if rank_i < 0 or not 0 < frac < 10:
+        raise ConfigError(f"TM_INJECT: {item!r}: rank must be >= 0 and fraction in (0, 10)")
+    return rank_i, frac
 
 # Variables that belong to the runtime or tools, not to the job's configuration.
 _NOT_CONFIG = {"TM_WORKER_SPEC", "TM_LOG_LEVEL", "TM_TRACE_COLLECTIVES", "TM_CLUSTER_DIR", "TM_PYTHON", "TM_E2E_CLUSTER_DIR"}
@@ -41,6 +54,10 @@ class Config:
     record_iterations: int = field(default=3, metadata={"env": "TM_RECORD_ITERATIONS", "doc": "iterations whose collectives are recorded for standbys' shadow steps (0: none)"})
     record_rank: int = field(default=0, metadata={"env": "TM_RECORD_RANK", "doc": "the rank that records and that standbys rehearse"})
     shadow_steps: int = field(default=6, metadata={"env": "TM_SHADOW_STEPS", "doc": "most shadow steps a standby runs to warm up"})
+    straggler: str = field(default="report", metadata={"env": "TM_STRAGGLER", "doc": "off, report (verdict in status) or evict (migrate the slow node)"})
+    straggler_threshold: float = field(default=0.10, metadata={"env": "TM_STRAGGLER_THRESHOLD", "doc": "slow: compute time this much above the median of the nodes"})
+    straggler_windows: int = field(default=3, metadata={"env": "TM_STRAGGLER_WINDOWS", "doc": "consecutive slow windows before a verdict"})
+    straggler_window_steps: int = field(default=20, metadata={"env": "TM_STRAGGLER_WINDOW_STEPS", "doc": "steps per timing window"})
     inject: tuple[str, ...] = field(default=(), metadata={"env": "TM_INJECT", "doc": "comma-separated fault injections: " + ", ".join(INJECTIONS)})
     run_dir: str = field(default="", metadata={"env": "TM_RUN_DIR", "doc": "output directory (default: <submit dir>/runs/<job id>)"})
 
@@ -62,7 +79,15 @@ class Config:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
-        unknown = set(self.inject) - set(INJECTIONS)
+        if self.straggler not in ("off", "report", "evict"):
+            raise ConfigError(f"TM_STRAGGLER={self.straggler!r}: expected off, report or evict")
+        if not (0 < self.straggler_threshold < 10 and self.straggler_windows >= 1 and self.straggler_window_steps >= 1):
+            raise ConfigError("TM_STRAGGLER_THRESHOLD must be in (0, 10); TM_STRAGGLER_WINDOWS and "
+                              "TM_STRAGGLER_WINDOW_STEPS >= 1")
+        for item in self.inject:
+            if item.startswith("slow:"):
+                parse_slow(item)
+        unknown = {i for i in self.inject if not i.startswith("slow:")} - set(INJECTIONS)
         if unknown:
             raise ConfigError(f"TM_INJECT: unknown injection(s) {sorted(unknown)}; known: {sorted(INJECTIONS)}")
 

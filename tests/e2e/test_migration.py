@@ -280,3 +280,28 @@ def test_two_nodes_drained_at_once_both_move_bit_exactly(demo, reference, slurm_
     assert slurm_client.job(run.job_id).restart_count == 0
     assert all(slurm_client.nodes([n])[n].drained for n in leavers)
     assert_same_training(run, reference)
+
+
+def test_an_injected_20_percent_straggler_is_detected_and_evicted(demo, reference, slurm_client):
+    """Rank 1's node computes 20% slower (TM_INJECT=slow:1:0.2): the controller's straggler
+    policy names it from the ranks' own compute times and moves it to the standby; the run
+    speeds up again and is still bit-exact (the injection only sleeps)."""
+    run = demo("straggler", TM_INJECT="slow:1:0.2", TM_STRAGGLER="evict")
+    start_training(run, slurm_client, min_step=5)
+    slow_node = run.metrics()[-1]["nodes"][1]
+    assert run.wait_done(slurm_client) == "COMPLETED", run.slurm_out()[-3000:]
+    status = run.status()
+    (m,) = status["migrations"]
+    assert (m["trigger"], m["leaver"], m["state"]) == ("straggler", slow_node, "done"), m
+    (evicted,) = status["straggler"]["evicted"]
+    assert evicted["node"] == slow_node and "slower than the median of its peers" in evicted["verdict"], evicted
+    rows = run.metrics()
+    s = m["switch_step"]
+    before = [b["t"] - a["t"] for a, b in zip(rows[max(0, s - 40):s - 1], rows[max(1, s - 39):s])]
+    after = [b["t"] - a["t"] for a, b in zip(rows[s + 5:s + 45], rows[s + 6:s + 46])]
+    slow_step, fast_step = sorted(before)[len(before) // 2], sorted(after)[len(after) // 2]
+    assert fast_step < slow_step, (slow_step, fast_step)
+    assert_same_training(run, reference)
+    print(f"\n{evicted['verdict']}\nstraggler {slow_node} evicted at step {s}: median step {slow_step * 1e3:.1f} ms -> "
+          f"{fast_step * 1e3:.1f} ms ({100 * (1 - fast_step / slow_step):.0f}% faster), "
+          f"migration downtime {m['downtime_s']:.3f}s")

@@ -14,8 +14,8 @@ from trainmover.errors import DeadlineExceeded, ProtocolError
     ([], "JSON object"), ({"type": "reboot"}, "unknown message type"),
     ({"type": "migrate"}, "missing field 'node'"), ({"type": "migrate", "node": 3}, "expected str"),
     ({"type": "migrate", "node": "a", "x": 1}, "unexpected fields"),
-    ({"type": "step", "rank": -1, "step": 1, "loss": 1.0, "step_s": 0.1, "t": 0.0}, "must be >= 0"),
-    ({"type": "step", "rank": True, "step": 1, "loss": 1.0, "step_s": 0.1, "t": 0.0}, "got bool"),
+    ({"type": "step", "rank": -1, "step": 1, "loss": 1.0, "step_s": 0.1, "compute_s": 0.1, "t": 0.0}, "must be >= 0"),
+    ({"type": "step", "rank": True, "step": 1, "loss": 1.0, "step_s": 0.1, "compute_s": 0.1, "t": 0.0}, "got bool"),
     ({"type": "prepare", "epoch": 1, "leavers": ["a"], "joiner_node": "s", "assign": {}, "options": {}}, "leavers"),
 ])
 def test_validation_rejects_malformed_messages(msg, message):

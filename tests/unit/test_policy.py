@@ -133,7 +133,7 @@ def test_metrics_rows_downtime_and_final():
         t = step * 0.1 + (0.5 if step > 10 else 0.0)  # a 0.5 s pause between step 10 and 11
         for rank in range(3):
             rows += [a for a in p.on_message(t, f"train{rank + 1}", {"type": "step", "rank": rank, "step": step,
-                     "loss": 1.0 + rank, "step_s": 0.08, "t": t}) if isinstance(a, Record)]
+                     "loss": 1.0 + rank, "step_s": 0.08, "compute_s": 0.05, "t": t}) if isinstance(a, Record)]
         if step == 5:
             p.on_nodes(t, {"train2": Node("ALLOCATED+DRAIN")})
             p.migrations[0].switch_step = 10
@@ -157,3 +157,36 @@ def test_a_trainmover_health_check_drain_is_its_own_trigger():
     ready_standby(p)
     p.on_nodes(10.0, {"train3": Node("ALLOCATED+DRAIN", "trainmover: xid 79 on GPU 2")})
     assert p.active().trigger == "healthcheck"
+
+
+def feed_steps(p, steps, slow_rank=None, factor=1.3, t0=0.0):
+    acts = []
+    for step in range(1, steps + 1):
+        for rank in range(3):
+            c = 0.05 * (factor if rank == slow_rank else 1.0)
+            acts += p.on_message(t0 + step * 0.1, f"train{rank + 1}", {
+                "type": "step", "rank": rank, "step": step, "loss": 1.0, "step_s": 0.08, "compute_s": c,
+                "t": t0 + step * 0.1})
+    return acts
+
+
+def test_a_persistently_slow_node_is_evicted_by_live_migration():
+    p = new_policy(straggler="evict", straggler_window_steps=5, straggler_windows=3)
+    ready_standby(p)
+    acts = feed_steps(p, 14, slow_rank=2)  # two full windows: not yet a verdict
+    assert not sends(acts, "prepare")
+    acts = feed_steps(p, 1, slow_rank=2, t0=1.5)
+    assert sends(acts, "prepare") and p.active().trigger == "straggler" and p.active().leaver == "train3"
+    (ev,) = p.status()["straggler"]["evicted"]
+    assert ev["node"] == "train3" and "30.0% slower" in ev["verdict"]
+
+
+def test_report_mode_only_reports_and_noise_is_not_a_straggler():
+    p = new_policy(straggler="report", straggler_window_steps=5)
+    ready_standby(p)
+    feed_steps(p, 15, slow_rank=0)
+    assert p.migrations == [] and p.status()["straggler"]["target"] == "train1"
+    q = new_policy(straggler="evict", straggler_window_steps=5)
+    ready_standby(q)
+    feed_steps(q, 30, slow_rank=1, factor=1.05)  # 5% is below the 10% threshold
+    assert q.migrations == [] and q.status()["straggler"]["target"] is None

@@ -16,7 +16,7 @@ SCHEMA: dict[str, dict[str, object]] = {
     "hello": {"role": _STR, "node": _STR, "ranks": _LIST, "pid": _INT},
     "ready": {"node": _STR, "warmup_s": _FLOAT, "shadow_steps": _INT, "detail": _DICT},
     "recorded": {"rank": _INT, "iterations": _INT, "bytes": _INT, "overhead_s": _FLOAT, "step_s": _LIST},
-    "step": {"rank": _INT, "step": _INT, "loss": _FLOAT, "step_s": _FLOAT, "t": _FLOAT},
+    "step": {"rank": _INT, "step": _INT, "loss": _FLOAT, "step_s": _FLOAT, "compute_s": _FLOAT, "t": _FLOAT},
     "prepared": {"epoch": _INT, "rank": _INT, "groups": _LIST, "seconds": _FLOAT, "detail": _DICT},
     "prepare_failed": {"epoch": _INT, "rank": _INT, "error": _STR},
     "switched": {"epoch": _INT, "rank": _INT, "role": _STR, "step": _INT, "t": _FLOAT, "detail": _DICT},

@@ -13,6 +13,7 @@ from trainmover.config import Config
 from trainmover.control.messages import make
 from trainmover.controller.actions import AcquireStandby, Finish, LaunchStandby, Record, ReleaseNode, Send
 from trainmover.controller.migration import Migration, Phase
+from trainmover.policy import straggler
 
 log = logging.getLogger("trainmover.policy")
 
@@ -61,6 +62,9 @@ class Policy:
         self.rows: dict[int, dict[int, dict]] = {}              # step -> rank -> report
         self.finished: dict[int, dict] = {}
         self.recording: dict = {}
+        self.samples: dict[int, list[float]] = {}             # rank -> compute times of this window
+        self.windows: list[dict[int, float]] = []             # oldest first: rank -> median compute time
+        self.straggler: dict = {"mode": cfg.straggler, "verdict": "", "target": None, "windows": 0, "evicted": []}
         self.done = False
 
     # --- helpers -----------------------------------------------------------------------
@@ -226,6 +230,7 @@ class Policy:
 
     def _on_step(self, now: float, node: str, msg: dict) -> list:
         rank, step = msg["rank"], msg["step"]
+        straggler_actions = self._on_compute(now, rank, msg["compute_s"])
         hist = self.steps.setdefault(rank, [])
         hist.append((step, msg["t"]))
         del hist[:-64]
@@ -243,7 +248,34 @@ class Policy:
         for m in self.migrations:
             if m.switch_step is not None and m.downtime_s is None and step == m.switch_step + 1:
                 m.downtime_s = self._downtime(m)
-        return actions
+        return actions + straggler_actions
+
+    def _on_compute(self, now: float, rank: int, compute_s: float) -> list:
+        """Fold each rank's own compute time into windows and ask the straggler policy."""
+        if self.cfg.straggler == "off" or self.active() is not None:
+            return []
+        self.samples.setdefault(rank, []).append(compute_s)
+        n = self.cfg.straggler_window_steps
+        if len(self.samples) < self.view.world_size or min(len(v) for v in self.samples.values()) < n:
+            return []
+        # median, not mean: one rank's spike (a page fault, a neighbour's burst) is not slowness
+        self.windows.append({r: statistics.median(v[:n]) for r, v in self.samples.items()})
+        del self.windows[:-self.cfg.straggler_windows]
+        self.samples = {}
+        try:
+            decision = straggler.decide(self.windows, self.view.rank_node, straggler.StragglerConfig(
+                self.cfg.straggler_threshold, self.cfg.straggler_windows,
+                "evict" if self.cfg.straggler == "evict" else "report"))
+        except straggler.StragglerInputError as exc:  # e.g. fewer than 3 nodes: nothing to compare
+            self.straggler.update(verdict=f"not evaluated: {exc}")
+            return []
+        self.straggler.update(verdict=decision.reason, target=decision.target, windows=decision.windows_considered,
+                              last_window_s={str(r): round(v, 6) for r, v in sorted(self.windows[-1].items())})
+        if decision.action == "evict":
+            self.straggler["evicted"].append({"node": decision.target, "t": now, "verdict": decision.reason})
+            self.windows = []  # the layout changes: measure afresh afterwards
+            return self.request(now, decision.target, "straggler")[2]
+        return []
 
     def _downtime(self, m: Migration) -> float | None:
         """Pause seen by the stayers: last step before the switch to the first after, minus
@@ -321,5 +353,6 @@ class Policy:
             "message": (f"waiting for a standby: the job keeps running on {', '.join(m.leaver for m in waiting)}"
                         if waiting else ""),
             "migrations": [m.to_json() for m in self.migrations],
+            "straggler": self.straggler,
             "finished": self.done,
         }

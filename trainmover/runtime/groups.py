@@ -17,6 +17,7 @@ import datetime
 import os
 import sys
 import threading
+import time
 from typing import Callable
 
 import torch
@@ -92,6 +93,8 @@ class SwappableGroup(dist.ProcessGroup):
         self._inner = inner
         self._lock = threading.Lock()
         self.generation = 0
+        self.first_call_at: float | None = None  # perf_counter of the first collective since reset
+        self.first_call_cpu: float | None = None  # process CPU time at that moment
 
     @property
     def inner(self):
@@ -120,6 +123,9 @@ class SwappableGroup(dist.ProcessGroup):
 def _forwarder(op: str):
     """A method that forwards collective `op` to the current inner backend, unchanged."""
     def forward(self, *a, **k):
+        if self.first_call_at is None:  # ends a rank's own compute: from here on it may wait for peers
+            self.first_call_at = time.perf_counter()
+            self.first_call_cpu = time.process_time()
         if _TRACE:
             _trace(self, op, a)
         return getattr(self._inner, op)(*a, **k)

@@ -92,6 +92,15 @@ class Agent:
             _exit_now(0)
         self.inbox.put(None)
 
+    def _slow_fraction(self) -> float:
+        """The injected slowdown of this process (only workers launched for that rank: a joiner
+        taking the rank over runs on another, healthy node)."""
+        from trainmover.config import parse_slow
+        if self.spec.role != "worker":
+            return 0.0
+        return next((f for r, f in (parse_slow(i) for i in self.spec.inject if i.startswith("slow:"))
+                     if r == self.rank), 0.0)
+
     def _trace(self, what: str) -> None:
         if TRACE_STEPS:
             log.info("trace %.6f %s", time.time(), what)
@@ -291,10 +300,16 @@ class Agent:
         return int(state["step"])
 
     def train(self, step: int) -> int:
-        control = self.groups[CONTROL]
+        control, world = self.groups[CONTROL], self.groups["world"]
+        slow = self._slow_fraction()
+        pure_s = 0.0
         self._trace("train loop entered")
         while step < self.spec.steps:
-            t0 = time.perf_counter()
+            world.first_call_at = None
+            t0, c0 = time.perf_counter(), time.process_time()
+            if slow:  # injected straggler: this process computes (1 + slow) times as long
+                _burn(slow * pure_s, cpu=self.device == "cpu")
+            t1, c1 = time.perf_counter(), time.process_time()
             if self.recorder:
                 self.recorder.before(step)
             if self.trace_steps:
@@ -304,13 +319,22 @@ class Agent:
             elif getattr(self.workload, "trace", None):
                 self.workload.trace = None
             loss = self.workload.train_step(step)
+            # a rank's own compute: until its first collective (after that it may wait for peers)
+            # On CPU nodes: CPU time, which co-located processes cannot inflate; on GPUs: wall time.
+            if self.device == "cpu":
+                first = world.first_call_cpu if world.first_call_at is not None else time.process_time()
+                compute_s, pure_s = first - c0, first - c1
+            else:
+                first = world.first_call_at or time.perf_counter()
+                compute_s, pure_s = first - t0, first - t1
             if self.recorder:
                 report = self.recorder.after(step, loss, time.perf_counter() - t0)
                 if report:
                     self.recorder = None
                     self.send("recorded", **report)
             step += 1
-            self.send("step", rank=self.rank, step=step, loss=loss, step_s=time.perf_counter() - t0, t=time.time())
+            self.send("step", rank=self.rank, step=step, loss=loss, step_s=time.perf_counter() - t0,
+                      compute_s=compute_s, t=time.time())
             self._release_retired(step)
             self._poll_inbox()
             prep = self.pending
@@ -405,6 +429,16 @@ def main() -> int:
     finally:
         if agent is not None:
             agent.conn.close()
+
+
+def _burn(seconds: float, cpu: bool) -> None:
+    """Injected slowness: on CPU nodes burn CPU (a slow node spends more cycles), else sleep."""
+    if not cpu:
+        time.sleep(seconds)
+        return
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
 
 
 def _exit_now(code: int) -> None:
