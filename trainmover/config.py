@@ -58,6 +58,7 @@ class Config:
     straggler_threshold: float = field(default=0.10, metadata={"env": "TM_STRAGGLER_THRESHOLD", "doc": "slow: compute time this much above the median of the nodes"})
     straggler_windows: int = field(default=3, metadata={"env": "TM_STRAGGLER_WINDOWS", "doc": "consecutive slow windows before a verdict"})
     straggler_window_steps: int = field(default=20, metadata={"env": "TM_STRAGGLER_WINDOW_STEPS", "doc": "steps per timing window"})
+    rebalance_every_steps: int = field(default=0, metadata={"env": "TM_REBALANCE_EVERY_STEPS", "doc": "move one node to a warm standby every N steps (0: never)"})
     inject: tuple[str, ...] = field(default=(), metadata={"env": "TM_INJECT", "doc": "comma-separated fault injections: " + ", ".join(INJECTIONS)})
     run_dir: str = field(default="", metadata={"env": "TM_RUN_DIR", "doc": "output directory (default: <submit dir>/runs/<job id>)"})
 
@@ -79,6 +80,8 @@ class Config:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        if self.rebalance_every_steps < 0:
+            raise ConfigError("TM_REBALANCE_EVERY_STEPS must be >= 0")
         if self.straggler not in ("off", "report", "evict"):
             raise ConfigError(f"TM_STRAGGLER={self.straggler!r}: expected off, report or evict")
         if not (0 < self.straggler_threshold < 10 and self.straggler_windows >= 1 and self.straggler_window_steps >= 1):

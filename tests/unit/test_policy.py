@@ -190,3 +190,16 @@ def test_report_mode_only_reports_and_noise_is_not_a_straggler():
     ready_standby(q)
     feed_steps(q, 30, slow_rank=1, factor=1.05)  # 5% is below the 10% threshold
     assert q.migrations == [] and q.status()["straggler"]["target"] is None
+
+
+def test_scheduled_rebalancing_moves_a_node_every_n_steps_but_never_the_batch_host():
+    p = new_policy(rebalance_every_steps=10)
+    ready_standby(p)
+    acts = feed_steps(p, 9)
+    assert not sends(acts, "prepare")
+    acts = []
+    for rank in range(3):
+        acts += p.on_message(1.0, f"train{rank + 1}", {"type": "step", "rank": rank, "step": 10, "loss": 1.0,
+                                                       "step_s": 0.08, "compute_s": 0.05, "t": 1.0})
+    m = p.active()
+    assert sends(acts, "prepare") and m.trigger == "rebalance" and m.leaver != "train1"

@@ -39,7 +39,7 @@ ALLOWED: dict[Phase, set[Phase]] = {
     Phase.FAILED: set(),
 }
 
-TRIGGERS = {"drain", "manual", "failure", "healthcheck", "straggler"}
+TRIGGERS = {"drain", "manual", "failure", "healthcheck", "straggler", "rebalance"}
 
 
 class IllegalTransition(RuntimeError):

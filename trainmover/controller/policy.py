@@ -239,6 +239,7 @@ class Policy:
         actions = []
         if len(row) == self.view.world_size:
             del self.rows[step]
+            actions += self._maybe_rebalance(now, step)
             ranks = range(self.view.world_size)
             actions.append(Record("metrics", {
                 "step": step, "loss": sum(row[r]["loss"] for r in ranks) / self.view.world_size,
@@ -249,6 +250,21 @@ class Policy:
             if m.switch_step is not None and m.downtime_s is None and step == m.switch_step + 1:
                 m.downtime_s = self._downtime(m)
         return actions + straggler_actions
+
+    def _maybe_rebalance(self, now: float, step: int) -> list:
+        """Scheduled rebalancing: every N steps move the next node (round robin; never the
+        batch host, which Slurm cannot release) to a warm standby, if one is ready and no other
+        migration is under way; otherwise skip this turn."""
+        n = self.cfg.rebalance_every_steps
+        if not n or step % n or any(m.active for m in self.migrations):
+            return []
+        if not any(s.state == "ready" for s in self.view.standbys.values()):
+            return []
+        movable = [node for node in self.view.train_nodes() if node != self.view.batch_host]
+        if not movable:
+            return []
+        node = movable[(step // n) % len(movable)]
+        return self.request(now, node, "rebalance")[2]
 
     def _on_compute(self, now: float, rank: int, compute_s: float) -> list:
         """Fold each rank's own compute time into windows and ask the straggler policy."""
