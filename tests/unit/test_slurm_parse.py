@@ -309,7 +309,7 @@ def fake():
     installed = []
     commands.reset_calls()
     yield install
-    for ctx in installed:
+    for ctx in reversed(installed):  # undo in reverse, so the runner before the first one is back
         ctx.__exit__(None, None, None)
 
 

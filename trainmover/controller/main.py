@@ -159,7 +159,10 @@ class Controller:
                 ok, text, actions = self.policy.request(now, msg["node"], "manual")
             else:
                 ok, text, actions = True, "", []
-            conn.send(make("reply", ok=ok, message=text, data=self.policy.status()))
+            try:
+                conn.send(make("reply", ok=ok, message=text, data=self.policy.status()))
+            except OSError as exc:  # the requester is gone (or was dropped for a bad message): its loss
+                log.warning("could not reply to %s: %s", conn.peer, exc)
             return actions
         node = (conn.identity or {}).get("node")
         if node is None:

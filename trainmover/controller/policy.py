@@ -165,6 +165,10 @@ class Policy:
         if kind == "recorded":
             self.recording = {k: msg[k] for k in ("rank", "iterations", "bytes", "overhead_s", "step_s")}
             return []
+        if kind in ("step", "finished") and msg["rank"] not in self.view.rank_node:
+            log.warning("ignoring %s from %s for rank %d, which job %d does not have", kind, node, msg["rank"],
+                        self.view.job_id)
+            return []
         if kind == "step":
             return self._on_step(now, node, msg)
         if kind == "finished":
