@@ -141,3 +141,20 @@ def test_healthy_run_touches_no_slurm(tmp_path):
     report = run(Options(node="n1", state_dir=tmp_path, disk_paths=(str(tmp_path),), gpu=False,
                          min_free_gb=0), NoSlurm())
     assert report.healthy and not report.drained and report.action.reason == "healthy"
+
+
+def test_a_controllers_straggler_report_about_this_node_is_a_fault(tmp_path):
+    import json
+
+    from trainmover.healthcheck.checks import read_statuses, straggler_findings
+    run = tmp_path / "runs" / "41"
+    run.mkdir(parents=True)
+    verdict = "node train3 (ranks [2]) is 21.0% slower than the median of its peers over the last 3 windows"
+    (run / "status.json").write_text(json.dumps({"job_id": 41, "straggler": {
+        "mode": "report", "target": "train3", "verdict": verdict}}))
+    statuses = read_statuses([(41, str(tmp_path)), (42, str(tmp_path / "not-trainmover"))])
+    (finding,) = straggler_findings("train3", statuses)
+    assert not finding.ok and finding.check == "straggler" and "21.0% slower" in finding.detail
+    assert straggler_findings("train2", statuses) == []           # another node: nothing
+    evicting = [{**statuses[0], "straggler": {**statuses[0]["straggler"], "mode": "evict"}}]
+    assert straggler_findings("train3", evicting) == []           # the controller moves it itself

@@ -50,7 +50,12 @@ class Controller:
                             {i * k + j: n for i, n in enumerate(nodes) for j in range(k)})
         self.policy = Policy(cfg, self.view)
         self.files = records.RunFiles(Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id)))
-        self.key = channel.write_secret(str(self.files.secret))
+        try:
+            self.key = channel.write_secret(str(self.files.secret))
+        except FileExistsError:
+            raise ConfigError(f"{self.files.root} already holds a job secret: a controller of job {job_id} ran "
+                              "there before (a requeued job?). Move that directory away, or set TM_RUN_DIR "
+                              "to a new one; TrainMover never reuses another controller's secret.") from None
         self.server = channel.Server(self.host, self.key)
         self.store, self.store_port = self._store()
         self.files.write("controller", {"host": self.server.address[0], "port": self.server.address[1],

@@ -53,3 +53,28 @@ def check_disk(paths: Sequence[str], min_free_gb: float,
         ok = free_gb >= min_free_gb
         out.append(Finding("disk", ok, f"{p}: {free_gb:.1f} GB free (minimum {min_free_gb:g} GB)"))
     return out
+
+
+def straggler_findings(node: str, statuses: Sequence[dict]) -> list[Finding]:
+    """The controllers' straggler verdicts about `node`, from the status of each TrainMover job
+    running there (`runs/<job>/status.json`). Only `report` mode is a fault here: in `evict`
+    mode the controller moves the node's ranks itself."""
+    out = []
+    for st in statuses:
+        verdict = st.get("straggler") or {}
+        if verdict.get("mode") == "report" and verdict.get("target") == node:
+            out.append(Finding("straggler", False, f"job {st.get('job_id')}: {verdict.get('verdict', '')}"))
+    return out
+
+
+def read_statuses(jobs: Sequence[tuple[int, str]]) -> list[dict]:
+    """status.json of each (job id, work dir) that is a TrainMover job; others are skipped."""
+    import json
+    out = []
+    for job, work_dir in jobs:
+        path = Path(work_dir) / "runs" / str(job) / "status.json"
+        try:
+            out.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue  # not a TrainMover job, or its status is being replaced: nothing to say
+    return out

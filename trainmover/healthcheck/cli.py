@@ -19,6 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-free-gb", type=float, default=1.0, help="least free space per --disk path (default 1)")
     p.add_argument("--no-drain", action="store_true", help="report only (for NHC, which drains by itself)")
     p.add_argument("--no-gpu", action="store_true", help="skip the NVML checks")
+    p.add_argument("--no-straggler", action="store_true",
+                   help="skip the TrainMover controllers' straggler verdicts about this node")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -27,7 +29,7 @@ def main(args: argparse.Namespace) -> int:
     node = args.node or os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
     opts = Options(node=node, state_dir=Path(args.state_dir), min_free_gb=args.min_free_gb,
                    disk_paths=tuple(args.disk) if args.disk else Options.disk_paths,
-                   drain=not args.no_drain, gpu=not args.no_gpu)
+                   drain=not args.no_drain, gpu=not args.no_gpu, straggler=not args.no_straggler)
     report = run(opts)
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))

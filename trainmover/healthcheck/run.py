@@ -30,6 +30,7 @@ class Options:
     deadline_s: float = 6.0        # all checks together
     slurm_timeout_s: float = 1.5   # each Slurm command
     gpu: bool = True
+    straggler: bool = False        # ask the TrainMover jobs on the node (the CLI turns it on)
 
 
 @dataclass
@@ -68,11 +69,22 @@ def _gpu_checks(opts: Options) -> list[Finding]:
     return found + gpu.check_kernel_xids(gpu.read_kmsg(), cursor)
 
 
+def _straggler_checks(opts: Options) -> list[Finding]:
+    from trainmover.slurm import CliSlurm
+    try:
+        jobs = CliSlurm(timeout=opts.slurm_timeout_s).jobs_on(opts.node)
+    except TrainMoverError as exc:  # slurmctld unreachable is no fault of this node
+        return [Finding("straggler", True, f"cannot ask Slurm which jobs run here: {exc}", skipped=True)]
+    return checks.straggler_findings(opts.node, checks.read_statuses(jobs))
+
+
 def collect(opts: Options, extra: Sequence[tuple[str, Callable[[], list[Finding]]]] = ()) -> list[Finding]:
     jobs: list[tuple[str, Callable[[], list[Finding]]]] = [
         ("inject", lambda: checks.check_injected(opts.state_dir, opts.node)),
         ("disk", lambda: checks.check_disk(opts.disk_paths, opts.min_free_gb)),
     ]
+    if opts.straggler:
+        jobs.append(("straggler", lambda: _straggler_checks(opts)))
     if opts.gpu:
         jobs.append(("gpu", lambda: _gpu_checks(opts)))
     jobs += list(extra)

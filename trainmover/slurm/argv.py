@@ -74,6 +74,11 @@ def resume(node: str) -> list[str]:
     return ["scontrol", "update", f"NodeName={node}", "State=RESUME"]
 
 
+def jobs_on_node(node: str) -> list[str]:
+    """Running jobs on `node`: 'id|work dir' lines."""
+    return ["squeue", "-h", "-t", "RUNNING", "-w", node, "-o", "%i|%Z"]
+
+
 def jobs_named(name: str) -> list[str]:
     return ["squeue", "-h", f"--name={name}", "-o", "%i"]
 

@@ -116,6 +116,16 @@ class CliSlurm:
             return []
         return self._run(build.hostnames(nodelist_expr)).stdout.split()
 
+    def jobs_on(self, node: str) -> list[tuple[int, str]]:
+        """(job id, working directory) of the jobs running on `node`."""
+        out = self._run(build.jobs_on_node(node)).stdout
+        jobs = []
+        for line in out.splitlines():
+            job, _, work_dir = line.strip().partition("|")
+            if job.isdigit():
+                jobs.append((int(job), work_dir))
+        return jobs
+
     def reservation_nodes(self, reservation: str) -> list[str]:
         out = parse.parse_reservation_text(self._run(build.show_reservation(reservation)).stdout)
         if reservation not in out:
