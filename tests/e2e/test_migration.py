@@ -85,6 +85,12 @@ def demo(slurm_cluster, tmp_path_factory):
     yield submit
     ids = [str(r.job_id) for r in runs]
     commands.run(["scancel", *ids], timeout=10, env=env, check=False)
+    from trainmover.slurm.client import CliSlurm
+    client = CliSlurm(slurm_conf=str(slurm_cluster.slurm_conf))
+    # Leave the cluster as found: every job of this module ended, not merely cancelled.
+    wait_for("this module's jobs to end", lambda: all(
+        client.job(r.job_id).state not in ("RUNNING", "PENDING", "COMPLETING", "CONFIGURING") for r in runs),
+        timeout=60, interval=1.0)
 
 
 @pytest.fixture(autouse=True)

@@ -68,6 +68,8 @@ def test_job_grow_shrink_and_steps(backend, submit, slurm_env):
     job = submit(SCRIPT, nodes=1, name="contract")
     got = backend.job(job.job_id)
     assert got.running and got.restart_count == 0 and got.nodes == (got.batch_host,)
+    # A previous test's job may still be completing on a spare: wait (bounded) for one to be free.
+    wait_for("a free standby", lambda: backend.free_standbys(RESERVATION), timeout=60)
     free_before = backend.free_standbys(RESERVATION)
     assert free_before and all(n.startswith("spare") for n in free_before)
     new = backend.grow(job.job_id, reservation=RESERVATION, timeout=10)
