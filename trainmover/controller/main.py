@@ -241,6 +241,13 @@ class Controller:
         status["outcome"] = {"ok": ok, "message": message}
         self.files.write("status", status)
         log.info("controller: %s", message)
+        if hasattr(self.slurm, "cancel_donors"):  # a standby being taken right now must not outlive us
+            try:
+                gone = self.slurm.cancel_donors(self.job_id)
+                if gone:
+                    log.info("withdrew donor allocation(s) %s", gone)
+            except SlurmError as exc:
+                log.warning("could not withdraw donor allocations: %s", exc)
         for conns in self.conns.values():  # standbys exit when the channel closes
             for conn in conns:
                 conn.close()

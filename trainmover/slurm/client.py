@@ -151,6 +151,11 @@ class CliSlurm:
         if "DRAIN" in info.flags or info.base_state == "DOWN":
             raise SlurmError(f"scontrol could not resume {node} ({info.state}): {proc.stderr.strip()}")
 
+    def cancel_donors(self, job_id: int) -> list[int]:
+        """Withdraw every donor request for `job_id` (a controller shutting down while it takes
+        a standby must not leave an allocation behind holding the spare)."""
+        return self._cancel_donors(job_id)
+
     def _cancel_donors(self, job_id: int) -> list[int]:
         """Withdraw every donor request for `job_id` still known to the controller."""
         proc = self._run(build.jobs_named(build.donor_name(job_id)), check=False)
