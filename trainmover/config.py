@@ -7,7 +7,7 @@ error (a typo must not silently fall back to a default); so is a malformed value
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 
 from trainmover.errors import ConfigError
 
@@ -107,9 +107,6 @@ class Config:
                 values[f.name] = _parse(f, environ[env])
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
-
-    def with_(self, **changes) -> "Config":
-        return replace(self, **changes)
 
 
 def _parse(f, raw: str):

@@ -17,7 +17,6 @@ from trainmover.policy import straggler
 
 log = logging.getLogger("trainmover.policy")
 
-STANDBY_STATES = ("starting", "ready", "joining")
 MAX_ATTEMPTS = 3
 
 
