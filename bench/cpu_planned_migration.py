@@ -9,12 +9,10 @@ bench/results/cpu-planned-<time>.json in the format of shared/reference/bench-re
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,6 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import results_io  # noqa: E402
 from trainmover import cluster  # noqa: E402
 from trainmover.slurm import commands  # noqa: E402
 from trainmover.slurm.client import CliSlurm  # noqa: E402
@@ -95,9 +94,9 @@ def main():
     result = {
         "scenario": "planned-cpu-demo", "machine": "cpu-local-cluster",
         "gpus": "none", "cpu": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip(),
+        "commit": results_io.commit(),
         "command": " ".join(["python", "bench/cpu_planned_migration.py", *sys.argv[1:]]),
-        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "when": results_io.now(),
         "settings": {"workload": "gpt_demo tiny", "workers": 3, "standbys": 1, "backend": "gloo", "steps": args.steps,
                      "slurm": "22.05.8 embedded, one machine"},
         "metrics": {"planned_downtime_s": statistics.median(downs), "planned_downtime_s_all": downs,
@@ -108,10 +107,7 @@ def main():
                     "steady_step_s": statistics.median(t["steady_step_s"] for t in trials)},
         "trials": trials,
     }
-    out = ROOT / "bench" / "results" / f"cpu-planned-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result["metrics"], indent=1))
-    print(f"wrote {out}")
+    results_io.write(results_io.stamped("cpu-planned"), result)
 
 
 if __name__ == "__main__":

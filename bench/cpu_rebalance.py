@@ -11,11 +11,9 @@ too. The 10-minute figure is 1 - (mean pause per migration) / 600 s.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import results_io  # noqa: E402
 from trainmover import cluster  # noqa: E402
 from trainmover.slurm import commands  # noqa: E402
 from trainmover.slurm.client import CliSlurm  # noqa: E402
@@ -59,9 +58,9 @@ def main():
     downs = [m["downtime_s"] for m in migrations if m["downtime_s"] is not None]
     result = {
         "scenario": "rebalance-cpu-demo", "machine": "cpu-local-cluster", "gpus": "none",
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip(),
+        "commit": results_io.commit(),
         "command": " ".join(["python", "bench/cpu_rebalance.py", *sys.argv[1:]]),
-        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "when": results_io.now(),
         "settings": {"steps": args.steps, "rebalance_every_steps": args.every, "workers": 3, "standbys": 1},
         "metrics": {"migrations": len(migrations), "triggers": sorted({m["trigger"] for m in migrations}),
                     "downtime_s_each": downs, "steady_step_s": steady, "elapsed_s": elapsed,
@@ -69,10 +68,7 @@ def main():
                     "ettr_at_10min_intervals": 1 - statistics.mean(downs) / 600 if downs else None,
                     "digest": json.loads((run / "final.json").read_text())["digest"]},
     }
-    out = ROOT / "bench" / "results" / f"cpu-rebalance-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result["metrics"], indent=1))
-    print(f"wrote {out}")
+    results_io.write(results_io.stamped("cpu-rebalance"), result)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ shared/reference/bench-results.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -25,6 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench import results_io  # noqa: E402
 
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
            "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
@@ -188,11 +189,9 @@ def main():
     result = {
         "scenario": f"planned-gpu-{args.preset}", "machine": args.machine, "leaver": args.leaver,
         "gpus": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}" if args.device == "cuda" else "none",
-        # the device machine gets a copy of the tree without history: the caller passes TM_COMMIT
-        "commit": os.environ.get("TM_COMMIT") or subprocess.run(["git", "rev-parse", "--verify", "HEAD"],
-                                                                capture_output=True, text=True, cwd=ROOT).stdout.strip(),
+        "commit": results_io.commit(),
         "command": " ".join(["python", "bench/gpu_planned_migration.py", *sys.argv[1:]]),
-        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "when": results_io.now(),
         "settings": {"model_params": params, "preset": args.preset, "dtype": "bf16 autocast, fp32 master + AdamW",
                      "workers": args.gpus - 1, "standbys": 1, "steps": args.steps, "migrate_at": args.migrate_at,
                      "torch": torch.__version__,
@@ -202,9 +201,7 @@ def main():
         "migration": mig["status"]["migrations"][0],
     }
     path = out / f"gpu-planned-{args.preset}-{args.leaver}.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(metrics, indent=1))
-    print(f"wrote {path}")
+    results_io.write(path, result)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,34 @@
+"""What every benchmark result carries and where it goes (shared/reference/bench-results.md)."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def commit() -> str:
+    """The commit measured. A device machine gets the tree without history: the caller passes
+    TM_COMMIT there."""
+    return os.environ.get("TM_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--verify", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def write(path: Path, result: dict) -> Path:
+    """Write `result` as JSON, print its metrics and where it went."""
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result["metrics"], indent=1))
+    print(f"wrote {path}")
+    return path
+
+
+def stamped(prefix: str) -> Path:
+    """bench/results/<prefix>-<local time>.json"""
+    return ROOT / "bench" / "results" / f"{prefix}-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
