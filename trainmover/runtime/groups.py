@@ -22,15 +22,44 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future  # present in torch 2.11 and 2.13
-
 from trainmover.errors import MigrationError
+
+
+class FutureWork(dist.Work):
+    """A Work that is its future. Why not torch's own future-wrapping Work: its `wait()`
+    returns True when the future failed, so `dist.all_reduce(..., group=g)` would go on with
+    a half-reduced tensor after a peer died. This one raises the future's error."""
+
+    def __init__(self, fut: torch.futures.Future):
+        super().__init__()
+        self.fut = fut
+
+    def wait(self, timeout=None) -> bool:
+        self.fut.wait()  # raises the error the future was completed with
+        return True
+
+    def is_completed(self) -> bool:
+        return self.fut.done()
+
+    def get_future(self) -> torch.futures.Future:
+        return self.fut
 
 
 def _done(result) -> dist.Work:
     fut = torch.futures.Future()
     fut.set_result(result)
-    return _create_work_from_future(fut)
+    return FutureWork(fut)
+
+
+class Revoked(RuntimeError):
+    """A collective of a group whose members lost a peer. A RuntimeError, like the errors of
+    the backends themselves, so that whatever waits on it (DDP's reducer) fails the same way."""
+
+
+def _failed(exc: Exception) -> dist.Work:
+    fut = torch.futures.Future()
+    fut.set_exception(exc)
+    return FutureWork(fut)
 
 
 class SandboxBackend:
@@ -95,6 +124,8 @@ class SwappableGroup(dist.ProcessGroup):
         self.generation = 0
         self.first_call_at: float | None = None  # perf_counter of the first collective since reset
         self.first_call_cpu: float | None = None  # process CPU time at that moment
+        self.revoked = ""                  # why this generation was revoked ("" while usable)
+        self._pending: set = set()         # futures of this generation's gloo collectives in flight
 
     @property
     def inner(self):
@@ -110,7 +141,45 @@ class SwappableGroup(dist.ProcessGroup):
         with self._lock:
             old, self._inner = self._inner, new_inner
             self.generation += 1
+            self.revoked = ""
+            self._pending = set()
         return old
+
+    def revoke(self, reason: str) -> None:
+        """Fail every collective in flight and every later one until the next `swap`.
+
+        Why: a member died, and a gloo collective only notices when a socket of its own
+        breaks: ranks two hops away from the dead one would wait for the whole group
+        timeout. Called from another thread (the control channel's reader); the collective
+        itself is abandoned in gloo's thread and its backend retired, never used again.
+        NCCL backends are aborted instead, which ends their kernels."""
+        with self._lock:
+            if self.revoked:
+                return
+            self.revoked = reason
+            pending, self._pending = self._pending, set()
+        for fut in pending:
+            _settle(fut, exc=Revoked(f"group {self.group_name_} revoked: {reason}"))
+        abort = getattr(self._inner, "abort", None)
+        if abort is not None and not isinstance(self._inner, dist.ProcessGroupGloo):
+            abort()
+
+    def _revocable(self, work: dist.Work) -> dist.Work:
+        """`work`, behind a future that `revoke` can fail before the backend gives up."""
+        fut = torch.futures.Future()
+        with self._lock:
+            self._pending.add(fut)
+
+        def done(inner):
+            with self._lock:
+                self._pending.discard(fut)
+            try:
+                _settle(fut, value=inner.value())
+            except Exception as exc:  # noqa: BLE001 - the backend's own error, passed on as is
+                _settle(fut, exc=exc)
+
+        work.get_future().add_done_callback(done)
+        return FutureWork(fut)
 
     def getBackendName(self) -> str:
         return "trainmover"
@@ -120,15 +189,37 @@ class SwappableGroup(dist.ProcessGroup):
 
 
 
+def _settle(fut, *, value=None, exc: Exception | None = None) -> None:
+    """Complete `fut` once: a revocation and the backend's own completion may race."""
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(value)
+    except RuntimeError:  # already completed by the other side of the race
+        pass
+
+
 def _forwarder(op: str):
-    """A method that forwards collective `op` to the current inner backend, unchanged."""
+    """A method that forwards collective `op` to the current inner backend.
+
+    Errors come back through the returned Work, never raised here: DDP calls collectives
+    from autograd hooks, and an exception there would leave its reducer mid-iteration."""
     def forward(self, *a, **k):
         if self.first_call_at is None:  # ends a rank's own compute: from here on it may wait for peers
             self.first_call_at = time.perf_counter()
             self.first_call_cpu = time.process_time()
         if _TRACE:
             _trace(self, op, a)
-        return getattr(self._inner, op)(*a, **k)
+        if self.revoked:
+            return _failed(Revoked(f"group {self.group_name_} revoked: {self.revoked}"))
+        try:
+            work = getattr(self._inner, op)(*a, **k)
+        except RuntimeError as exc:
+            return _failed(exc)
+        if op in _REVOCABLE and isinstance(self._inner, dist.ProcessGroupGloo):
+            return self._revocable(work)
+        return work
     forward.__name__ = op
     return forward
 
@@ -136,6 +227,8 @@ def _forwarder(op: str):
 # The collectives DDP, the optimizers and Megatron call on a group object; the Python
 # ProcessGroup trampoline dispatches to these class attributes.
 FORWARDED = ("allreduce", "broadcast", "allgather", "_allgather_base", "reduce_scatter", "barrier", "send", "recv")
+# gloo's point-to-point works have no future to chain on; they fail on the dead peer's socket.
+_REVOCABLE = set(FORWARDED) - {"send", "recv"}
 for _op in FORWARDED:
     setattr(SwappableGroup, _op, _forwarder(_op))
 

@@ -52,6 +52,14 @@ class Workload(abc.ABC):
     @abc.abstractmethod
     def load_state_dict(self, state: dict) -> None: ...
 
+    def replica_group(self) -> str | None:
+        """The group whose members hold identical model and optimizer state (data parallel
+        replicas), if everything else a step uses (data position, dropout RNG) is a function
+        of (rank, step). Then a rank that vanished can be rebuilt from any live member of this
+        group, and an interrupted step redone exactly. None: no such group (recovery from an
+        unexpected failure then needs a checkpoint)."""
+        return None
+
     def shadow_data_step(self) -> int:
         """Step number a standby uses for shadow iterations (any valid one)."""
         return 0

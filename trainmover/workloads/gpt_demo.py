@@ -70,6 +70,12 @@ class TokenStream:
         self.data = torch.where(keep, base[torch.arange(length) % 97], noise)
         self.cursor = 0
 
+    def seek(self, step: int, batch: int, seq: int) -> None:
+        """Position of `step`'s batch: a function of the step alone, so a redone or
+        rebuilt step reads exactly the data it read (or would have read) the first time."""
+        n = batch * (seq + 1)
+        self.cursor = (step % (len(self.data) // n)) * n
+
     def batch(self, batch: int, seq: int):
         n = batch * (seq + 1)
         if self.cursor + n > len(self.data):
@@ -103,14 +109,16 @@ class GPTDemo(Workload):
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=0.01,
                                      **({"foreach": True} if self.device.type == "cuda" else {}))
         self.data = TokenStream(ctx.seed, ctx.rank, vocab)
-        torch.manual_seed(ctx.seed + 7919 * (ctx.rank + 1))  # per-rank dropout stream
-        if self.device.type == "cuda":
-            torch.cuda.manual_seed(ctx.seed + 7919 * (ctx.rank + 1))
+        self.seed, self.rank = ctx.seed, ctx.rank
 
     def rebind(self, ctx: BuildContext) -> None:
         # Keep model and optimizer (warm); new DDP wrapper on the new groups, new data stream.
         self.ddp = _ddp(self.model, ctx.groups["world"])
         self.data = TokenStream(ctx.seed, ctx.rank, self.model.tok.num_embeddings)
+        self.seed, self.rank = ctx.seed, ctx.rank
+
+    def replica_group(self) -> str:
+        return "world"  # plain DDP: every rank holds the whole model and optimizer
 
     trace = None  # set by the runtime to time the sections of chosen steps
 
@@ -121,6 +129,10 @@ class GPTDemo(Workload):
             self.trace(what)
 
     def train_step(self, step: int) -> float:
+        # Data and dropout of a step depend on (seed, rank, step) only: the state a replica
+        # holds plus the step number is all a rebuilt rank needs (see replica_group).
+        self.data.seek(step, self.batch, self.seq)
+        torch.manual_seed(self.seed + 7919 * (self.rank + 1) + 104729 * step)  # seeds CUDA generators too
         x, y = (t.to(self.device, non_blocking=True) for t in self.data.batch(self.batch, self.seq))
         self._mark("data")
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
