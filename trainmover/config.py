@@ -15,7 +15,20 @@ INJECTIONS = {
     "skip-optimizer-state": "the leaver leaves its optimizer state out of the copy (negative control)",
     "corrupt-transfer": "the leaver flips bytes of one tensor on the wire (checksum test)",
     "slow:<rank>:<fraction>": "the worker launched for <rank> sleeps <fraction> of its compute time each step (a straggling node)",
+    "die:<rank>:<step>": "the worker launched for <rank> kills itself (SIGKILL) as it begins step <step>: an unexpected failure mid-run",
 }
+
+
+def parse_die(item: str) -> tuple[int, int]:
+    """`die:<rank>:<step>` -> (rank, step)."""
+    try:
+        _, rank, step = item.split(":")
+        rank_i, step_i = int(rank), int(step)
+    except ValueError:
+        raise ConfigError(f"TM_INJECT: {item!r} is not die:<rank>:<step>") from None
+    if rank_i < 0 or step_i < 0:
+        raise ConfigError(f"TM_INJECT: {item!r}: rank and step must be >= 0")
+    return rank_i, step_i
 
 
 def parse_slow(item: str) -> tuple[int, float]:
@@ -48,6 +61,7 @@ class Config:
     phase1_timeout_s: float = field(default=60.0, metadata={"env": "TM_PHASE1_TIMEOUT_S", "doc": "deadline of Phase 1; past it the migration is aborted, the job unchanged"})
     group_timeout_s: float = field(default=60.0, metadata={"env": "TM_GROUP_TIMEOUT_S", "doc": "deadline of every collective and rendezvous"})
     switch_timeout_s: float = field(default=60.0, metadata={"env": "TM_SWITCH_TIMEOUT_S", "doc": "joiner's longest wait for the leaver's state"})
+    recovery_timeout_s: float = field(default=120.0, metadata={"env": "TM_RECOVERY_TIMEOUT_S", "doc": "after a rank vanished: longest pause for a standby and the new groups before the job stops"})
     standby_wait_s: float = field(default=10.0, metadata={"env": "TM_STANDBY_WAIT_S", "doc": "one attempt to take a standby from the reservation"})
     standby_retry_s: float = field(default=5.0, metadata={"env": "TM_STANDBY_RETRY_S", "doc": "pause between attempts when none is free"})
     release_timeout_s: float = field(default=60.0, metadata={"env": "TM_RELEASE_TIMEOUT_S", "doc": "longest wait for the leaver's step to end before its node is released"})
@@ -68,7 +82,7 @@ class Config:
             (self.ranks_per_node > 0, "TM_RANKS_PER_NODE must be > 0"),
             (self.standbys >= 0, "TM_STANDBYS must be >= 0"),
             (self.poll_s > 0, "TM_POLL_S must be > 0"),
-            (min(self.phase1_timeout_s, self.group_timeout_s, self.switch_timeout_s, self.standby_wait_s,
+            (min(self.phase1_timeout_s, self.group_timeout_s, self.switch_timeout_s, self.standby_wait_s, self.recovery_timeout_s,
                  self.standby_retry_s, self.release_timeout_s) > 0, "timeouts must be > 0"),
             (self.record_iterations >= 0 and self.record_rank >= 0, "TM_RECORD_ITERATIONS and TM_RECORD_RANK must be >= 0"),
             (self.shadow_steps >= 2, "TM_SHADOW_STEPS must be >= 2 (steadiness needs two steps to compare)"),
@@ -90,7 +104,9 @@ class Config:
         for item in self.inject:
             if item.startswith("slow:"):
                 parse_slow(item)
-        unknown = {i for i in self.inject if not i.startswith("slow:")} - set(INJECTIONS)
+            elif item.startswith("die:"):
+                parse_die(item)
+        unknown = {i for i in self.inject if not i.startswith(("slow:", "die:"))} - set(INJECTIONS)
         if unknown:
             raise ConfigError(f"TM_INJECT: unknown injection(s) {sorted(unknown)}; known: {sorted(INJECTIONS)}")
 

@@ -86,7 +86,8 @@ class Controller:
                           recording_path=str(self.files.root / "recordings" / f"rank{self.cfg.record_rank}.h5")
                           if self.cfg.record_iterations else "",
                           seed=self.cfg.seed, steps=self.cfg.steps, group_timeout_s=self.cfg.group_timeout_s,
-                          switch_timeout_s=self.cfg.switch_timeout_s, shadow_steps=self.cfg.shadow_steps,
+                          switch_timeout_s=self.cfg.switch_timeout_s, recovery_timeout_s=self.cfg.recovery_timeout_s,
+                          shadow_steps=self.cfg.shadow_steps,
                           inject=self.cfg.inject)
 
     def _launch(self, role: str, node: str, ranks: tuple[int, ...]) -> None:
@@ -176,6 +177,18 @@ class Controller:
             log.error("rank %d on %s failed in %s: %s", msg["rank"], node, msg["phase"], msg["error"])
         return self.policy.on_message(now, node, msg)
 
+    def handle_gone(self, conn, now: float) -> list:
+        """A peer's connection closed. For a rank's agent that has not finished or handed its
+        state over, this is the fastest sign that it died (the kernel closes a killed
+        process's sockets at once; Slurm reports the step's end later)."""
+        hello = conn.identity or {}
+        node = hello.get("node")
+        if hello.get("type") != "hello" or node is None:
+            return []  # a CLI request, or a peer that never authenticated
+        if conn in self.conns.get(node, []):
+            self.conns[node].remove(conn)
+        return self.policy.on_peer_gone(now, node)
+
     def run(self) -> int:
         for node in self.view.train_nodes():
             self._launch("worker", node, self.view.ranks_of(node))
@@ -207,12 +220,10 @@ class Controller:
             self.apply(actions)
             try:
                 conn, msg = self.server.inbox.get(timeout=min(0.2, max(0.01, next_poll - time.time())))
-                if msg is not None:
-                    self.apply(self.handle_peer(conn, msg, time.time()))
-                    while True:  # drain what queued up without waiting
-                        conn, msg = self.server.inbox.get_nowait()
-                        if msg is not None:
-                            self.apply(self.handle_peer(conn, msg, time.time()))
+                while True:  # then drain what queued up without waiting
+                    self.apply(self.handle_peer(conn, msg, time.time()) if msg is not None
+                               else self.handle_gone(conn, time.time()))
+                    conn, msg = self.server.inbox.get_nowait()
             except queue.Empty:
                 pass
             status = self.policy.status()

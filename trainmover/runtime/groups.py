@@ -56,10 +56,28 @@ class Revoked(RuntimeError):
     the backends themselves, so that whatever waits on it (DDP's reducer) fails the same way."""
 
 
+def _gate() -> tuple[torch.futures.Future, torch.futures.Future]:
+    """(gate, out): complete `gate` with a value or with an exception *object*; `out` then
+    holds the value, or that exception as a real error.
+
+    Why not `Future.set_exception`: it stores the exception as an ordinary *result* that only
+    Python's `wait()` unwraps. C++ readers (DDP's reducer) take it for the tensors they asked
+    for and crash the process. An exception raised in a `then` callback is a true error."""
+    gate = torch.futures.Future()
+    return gate, gate.then(_unwrap)
+
+
+def _unwrap(gate: torch.futures.Future):
+    value = gate.value()
+    if isinstance(value, BaseException):
+        raise value
+    return value
+
+
 def _failed(exc: Exception) -> dist.Work:
-    fut = torch.futures.Future()
-    fut.set_exception(exc)
-    return FutureWork(fut)
+    gate, out = _gate()
+    gate.set_result(exc)
+    return FutureWork(out)
 
 
 class SandboxBackend:
@@ -158,46 +176,31 @@ class SwappableGroup(dist.ProcessGroup):
                 return
             self.revoked = reason
             pending, self._pending = self._pending, set()
-        for fut in pending:
-            _settle(fut, exc=Revoked(f"group {self.group_name_} revoked: {reason}"))
+        for gate in pending:  # removed from _pending under the lock: only this thread completes them
+            gate.set_result(Revoked(f"group {self.group_name_} revoked: {reason}"))
         abort = getattr(self._inner, "abort", None)
         if abort is not None and not isinstance(self._inner, dist.ProcessGroupGloo):
             abort()
 
     def _revocable(self, work: dist.Work) -> dist.Work:
         """`work`, behind a future that `revoke` can fail before the backend gives up."""
-        fut = torch.futures.Future()
+        gate, out = _gate()
         with self._lock:
-            self._pending.add(fut)
+            self._pending.add(gate)
 
         def done(inner):
-            with self._lock:
-                self._pending.discard(fut)
             try:
-                _settle(fut, value=inner.value())
+                value = inner.value()
             except Exception as exc:  # noqa: BLE001 - the backend's own error, passed on as is
-                _settle(fut, exc=exc)
+                value = exc
+            with self._lock:
+                mine = gate in self._pending  # else revoke took it and completes it
+                self._pending.discard(gate)
+            if mine:
+                gate.set_result(value)
 
         work.get_future().add_done_callback(done)
-        return FutureWork(fut)
-
-    def getBackendName(self) -> str:
-        return "trainmover"
-
-    def __repr__(self) -> str:
-        return f"SwappableGroup({self.group_name_}, rank={self.rank()}/{self.size()}, gen={self.generation})"
-
-
-
-def _settle(fut, *, value=None, exc: Exception | None = None) -> None:
-    """Complete `fut` once: a revocation and the backend's own completion may race."""
-    try:
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(value)
-    except RuntimeError:  # already completed by the other side of the race
-        pass
+        return FutureWork(out)
 
 
 def _forwarder(op: str):

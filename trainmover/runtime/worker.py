@@ -12,6 +12,7 @@ import datetime
 import logging
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from trainmover.control import channel
 from trainmover.control.messages import make
 from trainmover.errors import DeadlineExceeded, MigrationError, TrainMoverError
-from trainmover.runtime import boundary, phase1, rng, transfer
+from trainmover.runtime import boundary, phase1, recovery, rng, transfer
 from trainmover.runtime.groups import SandboxBackend, SwappableGroup, gloo_group
 from trainmover.runtime.plan import GroupSpec, delta
 from trainmover.runtime.spec import WorkerSpec
@@ -76,6 +77,8 @@ class Agent:
         self.retired: list = []  # old backends: released off the critical path (see retire)
         self.trace_steps = 0
         self.recorder = None  # set while this rank records its collectives
+        self.completed = 0     # steps whose updates this rank's state holds
+        self.slow, self.pure_s = 0.0, 0.0
 
     # --- control channel -------------------------------------------------------------
     def _read(self):
@@ -84,6 +87,8 @@ class Agent:
                 msg = self.conn.framer.recv()
                 if msg is None:
                     break
+                if msg["type"] == "revoke":  # now, not at the next step: the main thread may be stuck
+                    self._revoke(msg)
                 self.inbox.put(msg)
         except (OSError, TrainMoverError) as exc:
             log.error("control channel lost: %s", exc)
@@ -91,6 +96,21 @@ class Agent:
             log.info("controller closed the channel; standby exits")
             _exit_now(0)
         self.inbox.put(None)
+
+    def _revoke(self, msg: dict) -> None:
+        failed = set(msg["failed"])
+        for g in list(self.groups.values()):
+            if failed & set(g.global_ranks):
+                g.revoke(msg["reason"])
+
+    def _die_at(self) -> int | None:
+        """The step at which an injected failure kills this process (workers launched for
+        that rank only: a standby that later takes the rank runs on a healthy node)."""
+        from trainmover.config import parse_die
+        if self.spec.role != "worker":
+            return None
+        return next((s for r, s in (parse_die(i) for i in self.spec.inject if i.startswith("die:"))
+                     if r == self.rank), None)
 
     def _slow_fraction(self) -> float:
         """The injected slowdown of this process (only workers launched for that rank: a joiner
@@ -188,6 +208,13 @@ class Agent:
     def full_state(self, step: int) -> dict:
         return {"workload": self.workload.state_dict(), "rng": rng.capture(), "step": step}
 
+    def replica_state(self, step: int) -> dict:
+        """What a replica gives a rebuilt rank: model, optimizer and the step (data position and
+        dropout follow from rank and step, see Workload.replica_group)."""
+        sd = self.workload.state_dict()
+        return {"workload": {"model": sd["model"], "optimizer": sd.get("optimizer", {}), **{
+            k: v for k, v in sd.items() if k not in ("model", "optimizer")}}, "step": step}
+
     def digest(self) -> str:
         sd = self.workload.state_dict()
         return transfer.digest_tensors(transfer.tensors_of({"model": sd["model"], "optimizer": sd.get("optimizer", {})}))
@@ -248,6 +275,40 @@ class Agent:
                 if start is not None:
                     return self.train(start)
                 self.send("ready", node=self.spec.node, warmup_s=time.perf_counter() - t0, shadow_steps=0, detail={})
+            elif msg["type"] == "recover" and str(self.local) in msg["assign"]:
+                return self.train(self.take_failed_rank(msg))
+
+    def _aborted(self, epoch: int) -> bool:
+        """Whether the controller aborted `epoch` (other messages are not for a joining standby)."""
+        while True:
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                return False
+            if msg is not None and msg["type"] == "abort" and msg["epoch"] == epoch:
+                return True
+
+    def take_failed_rank(self, msg: dict, rebind: bool = True) -> int:
+        """Unexpected failure: take a vanished rank's slot. Unlike a planned join, the job is
+        paused while this runs, so only what must happen is done: rebind to the rank (its new
+        wrappers' one-time collectives in the sandbox), build the groups, receive a replica's state."""
+        t0 = time.perf_counter()
+        rank = int(msg["assign"][str(self.local)])
+        self.rank = rank
+        if rebind:
+            self.groups = self._make_groups(rank, sandbox=True)
+            self.workload.rebind(self._context(rank))
+            self.shadow_until_steady(self.spec.shadow_steps)
+        rebind_s = time.perf_counter() - t0
+        backends, report = recovery.rebuild(self, msg, "joiner")
+        for name, backend in backends.items():
+            self.retire(self.groups[name].swap(backend), msg["step"])
+        self.role = "worker"
+        self.send("switched", epoch=msg["epoch"], rank=rank, role="joiner", step=msg["step"], t=time.time(),
+                  detail={**report, "rebind_s": rebind_s, "seconds": time.perf_counter() - t0, **self.memory()})
+        log.info("took failed rank %d at step %d in %.3fs", rank, msg["step"], time.perf_counter() - t0)
+        self.trace_steps = TRACE_STEPS
+        return int(msg["step"])
 
     def join(self, msg: dict) -> int | None:
         """Take a leaver's slot. Returns the step to continue from, or None if the
@@ -270,8 +331,8 @@ class Agent:
         # Wait for the leaver's verdict: it either starts sending (go) or cancels.
         deadline = time.monotonic() + self.spec.switch_timeout_s
         while True:
-            if self.store.check([cancel_key(epoch, leaver)]):
-                log.info("epoch %d cancelled by the leaver; back to standby", epoch)
+            if self.store.check([cancel_key(epoch, leaver)]) or self._aborted(epoch):
+                log.info("epoch %d cancelled; back to standby", epoch)
                 return None
             try:
                 self.store.wait([go_key(epoch, leaver)], datetime.timedelta(milliseconds=50))
@@ -282,7 +343,12 @@ class Agent:
                 self.send("prepare_failed", epoch=epoch, rank=rank, error="leaver never sent its state")
                 return None
         t_switch = time.perf_counter()
-        state, stats = transfer.recv_state(prep.xfer, src=0, like=self.full_state(0))
+        try:
+            state, stats = transfer.recv_verified(prep.xfer, src=0, like=self.full_state(0))
+        except (MigrationError, RuntimeError) as exc:  # the leaver died mid-copy: a replica will send it
+            self.rank = rank
+            self.send("stalled", rank=rank, step=0, digest="", error=str(exc)[:500], role="joiner")
+            return self.take_failed_rank(self._wait_recover(exc), rebind=False)
         self.workload.load_state_dict(state["workload"])
         rng.restore(state["rng"])
         for name, backend in prep.backends.items():
@@ -294,65 +360,122 @@ class Agent:
         self.send("switched", epoch=epoch, rank=rank, role="joiner", step=int(state["step"]), t=time.time(),
                   detail={"recv_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
                           "apply_s": time.perf_counter() - t_switch, "prepare_s": prep.seconds,
+                          "attempts": stats.attempts,
                           "comms_created": self.comms_created(), **self.memory()})
         log.info("joined as rank %d at step %d (%d bytes in %.3fs)", rank, state["step"], stats.bytes, stats.seconds)
         self.trace_steps = TRACE_STEPS
         return int(state["step"])
 
     def train(self, step: int) -> int:
-        control, world = self.groups[CONTROL], self.groups["world"]
-        slow = self._slow_fraction()
-        pure_s = 0.0
+        self.slow, self.pure_s = self._slow_fraction(), 0.0
+        die_at = self._die_at()
+        loss = 0.0
         self._trace("train loop entered")
         while step < self.spec.steps:
-            world.first_call_at = None
-            t0, c0 = time.perf_counter(), time.process_time()
-            if slow:  # injected straggler: this process computes (1 + slow) times as long
-                _burn(slow * pure_s, cpu=self.device == "cpu")
-            t1, c1 = time.perf_counter(), time.process_time()
-            if self.recorder:
-                self.recorder.before(step)
-            if self.trace_steps:
-                self.trace_steps -= 1
-                self._trace(f"step {step + 1} begins")
-                self.workload.trace = self._trace
-            elif getattr(self.workload, "trace", None):
-                self.workload.trace = None
-            loss = self.workload.train_step(step)
-            # a rank's own compute: until its first collective (after that it may wait for peers)
-            # On CPU nodes: CPU time, which co-located processes cannot inflate; on GPUs: wall time.
-            if self.device == "cpu":
-                first = world.first_call_cpu if world.first_call_at is not None else time.process_time()
-                compute_s, pure_s = first - c0, first - c1
-            else:
-                first = world.first_call_at or time.perf_counter()
-                compute_s, pure_s = first - t0, first - t1
-            if self.recorder:
-                report = self.recorder.after(step, loss, time.perf_counter() - t0)
-                if report:
-                    self.recorder = None
-                    self.send("recorded", **report)
-            step += 1
-            self.send("step", rank=self.rank, step=step, loss=loss, step_s=time.perf_counter() - t0,
-                      compute_s=compute_s, t=time.time())
-            self._release_retired(step)
-            self._poll_inbox()
-            prep = self.pending
-            ready = prep.epoch if prep and prep.done.is_set() and not prep.error else 0
-            if boundary.agree(control, ready) == ready and ready:
-                if prep.role == "leaver":
-                    self.leave(prep, step)
-                    return 0
-                for name, backend in prep.backends.items():
-                    self.retire(self.groups[name].swap(backend), step)
-                self.pending = None
-                self.trace_steps = TRACE_STEPS
-                self._trace("stayer swapped")
-                self.send("switched", epoch=prep.epoch, rank=self.rank, role="stayer", step=step, t=time.time(),
-                          detail={"prepare_s": prep.seconds, "comms_created": self.comms_created(),
-                                  "comms_created_before": prep.comms_before})
-        self.send("finished", rank=self.rank, step=step, digest=self.digest(), loss=loss if step else 0.0)
+            if step == die_at:  # injected unexpected failure: no goodbye, no report
+                os.kill(os.getpid(), signal.SIGKILL)
+            self.completed = step
+            try:
+                loss, step = self._iteration(step)
+            except RuntimeError as exc:  # a collective failed or was revoked: a peer is gone
+                step = self.stall(self.completed, exc)
+                continue
+            if step < 0:
+                return 0  # this rank left the job (planned migration)
+        self.send("finished", rank=self.rank, step=step, digest=self.digest(), loss=loss)
         return 0
+
+    def _iteration(self, step: int) -> tuple[float, int]:
+        """One training step, its report and the boundary agreement. Returns (loss, steps
+        completed), steps -1 when this rank handed its state over and leaves."""
+        control, world = self.groups[CONTROL], self.groups["world"]
+        world.first_call_at = None
+        t0, c0 = time.perf_counter(), time.process_time()
+        if self.slow:  # injected straggler: this process computes (1 + slow) times as long
+            _burn(self.slow * self.pure_s, cpu=self.device == "cpu")
+        t1, c1 = time.perf_counter(), time.process_time()
+        if self.recorder:
+            self.recorder.before(step)
+        if self.trace_steps:
+            self.trace_steps -= 1
+            self._trace(f"step {step + 1} begins")
+            self.workload.trace = self._trace
+        elif getattr(self.workload, "trace", None):
+            self.workload.trace = None
+        loss = self.workload.train_step(step)
+        # a rank's own compute: until its first collective (after that it may wait for peers)
+        # On CPU nodes: CPU time, which co-located processes cannot inflate; on GPUs: wall time.
+        if self.device == "cpu":
+            first = world.first_call_cpu if world.first_call_at is not None else time.process_time()
+            compute_s, self.pure_s = first - c0, first - c1
+        else:
+            first = world.first_call_at or time.perf_counter()
+            compute_s, self.pure_s = first - t0, first - t1
+        if self.recorder:
+            report = self.recorder.after(step, loss, time.perf_counter() - t0)
+            if report:
+                self.recorder = None
+                self.send("recorded", **report)
+        step += 1
+        self.completed = step  # from here on a failure finds this step complete in our state
+        self.send("step", rank=self.rank, step=step, loss=loss, step_s=time.perf_counter() - t0,
+                  compute_s=compute_s, t=time.time())
+        self._release_retired(step)
+        self._poll_inbox()
+        prep = self.pending
+        ready = prep.epoch if prep and prep.done.is_set() and not prep.error else 0
+        if boundary.agree(control, ready) == ready and ready:
+            if prep.role == "leaver":
+                self.leave(prep, step)
+                return loss, -1
+            for name, backend in prep.backends.items():
+                self.retire(self.groups[name].swap(backend), step)
+            self.pending = None
+            self.trace_steps = TRACE_STEPS
+            self._trace("stayer swapped")
+            self.send("switched", epoch=prep.epoch, rank=self.rank, role="stayer", step=step, t=time.time(),
+                      detail={"prepare_s": prep.seconds, "comms_created": self.comms_created(),
+                              "comms_created_before": prep.comms_before})
+        return loss, step
+
+    # --- unexpected failure of another rank ----------------------------------------------
+    def _wait_recover(self, exc: Exception) -> dict:
+        """The controller's `recover` plan, within the recovery deadline."""
+        deadline = time.monotonic() + self.spec.recovery_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise MigrationError(f"no recovery plan within {self.spec.recovery_timeout_s:.0f}s after: {exc}",
+                                     phase="recover", rank=self.rank, host=self.spec.node)
+            try:
+                msg = self.inbox.get(timeout=left)
+            except queue.Empty:
+                continue
+            if msg is None:
+                raise MigrationError(f"controller gone while stalled after: {exc}", phase="recover", rank=self.rank)
+            if msg["type"] == "recover":
+                return msg
+            # revoke (already applied), or a planned epoch's prepare/abort: void now
+
+    def stall(self, completed: int, exc: Exception) -> int:
+        """A collective failed: report how far this rank got and wait (bounded) for the
+        controller's recovery plan. Returns the step to resume from."""
+        log.warning("rank %d stalled after %d steps: %s", self.rank, completed, str(exc)[:300])
+        if self.pending is not None:  # a planned migration in flight is void: its groups hold the lost rank
+            self._on_abort({"epoch": self.pending.epoch, "reason": "unexpected failure"})
+        self.send("stalled", rank=self.rank, step=completed, digest=self.digest(), error=str(exc)[:500],
+                  role="stayer")
+        msg = self._wait_recover(exc)
+        if completed < msg["step"] and self.rank not in msg["needers"]:
+            raise MigrationError(f"recovery plan resumes at step {msg['step']} but this rank has completed "
+                                 f"{completed} and gets no state", phase="recover", rank=self.rank)
+        backends, report = recovery.rebuild(self, msg, "stayer")
+        for name, backend in backends.items():
+            self.retire(self.groups[name].swap(backend), msg["step"])
+        self.send("switched", epoch=msg["epoch"], rank=self.rank, role="stayer", step=msg["step"], t=time.time(),
+                  detail={**report, "redo_from": completed})
+        self.trace_steps = TRACE_STEPS
+        return int(msg["step"])
 
     def _poll_inbox(self):
         while True:
@@ -404,7 +527,7 @@ class Agent:
         if "skip-optimizer-state" in self.spec.inject:  # negative control for the digest tests
             state["workload"].pop("optimizer", None)
         self.store.set(go_key(prep.epoch, self.rank), "1")
-        stats = transfer.send_state(state, prep.xfer, dst=1, corrupt="corrupt-transfer" in self.spec.inject)
+        stats = transfer.send_verified(state, prep.xfer, dst=1, corrupt="corrupt-transfer" in self.spec.inject)
         self.send("switched", epoch=prep.epoch, rank=self.rank, role="leaver", step=step, t=time.time(),
                   detail={"send_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
                           "tensors": stats.tensors})
