@@ -15,6 +15,7 @@ INJECTIONS = {
     "skip-optimizer-state": "the leaver leaves its optimizer state out of the copy (negative control)",
     "corrupt-transfer": "the leaver flips bytes of one tensor on the wire (checksum test)",
     "slow:<rank>:<fraction>": "the worker launched for <rank> sleeps <fraction> of its compute time each step (a straggling node)",
+    "die-in-copy": "the leaver of a planned migration kills itself (SIGKILL) as the joiner starts to wait for its state",
     "die:<rank>:<step>": "the worker launched for <rank> kills itself (SIGKILL) as it begins step <step>: an unexpected failure mid-run",
 }
 

@@ -83,3 +83,35 @@ def test_an_injected_failure_mid_run_redoes_the_interrupted_step(demo, reference
     assert m["switch_step"] == 150 and m["state"] == "done"
     events = [e["event"] for e in timeline(run) if e["migration"] == m["id"]]
     assert events[:2] == ["detected", "recover"] and "joined" in events and events[-1] == "released"
+
+
+def test_the_leaver_dying_during_the_state_copy_is_recovered_from_a_replica(demo, reference, slurm_client):
+    """A planned migration (`trainmover migrate`) whose leaver dies just as the joiner waits
+    for its state (TM_INJECT=die-in-copy): the stayers have already switched to groups with
+    the joiner in the slot; the joiner gets the state from a replica instead."""
+    run = demo("die-in-copy", TM_INJECT="die-in-copy")
+    start_training(run, slurm_client, min_step=60)
+    wait_for("a warm standby", lambda: any(s["state"] == "ready" for s in run.status()["standbys"]), timeout=60)
+    node = leaver_of(run)
+    out = run.cli("migrate", "--job", str(run.job_id), "--node", node)
+    assert out.returncode == 0, out.stderr
+    assert run.wait_done(slurm_client) == "COMPLETED", run.slurm_out()[-3000:]
+    assert_same_training(run, reference)
+    planned, recovered = run.status()["migrations"]
+    assert planned["state"] == "failed" and "state copy" in planned["note"]
+    assert recovered["recovery"] and recovered["state"] == "done" and recovered["joiner"] == planned["joiner"]
+    assert recovered["state_source"]["tier"] == "replica"
+
+
+def test_a_corrupted_copy_is_detected_and_sent_again(demo, reference, slurm_client):
+    """TM_INJECT=corrupt-transfer flips a byte of the first copy on the wire: the joiner's
+    checksum catches it, asks again, and training continues equal to the reference."""
+    run = demo("corrupt", TM_INJECT="corrupt-transfer")
+    start_training(run, slurm_client, min_step=60)
+    wait_for("a warm standby", lambda: any(s["state"] == "ready" for s in run.status()["standbys"]), timeout=60)
+    out = run.cli("migrate", "--job", str(run.job_id), "--node", leaver_of(run))
+    assert out.returncode == 0, out.stderr
+    assert run.wait_done(slurm_client) == "COMPLETED", run.slurm_out()[-3000:]
+    assert_same_training(run, reference)
+    (m,) = run.status()["migrations"]
+    assert m["state"] == "done" and m["transfer"]["attempts"] == 2

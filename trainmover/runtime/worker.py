@@ -527,6 +527,8 @@ class Agent:
         if "skip-optimizer-state" in self.spec.inject:  # negative control for the digest tests
             state["workload"].pop("optimizer", None)
         self.store.set(go_key(prep.epoch, self.rank), "1")
+        if "die-in-copy" in self.spec.inject:  # fault injection: the state must come from a replica
+            os.kill(os.getpid(), signal.SIGKILL)
         stats = transfer.send_verified(state, prep.xfer, dst=1, corrupt="corrupt-transfer" in self.spec.inject)
         self.send("switched", epoch=prep.epoch, rank=self.rank, role="leaver", step=step, t=time.time(),
                   detail={"send_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
