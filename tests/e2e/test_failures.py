@@ -15,30 +15,11 @@ import time
 import pytest
 
 from tests.e2e.conftest import wait_for
+from trainmover.cluster.procs import step_pid
 from tests.e2e.test_migration import (  # noqa: F401 - fixtures shared with the planned-migration tests
     STEPS, assert_same_training, demo, leaver_of, reference, resume_drained_nodes, start_training)
 
 pytestmark = pytest.mark.slurm
-
-
-def worker_pid(job_id: int, node: str) -> int:
-    """The pid of the training process of `job_id` on `node`. Test-side only (every node of
-    the local cluster is on this machine); the runtime itself never uses pids."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\0")
-            if b"trainmover.runtime.worker" not in cmd:
-                continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-        except OSError:
-            continue
-        if env.get(b"SLURM_JOB_ID") == str(job_id).encode() and env.get(b"SLURMD_NODENAME") == node.encode():
-            return int(entry)
-    raise AssertionError(f"no worker of job {job_id} on {node}")
 
 
 def recoveries(run) -> list[dict]:
@@ -54,7 +35,7 @@ def test_a_worker_killed_with_sigkill_is_replaced_bit_exactly(demo, reference, s
     start_training(run, slurm_client, min_step=60)
     wait_for("a warm standby", lambda: any(s["state"] == "ready" for s in run.status()["standbys"]), timeout=60)
     node = leaver_of(run)
-    pid = worker_pid(run.job_id, node)
+    pid = step_pid(run.job_id, node)
     killed_at = time.time()
     os.kill(pid, signal.SIGKILL)
     wait_for("the recovery to finish", lambda: any(m["state"] == "done" for m in recoveries(run)), timeout=90,
