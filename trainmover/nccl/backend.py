@@ -51,6 +51,10 @@ class NcclBackend:
         self.comm, self.store, self.prefix = comm, store, prefix
         self.rank_, self.size_ = comm.rank, comm.size
 
+    def abort(self) -> None:
+        """End this communicator's kernels now (a member vanished: they would spin forever)."""
+        self.comm.abort()
+
     def allreduce(self, tensors, opts=None):
         op = _op(opts)
         for t in tensors:

@@ -25,7 +25,7 @@ from trainmover.control import channel
 from trainmover.control.messages import make
 from trainmover.errors import DeadlineExceeded, MigrationError, TrainMoverError
 from trainmover.runtime import boundary, phase1, recovery, rng, transfer
-from trainmover.runtime.groups import SandboxBackend, SwappableGroup, gloo_group
+from trainmover.runtime.groups import Revoked, SandboxBackend, SwappableGroup, gloo_group
 from trainmover.runtime.plan import GroupSpec, delta
 from trainmover.runtime.spec import WorkerSpec
 from trainmover.workloads import base as workloads
@@ -170,7 +170,16 @@ class Agent:
 
     def _context(self, rank: int) -> workloads.BuildContext:
         return workloads.BuildContext(rank=rank, world_size=self.spec.world_size, groups=self.groups,
-                                      seed=self.spec.seed, options={**self.spec.workload_options, "device": self.device})
+                                      seed=self.spec.seed, options={**self.spec.workload_options, "device": self.device},
+                                      before_update=self._before_update)
+
+    def _before_update(self) -> None:
+        """The workload's gate before its optimizer step (see BuildContext.before_update)."""
+        if self.device == "cuda":
+            torch.cuda.current_stream().synchronize()  # an aborted collective has ended by now
+        revoked = [g.group_name_ for g in self.groups.values() if g.revoked]
+        if revoked:
+            raise Revoked(f"groups {revoked} revoked during this step: its gradients are not used")
 
     def shadow_until_steady(self, max_steps: int) -> int:
         """Run shadow steps until a step issues the same collectives as the one before.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from trainmover.errors import ConfigError
@@ -22,6 +23,10 @@ class BuildContext:
     groups: dict[str, SwappableGroup]
     seed: int
     options: dict = field(default_factory=dict)
+    # Call between gradients and the optimizer step: raises if a collective of this step
+    # failed. On GPUs an aborted NCCL kernel ends early without an error the host sees, and
+    # an optimizer step on its gradients would spoil every replica at once.
+    before_update: Callable[[], None] | None = None
 
 
 class Workload(abc.ABC):

@@ -109,13 +109,13 @@ class GPTDemo(Workload):
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=0.01,
                                      **({"foreach": True} if self.device.type == "cuda" else {}))
         self.data = TokenStream(ctx.seed, ctx.rank, vocab)
-        self.seed, self.rank = ctx.seed, ctx.rank
+        self.seed, self.rank, self.before_update = ctx.seed, ctx.rank, ctx.before_update
 
     def rebind(self, ctx: BuildContext) -> None:
         # Keep model and optimizer (warm); new DDP wrapper on the new groups, new data stream.
         self.ddp = _ddp(self.model, ctx.groups["world"])
         self.data = TokenStream(ctx.seed, ctx.rank, self.model.tok.num_embeddings)
-        self.seed, self.rank = ctx.seed, ctx.rank
+        self.seed, self.rank, self.before_update = ctx.seed, ctx.rank, ctx.before_update
 
     def replica_group(self) -> str:
         return "world"  # plain DDP: every rank holds the whole model and optimizer
@@ -142,6 +142,8 @@ class GPTDemo(Workload):
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self._mark("backward (DDP all-reduce)")
+        if self.before_update:
+            self.before_update()
         self.opt.step()
         self._mark("optimizer")
         out = loss.item()
