@@ -95,6 +95,10 @@ class SwappableGroup(dist.ProcessGroup):
         self.generation = 0
         self.first_call_at: float | None = None  # perf_counter of the first collective since reset
         self.first_call_cpu: float | None = None  # process CPU time at that moment
+        # observer(group, op, args, work), called after each forwarded collective: the recording
+        # rank's recorder (trainmover.sandbox.live). It lives on the group, not on the backend,
+        # so that a migration's swap of the backend leaves it in place.
+        self.observer: Callable | None = None
 
     @property
     def inner(self):
@@ -128,9 +132,14 @@ def _forwarder(op: str):
             self.first_call_cpu = time.process_time()
         if _TRACE:
             _trace(self, op, a)
-        return getattr(self._inner, op)(*a, **k)
+        work = getattr(self._inner, op)(*a, **k)
+        if self.observer is not None:
+            self.observer(self.group_name_, op, a, work)
+        return work
     forward.__name__ = op
-    return forward
+    # DDP's reducer calls collectives from inside a compiled (torch.compile) forward, e.g. the
+    # broadcast of rebuilt buckets in the second step: they run eagerly, never traced by dynamo.
+    return torch.compiler.disable(forward)
 
 
 # The collectives DDP, the optimizers and Megatron call on a group object; the Python
