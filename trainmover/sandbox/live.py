@@ -38,7 +38,7 @@ ALLOWED = {
     State.WAITING: {State.RECORDING},
     State.RECORDING: {State.WRITING, State.STOPPED},
     State.WRITING: {State.MEASURING, State.STOPPED},
-    State.MEASURING: {State.WATCHING, State.RECORDING, State.STOPPED},
+    State.MEASURING: {State.WATCHING, State.STOPPED},
     State.WATCHING: {State.RECORDING, State.STOPPED},
     State.STOPPED: set(),
 }
@@ -61,6 +61,8 @@ class Recorder:
         self.signature: list[tuple] = []       # this step's collectives
         self.reference: list[tuple] | None = None  # the last recorded iteration's
         self.changed_at: int | None = None     # step whose collectives differed from the reference
+        self.candidate: list[tuple] | None = None  # a differing signature seen once (see _compare)
+        self.previous: list[tuple] | None = None   # the previous recorded iteration's
         self.recorded = 0
         self.times: dict[str, list[float]] = {}
         for g in self.groups.values():
@@ -86,7 +88,7 @@ class Recorder:
         self.version += 1
         self.writer = recording.RecordingWriter(recording.version_path(self.base, self.version), self.rank,
                                                 self.iterations, version=self.version, first_step=step)
-        self.recorded, self.times = 0, {"recording": [], "writing": [], "steady": []}
+        self.recorded, self.times, self.previous = 0, {"recording": [], "writing": [], "steady": []}, None
         self._to(State.RECORDING, f"from step {step}" + (" and the workload's construction" if init else ""))
         if init:
             self.writer.begin("init")
@@ -95,7 +97,7 @@ class Recorder:
         self.signature = []
         if self.state is State.WAITING and step >= self.from_step:
             self._start(step, init=False)
-        elif self.state in (State.WATCHING, State.MEASURING) and self.changed_at is not None:
+        elif self.state is State.WATCHING and self.changed_at is not None:
             self._start(step, init=False)
             self.changed_at = None
         if self.state is State.RECORDING:
@@ -110,32 +112,50 @@ class Recorder:
             self.times["recording"].append(step_s)
             self.recorded += 1
             if self.recorded == self.iterations:
-                self.reference = list(self.signature)
+                if self.previous is not None and self.previous != self.signature:
+                    log.warning("recording v%d ends on a step whose collectives differ from the step before "
+                                "(one-time collectives of a wrapper?): more TM_RECORD_ITERATIONS would end it "
+                                "on a steady step", self.version)
+                self.reference, self.candidate = list(self.signature), None
                 self.writer.finish()
                 self._to(State.WRITING, f"{self.iterations} iterations recorded, the file is written in the background")
+            self.previous = list(self.signature)
             return None
         if state in (State.WAITING, State.STOPPED):
             return None
         self._compare(step)
-        if state is State.WRITING:
+        if self.state is State.WRITING:
             self.times["writing"].append(step_s)
-            if self.writer.done():
-                if self.writer.error is not None:
-                    log.error("recording v%d failed: %s", self.version, self.writer.error)
-                    self._stop(f"writer failed: {self.writer.error}")
-                    return None
-                self._to(State.MEASURING, f"{self.writer.size} bytes written")
-            return None
-        if state is State.MEASURING:
+            if not self.writer.done():
+                return None
+            if self.writer.error is not None:
+                log.error("recording v%d failed: %s", self.version, self.writer.error)
+                self._stop(f"writer failed: {self.writer.error}")
+                return None
+            self._to(State.MEASURING, f"{self.writer.size} bytes written")
+            if self.changed_at is None:
+                return None
+            # the shapes changed while the file was written: report without a steady baseline
+        elif self.state is State.MEASURING:
             self.times["steady"].append(step_s)
-            if len(self.times["steady"]) >= self.steady_steps or self.changed_at is not None:
-                report = self.report()
-                self._to(State.WATCHING, "cost measured")
-                return report
-        return None
+            if len(self.times["steady"]) < self.steady_steps and self.changed_at is None:
+                return None
+        else:
+            return None
+        report = self.report()
+        self._to(State.WATCHING, "reported")
+        return report
 
     def _compare(self, step: int) -> None:
-        if self.reference is None or self.changed_at is not None or self.signature == self.reference:
+        """A change is a differing signature seen in two consecutive steps: a one-off step (an
+        evaluation, a wrapper's one-time broadcast) is not worth a recording."""
+        if self.reference is None or self.changed_at is not None:
+            return
+        if self.signature == self.reference:
+            self.candidate = None
+            return
+        if self.signature != self.candidate:
+            self.candidate = list(self.signature)
             return
         first = next((i for i, (a, b) in enumerate(zip(self.signature, self.reference)) if a != b),
                      min(len(self.signature), len(self.reference)))
@@ -148,7 +168,7 @@ class Recorder:
             return
         log.info("step %d: collective #%d is %s, recorded %s: recording version %d next",
                  step, first, now, was, self.version + 1)
-        self.changed_at = step
+        self.changed_at, self.candidate = step, None
 
     def _stop(self, why: str) -> None:
         for g in self.groups.values():

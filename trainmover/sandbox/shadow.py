@@ -27,17 +27,19 @@ def newer(base: Path, version: int) -> int | None:
     return found[-1] if found else None
 
 
-def _iterations(rec: recording.Replay, step: Callable[[int], float]) -> list[tuple[float, float]]:
-    pairs = []
+def _iterations(rec: recording.Replay, step: Callable[[int], float]) -> list[tuple[int, float, float]]:
+    """(training step, recorded loss, shadow loss) of each recorded iteration."""
+    out = []
     for it in range(rec.iterations):
         rec.begin(it)
-        pairs.append((rec.loss(it), step(rec.step_of(it))))
-    return pairs
+        out.append((rec.step_of(it), rec.loss(it), step(rec.step_of(it))))
+    return out
 
 
-def _report(rec: recording.Replay, pairs, compared: bool) -> dict:
+def _report(rec: recording.Replay, steps, compared: bool) -> dict:
+    pairs = [(a, b) for _, a, b in steps]
     return {"replay": "done", "rank": rec.rank, "version": rec.version, "iterations": len(pairs),
-            "first_step": rec.step_of(0), "last_step": rec.step_of(rec.iterations - 1),
+            "first_step": steps[0][0], "last_step": steps[-1][0],
             "recorded_losses": [a for a, _ in pairs], "shadow_losses": [b for _, b in pairs],
             "losses_compared": compared, "loss_equal": all(a == b for a, b in pairs) if compared else None}
 
@@ -73,10 +75,10 @@ def replay(specs, base: Path, timeout_s: float, local_only: str,
     build(rank, groups)
     if not rec.has_init:  # built with local answers; the iterations are answered from the recording
         _answer_from(groups, rec, local_only)
-    pairs = _iterations(rec, step)
+    steps = _iterations(rec, step)
     rec.close()
     _answer_locally(groups)
-    return groups, _report(rec, pairs, compared=rec.has_init)
+    return groups, _report(rec, steps, compared=rec.has_init)
 
 
 def rewarm(groups: dict[str, SwappableGroup], path: Path, local_only: str, step: Callable[[int], float]) -> dict:
@@ -87,11 +89,11 @@ def rewarm(groups: dict[str, SwappableGroup], path: Path, local_only: str, step:
              rec.step_of(0))
     _answer_from(groups, rec, local_only)
     try:
-        pairs = _iterations(rec, step)
+        steps = _iterations(rec, step)
     finally:
         rec.close()
         _answer_locally(groups)
-    return _report(rec, pairs, compared=False)
+    return _report(rec, steps, compared=False)
 
 
 def _answer_from(groups: dict[str, SwappableGroup], rec: recording.Replay, local_only: str) -> None:
