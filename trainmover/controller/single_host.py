@@ -56,7 +56,11 @@ class SingleHostAllocation:
         if ntasks != 1:
             raise ValueError("single-host allocation: one rank per GPU node")
         gpu = node.removeprefix("gpu")
-        extra = [f"{k}={v}" for k, v in (env_overrides or {}).items()]
+        # Each "node" keeps its own compile caches, as a separate machine would: a joiner must
+        # not find kernels that a worker compiled on the same host (warm-up would look free).
+        caches = os.path.join(self.work_dir, "compile-cache", node)
+        extra = [f"TORCHINDUCTOR_CACHE_DIR={caches}/inductor", f"TRITON_CACHE_DIR={caches}/triton",
+                 *(f"{k}={v}" for k, v in (env_overrides or {}).items())]
         return ["env", f"CUDA_VISIBLE_DEVICES={gpu}", f"SLURMD_NODENAME={node}", *extra, *map(str, argv)]
 
     def step_env(self, job: JobInfo, base: Mapping[str, str] | None = None) -> dict[str, str]:
