@@ -100,8 +100,16 @@ def run_job(spec: dict) -> int:
                 status = read_json(run / "status.json")
                 step = rows[-1]["step"] if rows else 0
                 for s in status.get("standbys", []):
+                    t.setdefault("standby_seen", s["node"])
                     if s["state"] == "ready" and "ready_t" not in t:
                         t.update(ready_t=time.time(), ready_step=step, standby=s)
+                if "standby_seen" in t and "ready_t" not in t and not status.get("standbys"):
+                    # its agent exited before it was warm: say why now instead of at the deadline
+                    log = run / f"standby-{t['standby_seen']}.log"
+                    last = log.read_text().strip().splitlines()[-1:] if log.exists() else ["(no log)"]
+                    t["error"] = f"standby on {t['standby_seen']} exited before it was ready: {last[0][-500:]}"
+                    _stop(ctl)
+                    return
                 if ("t" not in t and "ready_t" in t and step >= t["ready_step"] + spec["steady_steps"]
                         and step >= spec["min_step"]):
                     where = read_json(run / "controller.json")

@@ -58,7 +58,7 @@ class BatchRamp(Workload):
         self.model.load_state_dict(state["model"])
 
 
-def live_run(base, port, grow_at, steps, max_versions):
+def live_run(base, port, grow_at, steps, max_versions, from_step):
     """Two live ranks train `steps` steps; rank 0 runs the Recorder (3 iterations per version:
     DDP's one-time broadcast is in the second step, the third is steady).
     Returns rank 0's reports and its recorder's final state."""
@@ -70,7 +70,7 @@ def live_run(base, port, grow_at, steps, max_versions):
         torch.set_num_threads(1)
         group = SwappableGroup("world", r, 2, [0, 1], gloo_group(client, "w/", r, 2, host="127.0.0.1", timeout=TIMEOUT))
         rec = Recorder({"world": group}, base, 0, 3, skip="control", max_versions=max_versions,
-                       steady_steps=1) if r == 0 else None
+                       steady_steps=1, from_step=from_step) if r == 0 else None
         wl = BatchRamp(grow_at)
         wl.build(BuildContext(r, 2, {"world": group}, seed=3))
         reports = []
@@ -94,12 +94,12 @@ def live_run(base, port, grow_at, steps, max_versions):
     return out
 
 
-def run(tmp_path, grow_at=(5,), steps=16, max_versions=4):
+def run(tmp_path, grow_at=(5,), steps=16, max_versions=4, from_step=0):
     s = socket.create_server(("127.0.0.1", 0))
     port = s.getsockname()[1]
     master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=s.detach(),
                            use_libuv=False, timeout=TIMEOUT)
-    out = live_run(tmp_path / "rank0.h5", port, grow_at, steps, max_versions)
+    out = live_run(tmp_path / "rank0.h5", port, grow_at, steps, max_versions, from_step)
     del master
     return tmp_path / "rank0.h5", out
 
@@ -133,13 +133,19 @@ def test_versions_are_capped(tmp_path):
     assert recording.versions(base) == [1, 2] and out["state"] == State.STOPPED.value
 
 
-def standby(base, grow_at):
+def standby(base, grow_at, settle=False):
     wl = BatchRamp(grow_at)
 
     def build(rank, groups):
         wl.build(BuildContext(rank, 2, groups, seed=3))
 
-    groups, report = shadow.replay(SPECS, base, 10, "control", build, wl.train_step)
+    def settle_steps():  # what the worker's shadow_until_steady does: DDP's one-time broadcast is in step 2
+        for _ in range(2):
+            wl.train_step(0)
+        return 2
+
+    groups, report = shadow.replay(SPECS, base, 10, "control", build, wl.train_step,
+                                   settle=settle_steps if settle else None)
     return wl, groups, report
 
 
@@ -159,3 +165,14 @@ def test_a_standby_that_does_not_see_the_change_fails_clearly(tmp_path):
     with pytest.raises(MigrationError, match=r"the step asked for allreduce on world, shape \[4\].*"
                                              r"the recording has allreduce on world, shape \[8\]"):
         shadow.rewarm(groups, recording.version_path(base, 2), "control", wl.train_step)
+
+
+def test_a_recording_that_starts_mid_job_is_replayed_after_settling_steps(tmp_path):
+    """TM_RECORD_FROM_STEP > 0: the recording has no construction and no one-time collectives;
+    a fresh standby must get its own DDP past them (locally answered) before replaying."""
+    base, out = run(tmp_path, grow_at=(100,), steps=12, from_step=4)
+    assert recording.versions(base) == [1] and out["reports"][0]["detail"]["first_step"] == 4
+    with pytest.raises(MigrationError, match="starts at step 4, after the workload's construction"):
+        standby(base, (100,))
+    _, groups, report = standby(base, (100,), settle=True)
+    assert report["first_step"] == 4 and report["settle_steps"] == 2 and report["loss_equal"] is None

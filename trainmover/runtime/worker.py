@@ -231,7 +231,8 @@ class Agent:
 
         # The live rank may record later than the job start (TM_RECORD_FROM_STEP): wait longer.
         _, report = shadow.replay(self.specs, Path(self.spec.recording_path), 3 * self.spec.group_timeout_s,
-                                  CONTROL, build, self.workload.train_step)
+                                  CONTROL, build, self.workload.train_step,
+                                  settle=lambda: self.shadow_until_steady(self.spec.shadow_steps))
         if report["replay"] == "done":
             self.replayed, self.shadow_step = report["version"], report["last_step"]
         return report

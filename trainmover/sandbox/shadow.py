@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from trainmover.errors import MigrationError
 from trainmover.runtime.groups import SandboxBackend, SwappableGroup
 from trainmover.sandbox import recording
 
@@ -45,11 +46,17 @@ def _report(rec: recording.Replay, steps, compared: bool) -> dict:
 
 
 def replay(specs, base: Path, timeout_s: float, local_only: str,
-           build: Callable[[int, dict], object], step: Callable[[int], float]) -> tuple[dict, dict]:
+           build: Callable[[int, dict], object], step: Callable[[int], float],
+           settle: Callable[[], int] | None = None) -> tuple[dict, dict]:
     """Rehearse the recorded rank: build its groups (sandboxed, answered from the recording
     except `local_only`), call `build(rank, groups)`, run the recorded iterations with `step`,
     and compare the losses. Returns (groups, report); report["replay"] != "done" says why
-    nothing was replayed (the caller then warms up with locally answered collectives)."""
+    nothing was replayed (the caller then warms up with locally answered collectives).
+
+    A recording that starts after the workload's construction (TM_RECORD_FROM_STEP) was taken
+    past the wrappers' one-time collectives (DDP's bucket broadcast in its second step): the
+    fresh standby first runs `settle()` (shadow steps answered locally until steady) so that
+    its own one-time collectives are behind it before the recorded ones are asked for."""
     ok, why = recording.available()
     if not ok:
         return {}, {"replay": f"unavailable: {why}"}
@@ -73,12 +80,17 @@ def replay(specs, base: Path, timeout_s: float, local_only: str,
     if rec.has_init:
         rec.begin("init")
     build(rank, groups)
+    settled = 0
     if not rec.has_init:  # built with local answers; the iterations are answered from the recording
+        if settle is None:
+            raise MigrationError(f"recording {rec.path.name} starts at step {rec.first_step}, after the workload's "
+                                 "construction: replaying it needs settling shadow steps first", phase="warmup")
+        settled = settle()
         _answer_from(groups, rec, local_only)
     steps = _iterations(rec, step)
     rec.close()
     _answer_locally(groups)
-    return groups, _report(rec, steps, compared=rec.has_init)
+    return groups, {**_report(rec, steps, compared=rec.has_init), "settle_steps": settled}
 
 
 def rewarm(groups: dict[str, SwappableGroup], path: Path, local_only: str, step: Callable[[int], float]) -> dict:
