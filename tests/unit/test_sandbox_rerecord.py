@@ -82,6 +82,8 @@ def live_run(base, port, grow_at, steps, max_versions, from_step):
                 report = rec.after(step, loss, 0.01)
                 if report:
                     reports.append(report)
+                if rec.state is State.WRITING:  # the background write takes a step or several: make it
+                    rec.writer.wait(60)         # one, so that the versions' steps are deterministic
         if rec:
             rec.close()
             queue.put({"reports": reports, "state": rec.state.value})

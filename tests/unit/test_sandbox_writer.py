@@ -95,3 +95,14 @@ def test_gpu_outputs_are_copied_on_a_side_stream_before_the_next_step_overwrites
     w.close(timeout_s=60)
     for got, want in zip(read_back(path, expect), expect):
         assert torch.equal(got, want)
+
+
+def test_pool_reserves_ahead_in_the_background():
+    pool = PinnedPool(pinned=False)
+    pool.reserve([100, 100, 64]).join(timeout=30)
+    assert pool.reserved_bytes == pool.allocated_bytes == 264
+    a, b, c = pool.get(100), pool.get(100), pool.get(64)
+    assert pool.allocated_bytes == 264 and a is not b  # all three came from the reservation
+    pool.clear()
+    pool.get(64)
+    assert pool.allocated_bytes == 328

@@ -17,6 +17,8 @@ import logging
 import statistics
 from pathlib import Path
 
+import torch
+
 from trainmover.errors import MigrationError
 from trainmover.sandbox import recording
 
@@ -65,6 +67,8 @@ class Recorder:
         self.previous: list[tuple] | None = None   # the previous recorded iteration's
         self.recorded = 0
         self.times: dict[str, list[float]] = {}
+        self.device_bytes: list[int] = []      # this step's outputs on a GPU (what a recording would copy)
+        self.pool = recording.PinnedPool(pinned=torch.cuda.is_available())
         for g in self.groups.values():
             g.observer = self._observe
         if from_step == 0:  # the recording starts with the workload's construction
@@ -81,20 +85,21 @@ class Recorder:
         if outs is None:
             return
         self.signature.append(recording.signature_of(group, op, outs))
+        self.device_bytes += [t.numel() * t.element_size() for t in outs if t.is_cuda]
         if self.state is State.RECORDING:
             self.writer.record(group, op, outs, work)
 
     def _start(self, step: int, init: bool) -> None:
         self.version += 1
         self.writer = recording.RecordingWriter(recording.version_path(self.base, self.version), self.rank,
-                                                self.iterations, version=self.version, first_step=step)
+                                                self.iterations, version=self.version, first_step=step, pool=self.pool)
         self.recorded, self.times, self.previous = 0, {"recording": [], "writing": [], "steady": []}, None
         self._to(State.RECORDING, f"from step {step}" + (" and the workload's construction" if init else ""))
         if init:
             self.writer.begin("init")
 
     def before(self, step: int) -> None:
-        self.signature = []
+        self.signature, self.device_bytes = [], []
         if self.state is State.WAITING and step >= self.from_step:
             self._start(step, init=False)
         elif self.state is State.WATCHING and self.changed_at is not None:
@@ -121,9 +126,13 @@ class Recorder:
                 self._to(State.WRITING, f"{self.iterations} iterations recorded, the file is written in the background")
             self.previous = list(self.signature)
             return None
+        if state is State.WAITING and step + 1 == self.from_step:
+            self._reserve()
         if state in (State.WAITING, State.STOPPED):
             return None
         self._compare(step)
+        if self.changed_at == step:
+            self._reserve()  # the next step is recorded with these sizes
         if self.state is State.WRITING:
             self.times["writing"].append(step_s)
             if not self.writer.done():
@@ -132,6 +141,7 @@ class Recorder:
                 log.error("recording v%d failed: %s", self.version, self.writer.error)
                 self._stop(f"writer failed: {self.writer.error}")
                 return None
+            self.pool.clear()
             self._to(State.MEASURING, f"{self.writer.size} bytes written")
             if self.changed_at is None:
                 return None
@@ -170,6 +180,12 @@ class Recorder:
                  step, first, now, was, self.version + 1)
         self.changed_at, self.candidate = step, None
 
+    def _reserve(self) -> None:
+        """Pin the host buffers of the coming recording now, in the background: this step's
+        outputs are the next ones' sizes (one set per recorded iteration)."""
+        if self.device_bytes:
+            self.pool.reserve(self.device_bytes * self.iterations)
+
     def _stop(self, why: str) -> None:
         for g in self.groups.values():
             g.observer = None
@@ -188,6 +204,7 @@ class Recorder:
                 "version": self.version,
                 "detail": {"first_step": w.first_step,
                            "host_s": w.host_s, "writer_s": w.writer_s, "pinned_bytes": w.pool.allocated_bytes,
+                           "pinned_reserved_bytes": w.pool.reserved_bytes,
                            "writing_step_s": t["writing"], "steady_step_s": t["steady"],
                            "step_ratio_recording": (statistics.median(t["recording"]) / steady) if steady else None,
                            "measured": extra is not None}}
