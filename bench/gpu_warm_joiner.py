@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -180,6 +181,15 @@ def launch(spec: dict, timeout_s: float) -> tuple[dict, str | None]:
     return raw, error
 
 
+def keep_logs(workdir: Path, dest: Path) -> None:
+    """Copy a job's logs and run files (not its recordings or compile caches) next to the result."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in [workdir / "job.log", *sorted((workdir / "run").glob("*.log")), *sorted((workdir / "run").glob("*.json")),
+              *sorted((workdir / "run").glob("*.jsonl"))]:
+        if f.is_file() and f.stat().st_size <= 20 << 20:
+            shutil.copyfile(f, dest / f.name)
+
+
 # --- what one job says ------------------------------------------------------------------------
 def summarize(raw: dict, spec: dict) -> dict:
     """Per-job numbers; raises ValueError naming what is missing."""
@@ -233,6 +243,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run of the same flow")
     ap.add_argument("--gpus", type=int, default=None, help="GPU 'nodes' to use (default: all; cpu: 2)")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
+    ap.add_argument("--work", default=None, help="scratch directory of the jobs (recordings are GBs on GPUs; "
+                    "default: a new one under /tmp); their logs and run files are copied to <out>/<scenario>-logs")
     ap.add_argument("--machine", default=os.environ.get("TM_BENCH_MACHINE", "unknown"))
     ap.add_argument("--no-compile", action="store_true", help="plain eager model (compile is the subject)")
     ap.add_argument("--record-from", type=int, default=20, help="first recorded step (past the worker's compile)")
@@ -278,13 +290,14 @@ def main() -> int:
             "release_timeout_s": 60, "shadow_steps": 6, "straggler": "off",
             "workload_options": "" if args.no_compile else "compile=true"}
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    work = Path(args.work or f"/tmp/tm-warm-joiner-{stamp}")
     jobs = {
         "cold": {"name": "cold", "gpus": gpus, "leaver": leaver, "steady_steps": 20, "min_step": args.cold_migrate_at,
-                 "after_steps": args.after_steps, "workdir": str(out / "work" / f"warm-joiner-{stamp}" / "cold"),
+                 "after_steps": args.after_steps, "workdir": str(work / "cold"),
                  "config": {**base, "steps": MAX_STEPS, "record_iterations": 0, "standby_warmup": "cold"}},
         "warm": {"name": "warm", "gpus": gpus, "leaver": leaver, "steady_steps": args.steady_steps,
                  "min_step": args.record_from + 3, "after_steps": args.after_steps,
-                 "workdir": str(out / "work" / f"warm-joiner-{stamp}" / "warm"),
+                 "workdir": str(work / "warm"),
                  "config": {**base, "steps": MAX_STEPS, "record_iterations": 3, "record_from_step": args.record_from,
                             "standby_warmup": "shadow"}},
     }
@@ -297,6 +310,7 @@ def main() -> int:
             continue
         spec["deadline_s"] = left
         raw, error = launch(spec, left)
+        keep_logs(Path(spec["workdir"]), out / f"{scenario}-logs" / name)
         if error:
             result["errors"].append(error)
         result["jobs"][name] = {"steps_done": (raw.get("metrics") or [{}])[-1].get("step"), "rc": raw.get("rc"),
