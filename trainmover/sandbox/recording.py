@@ -114,15 +114,16 @@ class PinnedPool:
         return th
 
     def clear(self) -> None:
-        """Give the buffers back (a recording is written): stayers keep no pinned memory."""
+        """Give the buffers back (a recording is written): stayers keep no pinned memory. Freeing
+        pinned memory can wait for the device: done in a background thread, not in a step."""
         with self.lock:
             self.free.clear()
-        if self.pinned:
-            for name in ("_accelerator_emptyHostCache", "_host_emptyCache"):  # torch's cache of pinned blocks
-                fn = getattr(torch._C, name, None)
-                if fn is not None:
-                    fn()
-                    break
+        if not self.pinned:
+            return
+        fn = next((getattr(torch._C, n) for n in ("_accelerator_emptyHostCache", "_host_emptyCache")
+                   if hasattr(torch._C, n)), None)  # torch's cache of pinned blocks (name differs by version)
+        if fn is not None:
+            threading.Thread(target=fn, name="tm-recording-unpin", daemon=True).start()
 
     def get(self, nbytes: int) -> torch.Tensor:
         with self.lock:
