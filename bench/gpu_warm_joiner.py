@@ -237,6 +237,18 @@ def summarize(raw: dict, spec: dict) -> dict:
     return out
 
 
+def gpu_names() -> str:
+    """'<n>x <name>' from nvidia-smi: a CUDA context in this process would hold memory on GPU 0
+    for the whole run, next to a worker."""
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                               text=True, timeout=30).stdout.split("\n")
+        names = [n.strip() for n in names if n.strip()]
+        return f"{len(names)}x {names[0]}" if names else "unknown (nvidia-smi listed none)"
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unknown ({exc})"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="125m")
@@ -266,7 +278,7 @@ def main() -> int:
     path = out / f"{scenario}.json"
     result = {
         "scenario": scenario, "machine": args.machine if args.device == "cuda" else "cpu-local",
-        "gpus": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}" if args.device == "cuda" else "none",
+        "gpus": gpu_names() if args.device == "cuda" else "none",
         "commit": results_io.commit(),
         "command": " ".join(["python", "bench/gpu_warm_joiner.py", *sys.argv[1:]]),
         "when": results_io.now(),
