@@ -2,6 +2,7 @@
 longer match the recording and records a new version; a warm standby re-warms on it."""
 import datetime
 import socket
+import time
 
 import pytest
 import torch
@@ -27,8 +28,11 @@ class BatchRamp(Workload):
     its shape is the batch size, which doubles at every step of `grow_at` (a batch-size ramp,
     as in GPT-3's training)."""
 
-    def __init__(self, grow_at=(4,)):
-        self.grow_at = tuple(grow_at)
+    def __init__(self, grow_at=(4,), preset: str = "", pace_s: float = 0.0):
+        # preset: passed by the controller to every workload (unused); pace_s: sleep per step, so
+        # that a job through the real runtime lasts long enough for its standby to follow
+        self.grow_at = (grow_at,) if isinstance(grow_at, int) else tuple(grow_at)
+        self.pace_s = float(pace_s)
 
     def build(self, ctx: BuildContext) -> None:
         torch.manual_seed(ctx.seed)
@@ -49,6 +53,8 @@ class BatchRamp(Workload):
         loss.backward()
         self.opt.step()
         self.group.allreduce([per_sample.detach().clone()]).wait()
+        if self.pace_s:
+            time.sleep(self.pace_s)
         return loss.item()
 
     def state_dict(self):
