@@ -106,3 +106,24 @@ def test_pool_reserves_ahead_in_the_background():
     pool.clear()
     pool.get(64)
     assert pool.allocated_bytes == 328
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_recorder_pins_the_recording_buffers_before_the_first_recorded_step(tmp_path):
+    from trainmover.runtime.groups import SandboxBackend, SwappableGroup
+    from trainmover.sandbox.live import Recorder
+    group = SwappableGroup("world", 0, 2, [0, 1], SandboxBackend(0, 2))
+    rec = Recorder({"world": group}, tmp_path / "rank0.h5", 0, 2, skip="control", from_step=2, steady_steps=1)
+    bucket = torch.ones(1 << 20, device="cuda")
+    for step in range(6):
+        rec.before(step)
+        group.allreduce([bucket])
+        rec.after(step, 1.0, 0.01)
+        if step == 1:  # the step before the recording: its sizes are pinned ahead, in the background
+            rec.reserving.join(timeout=60)
+            assert rec.pool.reserved_bytes == 2 * bucket.numel() * 4
+        if step == 3:  # both recorded iterations were served from the reservation
+            assert rec.pool.allocated_bytes == rec.pool.reserved_bytes
+    rec.close()
+    assert recording.versions(tmp_path / "rank0.h5") == [1]

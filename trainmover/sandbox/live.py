@@ -69,6 +69,7 @@ class Recorder:
         self.times: dict[str, list[float]] = {}
         self.device_bytes: list[int] = []      # this step's outputs on a GPU (what a recording would copy)
         self.pool = recording.PinnedPool(pinned=torch.cuda.is_available())
+        self.reserving = None                  # the thread pinning the next recording's buffers
         for g in self.groups.values():
             g.observer = self._observe
         if from_step == 0:  # the recording starts with the workload's construction
@@ -184,7 +185,7 @@ class Recorder:
         """Pin the host buffers of the coming recording now, in the background: this step's
         outputs are the next ones' sizes (one set per recorded iteration)."""
         if self.device_bytes:
-            self.pool.reserve(self.device_bytes * self.iterations)
+            self.reserving = self.pool.reserve(self.device_bytes * self.iterations)
 
     def _stop(self, why: str) -> None:
         for g in self.groups.values():
