@@ -75,8 +75,8 @@ def run_job(name: str, out: Path, args, migrate: bool) -> dict:
     cfg = Config(steps=args.steps, model=args.preset, device=args.device, backend="nccl" if args.device == "cuda" else "gloo",
                  standbys=1, poll_s=0.5,
                  group_timeout_s=180, switch_timeout_s=180, phase1_timeout_s=180, shadow_steps=6,
-                 # Recorded collectives (issue 4) stay off here: on GPUs the recorder still copies
-                 # every output to the host synchronously, which would stall the recording rank.
+                 # Recorded collectives (issue 4) stay off here: this bench measures the switch;
+                 # bench/gpu_warm_joiner.py measures recording, replay and the joiner's first step.
                  record_iterations=0,
                  run_dir=str(workdir / "run"))
     alloc = SingleHostAllocation(gpus=args.gpus, train=args.gpus - 1, work_dir=str(workdir))

@@ -43,6 +43,33 @@ def parse_slow(item: str) -> tuple[int, float]:
         raise ConfigError(f"TM_INJECT: {item!r}: rank must be >= 0 and fraction in (0, 10)")
     return rank_i, frac
 
+def parse_options(raw: str) -> dict:
+    """`TM_WORKLOAD_OPTIONS`: `key=value,...` -> dict; true/false become bools, numbers numbers.
+    The workload's constructor validates the keys (an unknown one is a TypeError there)."""
+    out = {}
+    for item in (x.strip() for x in raw.split(",")):
+        if not item:
+            continue
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip().isidentifier():
+            raise ConfigError(f"TM_WORKLOAD_OPTIONS: {item!r} is not key=value")
+        out[key.strip()] = _scalar(value.strip())
+    if "preset" in out:
+        raise ConfigError("TM_WORKLOAD_OPTIONS: set the preset with TM_MODEL")
+    return out
+
+
+def _scalar(value: str):
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
 # Variables that belong to the runtime or tools, not to the job's configuration.
 _NOT_CONFIG = {"TM_WORKER_SPEC", "TM_LOG_LEVEL", "TM_TRACE_COLLECTIVES", "TM_CLUSTER_DIR", "TM_PYTHON", "TM_E2E_CLUSTER_DIR"}
 
@@ -68,7 +95,11 @@ class Config:
     release_timeout_s: float = field(default=60.0, metadata={"env": "TM_RELEASE_TIMEOUT_S", "doc": "longest wait for the leaver's step to end before its node is released"})
     record_iterations: int = field(default=3, metadata={"env": "TM_RECORD_ITERATIONS", "doc": "iterations whose collectives are recorded for standbys' shadow steps (0: none)"})
     record_rank: int = field(default=0, metadata={"env": "TM_RECORD_RANK", "doc": "the rank that records and that standbys rehearse"})
+    record_from_step: int = field(default=0, metadata={"env": "TM_RECORD_FROM_STEP", "doc": "first recorded step (0: from the workload's construction on; later: a steady step, past compile and warm-up)"})
+    record_versions: int = field(default=4, metadata={"env": "TM_RECORD_VERSIONS", "doc": "most recordings per job: the recording rank records again when a step's collectives change shape"})
     shadow_steps: int = field(default=6, metadata={"env": "TM_SHADOW_STEPS", "doc": "most shadow steps a standby runs to warm up"})
+    standby_warmup: str = field(default="shadow", metadata={"env": "TM_STANDBY_WARMUP", "doc": "shadow (replay + shadow steps, compiled) or cold (only the eager steps DDP needs; a benchmark baseline)"})
+    workload_options: str = field(default="", metadata={"env": "TM_WORKLOAD_OPTIONS", "doc": "key=value,... passed to the workload (gpt_demo: compile=true)"})
     straggler: str = field(default="report", metadata={"env": "TM_STRAGGLER", "doc": "off, report (verdict in status) or evict (migrate the slow node)"})
     straggler_threshold: float = field(default=0.10, metadata={"env": "TM_STRAGGLER_THRESHOLD", "doc": "slow: compute time this much above the median of the nodes"})
     straggler_windows: int = field(default=3, metadata={"env": "TM_STRAGGLER_WINDOWS", "doc": "consecutive slow windows before a verdict"})
@@ -95,6 +126,11 @@ class Config:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        if self.record_from_step < 0 or self.record_versions < 1:
+            raise ConfigError("TM_RECORD_FROM_STEP must be >= 0 and TM_RECORD_VERSIONS >= 1")
+        if self.standby_warmup not in ("shadow", "cold"):
+            raise ConfigError(f"TM_STANDBY_WARMUP={self.standby_warmup!r}: expected shadow or cold")
+        parse_options(self.workload_options)
         if self.rebalance_every_steps < 0:
             raise ConfigError("TM_REBALANCE_EVERY_STEPS must be >= 0")
         if self.straggler not in ("off", "report", "evict"):

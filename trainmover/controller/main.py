@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from trainmover.config import Config
+from trainmover.config import Config, parse_options
 from trainmover.control import channel
 from trainmover.control.messages import make
 from trainmover.controller import records
@@ -80,11 +80,14 @@ class Controller:
         return WorkerSpec(role=role, ranks=ranks, world_size=self.view.world_size, node=node,
                           node_addr=self.addr[node], controller=tuple(self.server.address),
                           store=(self.host, self.store_port), secret_file=str(self.files.secret),
-                          workload=self.cfg.workload, workload_options={"preset": self.cfg.model},
+                          workload=self.cfg.workload,
+                          workload_options={"preset": self.cfg.model, **parse_options(self.cfg.workload_options)},
                           device=self.cfg.device, backend=self.cfg.backend,
                           record_iterations=self.cfg.record_iterations, record_rank=self.cfg.record_rank,
                           recording_path=str(self.files.root / "recordings" / f"rank{self.cfg.record_rank}.h5")
                           if self.cfg.record_iterations else "",
+                          record_from_step=self.cfg.record_from_step, record_versions=self.cfg.record_versions,
+                          standby_warmup=self.cfg.standby_warmup,
                           seed=self.cfg.seed, steps=self.cfg.steps, group_timeout_s=self.cfg.group_timeout_s,
                           switch_timeout_s=self.cfg.switch_timeout_s, recovery_timeout_s=self.cfg.recovery_timeout_s,
                           shadow_steps=self.cfg.shadow_steps,

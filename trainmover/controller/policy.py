@@ -24,7 +24,8 @@ MAX_ATTEMPTS = 3
 @dataclass
 class Standby:
     node: str
-    state: str = "starting"       # starting -> ready -> joining; back to ready if a migration aborts
+    state: str = "starting"       # starting -> ready -> joining; back to ready if a migration aborts;
+                                  # ready -> warming -> ready when it re-warms on a newer recording
     since: float = 0.0
     warmup_s: float | None = None
     shadow_steps: int | None = None
@@ -159,7 +160,7 @@ class Policy(Recovering):
         kind = msg["type"]
         if kind == "ready":
             s = self.view.standbys.get(node)
-            if s is None:
+            if s is None or s.state == "joining":  # a re-warm's report that crossed a prepare: the join decides
                 return []
             s.state, s.since, s.warmup_s, s.shadow_steps = "ready", now, msg["warmup_s"], msg["shadow_steps"]
             s.shadow = msg["detail"] or s.shadow  # a re-ready after a cancelled join keeps the first report
@@ -170,7 +171,13 @@ class Policy(Recovering):
             self.failed_reports[node] = msg
             return []
         if kind == "recorded":
-            self.recording = {k: msg[k] for k in ("rank", "iterations", "bytes", "overhead_s", "step_s")}
+            self.recording = {k: msg[k] for k in ("rank", "iterations", "bytes", "overhead_s", "step_s", "version",
+                                                  "detail")}
+            return []
+        if kind == "warming":  # not offered to a migration until it is ready again
+            s = self.view.standbys.get(node)
+            if s is not None and s.state == "ready":
+                s.state, s.since = "warming", now
             return []
         if kind in ("step", "finished") and msg["rank"] not in self.view.rank_node:
             log.warning("ignoring %s from %s for rank %d, which job %d does not have", kind, node, msg["rank"],

@@ -144,6 +144,10 @@ class SwappableGroup(dist.ProcessGroup):
         self.first_call_cpu: float | None = None  # process CPU time at that moment
         self.revoked = ""                  # why this generation was revoked ("" while usable)
         self._pending: set = set()         # futures of this generation's gloo collectives in flight
+        # observer(group, op, args, work), called after each forwarded collective: the recording
+        # rank's recorder (trainmover.sandbox.live). It lives on the group, not on the backend,
+        # so that a migration's swap of the backend leaves it in place.
+        self.observer: Callable | None = None
 
     @property
     def inner(self):
@@ -220,11 +224,15 @@ def _forwarder(op: str):
             work = getattr(self._inner, op)(*a, **k)
         except RuntimeError as exc:
             return _failed(exc)
+        if self.observer is not None:
+            self.observer(self.group_name_, op, a, work)
         if op in _REVOCABLE and isinstance(self._inner, dist.ProcessGroupGloo):
             return self._revocable(work)
         return work
     forward.__name__ = op
-    return forward
+    # DDP's reducer calls collectives from inside a compiled (torch.compile) forward, e.g. the
+    # broadcast of rebuilt buckets in the second step: they run eagerly, never traced by dynamo.
+    return torch.compiler.disable(forward)
 
 
 # The collectives DDP, the optimizers and Megatron call on a group object; the Python

@@ -35,6 +35,7 @@ log = logging.getLogger("trainmover.worker")
 
 CONTROL = "tm-control"
 RETIRE_AFTER = 3  # steps between a switch and the release of the replaced communicators
+REWARM_POLL_S = 1.0  # an idle standby looks for a newer recording version this often
 TRACE_STEPS = 2 if os.environ.get("TM_TRACE_SWITCH") else 0  # log timings of the steps after a switch
 
 
@@ -76,7 +77,9 @@ class Agent:
         self.reported: set[tuple[int, str]] = set()
         self.retired: list = []  # old backends: released off the critical path (see retire)
         self.trace_steps = 0
-        self.recorder = None  # set while this rank records its collectives
+        self.recorder = None  # the recording rank's recorder (trainmover.sandbox.live)
+        self.replayed = 0  # a standby: the latest recording version it warmed on
+        self.shadow_step: int | None = None  # step its shadow steps replay (the latest recorded one)
         self.completed = 0     # steps whose updates this rank's state holds
         self.slow, self.pure_s = 0.0, 0.0
 
@@ -191,7 +194,7 @@ class Agent:
         previous, steps = None, 0
         while steps < max_steps:
             marks = [len(b.calls) for b in sandboxes]
-            self.workload.train_step(self.workload.shadow_data_step())
+            self.workload.train_step(self.workload.shadow_data_step() if self.shadow_step is None else self.shadow_step)
             steps += 1
             signature = [tuple(b.calls[m:]) for b, m in zip(sandboxes, marks)]
             if signature == previous:
@@ -246,11 +249,14 @@ class Agent:
             log.warning("not recording collectives: %s", why)
             return
         self.recorder = live.Recorder(self.groups, Path(self.spec.recording_path), self.rank,
-                                      self.spec.record_iterations, skip=CONTROL)
+                                      self.spec.record_iterations, skip=CONTROL,
+                                      from_step=self.spec.record_from_step, max_versions=self.spec.record_versions)
 
     def _replay(self) -> dict:
         """Shadow iterations on the live job's recording: the standby rehearses the recorded
         rank and must compute the very losses that rank computed."""
+        if self.spec.standby_warmup == "cold":
+            return {"replay": "skipped: cold standby (TM_STANDBY_WARMUP=cold)"}
         if not self.spec.recording_path or not self.spec.record_iterations:
             return {"replay": "unavailable: recording disabled"}
         from trainmover.sandbox import shadow
@@ -259,9 +265,37 @@ class Agent:
             self.groups = groups
             self.workload.build(self._context(rank))
 
-        _, report = shadow.replay(self.specs, Path(self.spec.recording_path), self.spec.group_timeout_s, CONTROL,
-                                  build, self.workload.train_step)
+        # The live rank may record later than the job start (TM_RECORD_FROM_STEP): wait longer.
+        _, report = shadow.replay(self.specs, Path(self.spec.recording_path), 3 * self.spec.group_timeout_s,
+                                  CONTROL, build, self.workload.train_step,
+                                  settle=lambda: self.shadow_until_steady(self.spec.shadow_steps))
+        if report["replay"] == "done":
+            self.replayed, self.shadow_step = report["version"], report["last_step"]
         return report
+
+    def _warm_stance(self):
+        """A cold standby (a benchmark's baseline) runs the shadow steps DDP needs eagerly:
+        compiled code is then built at its first real step, as in a fresh process."""
+        import contextlib
+        if self.spec.standby_warmup == "cold":
+            return torch.compiler.set_stance("force_eager")
+        return contextlib.nullcontext()
+
+    def _rewarm_if_newer(self, t0: float) -> None:
+        """A warm standby re-warms when the live rank recorded a new version (its collectives
+        changed shape): replay it, then report ready again with the new version's report."""
+        if self.spec.standby_warmup == "cold" or not self.spec.recording_path or not self.replayed:
+            return
+        from trainmover.sandbox import recording, shadow
+        version = shadow.newer(Path(self.spec.recording_path), self.replayed)
+        if version is None:
+            return
+        self.send("warming", node=self.spec.node, version=version)
+        report = shadow.rewarm(self.groups, recording.version_path(Path(self.spec.recording_path), version),
+                               CONTROL, self.workload.train_step)
+        self.replayed, self.shadow_step = version, report["last_step"]
+        steps = self.shadow_until_steady(self.spec.shadow_steps)
+        self.send("ready", node=self.spec.node, warmup_s=time.perf_counter() - t0, shadow_steps=steps, detail=report)
 
     def standby(self) -> int:
         t0 = time.perf_counter()
@@ -271,11 +305,16 @@ class Agent:
             rehearse = self.local % self.spec.world_size  # any valid rank: the layout is rank-symmetric here
             self.groups = self._make_groups(rehearse, sandbox=True)
             self.workload.build(self._context(rehearse))
-        steps = self.shadow_until_steady(self.spec.shadow_steps)
+        with self._warm_stance():
+            steps = self.shadow_until_steady(self.spec.shadow_steps)
         self.send("ready", node=self.spec.node, warmup_s=time.perf_counter() - t0, shadow_steps=steps, detail=shadow)
         log.info("standby on %s warm after %.2fs", self.spec.node, time.perf_counter() - t0)
         while True:
-            msg = self.inbox.get()
+            try:
+                msg = self.inbox.get(timeout=REWARM_POLL_S)
+            except queue.Empty:
+                self._rewarm_if_newer(t0)
+                continue
             if msg is None:
                 log.info("controller closed the channel; standby exits")
                 return 0
@@ -329,7 +368,8 @@ class Agent:
         # and run shadow steps so that the new wrappers' one-time work happens in the sandbox.
         self.groups = self._make_groups(rank, sandbox=True)
         self.workload.rebind(self._context(rank))
-        self.shadow_until_steady(self.spec.shadow_steps)
+        with self._warm_stance():
+            self.shadow_until_steady(self.spec.shadow_steps)
         prep = phase1.Prepared(epoch, delta(self.specs, msg["leavers"], epoch), "joiner", rank)
         phase1.start(prep, self.build_backend)
         if not prep.done.wait(self.spec.group_timeout_s + 5) or prep.error:
@@ -422,8 +462,7 @@ class Agent:
             compute_s, self.pure_s = first - t0, first - t1
         if self.recorder:
             report = self.recorder.after(step, loss, time.perf_counter() - t0)
-            if report:
-                self.recorder = None
+            if report:  # the recorder stays: it records again if the collectives change shape
                 self.send("recorded", **report)
         step += 1
         self.completed = step  # from here on a failure finds this step complete in our state
