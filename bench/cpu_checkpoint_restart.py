@@ -42,6 +42,9 @@ from trainmover.slurm.client import CliSlurm  # noqa: E402
 SCRIPT = ROOT / "bench" / "sbatch" / "baseline_gpt_cpu.sbatch"
 REASON = "trainmover-bench baseline"
 CLUSTER_DIR = "/var/tmp/trainmover-cluster-bench"
+DETECT_NOTE = ("planned: the driver signals the job right after the drain; failure: the driver sets the node "
+               "DOWN itself, so Slurm's detection is instant here (a silent node is declared down only after "
+               "SlurmdTimeout: 30 s on this cluster, 300 s by default)")
 GONE = {"", "COMPLETED", "CANCELLED", "FAILED", "NODE_FAIL", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
@@ -171,6 +174,7 @@ def main():
                            "ckpt_every": args.ckpt_every, "event_at": args.event_at,
                            "storage": "run directory on the local disk (the cluster's shared filesystem)",
                            "restart": "resubmission of the same batch script; Slurm picks healthy nodes",
+                           "detect": DETECT_NOTE,
                            "slurm": "22.05.8 embedded, one machine"},
               "metrics": summary(trials, args.scenario), "trials": trials}
     results_io.write(results_io.stamped(f"cpu-baseline-{args.scenario}"), result)

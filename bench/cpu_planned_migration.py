@@ -56,7 +56,7 @@ def gantt(m: dict, rows: dict, t0: float) -> list[dict]:
              ("release node (training continues)", p.get("releasing"), p.get("done"))]
     s = m["switch_step"]
     if s in rows and s + 1 in rows:
-        spans.append(("pause seen by stayers", rows[s]["t"], rows[s + 1]["t"]))
+        spans.append(("stayers: step across the switch (pause + one step)", rows[s]["t"], rows[s + 1]["t"]))
     return [{"phase": name, "start_s": round(a - t0, 6), "end_s": round(b - t0, 6), "seconds": round(b - a, 6)}
             for name, a, b in spans if a is not None and b is not None]
 
