@@ -13,6 +13,7 @@ restarts from the previous committed checkpoint, never from a torn one.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,13 +48,17 @@ def write_part(root: Path, step: int, rank: int, shared: dict | None, own: dict)
     return written
 
 
-def commit(root: Path, step: int) -> Path:
-    """Make checkpoint `step` the latest (rank 0, after every rank wrote its part)."""
+def commit(root: Path, step: int, keep: int = 1) -> Path:
+    """Make checkpoint `step` the latest (rank 0, after every rank wrote its part), then delete
+    all but the `keep` newest committed ones (a 1B model's checkpoint is ~15 GB)."""
     final = step_dir(root, step)
     os.replace(partial_dir(root, step), final)
     tmp = root / "latest.tmp"
     tmp.write_text(final.name)
     os.replace(tmp, root / "latest")
+    done = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".partial"))
+    for old in done[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
     return final
 
 
