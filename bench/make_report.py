@@ -69,6 +69,11 @@ def ratio(tm, base) -> str:
     return f"1/{base / tm:.0f} ({tm / base:.4f})"
 
 
+def where(r: dict) -> str:
+    gpus = r.get("gpus", "none")
+    return f"{r['machine']} ({gpus if gpus != 'none' else r.get('cpu', 'CPU')})"
+
+
 def side_by_side_table(results: list[dict]) -> str:
     rows = ["| scenario | machine | TrainMover downtime | checkpoint-restart downtime | ratio | "
             "stayers' throughput in Phase 1 | stayers' memory growth | state copy vs p2p | command |",
@@ -84,7 +89,7 @@ def side_by_side_table(results: list[dict]) -> str:
         copy = (f"{nbytes(m.get('state_bytes'))} at {m['state_copy_GBps']:.3g} GB/s vs {m['p2p_GBps']:.3g} GB/s"
                 if m.get("state_copy_GBps") and m.get("p2p_GBps") else "-")
         thr = f"{m['stayer_throughput_ratio']:.1%}" if m.get("stayer_throughput_ratio") else "-"
-        rows.append(f"| planned, {what} | {r['machine']} ({r.get('gpus', 'none')}) | {s(m.get('planned_downtime_s'))} | "
+        rows.append(f"| planned, {what} | {where(r)} | {s(m.get('planned_downtime_s'))} | "
                     f"{s(m.get('baseline_downtime_s'))} | {ratio(m.get('planned_downtime_s'), m.get('baseline_downtime_s'))}"
                     f"{goal} | {thr} | {mem_txt} | {copy} | `{r['command']}` |")
         if "baseline_unexpected_downtime_s" in m:
@@ -92,10 +97,23 @@ def side_by_side_table(results: list[dict]) -> str:
             lost = m.get("baseline_lost_steps_all") or []
             base_txt = (f"{s(m['baseline_unexpected_downtime_s'])} to the first step; {lost and sorted(lost)[len(lost) // 2]} "
                         f"steps lost, progress regained after {s(m.get('baseline_regained_s'))}")
-            rows.append(f"| unexpected failure, {what} | {r['machine']} ({r.get('gpus', 'none')}) | "
-                        f"{s(tm_u) if tm_u is not None else 'not measured: ' + (m.get('unexpected_note') or '-')} | "
+            rows.append(f"| unexpected failure, {what} | {where(r)} | "
+                        f"{s(tm_u) if tm_u is not None else (m.get('unexpected_note') or 'not measured')} | "
                         f"{base_txt} | {ratio(tm_u, m['baseline_unexpected_downtime_s'])} | - | - | - | same |")
     return "\n".join(rows)
+
+
+def merge_order(names: list[str], more: list[str]) -> list[str]:
+    """`names` with the entries of `more` it lacks, each placed after its predecessor in `more`
+    (or before its successor): phases keep the order in which a restart passes them."""
+    out = list(names)
+    for i, k in enumerate(more):
+        if k in out:
+            continue
+        before = next((out.index(p) + 1 for p in reversed(more[:i]) if p in out), None)
+        after = next((out.index(n) for n in more[i + 1:] if n in out), None)
+        out.insert(before if before is not None else after if after is not None else len(out), k)
+    return out
 
 
 def phase_table(r: dict) -> str:
@@ -106,7 +124,7 @@ def phase_table(r: dict) -> str:
     cols = [(name, d) for name, d in cols if d]
     names: list[str] = []
     for _, d in cols:
-        names += [k for k in d if k not in names]
+        names = merge_order(names, list(d))
     head = "| phase (median) | " + " | ".join(n for n, _ in cols) + " |"
     lines = [head, "|---|" + "---|" * len(cols)]
     for k in names:

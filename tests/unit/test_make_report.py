@@ -31,7 +31,7 @@ def test_side_by_side_row_has_both_downtimes_and_their_ratio():
 def test_unexpected_failure_row_says_what_is_not_measured():
     block = make_report.render_block(results())
     row = next(ln for ln in block.splitlines() if ln.startswith("| unexpected failure"))
-    assert "not measured: issue #6: not measured" in row
+    assert "| issue #6: not measured |" in row
     assert "3.5 s to the first step; 27 steps lost, progress regained after 4.2 s" in row
 
 
@@ -41,6 +41,12 @@ def test_phase_table_lists_every_phase_once_with_blank_cells_where_absent():
     assert lines[0] == "| phase (median) | TrainMover planned | checkpoint-restart planned | checkpoint-restart failure |"
     assert "| imports |  | 1.7 s | 1.6 s |" in lines
     assert "| switch (agree, state copy, swap) | 0.03 s |  |  |" in lines
+
+
+def test_phases_keep_the_order_a_restart_passes_them():
+    assert make_report.merge_order(["save", "stop", "resubmit", "imports"], ["detect + stop", "resubmit", "imports"]) == [
+        "save", "stop", "detect + stop", "resubmit", "imports"]
+    assert make_report.merge_order(["a", "c"], ["a", "b", "c", "d"]) == ["a", "b", "c", "d"]
 
 
 def test_scaling_table_and_slope():
