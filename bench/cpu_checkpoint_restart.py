@@ -71,6 +71,14 @@ def restore_nodes(slurm: CliSlurm) -> None:
             slurm.resume(name)
 
 
+def cancel_all(ops: SlurmOps) -> list[int]:
+    """Cancel every job of the benchmark's own cluster (after a failed trial)."""
+    ids = [int(x) for x in ops._run(["squeue", "-h", "-o", "%i"], check=False).stdout.split() if x.isdigit()]
+    for j in ids:
+        ops.cancel(j)
+    return ids
+
+
 def rank_node(run: Path, gen: str, rank: int, slurm: CliSlurm, job_nodes) -> str:
     """The node rank `rank` of generation `gen` runs on (from the address it reported)."""
     addr = next(e["addr"] for e in read_jsonl(run / "events" / f"r{rank}.jsonl")
@@ -97,7 +105,9 @@ def baseline_trial(ops: SlurmOps, slurm: CliSlurm, workdir: Path, *, ranks: int,
     else:
         ops.node_down(leaver, REASON)
     t_left, state = ops.wait_state(job, left_running, "the job leaving RUNNING", timeout=120)
-    new = ops.submit(str(SCRIPT), args, nodes=ranks, chdir=str(workdir), job_name="tm-baseline")
+    # --exclude: with ReturnToService=2 a node set DOWN whose slurmd still answers is back in
+    # service within a second; the restarted job must not land on the node it replaces.
+    new = ops.submit(str(SCRIPT), args, nodes=ranks, chdir=str(workdir), job_name="tm-baseline", exclude=[leaver])
     t_resub = time.time()
     last_before = max(m["step"] for m in read_jsonl(metrics) if m["gen"] == gen)
 

@@ -26,8 +26,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench import cpu_planned_migration as tm_bench  # noqa: E402
 from bench import results_io  # noqa: E402
-from bench.cpu_checkpoint_restart import (CLUSTER_DIR, GONE, baseline_trial, cluster_env, machine,  # noqa: E402
-                                          restore_nodes)
+from bench.cpu_checkpoint_restart import (CLUSTER_DIR, GONE, baseline_trial, cancel_all, cluster_env,  # noqa: E402
+                                          machine, restore_nodes)
+from trainmover.errors import TrainMoverError  # noqa: E402
 from trainmover.baseline.slurm_ops import SlurmOps  # noqa: E402
 
 
@@ -56,20 +57,34 @@ def main():
     workdir.mkdir(parents=True, exist_ok=True)
     tm: dict[int, list] = {n: [] for n in args.ranks}
     base: dict[int, list] = {n: [] for n in args.ranks}
+    failed: list[dict] = []
     for n in args.ranks:
         for i in range(args.repeats):
             restore_nodes(slurm)
-            t = tm_bench.one(tm_env, slurm, workdir, 100000, nodes=n, at_step=args.event_at, start_timeout=600)
-            ops.wait_state(t["job_id"], lambda s: s in GONE, "the TrainMover job to end", timeout=120, interval=0.2)
+            try:
+                t = tm_bench.one(tm_env, slurm, workdir, 100000, nodes=n, at_step=args.event_at, start_timeout=600)
+                ops.wait_state(t["job_id"], lambda s: s in GONE, "the TrainMover job to end", timeout=120, interval=0.2)
+            except (TimeoutError, TrainMoverError) as exc:  # kept in the result, not hidden: a trial that failed
+                failed.append({"ranks": n, "system": "trainmover", "trial": i, "error": f"{type(exc).__name__}: {exc}",
+                               "cancelled": cancel_all(ops)})
+                print(f"{n} ranks [{i}] trainmover trial failed: {exc}", flush=True)
+                continue
             tm[n].append(t)
             print(f"{n} ranks [{i}] trainmover planned downtime {t['downtime_s']} (step {t['steady_step_s']:.4f}s)",
                   flush=True)
         for i in range(args.baseline_repeats):
-            b = baseline_trial(ops, slurm, workdir, ranks=n, scenario="planned", steps=100000,
-                               event_at=args.event_at, ckpt_every=0, tag=str(i), start_timeout=600)
+            try:
+                b = baseline_trial(ops, slurm, workdir, ranks=n, scenario="planned", steps=100000,
+                                   event_at=args.event_at, ckpt_every=0, tag=str(i), start_timeout=600)
+            except (TimeoutError, TrainMoverError) as exc:
+                failed.append({"ranks": n, "system": "baseline", "trial": i, "error": f"{type(exc).__name__}: {exc}",
+                               "cancelled": cancel_all(ops)})
+                print(f"{n} ranks [{i}] baseline trial failed: {exc}", flush=True)
+                continue
             base[n].append(b)
             print(f"{n} ranks [{i}] baseline planned downtime {b['downtime_s']}", flush=True)
     restore_nodes(slurm)
+    args.ranks = [n for n in args.ranks if tm[n]]
     med = {n: statistics.median(t["downtime_s"] for t in tm[n]) for n in args.ranks}
     xs = [n for n in args.ranks for _ in tm[n]]
     ys = [t["downtime_s"] for n in args.ranks for t in tm[n]]
@@ -85,7 +100,8 @@ def main():
                                        for n in args.ranks},
         "phase1_s_by_ranks": {str(n): statistics.median(t["phase1_s"] for t in tm[n]) for n in args.ranks},
     }
-    if args.baseline_repeats:
+    metrics["failed_trials"] = len(failed)
+    if args.baseline_repeats and all(base[n] for n in args.ranks):
         bmed = {n: statistics.median(b["downtime_s"] for b in base[n]) for n in args.ranks}
         bx = [n for n in args.ranks for _ in base[n]]
         by = [b["downtime_s"] for n in args.ranks for b in base[n]]
@@ -104,7 +120,8 @@ def main():
                            "slurm": "22.05.8 embedded, one machine"},
               "metrics": metrics,
               "trials": {"trainmover_planned": {str(n): v for n, v in tm.items()},
-                         "baseline_planned": {str(n): v for n, v in base.items()}}}
+                         "baseline_planned": {str(n): v for n, v in base.items()}},
+              "failed_trials": failed}
     results_io.write(results_io.stamped("cpu-scaling"), result)
 
 
