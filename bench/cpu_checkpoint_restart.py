@@ -156,8 +156,10 @@ def cluster_env(cluster_dir: str, nodes: int, standby: int):
 
 
 def machine() -> dict:
+    """Where it ran; the load average says how much else ran there (the CPU machine is shared)."""
     return {"machine": "cpu-local-cluster", "gpus": "none",
-            "cpu": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}"}
+            "cpu": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
+            "load_avg_1_5_15_min_at_end": [round(x, 2) for x in os.getloadavg()]}
 
 
 def main():

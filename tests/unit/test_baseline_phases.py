@@ -62,3 +62,20 @@ def test_slurm_command_lines():
     assert slurm_ops.parse_job_id("42;cluster\n") == 42
     with pytest.raises(ValueError):
         slurm_ops.node_down_argv("train2", " ")
+
+
+def test_checkpoint_commit_is_atomic_and_keeps_only_the_newest(tmp_path):
+    import torch
+
+    from trainmover.baseline import checkpoint
+    assert checkpoint.latest(tmp_path) is None
+    for step in (10, 20):
+        checkpoint.partial_dir(tmp_path, step).mkdir()
+        checkpoint.write_part(tmp_path, step, 0, {"model": {"w": torch.full((2,), float(step))}}, {"step": step})
+        checkpoint.write_part(tmp_path, step, 1, None, {"step": step})
+        assert checkpoint.latest(tmp_path) == (None if step == 10 else checkpoint.step_dir(tmp_path, 10))
+        checkpoint.commit(tmp_path, step)
+    assert checkpoint.latest(tmp_path) == checkpoint.step_dir(tmp_path, 20)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000020"]
+    loaded = checkpoint.load(checkpoint.latest(tmp_path), 1, torch.device("cpu"))
+    assert loaded.own == {"step": 20} and loaded.shared["model"]["w"].tolist() == [20.0, 20.0]
