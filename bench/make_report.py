@@ -200,14 +200,19 @@ def plot_gantt(r: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     tr = r["trials"]
     rows = []
+
+    def trainmover(label: str, chart: list[dict]) -> None:
+        # the stayers' step across the switch overlaps the switch phase: a lane of its own
+        rows.append((f"{label}: controller", [p for p in chart if not p["phase"].startswith("stayers")]))
+        rows.append((f"{label}: stayers", [p for p in chart if p["phase"].startswith("stayers")]))
     if tr.get("trainmover_planned"):
-        rows.append(("TrainMover, planned", _median_trial(tr["trainmover_planned"])["gantt"]))
+        trainmover("TrainMover, planned", _median_trial(tr["trainmover_planned"])["gantt"])
     if tr.get("baseline_planned"):
         rows.append(("checkpoint-restart, planned", _median_trial(tr["baseline_planned"])["phases"]))
     if tr.get("baseline_failure"):
         rows.append(("checkpoint-restart, failure", _median_trial(tr["baseline_failure"])["phases"]))
     if tr.get("trainmover_failure"):
-        rows.append(("TrainMover, failure", _median_trial(tr["trainmover_failure"])["gantt"]))
+        trainmover("TrainMover, failure", _median_trial(tr["trainmover_failure"])["gantt"])
     names = list(dict.fromkeys(p["phase"] for _, ps in rows for p in ps))
     cmap = plt.get_cmap("tab20")
     color = {n: cmap(i % 20) for i, n in enumerate(names)}
@@ -225,7 +230,7 @@ def plot_gantt(r: dict, path: Path) -> None:
         ax.set_title(title, fontsize=9)
     handles = [plt.Rectangle((0, 0), 1, 1, color=color[n]) for n in names]
     fig.legend(handles, names, loc="lower center", ncol=3, fontsize=7, frameon=False)
-    fig.suptitle(f"{r['scenario']} on {r['machine']} ({r.get('gpus', 'none')}): median trial of each; "
+    fig.suptitle(f"{r['scenario']} on {where(r)}: median trial of each; "
                  "hatched = training continues", fontsize=10)
     fig.tight_layout(rect=(0, 0.14, 1, 0.96))
     fig.savefig(path, dpi=110)
