@@ -42,6 +42,15 @@ from bench.gpu_planned_migration import GPU_ENV  # noqa: E402  (also sets them i
 from trainmover.baseline import phases  # noqa: E402
 
 
+# Phase names of a restart driven by this launcher (no Slurm here), by milestone.
+LABELS = {
+    "planned": {"job_left": "stop (every rank saved and exited)", "resubmitted": "launcher starts new processes",
+                "process_start": "launch (python starts)"},
+    "failure": {"job_left": "detect (launcher sees the dead rank, 50 ms poll) + kill the others",
+                "resubmitted": "launcher starts new processes", "process_start": "launch (python starts)"},
+}
+
+
 def read_jsonl(path: Path) -> list[dict]:
     try:
         return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
@@ -127,7 +136,8 @@ def baseline_trial(args, out: Path, scenario: str, tag: str) -> dict:
     finally:
         g2.signal(signal.SIGKILL)
     events = [e for p in sorted((run / "events").glob("r*.jsonl")) for e in read_jsonl(p)]
-    r = phases.analyse(scenario, t_event, [], events, read_jsonl(metrics), {"job_left": t_left, "resubmitted": g2.t_launch})
+    r = phases.analyse(scenario, t_event, [], events, read_jsonl(metrics), {"job_left": t_left, "resubmitted": g2.t_launch},
+                       LABELS[scenario])
     saved = [e for e in events if e["event"] == "checkpoint_saved" and e["gen"] == "g1"]
     loaded = [e for e in events if e["event"] == "checkpoint_loaded" and e["gen"] == "g2"]
     out_json = {"devices_before": workers, "devices_after": devices, **r.to_json(),

@@ -79,3 +79,10 @@ def test_checkpoint_commit_is_atomic_and_keeps_only_the_newest(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000020"]
     loaded = checkpoint.load(checkpoint.latest(tmp_path), 1, torch.device("cpu"))
     assert loaded.own == {"step": 20} and loaded.shared["model"]["w"].tolist() == [20.0, 20.0]
+
+
+def test_labels_name_the_phases_of_another_launcher():
+    metrics = steps("g1", 1, 47, 100.0) + steps("g2", 41, 60, 120.0)
+    r = phases.analyse("failure", 104.65, [], restart_events("g2", 110.0), metrics, {"job_left": 104.7},
+                       {"job_left": "detect (launcher) + kill"})
+    assert r.phases[0]["phase"] == "detect (launcher) + kill"

@@ -59,9 +59,10 @@ def _latest(events: list[dict], gen: str, name: str) -> float | None:
 
 
 def analyse(scenario: str, t_event: float, batches: list[dict], events: list[dict], metrics: list[dict],
-            driver: dict[str, float]) -> Restart:
+            driver: dict[str, float], labels: dict[str, str] | None = None) -> Restart:
     """`driver`: times the benchmark itself saw: `job_left` (the old job left RUNNING) and
-    `resubmitted` (sbatch of the new job returned).
+    `resubmitted` (sbatch of the new job returned). `labels`: phase names by milestone, for
+    launchers other than Slurm (the GPU host's bench starts processes itself).
 
     planned: downtime = first step of the new job - last step of the old one - one steady step
              (the definition of TrainMover's planned_downtime_s); the checkpoint taken at the
@@ -112,7 +113,7 @@ def analyse(scenario: str, t_event: float, batches: list[dict], events: list[dic
     for (a, ta), (b, tb) in zip(miles, miles[1:]):
         if tb < ta - 1e-3:
             raise RecordsError(f"milestone {b} ({tb:.3f}) precedes {a} ({ta:.3f})")
-    names = dict(RESTART) | phase_of
+    names = dict(RESTART) | phase_of | (labels or {})
     phases = [{"phase": names[b], "milestone": b, "start_s": round(ta - t_event, 6), "end_s": round(tb - t_event, 6),
                "seconds": round(tb - ta, 6)} for (_, ta), (b, tb) in zip(miles, miles[1:])]
     if scenario == "planned":
