@@ -165,8 +165,9 @@ def trainmover_side(args, out: Path) -> tuple[dict, list[dict]]:
     ns = argparse.Namespace(preset=args.preset, steps=args.tm_steps, migrate_at=args.tm_migrate_at, gpus=args.gpus,
                             device=args.device, leaver="gpu1" if args.gpus > 2 else "gpu0")
     if args.gpus == 2:
-        raise SystemExit("--with-trainmover needs >= 3 GPUs: gpu0 runs the controller and cannot be released, "
-                         "so TrainMover's migration needs a second worker GPU (run the baseline alone on 2 GPUs)")
+        raise SystemExit("--with-trainmover needs >= 3 GPUs: with 2 there is one worker and no stayer, so the "
+                         "downtime TrainMover reports (the pause seen by stayers) does not exist; run the baseline "
+                         "alone on 2 GPUs (and bench/gpu_planned_migration.py --gpus 2 for the migration itself)")
     p2p = gpm.p2p_bandwidth() if args.device == "cuda" else None
     ref = gpm.run_job(f"ref-{args.preset}", out / "work", ns, migrate=False)
     mig = gpm.run_job(f"mig-{args.preset}", out / "work", ns, migrate=True)
