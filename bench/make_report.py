@@ -149,8 +149,16 @@ def scaling_table(r: dict) -> str:
     lines.append(f"Least-squares slope of TrainMover's downtime: **{slope * 1000:+.2f} ms per rank** "
                  f"(of the medians: {m['planned_downtime_slope_s_per_rank_of_medians'] * 1000:+.2f} ms per rank)"
                  + (f"; checkpoint-restart: {bslope * 1000:+.0f} ms per rank" if bslope is not None else "")
-                 + f". Machine: {r['machine']} ({r.get('cpu', r.get('gpus'))}); `{r['command']}` at {r['commit'][:10]}.")
+                 + f". Machine: {r['machine']} ({r.get('cpu', r.get('gpus'))}){load_note(r)}; `{r['command']}` at {r['commit'][:10]}."
+                 + (f" {m['failed_trials']} trial(s) failed and are left out (the JSON's `failed_trials` says why)."
+                    if m.get("failed_trials") else ""))
     return "\n".join(lines)
+
+
+def load_note(r: dict) -> str:
+    """The shared CPU machine's load average when the result was written (noise, said openly)."""
+    la = r.get("load_avg_1_5_15_min_at_end")
+    return f", load average {la[0]:g}/{la[1]:g}/{la[2]:g} (1/5/15 min) at the end" if la else ""
 
 
 def render_block(results: list[dict], plots: dict[str, str] | None = None) -> str:
@@ -165,7 +173,7 @@ def render_block(results: list[dict], plots: dict[str, str] | None = None) -> st
                   "model, load the checkpoint and run a first step (`trainmover/baseline/`). Downtime as defined "
                   "in `shared/reference/bench-results.md`.", "", side_by_side_table(sbs), ""]
         for r in sbs:
-            parts += [f"Phases, {r['scenario']} on {r['machine']} ({r['when']}, commit {r['commit'][:10]}, "
+            parts += [f"Phases, {r['scenario']} on {r['machine']}{load_note(r)} ({r['when']}, commit {r['commit'][:10]}, "
                       f"{r.get('settings', {}).get('repeats', '?')} repeats; \"training continues\" phases cost the job no "
                       "pause):", "", phase_table(r), ""]
     for r in newest(results, "scaling"):
