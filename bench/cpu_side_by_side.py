@@ -10,8 +10,8 @@ gloo send/recv of the state's size between two node addresses, the reference for
 copy. Writes bench/results/cpu-side-by-side-<time>.json: medians, every trial, per-phase
 timelines of both (the report draws them as a Gantt chart).
 
-TrainMover's unexpected-failure path is issue #6 (in progress): `trainmover_failure_trial`
-is the hook for it and reports nothing until then. No number is made up for it.
+TrainMover's unexpected failure: `trainmover_failure_trial` (SIGKILL of rank 1's worker,
+bench/cpu_unexpected_failure.py), timed from the kill to the first completed step.
 """
 from __future__ import annotations
 
@@ -66,12 +66,12 @@ def gloo_p2p_GBps(nbytes: int) -> float:
     return statistics.median(rates)
 
 
-def trainmover_failure_trial(*_args, **_kwargs) -> dict | None:
-    """Hook for TrainMover's unexpected-failure path (issue #6): the node of rank 1 fails
-    (set DOWN, as the baseline's), the controller promotes the warm standby, and the downtime
-    runs from the fault to the first completed step after recovery. Returns None until that
-    path exists in the runtime; the result then says so instead of carrying a number."""
-    return None
+def trainmover_failure_trial(ops, slurm, workdir: Path, *, ranks: int, env: dict, at_step: int) -> dict:
+    """TrainMover's unexpected failure (bench/cpu_unexpected_failure.py): rank 1's worker is
+    killed with SIGKILL; downtime runs from the kill to the first step every rank completed
+    after the warm standby took the rank with a replica's state."""
+    from bench import cpu_unexpected_failure
+    return cpu_unexpected_failure.one(env, workdir, nodes=ranks, at_step=at_step)
 
 
 def tm_summary(trials: list[dict]) -> dict:
@@ -119,9 +119,10 @@ def main():
                                event_at=args.event_at, ckpt_every=args.ckpt_every, tag=str(i))
             bucket.append(b)
             print(f"[{i}] baseline {scenario} downtime {b['downtime_s']}", flush=True)
-        f = trainmover_failure_trial(ops, slurm, workdir, ranks=args.ranks)
-        if f is not None:
-            tm_failure.append(f)
+        restore_nodes(slurm)
+        f = trainmover_failure_trial(ops, slurm, workdir, ranks=args.ranks, env=tm_env, at_step=args.event_at)
+        tm_failure.append(f)
+        print(f"[{i}] trainmover failure downtime {f['downtime_s']}", flush=True)
     restore_nodes(slurm)
     p2p = gloo_p2p_GBps(tm[0]["state_bytes"])
     metrics = {**tm_summary(tm), **summary(planned, "planned"),
