@@ -13,6 +13,10 @@ class Node:
     reason: str = ""
 
     @property
+    def unresponsive(self):
+        return self.state.startswith("DOWN") or "NOT_RESPONDING" in self.state
+
+    @property
     def draining(self):
         return "DRAIN" in self.state and self.state.startswith(("ALLOCATED", "MIXED"))
 
@@ -295,3 +299,16 @@ def test_a_stayer_lost_during_phase1_aborts_the_planned_migration_and_recovers_f
     assert planned.phase is Phase.ABORTED and p.recovery().leaver == "train3"
     retry = [m for m in p.migrations if m.leaver == "train2" and m.active]
     assert retry and retry[0].phase is Phase.REQUESTED  # the drain is retried after the recovery
+
+
+def test_a_node_whose_slurmd_stopped_answering_is_migrated_as_planned():
+    """slurmd killed: its ranks' processes still run, so their state is copied from them."""
+    p = new_policy()
+    ready_standby(p)
+    acts = p.on_nodes(10.0, {"train3": Node("ALLOCATED+NOT_RESPONDING")})
+    assert sends(acts, "prepare") and p.active().trigger == "failure" and not p.active().recovery
+    # ...and a node being recovered is not asked to migrate on top of it
+    q = new_policy()
+    ready_standby(q)
+    q.on_peer_gone(3.0, "train2")
+    assert q.request(4.0, "train2", "drain")[1].startswith("train2 is being recovered")
