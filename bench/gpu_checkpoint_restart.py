@@ -176,7 +176,16 @@ def trainmover_side(args, out: Path) -> tuple[dict, list[dict]]:
     rows = {r["step"]: r for r in mig["metrics"]}
     chart = gantt(m, rows, mig["trigger"]["t"])
     metrics["trainmover_phases_s"] = {p["phase"]: p["seconds"] for p in chart}
-    return metrics, [{"downtime_s": metrics["planned_downtime_s"], "gantt": chart, "migration": m}]
+    trials = [{"downtime_s": metrics["planned_downtime_s"], "gantt": chart, "migration": m}]
+    if "failure" in args.scenarios:  # unexpected failure: SIGKILL of the same rank's worker
+        kill = gpm.run_job(f"kill-{args.preset}", out / "work", argparse.Namespace(**vars(ns), fault="kill"),
+                           migrate=True)
+        failure = gpm.summarize_failure(ref, kill, p2p)
+        metrics["unexpected_downtime_s"] = failure["unexpected_downtime_s"]
+        metrics["trainmover_failure"] = failure
+        trials.append({"downtime_s": failure["unexpected_downtime_s"], "failure": failure,
+                       "migrations": kill["status"]["migrations"]})
+    return metrics, trials
 
 
 def main():
@@ -227,7 +236,12 @@ def main():
     if metrics.get("planned_downtime_s") and metrics.get("baseline_downtime_s"):
         metrics["downtime_ratio"] = metrics["planned_downtime_s"] / metrics["baseline_downtime_s"]
     metrics.setdefault("unexpected_downtime_s", None)
-    metrics["unexpected_note"] = "TrainMover's unexpected-failure path (issue #6) is not measured by this script yet"
+    metrics["unexpected_note"] = ("" if metrics["unexpected_downtime_s"] is not None else
+                                  "TrainMover's unexpected failure not measured in this run (--with-trainmover and "
+                                  "the failure scenario run it)")
+    if metrics["unexpected_downtime_s"] and metrics.get("baseline_unexpected_downtime_s"):
+        metrics["unexpected_downtime_ratio"] = (metrics["unexpected_downtime_s"]
+                                                / metrics["baseline_unexpected_downtime_s"])
     from trainmover.workloads.gpt_demo import GPT, PRESETS
     layers, d, heads, seq, batch, vocab = PRESETS[args.preset]
     with torch.device("meta"):
