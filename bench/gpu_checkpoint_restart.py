@@ -183,8 +183,7 @@ def trainmover_side(args, out: Path) -> tuple[dict, list[dict]]:
         failure = gpm.summarize_failure(ref, kill, p2p)
         metrics["unexpected_downtime_s"] = failure["unexpected_downtime_s"]
         metrics["trainmover_failure"] = failure
-        trials.append({"downtime_s": failure["unexpected_downtime_s"], "failure": failure,
-                       "migrations": kill["status"]["migrations"]})
+        metrics["trainmover_failure_migrations"] = kill["status"]["migrations"]
     return metrics, trials
 
 

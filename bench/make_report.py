@@ -81,7 +81,8 @@ def side_by_side_table(results: list[dict]) -> str:
     for r in results:
         m, st = r["metrics"], r.get("settings", {})
         workers = st.get("workers")
-        what = f"{st.get('workload', '?')}, {workers} ranks" if workers else st.get("workload", "?")
+        workload = st.get("workload") or (f"gpt_demo {st['preset']}" if "preset" in st else "?")
+        what = f"{workload}, {workers} ranks" if workers else workload
         goal = " (goal <= 1/50)" if r.get("gpus", "none") != "none" else ""
         mem = m.get("stayer_device_mem_growth_bytes")
         mem_txt = (f"{nbytes(mem)} device, {nbytes(m.get('stayer_extra_alloc_bytes'))} allocator"
@@ -199,7 +200,8 @@ def replace_block(readme: str, block: str) -> str:
 # --- plots (effects: files) ---------------------------------------------------------------
 
 def _median_trial(trials: list[dict]) -> dict:
-    return sorted(trials, key=lambda t: t["downtime_s"])[len(trials) // 2]
+    timed = [t for t in trials if "failure" not in t]  # a TrainMover failure trial kept next to them
+    return sorted(timed, key=lambda t: t["downtime_s"])[len(timed) // 2]
 
 
 def plot_gantt(r: dict, path: Path) -> None:
