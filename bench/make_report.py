@@ -74,7 +74,9 @@ def where(r: dict) -> str:
     return f"{r['machine']} ({gpus if gpus != 'none' else r.get('cpu', 'CPU')})"
 
 
-def side_by_side_table(results: list[dict]) -> str:
+def side_by_side_table(results: list[dict], failures: list[dict] = ()) -> str:
+    """`failures`: TrainMover's own unexpected-failure results (unexpected-failure-* scenarios),
+    shown, marked as a separate run, where a side-by-side run did not measure that path."""
     rows = ["| scenario | machine | TrainMover downtime | checkpoint-restart downtime | ratio | "
             "stayers' throughput in Phase 1 | stayers' memory growth | state copy vs p2p | command |",
             "|---|---|---|---|---|---|---|---|---|"]
@@ -98,8 +100,12 @@ def side_by_side_table(results: list[dict]) -> str:
             lost = m.get("baseline_lost_steps_all") or []
             base_txt = (f"{s(m['baseline_unexpected_downtime_s'])} to the first step; {lost and sorted(lost)[len(lost) // 2]} "
                         f"steps lost, progress regained after {s(m.get('baseline_regained_s'))}")
-            rows.append(f"| unexpected failure, {what} | {where(r)} | "
-                        f"{s(tm_u) if tm_u is not None else (m.get('unexpected_note') or 'not measured')} | "
+            tm_txt = s(tm_u) if tm_u is not None else (m.get("unexpected_note") or "not measured")
+            separate = next((f for f in failures if f.get("machine") == r.get("machine")), None)
+            if tm_u is None and separate is not None:
+                tm_txt = (f"{s(separate['metrics']['unexpected_downtime_s'])} (separate run: "
+                          f"`{separate['_file']}`)")
+            rows.append(f"| unexpected failure, {what} | {where(r)} | {tm_txt} | "
                         f"{base_txt} | {ratio(tm_u, m['baseline_unexpected_downtime_s'])} | - | - | - | same |")
     return "\n".join(rows)
 
@@ -172,7 +178,8 @@ def render_block(results: list[dict], plots: dict[str, str] | None = None) -> st
                   "loses the steps since its last periodic checkpoint (failure), the job ends, a new job is "
                   "submitted and Slurm starts it on healthy nodes; processes start, rebuild communicators, build the "
                   "model, load the checkpoint and run a first step (`trainmover/baseline/`). Downtime as defined "
-                  "in `shared/reference/bench-results.md`.", "", side_by_side_table(sbs), ""]
+                  "in `shared/reference/bench-results.md`.", "",
+                  side_by_side_table(sbs, newest(results, "unexpected-failure")), ""]
         for r in sbs:
             parts += [f"Phases, {r['scenario']} on {r['machine']}{load_note(r)} ({r['when']}, commit {r['commit'][:10]}, "
                       f"{r.get('settings', {}).get('repeats', '?')} repeats; \"training continues\" phases cost the job no "
