@@ -74,7 +74,8 @@ def load_optimizer_in_place(opt, state: dict) -> None:
         group.update({k: v for k, v in loaded.items() if k != "params"})
 
 
-REGISTRY = {"gpt_demo": "trainmover.workloads.gpt_demo:GPTDemo"}
+REGISTRY = {"gpt_demo": "trainmover.workloads.gpt_demo:GPTDemo",
+            "megatron_gpt": "trainmover.workloads.megatron_gpt:MegatronGPT"}
 
 
 def load(name: str, options: dict | None = None) -> Workload:
