@@ -83,7 +83,7 @@ class SandboxBackend:
 
     def recv(self, tensors, src, tag=0):
         for t in tensors:  # defined contents (buffers are often torch.empty): a shadow step stays finite
-            t.zero_()
+            t.detach().zero_()  # detach: recv buffers may require grad (pipeline activations)
         return self._answer("recv", tensors)
 
     def shutdown(self):
