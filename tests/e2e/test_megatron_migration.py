@@ -21,6 +21,7 @@ import pytest
 from tests.e2e.conftest import TEST_JOB_PREFIX, wait_for
 from tests.e2e.test_migration import Run
 from trainmover.slurm import commands
+from trainmover.errors import SlurmError
 from trainmover.slurm.client import CliSlurm
 
 pytestmark = pytest.mark.slurm
@@ -47,6 +48,20 @@ def cluster():
     _resume_drained(client)
 
 
+@pytest.fixture(autouse=True)
+def resume_drained_nodes(cluster):
+    """Each test leaves the cluster as it found it: the next job needs all 8 training nodes."""
+    yield
+    _resume_drained(cluster[1])
+
+
+def _ended(client: CliSlurm, job_id: int) -> bool:
+    try:
+        return client.job(job_id).state not in ("RUNNING", "PENDING", "COMPLETING", "CONFIGURING")
+    except SlurmError:  # slurmctld forgot it: ended long ago
+        return True
+
+
 def _resume_drained(client: CliSlurm) -> None:
     for name, node in client.nodes().items():
         if "DRAIN" in node.flags and node.reason == DRAIN_REASON:
@@ -71,9 +86,8 @@ def submit(cluster, tmp_path_factory):
 
     yield _submit
     commands.run(["scancel", *[str(r.job_id) for r in runs]], timeout=10, env=env, check=False)
-    wait_for("this module's jobs to end", lambda: all(
-        client.job(r.job_id).state not in ("RUNNING", "PENDING", "COMPLETING", "CONFIGURING") for r in runs),
-        timeout=60, interval=1.0)
+    wait_for("this module's jobs to end", lambda: all(_ended(client, r.job_id) for r in runs), timeout=60,
+             interval=1.0)
     _resume_drained(client)
 
 
@@ -89,7 +103,8 @@ def references(submit, cluster):
     """Uninterrupted runs, distributed optimizer off and on (one after the other: each
     takes all 8 training nodes)."""
     _, client = cluster
-    return {flag: _completed(submit(f"mg-ref-do{flag}", TM_DISTRIBUTED_OPTIMIZER=flag), client) for flag in (0, 1)}
+    return {flag: _completed(submit(f"mg-ref-do{flag}", TM_DISTRIBUTED_OPTIMIZER=flag, TM_STANDBYS=0), client)
+            for flag in (0, 1)}
 
 
 def _standby_ready(run: Run) -> bool:
@@ -125,7 +140,10 @@ def _assert_same_training(run: Run, reference: Run) -> None:
 @pytest.mark.parametrize("distributed_optimizer", [0, 1], ids=["ddp-optimizer", "distributed-optimizer"])
 def test_first_stage_last_stage_and_tp_peer_move_bit_exactly(submit, references, cluster, distributed_optimizer):
     _, client = cluster
-    run = submit(f"mg-move-do{distributed_optimizer}", TM_DISTRIBUTED_OPTIMIZER=distributed_optimizer)
+    # Three standbys warm from the start (one per move): on 2 shared cores a standby started
+    # after a move needs longer to import Megatron than the rest of this short run takes.
+    run = submit(f"mg-move-do{distributed_optimizer}", TM_DISTRIBUTED_OPTIMIZER=distributed_optimizer,
+                 TM_STANDBYS=3)
     wait_for(f"job {run.job_id} to train", lambda: run.last_step() >= 5, timeout=120, interval=0.5)
     joiners = [_move(run, client, FIRST_STAGE, "drain"), _move(run, client, LAST_STAGE, "drain"),
                _move(run, client, TP_PEER, "migrate")]
@@ -139,7 +157,7 @@ def test_first_stage_last_stage_and_tp_peer_move_bit_exactly(submit, references,
 
 def test_without_optimizer_state_the_moved_rank_diverges(submit, references, cluster):
     _, client = cluster
-    run = submit("mg-negative", TM_DISTRIBUTED_OPTIMIZER=1, TM_INJECT="skip-optimizer-state")
+    run = submit("mg-negative", TM_DISTRIBUTED_OPTIMIZER=1, TM_INJECT="skip-optimizer-state", TM_STANDBYS=1)
     wait_for(f"job {run.job_id} to train", lambda: run.last_step() >= 5, timeout=120, interval=0.5)
     _move(run, client, LAST_STAGE, "migrate")
     _completed(run, client)
