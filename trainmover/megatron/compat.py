@@ -3,8 +3,9 @@
 Megatron-core assumes CUDA in a handful of call sites that a CPU run reaches: tensors
 allocated with `device="cuda"` or `torch.cuda.current_device()` (DDP buffers, optimizer
 scalars, grad-norm reductions, pipeline shape exchange, the global memory buffer), the
-model-parallel RNG tracker (CUDA generator states) and `.type() == 'torch.cuda.FloatTensor'`
-checks (distributed optimizer, grad clipping). `activate()` redirects exactly these to the
+model-parallel RNG tracker (CUDA generator states), `.type() == 'torch.cuda.FloatTensor'`
+checks (distributed optimizer, grad clipping) and `weight.data.cuda()` (tied embeddings
+across pipeline stages). `activate()` redirects exactly these to the
 CPU, and only when CUDA is absent: on GPU machines it does nothing and Megatron runs as
 shipped. Every redirection is listed in this module and nowhere else.
 """
