@@ -144,3 +144,60 @@ def test_cpu_compat_is_scoped_to_megatron():
         second = torch.rand(2)
     assert not torch.equal(first, second)  # the tracked stream advanced
     tracker.reset()
+
+
+def _process_groups(roots, depth: int = 4) -> dict[int, dist.ProcessGroup]:
+    """Every ProcessGroup reachable from `roots` through attributes, dicts and lists."""
+    found, seen = {}, set()
+    frontier = list(roots)
+    for _ in range(depth):
+        nxt = []
+        for obj in frontier:
+            if id(obj) in seen or isinstance(obj, (torch.Tensor, str, int, float, type)):
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, dist.ProcessGroup):
+                found[id(obj)] = obj
+                continue
+            if isinstance(obj, dict):
+                nxt += list(obj.values())
+            elif isinstance(obj, (list, tuple, set)):
+                nxt += list(obj)
+            elif hasattr(obj, "__dict__"):
+                nxt += list(vars(obj).values())
+        frontier = nxt
+    return found
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_every_group_megatron_holds_is_a_runtime_group(distributed_optimizer):
+    """Rank 5 (last stage, TP peer) of TP2 x PP2 x DP2, built in this process on sandboxed
+    groups: parallel_state, DDP, its buckets, the optimizer and the model's layers hold only
+    SwappableGroups the runtime built, so a swap reaches every reference. One shadow step
+    runs (the sandbox answers the pipeline's receives)."""
+    pytest.importorskip("megatron.core")
+    import math
+
+    from megatron.core import parallel_state
+
+    from trainmover.megatron import c10d
+    from trainmover.workloads import base as workloads
+    wl = workloads.load("megatron_gpt", {"tp": 2, "pp": 2, "dp": 2, "distributed_optimizer": distributed_optimizer})
+    rank = 5
+    groups = {g.name: SwappableGroup(g.name, g.ranks.index(rank), len(g.ranks), list(g.ranks),
+                                     SandboxBackend(g.ranks.index(rank), len(g.ranks)))
+              for g in wl.group_specs(8) if rank in g.ranks}
+    wl.build(workloads.BuildContext(rank=rank, world_size=8, groups=groups, seed=1, options={"device": "cpu"}))
+    try:
+        assert math.isfinite(wl.train_step(0))
+        held = _process_groups([wl.stack.ddp, wl.stack.optimizer, list(wl.stack.model.modules()),
+                                {k: v for k, v in vars(parallel_state).items() if k.startswith("_")}])
+        ours = {id(g) for g in groups.values()}
+        assert len(held) >= 5 and set(held) <= ours, [g for i, g in held.items() if i not in ours]
+        assert parallel_state.get_pipeline_model_parallel_group().global_ranks == [1, 5]
+        assert parallel_state.get_tensor_model_parallel_group().global_ranks == [4, 5]
+        assert parallel_state.get_data_parallel_group().global_ranks == [5, 7]
+        assert parallel_state.get_embedding_group().global_ranks == [1, 5]
+    finally:
+        parallel_state.destroy_model_parallel()
+        c10d.uninstall()
