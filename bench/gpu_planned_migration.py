@@ -1,9 +1,10 @@
-"""Planned migration on one GPU host: 3 data-parallel workers + 1 standby, NCCL through
+"""Planned migration (or, with --fault kill, an unexpected failure) on one GPU host: 3 data-parallel workers + 1 standby, NCCL through
 cuda/libtmdelta, the real controller, policy and runtime (no Slurm on the GPU machines:
 `SingleHostAllocation` stands in for the allocation; Slurm's own cost is measured on the
 local cluster by bench/cpu_planned_migration.py).
 
     python bench/gpu_planned_migration.py --preset 1b --steps 60 --migrate-at 25 --out DIR
+    python bench/gpu_planned_migration.py --preset 1b --fault kill ...   (SIGKILL of rank 1's worker)
 
 Runs, in one go: plain NCCL send/recv bandwidth (torch.distributed, the reference for the
 state copy), an uninterrupted run, and a run where rank 1's GPU is migrated to the standby
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -73,8 +75,8 @@ def run_job(name: str, out: Path, args, migrate: bool) -> dict:
     cfg = Config(steps=args.steps, model=args.preset, device=args.device, backend="nccl" if args.device == "cuda" else "gloo",
                  standbys=1, poll_s=0.5,
                  group_timeout_s=180, switch_timeout_s=180, phase1_timeout_s=180, shadow_steps=6,
-                 # Recorded collectives (issue 4) stay off here: on GPUs the recorder still copies
-                 # every output to the host synchronously, which would stall the recording rank.
+                 # Recorded collectives (issue 4) stay off here: this bench measures the switch;
+                 # bench/gpu_warm_joiner.py measures recording, replay and the joiner's first step.
                  record_iterations=0,
                  run_dir=str(workdir / "run"))
     alloc = SingleHostAllocation(gpus=args.gpus, train=args.gpus - 1, work_dir=str(workdir))
@@ -91,6 +93,10 @@ def run_job(name: str, out: Path, args, migrate: bool) -> dict:
             if rows and rows[-1]["step"] >= args.migrate_at and any(s["state"] == "ready" for s in status.get("standbys", [])):
                 where = json.loads((run / "controller.json").read_text())
                 trigger["t"] = time.time()
+                if args.fault == "kill":  # `env` execs the worker: this pid is the training process
+                    ctl.steps[args.leaver].send_signal(signal.SIGKILL)
+                    trigger["reply"] = f"SIGKILL to the worker on {args.leaver}"
+                    return
                 reply = channel.request((where["host"], where["port"]), channel.read_secret(str(run / "secret")),
                                         make("migrate", node=args.leaver))
                 trigger["reply"] = reply["message"]
@@ -161,6 +167,36 @@ def summarize(ref: dict, mig: dict, p2p: float) -> dict:
     }
 
 
+def summarize_failure(ref: dict, run: dict, p2p: float | None) -> dict:
+    """Fault (the kill) to the first step every rank completed afterwards, and exactness."""
+    rec = [m for m in run["status"]["migrations"] if m["recovery"]]
+    if not rec or rec[0]["state"] != "done":
+        raise SystemExit(f"no completed recovery: {run['status']['migrations']}")
+    m = rec[0]
+    ev = {e["event"]: e for e in run["timeline"] if e.get("migration") == m["id"]}
+    rows = {r["step"]: r for r in run["metrics"]}
+    resume = m["switch_step"]
+    t_kill = run["trigger"]["t"]
+    ref_losses = {r["step"]: r["losses"] for r in ref["metrics"]}
+    got = {r["step"]: r["losses"] for r in run["metrics"]}
+    differ = [k for k in ref_losses if got.get(k) is None or any(
+        a is not None and a != b for a, b in zip(got[k], ref_losses[k]))]
+    joined = ev["joined"]["detail"]
+    steady_step_s = statistics.median(r["step_s"] for r in run["metrics"][5:resume])
+    return {
+        "unexpected_downtime_s": round(rows[resume + 1]["t"] - t_kill, 4),
+        "detect_s": round(ev["detected"]["t"] - t_kill, 4),
+        "plan_s": round(ev["recover"]["t"] - ev["detected"]["t"], 4),
+        "rebuild_s": round(ev["switched"]["t"] - ev["recover"]["t"], 4),
+        "joiner_rebind_s": joined.get("rebind_s"), "joiner_build_s": joined.get("build_s"),
+        "state_bytes": joined.get("recv_bytes"), "state_copy_s": joined.get("recv_s"),
+        "state_source": m["state_source"], "resume_step": resume, "steady_step_s": steady_step_s,
+        "policy_downtime_s": m["downtime_s"], "p2p_GBps": p2p,
+        "losses_equal_except_lost": not differ, "first_differing_steps": differ[:5],
+        "digest_equal": bool(ref["final"] and run["final"] and ref["final"]["digest"] == run["final"]["digest"]),
+    }
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="1b")
@@ -171,6 +207,8 @@ def main():
     ap.add_argument("--machine", default=os.environ.get("TM_BENCH_MACHINE", "unknown"))
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the same flow over gloo")
     ap.add_argument("--leaver", default="gpu1", help="the GPU 'node' to migrate (gpu0 runs the controller: it stays allocated)")
+    ap.add_argument("--fault", choices=("migrate", "kill"), default="migrate",
+                    help="migrate: a planned migration; kill: SIGKILL of the leaver's worker (unexpected failure)")
     args = ap.parse_args()
     import torch
     out = Path(args.out)
@@ -179,15 +217,16 @@ def main():
     print(f"p2p {p2p} GB/s", flush=True)
     ref = run_job(f"ref-{args.preset}-{args.leaver}", out / "work", args, migrate=False)
     print(f"reference: rc={ref['rc']} {ref['wall_s']:.1f}s", flush=True)
-    mig = run_job(f"mig-{args.preset}-{args.leaver}", out / "work", args, migrate=True)
+    mig = run_job(f"{args.fault}-{args.preset}-{args.leaver}", out / "work", args, migrate=True)
     print(f"migration: rc={mig['rc']} {mig['wall_s']:.1f}s trigger={mig['trigger']}", flush=True)
-    metrics = summarize(ref, mig, p2p)
+    metrics = summarize(ref, mig, p2p) if args.fault == "migrate" else summarize_failure(ref, mig, p2p)
     from trainmover.workloads.gpt_demo import PRESETS, GPT
     layers, d, heads, seq, batch, vocab = PRESETS[args.preset]
     with torch.device("meta"):
         params = sum(p.numel() for p in GPT(layers, d, heads, seq, vocab).parameters())
     result = {
-        "scenario": f"planned-gpu-{args.preset}", "machine": args.machine, "leaver": args.leaver,
+        "scenario": f"{'planned' if args.fault == 'migrate' else 'unexpected-failure'}-gpu-{args.preset}",
+        "machine": args.machine, "leaver": args.leaver,
         "gpus": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}" if args.device == "cuda" else "none",
         "commit": results_io.commit(),
         "command": " ".join(["python", "bench/gpu_planned_migration.py", *sys.argv[1:]]),
@@ -198,9 +237,10 @@ def main():
                      "nccl": ".".join(map(str, torch.cuda.nccl.version())) if args.device == "cuda" else None,
                      "env": GPU_ENV},
         "metrics": metrics,
-        "migration": mig["status"]["migrations"][0],
+        "migrations": mig["status"]["migrations"],
     }
-    path = out / f"gpu-planned-{args.preset}-{args.leaver}.json"
+    kind = "planned" if args.fault == "migrate" else "failure"
+    path = out / f"gpu-{kind}-{args.preset}-{args.leaver}.json"
     results_io.write(path, result)
 
 

@@ -52,7 +52,10 @@ def _status(args) -> int:
     for s in status["standbys"]:
         warm = f"warm in {s['warmup_s']:.1f}s" if s["warmup_s"] is not None else "warming up"
         shadow = s.get("shadow") or {}
-        if shadow.get("replay") == "done":
+        if shadow.get("replay") == "done" and shadow.get("loss_equal") is None:  # a re-recorded version
+            warm += (f", {shadow['iterations']} shadow iterations on recording version {shadow['version']} "
+                     f"(steps {shadow['first_step']}-{shadow['last_step']} of rank {shadow['rank']}; shapes checked)")
+        elif shadow.get("replay") == "done":
             warm += (f", {shadow['iterations']} shadow iterations on recorded collectives, losses "
                      f"{'equal to' if shadow['loss_equal'] else 'DIFFERENT from'} rank {shadow['rank']}'s")
         elif shadow.get("replay"):
@@ -60,8 +63,8 @@ def _status(args) -> int:
         print(f"  standby {s['node']:<7} {s['state']:<9} {warm}")
     rec = status.get("recording") or {}
     if rec:
-        print(f"  recording: rank {rec['rank']}, {rec['iterations']} iterations, {rec['bytes']} bytes, "
-              f"{rec['overhead_s']:.3f}s of overhead")
+        print(f"  recording v{rec.get('version', 1)}: rank {rec['rank']}, {rec['iterations']} iterations, "
+              f"{rec['bytes']} bytes, {rec['overhead_s']:.3f}s of extra step time")
     if not status["standbys"]:
         print(f"  standby pool empty {('(' + status['standby_pool']['note'] + ')') if status['standby_pool']['note'] else ''}")
     if status.get("message"):

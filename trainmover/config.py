@@ -15,7 +15,21 @@ INJECTIONS = {
     "skip-optimizer-state": "the leaver leaves its optimizer state out of the copy (negative control)",
     "corrupt-transfer": "the leaver flips bytes of one tensor on the wire (checksum test)",
     "slow:<rank>:<fraction>": "the worker launched for <rank> sleeps <fraction> of its compute time each step (a straggling node)",
+    "die-in-copy": "the leaver of a planned migration kills itself (SIGKILL) as the joiner starts to wait for its state",
+    "die:<rank>:<step>": "the worker launched for <rank> kills itself (SIGKILL) as it begins step <step>: an unexpected failure mid-run",
 }
+
+
+def parse_die(item: str) -> tuple[int, int]:
+    """`die:<rank>:<step>` -> (rank, step)."""
+    try:
+        _, rank, step = item.split(":")
+        rank_i, step_i = int(rank), int(step)
+    except ValueError:
+        raise ConfigError(f"TM_INJECT: {item!r} is not die:<rank>:<step>") from None
+    if rank_i < 0 or step_i < 0:
+        raise ConfigError(f"TM_INJECT: {item!r}: rank and step must be >= 0")
+    return rank_i, step_i
 
 
 def parse_slow(item: str) -> tuple[int, float]:
@@ -28,6 +42,33 @@ def parse_slow(item: str) -> tuple[int, float]:
     if rank_i < 0 or not 0 < frac < 10:
         raise ConfigError(f"TM_INJECT: {item!r}: rank must be >= 0 and fraction in (0, 10)")
     return rank_i, frac
+
+def parse_options(raw: str) -> dict:
+    """`TM_WORKLOAD_OPTIONS`: `key=value,...` -> dict; true/false become bools, numbers numbers.
+    The workload's constructor validates the keys (an unknown one is a TypeError there)."""
+    out = {}
+    for item in (x.strip() for x in raw.split(",")):
+        if not item:
+            continue
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip().isidentifier():
+            raise ConfigError(f"TM_WORKLOAD_OPTIONS: {item!r} is not key=value")
+        out[key.strip()] = _scalar(value.strip())
+    if "preset" in out:
+        raise ConfigError("TM_WORKLOAD_OPTIONS: set the preset with TM_MODEL")
+    return out
+
+
+def _scalar(value: str):
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
 
 # Variables that belong to the runtime or tools, not to the job's configuration.
 _NOT_CONFIG = {"TM_WORKER_SPEC", "TM_LOG_LEVEL", "TM_TRACE_COLLECTIVES", "TM_CLUSTER_DIR", "TM_PYTHON", "TM_E2E_CLUSTER_DIR"}
@@ -52,12 +93,17 @@ class Config:
     phase1_timeout_s: float = field(default=60.0, metadata={"env": "TM_PHASE1_TIMEOUT_S", "doc": "deadline of Phase 1; past it the migration is aborted, the job unchanged"})
     group_timeout_s: float = field(default=60.0, metadata={"env": "TM_GROUP_TIMEOUT_S", "doc": "deadline of every collective and rendezvous"})
     switch_timeout_s: float = field(default=60.0, metadata={"env": "TM_SWITCH_TIMEOUT_S", "doc": "joiner's longest wait for the leaver's state"})
+    recovery_timeout_s: float = field(default=120.0, metadata={"env": "TM_RECOVERY_TIMEOUT_S", "doc": "after a rank vanished: longest pause for a standby and the new groups before the job stops"})
     standby_wait_s: float = field(default=10.0, metadata={"env": "TM_STANDBY_WAIT_S", "doc": "one attempt to take a standby from the reservation"})
     standby_retry_s: float = field(default=5.0, metadata={"env": "TM_STANDBY_RETRY_S", "doc": "pause between attempts when none is free"})
     release_timeout_s: float = field(default=60.0, metadata={"env": "TM_RELEASE_TIMEOUT_S", "doc": "longest wait for the leaver's step to end before its node is released"})
     record_iterations: int = field(default=3, metadata={"env": "TM_RECORD_ITERATIONS", "doc": "iterations whose collectives are recorded for standbys' shadow steps (0: none)"})
     record_rank: int = field(default=0, metadata={"env": "TM_RECORD_RANK", "doc": "the rank that records and that standbys rehearse"})
+    record_from_step: int = field(default=0, metadata={"env": "TM_RECORD_FROM_STEP", "doc": "first recorded step (0: from the workload's construction on; later: a steady step, past compile and warm-up)"})
+    record_versions: int = field(default=4, metadata={"env": "TM_RECORD_VERSIONS", "doc": "most recordings per job: the recording rank records again when a step's collectives change shape"})
     shadow_steps: int = field(default=6, metadata={"env": "TM_SHADOW_STEPS", "doc": "most shadow steps a standby runs to warm up"})
+    standby_warmup: str = field(default="shadow", metadata={"env": "TM_STANDBY_WARMUP", "doc": "shadow (replay + shadow steps, compiled) or cold (only the eager steps DDP needs; a benchmark baseline)"})
+    workload_options: str = field(default="", metadata={"env": "TM_WORKLOAD_OPTIONS", "doc": "key=value,... passed to the workload (gpt_demo: compile=true)"})
     straggler: str = field(default="report", metadata={"env": "TM_STRAGGLER", "doc": "off, report (verdict in status) or evict (migrate the slow node)"})
     straggler_threshold: float = field(default=0.10, metadata={"env": "TM_STRAGGLER_THRESHOLD", "doc": "slow: compute time this much above the median of the nodes"})
     straggler_windows: int = field(default=3, metadata={"env": "TM_STRAGGLER_WINDOWS", "doc": "consecutive slow windows before a verdict"})
@@ -72,7 +118,7 @@ class Config:
             (self.ranks_per_node > 0, "TM_RANKS_PER_NODE must be > 0"),
             (self.standbys >= 0, "TM_STANDBYS must be >= 0"),
             (self.poll_s > 0, "TM_POLL_S must be > 0"),
-            (min(self.phase1_timeout_s, self.group_timeout_s, self.switch_timeout_s, self.standby_wait_s,
+            (min(self.phase1_timeout_s, self.group_timeout_s, self.switch_timeout_s, self.standby_wait_s, self.recovery_timeout_s,
                  self.standby_retry_s, self.release_timeout_s) > 0, "timeouts must be > 0"),
             (self.record_iterations >= 0 and self.record_rank >= 0, "TM_RECORD_ITERATIONS and TM_RECORD_RANK must be >= 0"),
             (self.shadow_steps >= 2, "TM_SHADOW_STEPS must be >= 2 (steadiness needs two steps to compare)"),
@@ -91,6 +137,11 @@ class Config:
             raise ConfigError("TM_DISTRIBUTED_OPTIMIZER must be 0 or 1")
         if self.distributed_optimizer and not self.tp:
             raise ConfigError("TM_DISTRIBUTED_OPTIMIZER needs a Megatron layout (TM_TP, TM_PP, TM_DP)")
+        if self.record_from_step < 0 or self.record_versions < 1:
+            raise ConfigError("TM_RECORD_FROM_STEP must be >= 0 and TM_RECORD_VERSIONS >= 1")
+        if self.standby_warmup not in ("shadow", "cold"):
+            raise ConfigError(f"TM_STANDBY_WARMUP={self.standby_warmup!r}: expected shadow or cold")
+        parse_options(self.workload_options)
         if self.rebalance_every_steps < 0:
             raise ConfigError("TM_REBALANCE_EVERY_STEPS must be >= 0")
         if self.straggler not in ("off", "report", "evict"):
@@ -101,17 +152,20 @@ class Config:
         for item in self.inject:
             if item.startswith("slow:"):
                 parse_slow(item)
-        unknown = {i for i in self.inject if not i.startswith("slow:")} - set(INJECTIONS)
+            elif item.startswith("die:"):
+                parse_die(item)
+        unknown = {i for i in self.inject if not i.startswith(("slow:", "die:"))} - set(INJECTIONS)
         if unknown:
             raise ConfigError(f"TM_INJECT: unknown injection(s) {sorted(unknown)}; known: {sorted(INJECTIONS)}")
 
-    def workload_options(self) -> dict:
-        """What the workload's constructor gets: the model preset, and the parallel layout
-        when one is set (only workloads that take a layout, e.g. megatron_gpt, accept it)."""
-        options: dict = {"preset": self.model}
+    def workload_kwargs(self) -> dict:
+        """What the workload's constructor gets: the model preset, the parallel layout when
+        one is set (only workloads that take a layout, e.g. megatron_gpt, accept it) and
+        TM_WORKLOAD_OPTIONS."""
+        kwargs: dict = {"preset": self.model}
         if self.tp:
-            options.update(tp=self.tp, pp=self.pp, dp=self.dp, distributed_optimizer=bool(self.distributed_optimizer))
-        return options
+            kwargs.update(tp=self.tp, pp=self.pp, dp=self.dp, distributed_optimizer=bool(self.distributed_optimizer))
+        return {**kwargs, **parse_options(self.workload_options)}
 
     @classmethod
     def from_env(cls, environ=None, **overrides) -> "Config":

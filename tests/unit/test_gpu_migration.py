@@ -28,6 +28,6 @@ def test_each_worker_position_migrates_bit_exactly(leaver, tmp_path):
     result = json.loads((tmp_path / f"gpu-planned-125m-{leaver}.json").read_text())
     m = result["metrics"]
     assert m["losses_equal"] and m["digest_equal"], m
-    assert result["migration"]["state"] == "done" and result["migration"]["leaver"] == leaver
+    assert result["migrations"][0]["state"] == "done" and result["migrations"][0]["leaver"] == leaver
     assert m["comm_inits_per_stayer"] == [1, 1]        # only the world communicator is replaced
     assert m["stayer_extra_alloc_bytes"] <= 0            # Phase 1 takes nothing from torch's allocator

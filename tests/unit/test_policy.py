@@ -146,10 +146,74 @@ def test_metrics_rows_downtime_and_final():
     assert acts[0].stream == "final" and acts[0].payload["steps"] == 20
 
 
-def test_unexpected_worker_exit_finishes_with_the_root_cause():
+def test_a_rank_that_reports_its_error_stops_the_job_with_that_root_cause():
     p = new_policy()
-    acts = p.on_step_exit(3.0, "train3", 137)
-    assert acts == [Finish(False, "worker on train3 (ranks [2]) exited with code 137")]
+    p.on_message(2.9, "train3", {"type": "failed", "rank": 2, "phase": "worker", "error": "CUDA error: out of memory"})
+    acts = p.on_step_exit(3.0, "train3", 1)
+    assert acts == [Finish(False, "rank 2 on train3 failed in worker: CUDA error: out of memory")]
+
+
+def stalled(p, now, rank, step, digest="d", node=None):
+    return p.on_message(now, node or f"train{rank + 1}", {"type": "stalled", "rank": rank, "step": step,
+                                                          "digest": digest, "error": "peer gone", "role": "stayer"})
+
+
+def test_a_vanished_rank_is_revoked_and_rebuilt_from_a_replica_with_laggers_redoing():
+    p = new_policy()
+    ready_standby(p)
+    acts = p.on_step_exit(3.0, "train2", 137)  # killed: no report of its own
+    (revoke,) = sends(acts, "revoke")
+    assert set(revoke.nodes) == {"train1", "train3"} and revoke.msg["failed"] == [1]
+    m = p.recovery()
+    assert m.trigger == "failure" and m.leaver == "train2" and m.joiner == "spare1"
+    assert not sends(stalled(p, 3.1, 0, 10), "recover")  # rank 2 has not stopped yet
+    acts = stalled(p, 3.2, 2, 9)  # rank 2 failed inside step 10: it lags and gets the state too
+    to_stayers, to_joiner = sends(acts, "recover")
+    assert to_stayers.msg["step"] == 10 and to_stayers.msg["source"] == 0 and to_stayers.msg["needers"] == [1, 2]
+    assert set(to_stayers.nodes) == {"train1", "train3"} and to_joiner.nodes == ("spare1",)
+    assert to_joiner.msg["assign"] == {"0": 1} and m.phase is Phase.PREPARING
+    for rank, node, role in ((0, "train1", "stayer"), (2, "train3", "stayer"), (1, "spare1", "joiner")):
+        acts = p.on_message(3.5, node, {"type": "switched", "epoch": m.epoch, "rank": rank, "role": role, "step": 10,
+                                        "t": 3.5, "detail": {}})
+    assert ReleaseNode("train2") in acts and m.phase is Phase.RELEASING
+    assert p.view.rank_node[1] == "spare1"
+    p.on_released(4.0, "train2", True, "")
+    assert m.phase is Phase.DONE and m.to_json()["state_source"] == {"tier": "replica", "rank": 0, "step": 10,
+                                                                      "laggers": [2]}
+
+
+def test_replicas_that_disagree_stop_the_job_rather_than_spread_a_bad_state():
+    p = new_policy()
+    ready_standby(p)
+    p.on_peer_gone(3.0, "train2")
+    stalled(p, 3.1, 0, 10, digest="aaa")
+    acts = stalled(p, 3.2, 2, 10, digest="bbb")
+    assert not sends(acts, "recover")
+    assert isinstance(acts[-1], Finish) and not acts[-1].ok and "different states" in acts[-1].message
+
+
+def test_no_standby_pauses_training_until_the_recovery_deadline():
+    p = new_policy(recovery_timeout_s=30.0)
+    p.on_peer_gone(3.0, "train2")
+    stalled(p, 3.1, 0, 10)
+    stalled(p, 3.2, 2, 10)
+    assert p.recovery().phase is Phase.WAITING_STANDBY and "paused" in p.recovery().note
+    acts = p.on_tick(40.0)
+    assert any(isinstance(a, Finish) and not a.ok and "not recovered within 30s" in a.message for a in acts)
+
+
+def test_a_finished_rank_closing_its_connection_is_not_a_failure():
+    p = new_policy()
+    p.on_message(3.0, "train2", {"type": "finished", "rank": 1, "step": 20, "digest": "d", "loss": 1.0})
+    assert p.on_peer_gone(3.1, "train2") == [] and p.recovery() is None
+
+
+def test_ranks_stalled_with_nobody_lost_stop_the_job_after_the_detection_window():
+    p = new_policy()
+    stalled(p, 3.0, 0, 10)
+    assert not any(isinstance(a, Finish) for a in p.on_tick(10.0))
+    acts = p.on_tick(19.0)
+    assert any(isinstance(a, Finish) and "no rank was found lost" in a.message for a in acts)
 
 
 def test_a_trainmover_health_check_drain_is_its_own_trigger():

@@ -2,6 +2,7 @@
 import datetime
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -122,3 +123,86 @@ def test_swappable_group_switches_backend_under_ddp(store):
     [t.join(30) for t in threads]
     assert torch.equal(results[0], results[1])
     assert torch.allclose(results[0], torch.full((1, 3), 1.5))  # mean of 1 and 2
+
+
+def run_verified(store, prefix, sent, corrupt=False):
+    a, b = pair(store, prefix)
+    result = {}
+
+    def recv():
+        try:
+            result["state"], result["stats"] = transfer.recv_verified(b, src=0, like=None)
+        except MigrationError as exc:
+            result["error"] = exc
+    t = threading.Thread(target=recv)
+    t.start()
+    try:
+        result["sent"] = transfer.send_verified(sent, a, dst=1, corrupt=corrupt)
+    except MigrationError as exc:
+        result["send_error"] = exc
+    t.join(30)
+    return result
+
+
+def test_corrupted_copy_is_retried_and_then_exact(store):
+    sent = state()
+    got = run_verified(store, "v1/", sent, corrupt=True)
+    assert "error" not in got and "send_error" not in got
+    assert got["stats"].attempts == 2 and got["sent"].attempts == 2  # the first copy was refused
+    assert transfer.digest_tensors(flat(got["state"])) == transfer.digest_tensors(flat(sent))
+
+
+def test_state_with_nan_is_refused_on_both_sides(store):
+    sent = state()
+    sent["workload"]["model"]["bias"][0] = float("nan")
+    got = run_verified(store, "v2/", sent)
+    assert "NaN or Inf" in str(got["error"])
+    assert "refused" in str(got["send_error"])
+    assert "state" not in got
+
+
+def test_nonfinite_counts_only_floating_tensors():
+    assert transfer.nonfinite([torch.tensor([1.0, float("inf")]), torch.tensor([3]), torch.zeros(2)]) == 1
+    assert transfer.nonfinite([torch.tensor([1, 2])]) == 0
+
+
+def test_revoke_frees_ranks_waiting_on_a_peer_that_never_comes(store):
+    """A member alive but silent (a hung node): without revoke the others would wait for the
+    group timeout (20 s here); revoke fails their collective at once, and so does any later
+    one, until a new backend is swapped in."""
+    groups = [None] * 3
+
+    def build(r):
+        client = dist.TCPStore("127.0.0.1", store, is_master=False, wait_for_workers=False, timeout=TIMEOUT)
+        groups[r] = SwappableGroup("world", r, 3, [0, 1, 2], gloo_group(client, "rv/", r, 3, host="127.0.0.1",
+                                                                        timeout=TIMEOUT))
+    threads = [threading.Thread(target=build, args=(r,)) for r in range(3)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    outcome = {}
+
+    def reduce(r):  # rank 2 never joins
+        t0 = time.monotonic()
+        try:
+            groups[r].allreduce([torch.ones(4)]).wait()
+            outcome[r] = ("completed", time.monotonic() - t0)
+        except RuntimeError as exc:
+            outcome[r] = (str(exc), time.monotonic() - t0)
+    threads = [threading.Thread(target=reduce, args=(r,)) for r in (0, 1)]
+    [t.start() for t in threads]
+    time.sleep(0.5)
+    for g in groups[:2]:
+        g.revoke("rank 2 lost")
+    [t.join(10) for t in threads]
+    # Rank 2 comes back late: the abandoned collective then ends inside gloo, harmlessly
+    # (left pending, it would time out at exit and gloo would abort the process).
+    groups[2].allreduce([torch.ones(4)]).wait()
+    for r in (0, 1):
+        what, took = outcome[r]
+        assert "revoked: rank 2 lost" in what and took < 5, outcome
+    with pytest.raises(RuntimeError, match="revoked"):
+        groups[0].allreduce([torch.ones(4)]).wait()
+    groups[0].swap(SandboxBackend(0, 3))
+    t = torch.ones(2)
+    groups[0].allreduce([t]).wait()  # usable again with its new backend
+    assert torch.equal(t, torch.ones(2))

@@ -148,3 +148,22 @@ def terminate(pids: Sequence[int], program: str, marker: str, *, timeout: float 
                 except ProcessLookupError:
                     pass
         wait_until(f"{program} to die after SIGKILL", lambda: not any(owned(p, program, marker) for p in live), timeout=5)
+
+
+def step_pid(job_id: int, node: str, module: str = "trainmover.runtime.worker") -> int:
+    """The pid of `module`'s process that job `job_id` runs on the embedded cluster's `node`.
+    For fault injection by tests and benchmarks (kill -9 from outside): every node of the
+    embedded cluster is a process tree on this machine. The runtime never uses pids."""
+    want = {b"SLURM_JOB_ID": str(job_id).encode(), b"SLURMD_NODENAME": node.encode()}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if module.encode() not in Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0"):
+                continue
+            env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if all(env.get(k) == v for k, v in want.items()):
+            return int(entry)
+    raise ClusterError(f"no {module} process of job {job_id} on {node}")

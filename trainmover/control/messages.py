@@ -15,16 +15,26 @@ SCHEMA: dict[str, dict[str, object]] = {
     # worker / agent -> controller
     "hello": {"role": _STR, "node": _STR, "ranks": _LIST, "pid": _INT},
     "ready": {"node": _STR, "warmup_s": _FLOAT, "shadow_steps": _INT, "detail": _DICT},
-    "recorded": {"rank": _INT, "iterations": _INT, "bytes": _INT, "overhead_s": _FLOAT, "step_s": _LIST},
+    "recorded": {"rank": _INT, "iterations": _INT, "bytes": _INT, "overhead_s": _FLOAT, "step_s": _LIST,
+                 "version": _INT, "detail": _DICT},
+    "warming": {"node": _STR, "version": _INT},   # a ready standby re-warms on a newer recording
     "step": {"rank": _INT, "step": _INT, "loss": _FLOAT, "step_s": _FLOAT, "compute_s": _FLOAT, "t": _FLOAT},
     "prepared": {"epoch": _INT, "rank": _INT, "groups": _LIST, "seconds": _FLOAT, "detail": _DICT},
     "prepare_failed": {"epoch": _INT, "rank": _INT, "error": _STR},
     "switched": {"epoch": _INT, "rank": _INT, "role": _STR, "step": _INT, "t": _FLOAT, "detail": _DICT},
     "finished": {"rank": _INT, "step": _INT, "digest": _STR, "loss": _FLOAT},
     "failed": {"rank": _INT, "phase": _STR, "error": _STR},
+    # a rank whose collective failed (or was revoked) stopped at a step boundary: `step` steps
+    # are complete in its state, whose digest it sends; it waits for a `recover`
+    "stalled": {"rank": _INT, "step": _INT, "digest": _STR, "error": _STR, "role": _STR},
     # controller -> worker / agent
     "prepare": {"epoch": _INT, "leavers": _LIST, "joiner_node": _STR, "assign": _DICT, "options": _DICT},
     "abort": {"epoch": _INT, "reason": _STR},
+    # unexpected failure: fail every collective of groups holding `failed` ranks, now
+    "revoke": {"epoch": _INT, "failed": _LIST, "reason": _STR},
+    # the way back: new groups without `failed`, state of `step` from `source` to `needers`
+    # (the standby taking each failed rank, and ranks that had not completed `step`)
+    "recover": {"epoch": _INT, "failed": _LIST, "step": _INT, "source": _INT, "needers": _LIST, "assign": _DICT},
     # CLI -> controller, and replies
     "migrate": {"node": _STR},
     "status": {},
@@ -59,8 +69,9 @@ def validate(msg: object) -> dict:
             raise ProtocolError(f"{kind}.{name}: must be >= 0")
     if "ranks" in msg and not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in msg["ranks"]):
         raise ProtocolError(f"{kind}.ranks: must be non-negative integers")
-    if "leavers" in msg and not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in msg["leavers"]):
-        raise ProtocolError(f"{kind}.leavers: must be non-negative integers")
+    for name in ("leavers", "failed", "needers"):
+        if name in msg and not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in msg[name]):
+            raise ProtocolError(f"{kind}.{name}: must be non-negative integers")
     return msg
 
 

@@ -50,7 +50,7 @@ class Controller:
         self.view = JobView(job_id, len(nodes) * k, k, self.batch_host,
                             {i * k + j: n for i, n in enumerate(nodes) for j in range(k)})
         # A layout that cannot fit the job (TP x PP x DP != ranks) fails here, before any launch.
-        workloads.load(cfg.workload, cfg.workload_options()).group_specs(self.view.world_size)
+        workloads.load(cfg.workload, cfg.workload_kwargs()).group_specs(self.view.world_size)
         self.policy = Policy(cfg, self.view)
         self.files = records.RunFiles(Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id)))
         try:
@@ -83,13 +83,16 @@ class Controller:
         return WorkerSpec(role=role, ranks=ranks, world_size=self.view.world_size, node=node,
                           node_addr=self.addr[node], controller=tuple(self.server.address),
                           store=(self.host, self.store_port), secret_file=str(self.files.secret),
-                          workload=self.cfg.workload, workload_options=self.cfg.workload_options(),
+                          workload=self.cfg.workload, workload_options=self.cfg.workload_kwargs(),
                           device=self.cfg.device, backend=self.cfg.backend,
                           record_iterations=self.cfg.record_iterations, record_rank=self.cfg.record_rank,
                           recording_path=str(self.files.root / "recordings" / f"rank{self.cfg.record_rank}.h5")
                           if self.cfg.record_iterations else "",
+                          record_from_step=self.cfg.record_from_step, record_versions=self.cfg.record_versions,
+                          standby_warmup=self.cfg.standby_warmup,
                           seed=self.cfg.seed, steps=self.cfg.steps, group_timeout_s=self.cfg.group_timeout_s,
-                          switch_timeout_s=self.cfg.switch_timeout_s, shadow_steps=self.cfg.shadow_steps,
+                          switch_timeout_s=self.cfg.switch_timeout_s, recovery_timeout_s=self.cfg.recovery_timeout_s,
+                          shadow_steps=self.cfg.shadow_steps,
                           inject=self.cfg.inject)
 
     def _launch(self, role: str, node: str, ranks: tuple[int, ...]) -> None:
@@ -179,6 +182,18 @@ class Controller:
             log.error("rank %d on %s failed in %s: %s", msg["rank"], node, msg["phase"], msg["error"])
         return self.policy.on_message(now, node, msg)
 
+    def handle_gone(self, conn, now: float) -> list:
+        """A peer's connection closed. For a rank's agent that has not finished or handed its
+        state over, this is the fastest sign that it died (the kernel closes a killed
+        process's sockets at once; Slurm reports the step's end later)."""
+        hello = conn.identity or {}
+        node = hello.get("node")
+        if hello.get("type") != "hello" or node is None:
+            return []  # a CLI request, or a peer that never authenticated
+        if conn in self.conns.get(node, []):
+            self.conns[node].remove(conn)
+        return self.policy.on_peer_gone(now, node)
+
     def run(self) -> int:
         for node in self.view.train_nodes():
             self._launch("worker", node, self.view.ranks_of(node))
@@ -210,12 +225,10 @@ class Controller:
             self.apply(actions)
             try:
                 conn, msg = self.server.inbox.get(timeout=min(0.2, max(0.01, next_poll - time.time())))
-                if msg is not None:
-                    self.apply(self.handle_peer(conn, msg, time.time()))
-                    while True:  # drain what queued up without waiting
-                        conn, msg = self.server.inbox.get_nowait()
-                        if msg is not None:
-                            self.apply(self.handle_peer(conn, msg, time.time()))
+                while True:  # then drain what queued up without waiting
+                    self.apply(self.handle_peer(conn, msg, time.time()) if msg is not None
+                               else self.handle_gone(conn, time.time()))
+                    conn, msg = self.server.inbox.get_nowait()
             except queue.Empty:
                 pass
             status = self.policy.status()

@@ -64,6 +64,8 @@ class Migration:
     downtime_s: float | None = None
     leaver_exited: bool = False
     note: str = ""
+    recovery: bool = False     # an unexpected failure: the leaver is gone, the job paused
+    source: dict = field(default_factory=dict)   # recovery: where the state came from
 
     def __post_init__(self):
         if self.trigger not in TRIGGERS:
@@ -96,5 +98,6 @@ class Migration:
                           "phase1_s": span("preparing", "switching"), "switch_s": span("switching", "releasing"),
                           "release_s": span("releasing", "done")},
             "switch_step": self.switch_step, "downtime_s": self.downtime_s, "note": self.note,
+            "recovery": self.recovery, "state_source": self.source or None,
             "transfer": next((m["detail"] for (r, role), m in self.switched.items() if role == "joiner"), None),
         }

@@ -13,6 +13,7 @@ from trainmover.config import Config
 from trainmover.control.messages import make
 from trainmover.controller.actions import AcquireStandby, Finish, LaunchStandby, Record, ReleaseNode, Send
 from trainmover.controller.migration import Migration, Phase
+from trainmover.controller.recovery import Recovering
 from trainmover.policy import straggler
 
 log = logging.getLogger("trainmover.policy")
@@ -23,7 +24,8 @@ MAX_ATTEMPTS = 3
 @dataclass
 class Standby:
     node: str
-    state: str = "starting"       # starting -> ready -> joining; back to ready if a migration aborts
+    state: str = "starting"       # starting -> ready -> joining; back to ready if a migration aborts;
+                                  # ready -> warming -> ready when it re-warms on a newer recording
     since: float = 0.0
     warmup_s: float | None = None
     shadow_steps: int | None = None
@@ -49,7 +51,7 @@ class JobView:
         return tuple(sorted(r for r, n in self.rank_node.items() if n == node))
 
 
-class Policy:
+class Policy(Recovering):
     def __init__(self, cfg: Config, view: JobView):
         self.cfg, self.view = cfg, view
         self.migrations: list[Migration] = []
@@ -64,6 +66,8 @@ class Policy:
         self.samples: dict[int, list[float]] = {}             # rank -> compute times of this window
         self.windows: list[dict[int, float]] = []             # oldest first: rank -> median compute time
         self.straggler: dict = {"mode": cfg.straggler, "verdict": "", "target": None, "windows": 0, "evicted": []}
+        self.stalled: dict[int, dict] = {}                     # rank -> its 'stalled' report
+        self.failed_reports: dict[str, dict] = {}              # node -> a rank's 'failed' report
         self.done = False
 
     # --- helpers -----------------------------------------------------------------------
@@ -126,7 +130,7 @@ class Policy:
 
     def _dispatch(self, now: float) -> list:
         """Start the oldest waiting migration if none is running and a standby is ready."""
-        if any(m.phase in (Phase.PREPARING, Phase.SWITCHING) for m in self.migrations):
+        if any(m.phase in (Phase.PREPARING, Phase.SWITCHING) for m in self.migrations) or self.recovery():
             return []
         waiting = [m for m in self.migrations if m.phase in (Phase.REQUESTED, Phase.WAITING_STANDBY)]
         if not waiting:
@@ -156,13 +160,24 @@ class Policy:
         kind = msg["type"]
         if kind == "ready":
             s = self.view.standbys.get(node)
-            if s is None:
+            if s is None or s.state == "joining":  # a re-warm's report that crossed a prepare: the join decides
                 return []
             s.state, s.since, s.warmup_s, s.shadow_steps = "ready", now, msg["warmup_s"], msg["shadow_steps"]
             s.shadow = msg["detail"] or s.shadow  # a re-ready after a cancelled join keeps the first report
-            return self._dispatch(now)
+            return self._maybe_recover(now) + self._dispatch(now)
+        if kind == "stalled":
+            return self._on_stalled(now, node, msg)
+        if kind == "failed":
+            self.failed_reports[node] = msg
+            return []
         if kind == "recorded":
-            self.recording = {k: msg[k] for k in ("rank", "iterations", "bytes", "overhead_s", "step_s")}
+            self.recording = {k: msg[k] for k in ("rank", "iterations", "bytes", "overhead_s", "step_s", "version",
+                                                  "detail")}
+            return []
+        if kind == "warming":  # not offered to a migration until it is ready again
+            s = self.view.standbys.get(node)
+            if s is not None and s.state == "ready":
+                s.state, s.since = "warming", now
             return []
         if kind in ("step", "finished") and msg["rank"] not in self.view.rank_node:
             log.warning("ignoring %s from %s for rank %d, which job %d does not have", kind, node, msg["rank"],
@@ -182,8 +197,8 @@ class Policy:
                                          "migrations": sum(1 for m in self.migrations if m.phase is Phase.DONE)}),
                         Finish(True, "training finished")]
             return []
-        m = self.active()
-        if m is None or msg.get("epoch") != m.epoch:
+        m = next((x for x in self.migrations if x.active and x.epoch and x.epoch == msg.get("epoch")), None)
+        if m is None:
             return []
         if kind == "prepared":
             role = "joiner" if node == m.joiner else ("leaver" if msg["rank"] in m.leaver_ranks else "stayer")
@@ -217,17 +232,18 @@ class Policy:
             return actions
         return []
 
-    def _abort(self, now: float, m: Migration, reason: str) -> list:
+    def _abort(self, now: float, m: Migration, reason: str, retry: bool = True) -> list:
         m.to(Phase.ABORTED, now, reason)
         if m.joiner in self.view.standbys:
             self.view.standbys[m.joiner].state = "starting"  # it reports 'ready' again once it is back
         nodes = tuple(self.view.train_nodes()) + ((m.joiner,) if m.joiner else ())
         # The node still has to leave: ask again, as a new migration, once a standby is ready;
         # after MAX_ATTEMPTS failures give up (the job keeps running on the node and says so).
-        retry = Migration(len(self.migrations) + 1, m.leaver, m.leaver_ranks, m.trigger, now)
-        self.migrations.append(retry)
-        if sum(1 for x in self.migrations if x.leaver == m.leaver and x.phase is Phase.ABORTED) >= MAX_ATTEMPTS:
-            retry.to(Phase.FAILED, now, f"gave up after {MAX_ATTEMPTS} aborted attempts; {m.leaver} stays in the job")
+        if retry:
+            again = Migration(len(self.migrations) + 1, m.leaver, m.leaver_ranks, m.trigger, now)
+            self.migrations.append(again)
+            if sum(1 for x in self.migrations if x.leaver == m.leaver and x.phase is Phase.ABORTED) >= MAX_ATTEMPTS:
+                again.to(Phase.FAILED, now, f"gave up after {MAX_ATTEMPTS} aborted attempts; {m.leaver} stays in the job")
         return [self._timeline(m, now, "aborted", reason=reason),
                 Send(nodes, make("abort", epoch=m.epoch, reason=reason[:500]))] + self._dispatch(now)
 
@@ -243,16 +259,27 @@ class Policy:
         if len(row) == self.view.world_size:
             del self.rows[step]
             actions += self._maybe_rebalance(now, step)
-            ranks = range(self.view.world_size)
-            actions.append(Record("metrics", {
-                "step": step, "loss": sum(row[r]["loss"] for r in ranks) / self.view.world_size,
-                "losses": [row[r]["loss"] for r in ranks], "step_s": max(row[r]["step_s"] for r in ranks),
-                "step_s_ranks": [round(row[r]["step_s"], 6) for r in ranks],
-                "nodes": [row[r]["node"] for r in ranks], "t": max(row[r]["t"] for r in ranks)}))
+            actions.append(self._metrics_row(step, row))
         for m in self.migrations:
             if m.switch_step is not None and m.downtime_s is None and step == m.switch_step + 1:
                 m.downtime_s = self._downtime(m)
         return actions + straggler_actions
+
+    def _metrics_row(self, step: int, row: dict) -> Record:
+        """One line of metrics.jsonl. A rank that died before reporting `step` has no loss
+        there (None): its process took it along; the others' are kept."""
+        ranks = range(self.view.world_size)
+        got = [row[r] for r in ranks if r in row]
+        return Record("metrics", {
+            "step": step, "loss": sum(x["loss"] for x in got) / len(got),
+            "losses": [row[r]["loss"] if r in row else None for r in ranks], "step_s": max(x["step_s"] for x in got),
+            "step_s_ranks": [round(row[r]["step_s"], 6) if r in row else None for r in ranks],
+            "nodes": [row[r]["node"] if r in row else None for r in ranks], "t": max(x["t"] for x in got)})
+
+    def flush_rows(self, upto: int) -> list:
+        """Rows that can never complete (a recovery resumes after them): written as they are."""
+        done = sorted(s for s in self.rows if s <= upto)
+        return [self._metrics_row(s, self.rows.pop(s)) for s in done]
 
     def _maybe_rebalance(self, now: float, step: int) -> list:
         """Scheduled rebalancing: every N steps move the next node (round robin; never the
@@ -317,18 +344,33 @@ class Policy:
     def on_step_exit(self, now: float, node: str, code: int) -> list:
         m = next((m for m in self.migrations if m.leaver == node and m.phase in (Phase.SWITCHING, Phase.RELEASING)), None)
         if m is not None:
+            if m.leaver_exited:  # known already (a recovery's leaver), release under way
+                return []
             m.leaver_exited = True
             if m.phase is Phase.RELEASING:
                 return [ReleaseNode(node)]
             return []
         if node in self.view.standbys:
-            self.view.standbys.pop(node)
+            standby = self.view.standbys.pop(node)
             log.warning("standby agent on %s exited (code %d)", node, code)
-            return self._maybe_acquire(now)
+            actions = []
+            planned = self.active()
+            if standby.state == "joining" and planned is not None and planned.joiner == node and not planned.recovery:
+                actions += self._abort(now, planned, f"joiner on {node} exited (code {code}) during phase 1")
+            return actions + self._maybe_acquire(now)
+        r = self.recovery()
+        if r is not None and node in (r.leaver, r.joiner):
+            if node == r.joiner and r.phase is not Phase.RELEASING:
+                return [Finish(False, f"the standby on {node} taking over from {r.leaver} exited (code {code})")]
+            return []
         if node in self.view.rank_node.values() and not self.done:
             if code == 0:  # its 'finished' report may still be queued behind this exit
                 return []
-            return [Finish(False, f"worker on {node} (ranks {list(self.view.ranks_of(node))}) exited with code {code}")]
+            report = self.failed_reports.get(node)
+            if report is not None:  # it said why: a software error follows the rank anywhere
+                return [Finish(False, f"rank {report['rank']} on {node} failed in {report['phase']}: {report['error']}")]
+            if self._lost_unexpectedly(node):
+                return self._fault(now, node, f"its Slurm step exited with code {code}")
         return []
 
     def on_released(self, now: float, node: str, ok: bool, message: str) -> list:
@@ -341,7 +383,7 @@ class Policy:
         return [self._timeline(m, now, "released" if ok else "kept", note=message, downtime_s=m.downtime_s)] + self._dispatch(now)
 
     def on_tick(self, now: float) -> list:
-        actions = []
+        actions = self._recovery_tick(now)
         m = self.active()
         if m and m.phase is Phase.PREPARING and now - m.times["preparing"] > self.cfg.phase1_timeout_s:
             actions += self._abort(now, m, f"phase 1 not done within {self.cfg.phase1_timeout_s:.0f}s")
@@ -352,7 +394,7 @@ class Policy:
             m.leaver_exited = True
             m.note = f"leaver's step still running {self.cfg.release_timeout_s:.0f}s after the switch; released anyway"
             actions.append(ReleaseNode(m.leaver))
-        return actions + self._maybe_acquire(now) + self._dispatch(now)
+        return actions + self._maybe_recover(now) + self._maybe_acquire(now) + self._dispatch(now)
 
     # --- reporting -----------------------------------------------------------------------
     def status(self) -> dict:

@@ -9,6 +9,7 @@ measured on the local Slurm cluster instead). Used by the GPU benchmarks.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Mapping, Sequence
 
 from trainmover.slurm.model import BatchHostRelease, JobInfo, NodeInfo, NoStandbyAvailable
@@ -56,8 +57,24 @@ class SingleHostAllocation:
         if ntasks != 1:
             raise ValueError("single-host allocation: one rank per GPU node")
         gpu = node.removeprefix("gpu")
-        extra = [f"{k}={v}" for k, v in (env_overrides or {}).items()]
-        return ["env", f"CUDA_VISIBLE_DEVICES={gpu}", f"SLURMD_NODENAME={node}", *extra, *map(str, argv)]
+        # Each "node" keeps its own compile caches, as a separate machine would: a joiner must
+        # not find kernels that a worker compiled on the same host (warm-up would look free).
+        caches = os.path.join(self.work_dir, "compile-cache", node)
+        extra = [f"TORCHINDUCTOR_CACHE_DIR={caches}/inductor", f"TRITON_CACHE_DIR={caches}/triton",
+                 *(f"{k}={v}" for k, v in (env_overrides or {}).items())]
+        return [*self._own_cpus(node), "env", f"CUDA_VISIBLE_DEVICES={gpu}", f"SLURMD_NODENAME={node}", *extra,
+                *map(str, argv)]
+
+    def _own_cpus(self, node: str) -> list[str]:
+        """`taskset` to this node's share of the host's CPUs, as a separate machine has its own:
+        a standby compiling its shadow iterations must not take the workers' cores. Nothing
+        where taskset is missing or there are fewer CPUs than nodes."""
+        cpus = sorted(os.sched_getaffinity(0))
+        share = len(cpus) // len(self.all)
+        if share < 1 or shutil.which("taskset") is None:
+            return []
+        i = self.all.index(node)
+        return ["taskset", "-c", ",".join(map(str, cpus[i * share:(i + 1) * share]))]
 
     def step_env(self, job: JobInfo, base: Mapping[str, str] | None = None) -> dict[str, str]:
         return dict(base if base is not None else os.environ)

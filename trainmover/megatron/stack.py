@@ -6,6 +6,7 @@ groups underneath are the runtime's SwappableGroups (`parallel.initialize`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,7 @@ class Stack:
     ddp: DistributedDataParallel
     optimizer: object                     # Megatron optimizer (maybe chained)
     config: TransformerConfig
+    before_update: Callable[[], None] | None = None  # the runtime's gate (BuildContext.before_update)
 
     def _inner(self) -> list[torch.optim.Optimizer]:
         return [o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
@@ -57,6 +59,8 @@ class Stack:
         losses = get_forward_backward_func()(
             forward_step_func=_forward_step, data_iterator=batches, model=[self.ddp],
             num_microbatches=micro_batches, seq_length=seq, micro_batch_size=micro_batch, forward_only=False)
+        if self.before_update is not None:  # refuses gradients of a step whose collectives failed
+            self.before_update()
         ok, _, _ = self.optimizer.step()
         if not ok:
             raise FloatingPointError("Megatron optimizer skipped the step (overflow)")
@@ -129,4 +133,4 @@ def build(layout: Layout, ctx, device: torch.device, *, layers: int, hidden: int
         [ddp], use_gloo_process_groups=False)
     config.no_sync_func = ddp.no_sync
     config.finalize_model_grads_func = finalize_model_grads
-    return Stack(model, ddp, optimizer, config)
+    return Stack(model, ddp, optimizer, config, getattr(ctx, "before_update", None))

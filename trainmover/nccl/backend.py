@@ -51,6 +51,10 @@ class NcclBackend:
         self.comm, self.store, self.prefix = comm, store, prefix
         self.rank_, self.size_ = comm.rank, comm.size
 
+    def abort(self) -> None:
+        """End this communicator's kernels now (a member vanished: they would spin forever)."""
+        self.comm.abort()
+
     def allreduce(self, tensors, opts=None):
         op = _op(opts)
         for t in tensors:
@@ -138,12 +142,25 @@ class NcclChannel:
     def __init__(self, backend: NcclBackend):
         self.b = backend
         self.group_s = 0.0
+        self.attempt = 0  # store keys are per attempt: a resend never meets the last one's
+
+    def _key(self, what: str) -> str:
+        return f"{self.b.prefix}a{self.attempt}/{what}"
+
+    def next_attempt(self) -> None:
+        self.attempt += 1
 
     def send_bytes(self, data: bytes, dst: int) -> None:
-        self.b.store.set(self.b.prefix + "manifest", data)
+        self.b.store.set(self._key("manifest"), data)
 
     def recv_bytes(self, src: int) -> bytes:
-        return self.b.store.get(self.b.prefix + "manifest")
+        return self.b.store.get(self._key("manifest"))
+
+    def send_verdict(self, verdict: int, dst: int) -> None:
+        self.b.store.set(self._key("verdict"), str(verdict))
+
+    def recv_verdict(self, src: int) -> int:
+        return int(self.b.store.get(self._key("verdict")))
 
     def send_tensors(self, tensors, dst: int, corrupt: bool = False) -> None:
         big, small = _split([t for t in tensors if t.device.type == "cuda"])
@@ -153,7 +170,7 @@ class NcclChannel:
             big = [bad] + big[1:]
         buf = io.BytesIO()
         torch.save([t for t in tensors if t.device.type != "cuda"], buf)
-        self.b.store.set(self.b.prefix + "cpu-tensors", buf.getvalue())
+        self.b.store.set(self._key("cpu-tensors"), buf.getvalue())
         packed = [torch.cat([t.reshape(-1) for t in ts]) for _, ts in _by_dtype(small)]
         torch.cuda.current_stream().synchronize()
         t0 = time.perf_counter()
@@ -165,7 +182,7 @@ class NcclChannel:
 
     def recv_tensors(self, tensors, src: int) -> None:
         cpu = [t for t in tensors if t.device.type != "cuda"]
-        got = torch.load(io.BytesIO(self.b.store.get(self.b.prefix + "cpu-tensors")), weights_only=True)
+        got = torch.load(io.BytesIO(self.b.store.get(self._key("cpu-tensors"))), weights_only=True)
         if len(got) != len(cpu):
             raise MigrationError(f"state transfer: {len(got)} CPU tensors sent, {len(cpu)} expected", phase="switch")
         for t, g in zip(cpu, got):

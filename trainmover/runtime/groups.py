@@ -23,15 +23,63 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
-from torch._C._distributed_c10d import _create_work_from_future  # present in torch 2.11 and 2.13
 
 from trainmover.errors import MigrationError
+
+
+class FutureWork(dist.Work):
+    """A Work that is its future. Why not torch's own future-wrapping Work: its `wait()`
+    returns True when the future failed, so `dist.all_reduce(..., group=g)` would go on with
+    a half-reduced tensor after a peer died. This one raises the future's error."""
+
+    def __init__(self, fut: torch.futures.Future):
+        super().__init__()
+        self.fut = fut
+
+    def wait(self, timeout=None) -> bool:
+        self.fut.wait()  # raises the error the future was completed with
+        return True
+
+    def is_completed(self) -> bool:
+        return self.fut.done()
+
+    def get_future(self) -> torch.futures.Future:
+        return self.fut
 
 
 def _done(result) -> dist.Work:
     fut = torch.futures.Future()
     fut.set_result(result)
-    return _create_work_from_future(fut)
+    return FutureWork(fut)
+
+
+class Revoked(RuntimeError):
+    """A collective of a group whose members lost a peer. A RuntimeError, like the errors of
+    the backends themselves, so that whatever waits on it (DDP's reducer) fails the same way."""
+
+
+def _gate() -> tuple[torch.futures.Future, torch.futures.Future]:
+    """(gate, out): complete `gate` with a value or with an exception *object*; `out` then
+    holds the value, or that exception as a real error.
+
+    Why not `Future.set_exception`: it stores the exception as an ordinary *result* that only
+    Python's `wait()` unwraps. C++ readers (DDP's reducer) take it for the tensors they asked
+    for and crash the process. An exception raised in a `then` callback is a true error."""
+    gate = torch.futures.Future()
+    return gate, gate.then(_unwrap)
+
+
+def _unwrap(gate: torch.futures.Future):
+    value = gate.value()
+    if isinstance(value, BaseException):
+        raise value
+    return value
+
+
+def _failed(exc: Exception) -> dist.Work:
+    gate, out = _gate()
+    gate.set_result(exc)
+    return FutureWork(out)
 
 
 class SandboxBackend:
@@ -102,6 +150,12 @@ class SwappableGroup(dist.ProcessGroup):
         self.generation = 0
         self.first_call_at: float | None = None  # perf_counter of the first collective since reset
         self.first_call_cpu: float | None = None  # process CPU time at that moment
+        self.revoked = ""                  # why this generation was revoked ("" while usable)
+        self._pending: set = set()         # futures of this generation's gloo collectives in flight
+        # observer(group, op, args, work), called after each forwarded collective: the recording
+        # rank's recorder (trainmover.sandbox.live). It lives on the group, not on the backend,
+        # so that a migration's swap of the backend leaves it in place.
+        self.observer: Callable | None = None
 
     @property
     def inner(self):
@@ -117,32 +171,85 @@ class SwappableGroup(dist.ProcessGroup):
         with self._lock:
             old, self._inner = self._inner, new_inner
             self.generation += 1
+            self.revoked = ""
+            self._pending = set()
         return old
 
-    def getBackendName(self) -> str:
-        return "trainmover"
+    def revoke(self, reason: str) -> None:
+        """Fail every collective in flight and every later one until the next `swap`.
 
-    def __repr__(self) -> str:
-        return f"SwappableGroup({self.group_name_}, rank={self.rank()}/{self.size()}, gen={self.generation})"
+        Why: a member died, and a gloo collective only notices when a socket of its own
+        breaks: ranks two hops away from the dead one would wait for the whole group
+        timeout. Called from another thread (the control channel's reader); the collective
+        itself is abandoned in gloo's thread and its backend retired, never used again.
+        NCCL backends are aborted instead, which ends their kernels."""
+        with self._lock:
+            if self.revoked:
+                return
+            self.revoked = reason
+            pending, self._pending = self._pending, set()
+        for gate in pending:  # removed from _pending under the lock: only this thread completes them
+            gate.set_result(Revoked(f"group {self.group_name_} revoked: {reason}"))
+        abort = getattr(self._inner, "abort", None)
+        if abort is not None and not isinstance(self._inner, dist.ProcessGroupGloo):
+            abort()
 
+    def _revocable(self, work: dist.Work) -> dist.Work:
+        """`work`, behind a future that `revoke` can fail before the backend gives up."""
+        gate, out = _gate()
+        with self._lock:
+            self._pending.add(gate)
+
+        def done(inner):
+            try:
+                value = inner.value()
+            except Exception as exc:  # noqa: BLE001 - the backend's own error, passed on as is
+                value = exc
+            with self._lock:
+                mine = gate in self._pending  # else revoke took it and completes it
+                self._pending.discard(gate)
+            if mine:
+                gate.set_result(value)
+
+        work.get_future().add_done_callback(done)
+        return FutureWork(out)
 
 
 def _forwarder(op: str):
-    """A method that forwards collective `op` to the current inner backend, unchanged."""
+    """A method that forwards collective `op` to the current inner backend.
+
+    Errors come back through the returned Work, never raised here: DDP calls collectives
+    from autograd hooks, and an exception there would leave its reducer mid-iteration."""
     def forward(self, *a, **k):
         if self.first_call_at is None:  # ends a rank's own compute: from here on it may wait for peers
             self.first_call_at = time.perf_counter()
             self.first_call_cpu = time.process_time()
         if _TRACE:
             _trace(self, op, a)
-        return getattr(self._inner, op)(*a, **k)
+        if self.revoked:
+            return _failed(Revoked(f"group {self.group_name_} revoked: {self.revoked}"))
+        try:
+            work = getattr(self._inner, op)(*a, **k)
+        except RuntimeError as exc:
+            return _failed(exc)
+        if self.observer is not None:
+            self.observer(self.group_name_, op, a, work)
+        if op in _REVOCABLE and isinstance(self._inner, dist.ProcessGroupGloo):
+            return self._revocable(work)
+        return work
     forward.__name__ = op
-    return forward
+    # DDP's reducer calls collectives from inside a compiled (torch.compile) forward, e.g. the
+    # broadcast of rebuilt buckets in the second step: they run eagerly, never traced by dynamo.
+    return torch.compiler.disable(forward)
 
 
 # The collectives DDP, the optimizers and Megatron call on a group object; the Python
 # ProcessGroup trampoline dispatches to these class attributes.
-FORWARDED = ("allreduce", "broadcast", "allgather", "_allgather_base", "reduce_scatter", "barrier", "send", "recv")
+FORWARDED = ("allreduce", "broadcast", "allgather", "_allgather_base", "reduce_scatter", "_reduce_scatter_base",
+             "barrier", "send", "recv")
+# gloo's point-to-point and tensor reduce-scatter works have no future to chain on ("Work::getFuture
+# not implemented"); they fail on the dead peer's socket or at the group timeout.
+_REVOCABLE = set(FORWARDED) - {"send", "recv", "_reduce_scatter_base"}
 for _op in FORWARDED:
     setattr(SwappableGroup, _op, _forwarder(_op))
 
@@ -151,7 +258,6 @@ for _op in FORWARDED:
 # `_reduce_scatter_base`; 2.13: `all_gather_single`, `reduce_scatter_single`). Inner backends
 # implement the 2.11 names (gloo has them in both versions).
 SwappableGroup.all_gather_single = _forwarder("_allgather_base")
-SwappableGroup._reduce_scatter_base = _forwarder("_reduce_scatter_base")
 SwappableGroup.reduce_scatter_single = _forwarder("_reduce_scatter_base")
 
 

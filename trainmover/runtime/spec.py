@@ -26,11 +26,15 @@ class WorkerSpec:
     steps: int = 100
     group_timeout_s: float = 60.0   # deadline of every collective and rendezvous
     switch_timeout_s: float = 60.0  # joiner: longest wait for the leaver's state
+    recovery_timeout_s: float = 120.0  # a stalled rank's longest wait for the controller's recovery plan
     shadow_steps: int = 6          # most shadow steps to reach a steady collective sequence
     inject: tuple[str, ...] = ()    # fault injection, see trainmover.config.INJECTIONS
     record_iterations: int = 3      # iterations whose collectives the recording rank records (0: none)
     record_rank: int = 0            # the rank a standby rehearses
-    recording_path: str = ""        # HDF5 file on the job's shared directory
+    recording_path: str = ""        # base name of the HDF5 recordings on the job's shared directory
+    record_from_step: int = 0       # first recorded step (0: from the workload's construction on)
+    record_versions: int = 4        # most recordings (a change of collective shapes starts a new one)
+    standby_warmup: str = "shadow"  # shadow, or cold (benchmark baseline: no replay, eager shadow steps)
     device: str = "auto"            # cpu, cuda or auto: resolved on the node, which knows its GPUs
     backend: str = "auto"           # gloo, nccl or auto
 

@@ -17,12 +17,21 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
 from trainmover.errors import MigrationError
+
+log = logging.getLogger(__name__)
+
+ATTEMPTS = 3  # sends of one state before a persistent checksum mismatch is an error
+
+
+class ChecksumMismatch(MigrationError):
+    """The received bytes are not the bytes sent: the copy is retried, never used."""
 
 
 def _flatten(obj, tensors: list[torch.Tensor], paths: list[str], path: str = ""):
@@ -125,6 +134,17 @@ class GlooChannel:
                 flat.view(torch.uint8)[0] ^= 0xFF
             _wait(self.pg.send([flat], dst, tag), f"{dtype} buffer")
 
+    def send_verdict(self, verdict: int, dst: int) -> None:
+        _wait(self.pg.send([torch.tensor([verdict], dtype=torch.int64)], dst, 99), "verdict")
+
+    def recv_verdict(self, src: int) -> int:
+        t = torch.zeros(1, dtype=torch.int64)
+        _wait(self.pg.recv([t], src, 99), "verdict")
+        return int(t)
+
+    def next_attempt(self) -> None:
+        pass  # tags are matched in order: a resend needs no new names
+
     def recv_tensors(self, tensors: list[torch.Tensor], src: int) -> None:
         for tag, (dtype, members) in enumerate(_by_dtype(tensors), start=2):
             flat = torch.empty(sum(t.numel() for t in members), dtype=dtype)
@@ -146,11 +166,12 @@ class TransferStats:
     tensors: int
     digest: str
     copy_s: float = 0.0  # moving the tensors alone
+    attempts: int = 1    # sends needed (more than 1: a checksum mismatch was retried)
 
 
-def send_state(state: dict, xfer, *, dst: int = 1, corrupt: bool = False) -> TransferStats:
+def send_state(state: dict, xfer, *, dst: int = 1, corrupt: bool = False, chan=None) -> TransferStats:
     t0 = time.perf_counter()
-    chan = channel_for(xfer)
+    chan = chan or channel_for(xfer)
     tensors: list[torch.Tensor] = []
     paths: list[str] = []
     skeleton = _flatten(state, tensors, paths)
@@ -167,10 +188,10 @@ def send_state(state: dict, xfer, *, dst: int = 1, corrupt: bool = False) -> Tra
     return TransferStats(nbytes, t2 - t0, len(tensors), digest, getattr(chan, "group_s", 0.0) or t2 - t1)
 
 
-def recv_state(xfer, *, src: int = 0, like: dict | None = None) -> tuple[dict, TransferStats]:
+def recv_state(xfer, *, src: int = 0, like: dict | None = None, chan=None) -> tuple[dict, TransferStats]:
     """Receive a state; tensors land in `like`'s tensors when key, shape and dtype match."""
     t0 = time.perf_counter()
-    chan = channel_for(xfer)
+    chan = chan or channel_for(xfer)
     try:
         meta = torch.load(io.BytesIO(chan.recv_bytes(src)), weights_only=True)
     except MigrationError:
@@ -198,7 +219,58 @@ def recv_state(xfer, *, src: int = 0, like: dict | None = None) -> tuple[dict, T
     copy_s = getattr(chan, "group_s", 0.0) or time.perf_counter() - t1
     got = digest_tensors(into)
     if got != meta["digest"]:
-        raise MigrationError(f"state transfer: checksum mismatch (sent {meta['digest'][:12]}, "
-                             f"received {got[:12]})", phase="switch")
+        raise ChecksumMismatch(f"state transfer: checksum mismatch (sent {meta['digest'][:12]}, "
+                               f"received {got[:12]})", phase="switch")
     nbytes = sum(t.numel() * t.element_size() for t in into)
     return _unflatten(meta["skeleton"], into), TransferStats(nbytes, time.perf_counter() - t0, len(into), got, copy_s)
+
+
+# --- verified transfer: checksum, retry, refuse non-finite state -------------------------
+OK, AGAIN, REFUSED = 1, 2, 3
+
+
+def send_verified(state: dict, xfer, *, dst: int = 1, corrupt: bool = False) -> TransferStats:
+    """`send_state`, then wait for the receiver's verdict: on a checksum mismatch send again
+    (up to ATTEMPTS times). `corrupt` (fault injection) spoils the first attempt only."""
+    chan = channel_for(xfer)
+    for attempt in range(1, ATTEMPTS + 1):
+        stats = send_state(state, xfer, dst=dst, corrupt=corrupt and attempt == 1, chan=chan)
+        verdict = chan.recv_verdict(dst)
+        if verdict == OK:
+            stats.attempts = attempt
+            return stats
+        if verdict == REFUSED:
+            raise MigrationError("state transfer: the receiver refused the state (non-finite values)", phase="switch")
+        log.warning("state transfer attempt %d: receiver saw a checksum mismatch; sending again", attempt)
+        chan.next_attempt()
+    raise MigrationError(f"state transfer: checksum mismatch in all {ATTEMPTS} attempts", phase="switch")
+
+
+def recv_verified(xfer, *, src: int = 0, like: dict | None = None) -> tuple[dict, TransferStats]:
+    """`recv_state` with the receiver's side of `send_verified`: a checksum mismatch asks for
+    the state again; NaN or Inf in floating-point state is refused (an error, never loaded)."""
+    chan = channel_for(xfer)
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            state, stats = recv_state(xfer, src=src, like=like, chan=chan)
+        except ChecksumMismatch as exc:
+            log.warning("state transfer attempt %d: %s; asking again", attempt, exc)
+            chan.send_verdict(AGAIN, src)
+            chan.next_attempt()
+            continue
+        bad = nonfinite(tensors_of(state))
+        if bad:
+            chan.send_verdict(REFUSED, src)
+            raise MigrationError(f"state transfer: refused: {bad} tensor(s) hold NaN or Inf", phase="switch")
+        chan.send_verdict(OK, src)
+        stats.attempts = attempt
+        return state, stats
+    raise MigrationError(f"state transfer: checksum mismatch in all {ATTEMPTS} attempts", phase="switch")
+
+
+def nonfinite(tensors: list[torch.Tensor]) -> int:
+    """How many floating-point tensors hold a NaN or Inf (one host sync for all of them)."""
+    flags = [~torch.isfinite(t).all() for t in tensors if t.is_floating_point() and t.numel()]
+    if not flags:
+        return 0
+    return int(torch.stack([f.to(flags[0].device) for f in flags]).sum())

@@ -12,6 +12,7 @@ import datetime
 import logging
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -23,8 +24,8 @@ import torch.distributed as dist
 from trainmover.control import channel
 from trainmover.control.messages import make
 from trainmover.errors import DeadlineExceeded, MigrationError, TrainMoverError
-from trainmover.runtime import boundary, phase1, rng, transfer
-from trainmover.runtime.groups import SandboxBackend, SwappableGroup, gloo_group
+from trainmover.runtime import boundary, phase1, recovery, rng, transfer
+from trainmover.runtime.groups import Revoked, SandboxBackend, SwappableGroup, gloo_group
 from trainmover.runtime.plan import GroupSpec, delta
 from trainmover.runtime.spec import WorkerSpec
 from trainmover.workloads import base as workloads
@@ -34,6 +35,7 @@ log = logging.getLogger("trainmover.worker")
 
 CONTROL = "tm-control"
 RETIRE_AFTER = 3  # steps between a switch and the release of the replaced communicators
+REWARM_POLL_S = 1.0  # an idle standby looks for a newer recording version this often
 TRACE_STEPS = 2 if os.environ.get("TM_TRACE_SWITCH") else 0  # log timings of the steps after a switch
 
 
@@ -75,7 +77,11 @@ class Agent:
         self.reported: set[tuple[int, str]] = set()
         self.retired: list = []  # old backends: released off the critical path (see retire)
         self.trace_steps = 0
-        self.recorder = None  # set while this rank records its collectives
+        self.recorder = None  # the recording rank's recorder (trainmover.sandbox.live)
+        self.replayed = 0  # a standby: the latest recording version it warmed on
+        self.shadow_step: int | None = None  # step its shadow steps replay (the latest recorded one)
+        self.completed = 0     # steps whose updates this rank's state holds
+        self.slow, self.pure_s = 0.0, 0.0
 
     # --- control channel -------------------------------------------------------------
     def _read(self):
@@ -84,6 +90,8 @@ class Agent:
                 msg = self.conn.framer.recv()
                 if msg is None:
                     break
+                if msg["type"] == "revoke":  # now, not at the next step: the main thread may be stuck
+                    self._revoke(msg)
                 self.inbox.put(msg)
         except (OSError, TrainMoverError) as exc:
             log.error("control channel lost: %s", exc)
@@ -91,6 +99,21 @@ class Agent:
             log.info("controller closed the channel; standby exits")
             _exit_now(0)
         self.inbox.put(None)
+
+    def _revoke(self, msg: dict) -> None:
+        failed = set(msg["failed"])
+        for g in list(self.groups.values()):
+            if failed & set(g.global_ranks):
+                g.revoke(msg["reason"])
+
+    def _die_at(self) -> int | None:
+        """The step at which an injected failure kills this process (workers launched for
+        that rank only: a standby that later takes the rank runs on a healthy node)."""
+        from trainmover.config import parse_die
+        if self.spec.role != "worker":
+            return None
+        return next((s for r, s in (parse_die(i) for i in self.spec.inject if i.startswith("die:"))
+                     if r == self.rank), None)
 
     def _slow_fraction(self) -> float:
         """The injected slowdown of this process (only workers launched for that rank: a joiner
@@ -150,7 +173,16 @@ class Agent:
 
     def _context(self, rank: int) -> workloads.BuildContext:
         return workloads.BuildContext(rank=rank, world_size=self.spec.world_size, groups=self.groups,
-                                      seed=self.spec.seed, options={**self.spec.workload_options, "device": self.device})
+                                      seed=self.spec.seed, options={**self.spec.workload_options, "device": self.device},
+                                      before_update=self._before_update)
+
+    def _before_update(self) -> None:
+        """The workload's gate before its optimizer step (see BuildContext.before_update)."""
+        if self.device == "cuda":
+            torch.cuda.current_stream().synchronize()  # an aborted collective has ended by now
+        revoked = [g.group_name_ for g in self.groups.values() if g.revoked]
+        if revoked:
+            raise Revoked(f"groups {revoked} revoked during this step: its gradients are not used")
 
     def shadow_until_steady(self, max_steps: int) -> int:
         """Run shadow steps until a step issues the same collectives as the one before.
@@ -162,7 +194,7 @@ class Agent:
         previous, steps = None, 0
         while steps < max_steps:
             marks = [len(b.calls) for b in sandboxes]
-            self.workload.train_step(self.workload.shadow_data_step())
+            self.workload.train_step(self.workload.shadow_data_step() if self.shadow_step is None else self.shadow_step)
             steps += 1
             signature = [tuple(b.calls[m:]) for b, m in zip(sandboxes, marks)]
             if signature == previous:
@@ -188,6 +220,13 @@ class Agent:
     def full_state(self, step: int) -> dict:
         return {"workload": self.workload.state_dict(), "rng": rng.capture(), "step": step}
 
+    def replica_state(self, step: int) -> dict:
+        """What a replica gives a rebuilt rank: model, optimizer and the step (data position and
+        dropout follow from rank and step, see Workload.replica_group)."""
+        sd = self.workload.state_dict()
+        return {"workload": {"model": sd["model"], "optimizer": sd.get("optimizer", {}), **{
+            k: v for k, v in sd.items() if k not in ("model", "optimizer")}}, "step": step}
+
     def digest(self) -> str:
         sd = self.workload.state_dict()
         return transfer.digest_tensors(transfer.tensors_of({"model": sd["model"], "optimizer": sd.get("optimizer", {})}))
@@ -210,11 +249,14 @@ class Agent:
             log.warning("not recording collectives: %s", why)
             return
         self.recorder = live.Recorder(self.groups, Path(self.spec.recording_path), self.rank,
-                                      self.spec.record_iterations, skip=CONTROL)
+                                      self.spec.record_iterations, skip=CONTROL,
+                                      from_step=self.spec.record_from_step, max_versions=self.spec.record_versions)
 
     def _replay(self) -> dict:
         """Shadow iterations on the live job's recording: the standby rehearses the recorded
         rank and must compute the very losses that rank computed."""
+        if self.spec.standby_warmup == "cold":
+            return {"replay": "skipped: cold standby (TM_STANDBY_WARMUP=cold)"}
         if not self.spec.recording_path or not self.spec.record_iterations:
             return {"replay": "unavailable: recording disabled"}
         from trainmover.sandbox import shadow
@@ -223,9 +265,37 @@ class Agent:
             self.groups = groups
             self.workload.build(self._context(rank))
 
-        _, report = shadow.replay(self.specs, Path(self.spec.recording_path), self.spec.group_timeout_s, CONTROL,
-                                  build, self.workload.train_step)
+        # The live rank may record later than the job start (TM_RECORD_FROM_STEP): wait longer.
+        _, report = shadow.replay(self.specs, Path(self.spec.recording_path), 3 * self.spec.group_timeout_s,
+                                  CONTROL, build, self.workload.train_step,
+                                  settle=lambda: self.shadow_until_steady(self.spec.shadow_steps))
+        if report["replay"] == "done":
+            self.replayed, self.shadow_step = report["version"], report["last_step"]
         return report
+
+    def _warm_stance(self):
+        """A cold standby (a benchmark's baseline) runs the shadow steps DDP needs eagerly:
+        compiled code is then built at its first real step, as in a fresh process."""
+        import contextlib
+        if self.spec.standby_warmup == "cold":
+            return torch.compiler.set_stance("force_eager")
+        return contextlib.nullcontext()
+
+    def _rewarm_if_newer(self, t0: float) -> None:
+        """A warm standby re-warms when the live rank recorded a new version (its collectives
+        changed shape): replay it, then report ready again with the new version's report."""
+        if self.spec.standby_warmup == "cold" or not self.spec.recording_path or not self.replayed:
+            return
+        from trainmover.sandbox import recording, shadow
+        version = shadow.newer(Path(self.spec.recording_path), self.replayed)
+        if version is None:
+            return
+        self.send("warming", node=self.spec.node, version=version)
+        report = shadow.rewarm(self.groups, recording.version_path(Path(self.spec.recording_path), version),
+                               CONTROL, self.workload.train_step)
+        self.replayed, self.shadow_step = version, report["last_step"]
+        steps = self.shadow_until_steady(self.spec.shadow_steps)
+        self.send("ready", node=self.spec.node, warmup_s=time.perf_counter() - t0, shadow_steps=steps, detail=report)
 
     def standby(self) -> int:
         t0 = time.perf_counter()
@@ -235,11 +305,16 @@ class Agent:
             rehearse = self.local % self.spec.world_size  # any valid rank: the layout is rank-symmetric here
             self.groups = self._make_groups(rehearse, sandbox=True)
             self.workload.build(self._context(rehearse))
-        steps = self.shadow_until_steady(self.spec.shadow_steps)
+        with self._warm_stance():
+            steps = self.shadow_until_steady(self.spec.shadow_steps)
         self.send("ready", node=self.spec.node, warmup_s=time.perf_counter() - t0, shadow_steps=steps, detail=shadow)
         log.info("standby on %s warm after %.2fs", self.spec.node, time.perf_counter() - t0)
         while True:
-            msg = self.inbox.get()
+            try:
+                msg = self.inbox.get(timeout=REWARM_POLL_S)
+            except queue.Empty:
+                self._rewarm_if_newer(t0)
+                continue
             if msg is None:
                 log.info("controller closed the channel; standby exits")
                 return 0
@@ -248,6 +323,40 @@ class Agent:
                 if start is not None:
                     return self.train(start)
                 self.send("ready", node=self.spec.node, warmup_s=time.perf_counter() - t0, shadow_steps=0, detail={})
+            elif msg["type"] == "recover" and str(self.local) in msg["assign"]:
+                return self.train(self.take_failed_rank(msg))
+
+    def _aborted(self, epoch: int) -> bool:
+        """Whether the controller aborted `epoch` (other messages are not for a joining standby)."""
+        while True:
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                return False
+            if msg is not None and msg["type"] == "abort" and msg["epoch"] == epoch:
+                return True
+
+    def take_failed_rank(self, msg: dict, rebind: bool = True) -> int:
+        """Unexpected failure: take a vanished rank's slot. Unlike a planned join, the job is
+        paused while this runs, so only what must happen is done: rebind to the rank (its new
+        wrappers' one-time collectives in the sandbox), build the groups, receive a replica's state."""
+        t0 = time.perf_counter()
+        rank = int(msg["assign"][str(self.local)])
+        self.rank = rank
+        if rebind:
+            self.groups = self._make_groups(rank, sandbox=True)
+            self.workload.rebind(self._context(rank))
+            self.shadow_until_steady(self.spec.shadow_steps)
+        rebind_s = time.perf_counter() - t0
+        backends, report = recovery.rebuild(self, msg, "joiner")
+        for name, backend in backends.items():
+            self.retire(self.groups[name].swap(backend), msg["step"])
+        self.role = "worker"
+        self.send("switched", epoch=msg["epoch"], rank=rank, role="joiner", step=msg["step"], t=time.time(),
+                  detail={**report, "rebind_s": rebind_s, "seconds": time.perf_counter() - t0, **self.memory()})
+        log.info("took failed rank %d at step %d in %.3fs", rank, msg["step"], time.perf_counter() - t0)
+        self.trace_steps = TRACE_STEPS
+        return int(msg["step"])
 
     def join(self, msg: dict) -> int | None:
         """Take a leaver's slot. Returns the step to continue from, or None if the
@@ -259,7 +368,8 @@ class Agent:
         # and run shadow steps so that the new wrappers' one-time work happens in the sandbox.
         self.groups = self._make_groups(rank, sandbox=True)
         self.workload.rebind(self._context(rank))
-        self.shadow_until_steady(self.spec.shadow_steps)
+        with self._warm_stance():
+            self.shadow_until_steady(self.spec.shadow_steps)
         prep = phase1.Prepared(epoch, delta(self.specs, msg["leavers"], epoch), "joiner", rank)
         phase1.start(prep, self.build_backend)
         if not prep.done.wait(self.spec.group_timeout_s + 5) or prep.error:
@@ -270,8 +380,8 @@ class Agent:
         # Wait for the leaver's verdict: it either starts sending (go) or cancels.
         deadline = time.monotonic() + self.spec.switch_timeout_s
         while True:
-            if self.store.check([cancel_key(epoch, leaver)]):
-                log.info("epoch %d cancelled by the leaver; back to standby", epoch)
+            if self.store.check([cancel_key(epoch, leaver)]) or self._aborted(epoch):
+                log.info("epoch %d cancelled; back to standby", epoch)
                 return None
             try:
                 self.store.wait([go_key(epoch, leaver)], datetime.timedelta(milliseconds=50))
@@ -282,7 +392,12 @@ class Agent:
                 self.send("prepare_failed", epoch=epoch, rank=rank, error="leaver never sent its state")
                 return None
         t_switch = time.perf_counter()
-        state, stats = transfer.recv_state(prep.xfer, src=0, like=self.full_state(0))
+        try:
+            state, stats = transfer.recv_verified(prep.xfer, src=0, like=self.full_state(0))
+        except (MigrationError, RuntimeError) as exc:  # the leaver died mid-copy: a replica will send it
+            self.rank = rank
+            self.send("stalled", rank=rank, step=0, digest="", error=str(exc)[:500], role="joiner")
+            return self.take_failed_rank(self._wait_recover(exc), rebind=False)
         self.workload.load_state_dict(state["workload"])
         rng.restore(state["rng"])
         for name, backend in prep.backends.items():
@@ -294,65 +409,121 @@ class Agent:
         self.send("switched", epoch=epoch, rank=rank, role="joiner", step=int(state["step"]), t=time.time(),
                   detail={"recv_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
                           "apply_s": time.perf_counter() - t_switch, "prepare_s": prep.seconds,
+                          "attempts": stats.attempts,
                           "comms_created": self.comms_created(), **self.memory()})
         log.info("joined as rank %d at step %d (%d bytes in %.3fs)", rank, state["step"], stats.bytes, stats.seconds)
         self.trace_steps = TRACE_STEPS
         return int(state["step"])
 
     def train(self, step: int) -> int:
-        control, world = self.groups[CONTROL], self.groups["world"]
-        slow = self._slow_fraction()
-        pure_s = 0.0
+        self.slow, self.pure_s = self._slow_fraction(), 0.0
+        die_at = self._die_at()
+        loss = 0.0
         self._trace("train loop entered")
         while step < self.spec.steps:
-            world.first_call_at = None
-            t0, c0 = time.perf_counter(), time.process_time()
-            if slow:  # injected straggler: this process computes (1 + slow) times as long
-                _burn(slow * pure_s, cpu=self.device == "cpu")
-            t1, c1 = time.perf_counter(), time.process_time()
-            if self.recorder:
-                self.recorder.before(step)
-            if self.trace_steps:
-                self.trace_steps -= 1
-                self._trace(f"step {step + 1} begins")
-                self.workload.trace = self._trace
-            elif getattr(self.workload, "trace", None):
-                self.workload.trace = None
-            loss = self.workload.train_step(step)
-            # a rank's own compute: until its first collective (after that it may wait for peers)
-            # On CPU nodes: CPU time, which co-located processes cannot inflate; on GPUs: wall time.
-            if self.device == "cpu":
-                first = world.first_call_cpu if world.first_call_at is not None else time.process_time()
-                compute_s, pure_s = first - c0, first - c1
-            else:
-                first = world.first_call_at or time.perf_counter()
-                compute_s, pure_s = first - t0, first - t1
-            if self.recorder:
-                report = self.recorder.after(step, loss, time.perf_counter() - t0)
-                if report:
-                    self.recorder = None
-                    self.send("recorded", **report)
-            step += 1
-            self.send("step", rank=self.rank, step=step, loss=loss, step_s=time.perf_counter() - t0,
-                      compute_s=compute_s, t=time.time())
-            self._release_retired(step)
-            self._poll_inbox()
-            prep = self.pending
-            ready = prep.epoch if prep and prep.done.is_set() and not prep.error else 0
-            if boundary.agree(control, ready) == ready and ready:
-                if prep.role == "leaver":
-                    self.leave(prep, step)
-                    return 0
-                for name, backend in prep.backends.items():
-                    self.retire(self.groups[name].swap(backend), step)
-                self.pending = None
-                self.trace_steps = TRACE_STEPS
-                self._trace("stayer swapped")
-                self.send("switched", epoch=prep.epoch, rank=self.rank, role="stayer", step=step, t=time.time(),
-                          detail={"prepare_s": prep.seconds, "comms_created": self.comms_created(),
-                                  "comms_created_before": prep.comms_before})
-        self.send("finished", rank=self.rank, step=step, digest=self.digest(), loss=loss if step else 0.0)
+            if step == die_at:  # injected unexpected failure: no goodbye, no report
+                os.kill(os.getpid(), signal.SIGKILL)
+            self.completed = step
+            try:
+                loss, step = self._iteration(step)
+            except RuntimeError as exc:  # a collective failed or was revoked: a peer is gone
+                step = self.stall(self.completed, exc)
+                continue
+            if step < 0:
+                return 0  # this rank left the job (planned migration)
+        self.send("finished", rank=self.rank, step=step, digest=self.digest(), loss=loss)
         return 0
+
+    def _iteration(self, step: int) -> tuple[float, int]:
+        """One training step, its report and the boundary agreement. Returns (loss, steps
+        completed), steps -1 when this rank handed its state over and leaves."""
+        control, world = self.groups[CONTROL], self.groups["world"]
+        world.first_call_at = None
+        t0, c0 = time.perf_counter(), time.process_time()
+        if self.slow:  # injected straggler: this process computes (1 + slow) times as long
+            _burn(self.slow * self.pure_s, cpu=self.device == "cpu")
+        t1, c1 = time.perf_counter(), time.process_time()
+        if self.recorder:
+            self.recorder.before(step)
+        if self.trace_steps:
+            self.trace_steps -= 1
+            self._trace(f"step {step + 1} begins")
+            self.workload.trace = self._trace
+        elif getattr(self.workload, "trace", None):
+            self.workload.trace = None
+        loss = self.workload.train_step(step)
+        # a rank's own compute: until its first collective (after that it may wait for peers)
+        # On CPU nodes: CPU time, which co-located processes cannot inflate; on GPUs: wall time.
+        if self.device == "cpu":
+            first = world.first_call_cpu if world.first_call_at is not None else time.process_time()
+            compute_s, self.pure_s = first - c0, first - c1
+        else:
+            first = world.first_call_at or time.perf_counter()
+            compute_s, self.pure_s = first - t0, first - t1
+        if self.recorder:
+            report = self.recorder.after(step, loss, time.perf_counter() - t0)
+            if report:  # the recorder stays: it records again if the collectives change shape
+                self.send("recorded", **report)
+        step += 1
+        self.completed = step  # from here on a failure finds this step complete in our state
+        self.send("step", rank=self.rank, step=step, loss=loss, step_s=time.perf_counter() - t0,
+                  compute_s=compute_s, t=time.time())
+        self._release_retired(step)
+        self._poll_inbox()
+        prep = self.pending
+        ready = prep.epoch if prep and prep.done.is_set() and not prep.error else 0
+        if boundary.agree(control, ready) == ready and ready:
+            if prep.role == "leaver":
+                self.leave(prep, step)
+                return loss, -1
+            for name, backend in prep.backends.items():
+                self.retire(self.groups[name].swap(backend), step)
+            self.pending = None
+            self.trace_steps = TRACE_STEPS
+            self._trace("stayer swapped")
+            self.send("switched", epoch=prep.epoch, rank=self.rank, role="stayer", step=step, t=time.time(),
+                      detail={"prepare_s": prep.seconds, "comms_created": self.comms_created(),
+                              "comms_created_before": prep.comms_before})
+        return loss, step
+
+    # --- unexpected failure of another rank ----------------------------------------------
+    def _wait_recover(self, exc: Exception) -> dict:
+        """The controller's `recover` plan, within the recovery deadline."""
+        deadline = time.monotonic() + self.spec.recovery_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise MigrationError(f"no recovery plan within {self.spec.recovery_timeout_s:.0f}s after: {exc}",
+                                     phase="recover", rank=self.rank, host=self.spec.node)
+            try:
+                msg = self.inbox.get(timeout=left)
+            except queue.Empty:
+                continue
+            if msg is None:
+                raise MigrationError(f"controller gone while stalled after: {exc}", phase="recover", rank=self.rank)
+            if msg["type"] == "recover":
+                return msg
+            # revoke (already applied), or a planned epoch's prepare/abort: void now
+
+    def stall(self, completed: int, exc: Exception) -> int:
+        """A collective failed: report how far this rank got and wait (bounded) for the
+        controller's recovery plan. Returns the step to resume from."""
+        log.warning("rank %d stalled after %d steps: %s", self.rank, completed, str(exc)[:300])
+        if self.pending is not None:  # a planned migration in flight is void: its groups hold the lost rank
+            self._on_abort({"epoch": self.pending.epoch, "reason": "unexpected failure"})
+        self.send("stalled", rank=self.rank, step=completed, digest=self.digest(), error=str(exc)[:500],
+                  role="stayer")
+        msg = self._wait_recover(exc)
+        if completed < msg["step"] and self.rank not in msg["needers"]:
+            raise MigrationError(f"recovery plan resumes at step {msg['step']} but this rank has completed "
+                                 f"{completed} and gets no state", phase="recover", rank=self.rank)
+        backends, report = recovery.rebuild(self, msg, "stayer")
+        for name, backend in backends.items():
+            self.retire(self.groups[name].swap(backend), msg["step"])
+        self.send("switched", epoch=msg["epoch"], rank=self.rank, role="stayer", step=msg["step"], t=time.time(),
+                  detail={**report, "redo_from": completed})
+        self.trace_steps = TRACE_STEPS
+        return int(msg["step"])
 
     def _poll_inbox(self):
         while True:
@@ -404,7 +575,9 @@ class Agent:
         if "skip-optimizer-state" in self.spec.inject:  # negative control for the digest tests
             state["workload"].pop("optimizer", None)
         self.store.set(go_key(prep.epoch, self.rank), "1")
-        stats = transfer.send_state(state, prep.xfer, dst=1, corrupt="corrupt-transfer" in self.spec.inject)
+        if "die-in-copy" in self.spec.inject:  # fault injection: the state must come from a replica
+            os.kill(os.getpid(), signal.SIGKILL)
+        stats = transfer.send_verified(state, prep.xfer, dst=1, corrupt="corrupt-transfer" in self.spec.inject)
         self.send("switched", epoch=prep.epoch, rank=self.rank, role="leaver", step=step, t=time.time(),
                   detail={"send_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
                           "tensors": stats.tensors})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from trainmover.errors import ConfigError
@@ -22,6 +23,10 @@ class BuildContext:
     groups: dict[str, SwappableGroup]
     seed: int
     options: dict = field(default_factory=dict)
+    # Call between gradients and the optimizer step: raises if a collective of this step
+    # failed. On GPUs an aborted NCCL kernel ends early without an error the host sees, and
+    # an optimizer step on its gradients would spoil every replica at once.
+    before_update: Callable[[], None] | None = None
 
 
 class Workload(abc.ABC):
@@ -51,6 +56,14 @@ class Workload(abc.ABC):
 
     @abc.abstractmethod
     def load_state_dict(self, state: dict) -> None: ...
+
+    def replica_group(self) -> str | None:
+        """The group whose members hold identical model and optimizer state (data parallel
+        replicas), if everything else a step uses (data position, dropout RNG) is a function
+        of (rank, step). Then a rank that vanished can be rebuilt from any live member of this
+        group, and an interrupted step redone exactly. None: no such group (recovery from an
+        unexpected failure then needs a checkpoint)."""
+        return None
 
     def shadow_data_step(self) -> int:
         """Step number a standby uses for shadow iterations (any valid one)."""

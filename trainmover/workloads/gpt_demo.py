@@ -70,6 +70,12 @@ class TokenStream:
         self.data = torch.where(keep, base[torch.arange(length) % 97], noise)
         self.cursor = 0
 
+    def seek(self, step: int, batch: int, seq: int) -> None:
+        """Position of `step`'s batch: a function of the step alone, so a redone or
+        rebuilt step reads exactly the data it read (or would have read) the first time."""
+        n = batch * (seq + 1)
+        self.cursor = (step % (len(self.data) // n)) * n
+
     def batch(self, batch: int, seq: int):
         n = batch * (seq + 1)
         if self.cursor + n > len(self.data):
@@ -85,11 +91,27 @@ def _ddp(model: nn.Module, group) -> DDP:
         return DDP(model, process_group=group, broadcast_buffers=False)
 
 
+def _flag(name: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("true", "1", "false", "0"):
+        return str(value).lower() in ("true", "1")
+    raise ConfigError(f"gpt_demo: option {name}={value!r}: expected true or false")
+
+
 class GPTDemo(Workload):
-    def __init__(self, preset: str = "tiny", lr: float = 3e-3):
+    def __init__(self, preset: str = "tiny", lr: float = 3e-3, compile: bool = False):
         if preset not in PRESETS:
             raise ConfigError(f"gpt_demo: unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
         self.preset, self.lr = preset, float(lr)
+        # torch.compile of the DDP wrapper (TM_WORKLOAD_OPTIONS=compile=true): dynamo splits the
+        # graph at DDP's bucket boundaries, so gradient all-reduces still overlap the backward.
+        # A standby compiles in its shadow iterations; its first real step then finds the code warm.
+        self.compile = _flag("compile", compile)
+
+    def _wrap(self, group) -> None:
+        self.ddp = _ddp(self.model, group)
+        self.forward = torch.compile(self.ddp) if self.compile else self.ddp
 
     def build(self, ctx: BuildContext) -> None:
         layers, d, heads, self.seq, self.batch, vocab = PRESETS[self.preset]
@@ -99,18 +121,22 @@ class GPTDemo(Workload):
         torch.manual_seed(ctx.seed)  # identical initial weights on every rank
         with self.device:  # built where it runs: a 1B model initialised on the CPU takes seconds
             self.model = GPT(layers, d, heads, self.seq, vocab)
-        self.ddp = _ddp(self.model, ctx.groups["world"])
+        self._wrap(ctx.groups["world"])
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=0.01,
                                      **({"foreach": True} if self.device.type == "cuda" else {}))
         self.data = TokenStream(ctx.seed, ctx.rank, vocab)
-        torch.manual_seed(ctx.seed + 7919 * (ctx.rank + 1))  # per-rank dropout stream
-        if self.device.type == "cuda":
-            torch.cuda.manual_seed(ctx.seed + 7919 * (ctx.rank + 1))
+        self.seed, self.rank, self.before_update = ctx.seed, ctx.rank, ctx.before_update
 
     def rebind(self, ctx: BuildContext) -> None:
         # Keep model and optimizer (warm); new DDP wrapper on the new groups, new data stream.
-        self.ddp = _ddp(self.model, ctx.groups["world"])
+        # With compile=true the new wrapper is compiled again (dynamo guards on the wrapper):
+        # the runtime's shadow steps after a rebind happen in the sandbox, off the critical path.
+        self._wrap(ctx.groups["world"])
         self.data = TokenStream(ctx.seed, ctx.rank, self.model.tok.num_embeddings)
+        self.seed, self.rank, self.before_update = ctx.seed, ctx.rank, ctx.before_update
+
+    def replica_group(self) -> str:
+        return "world"  # plain DDP: every rank holds the whole model and optimizer
 
     trace = None  # set by the runtime to time the sections of chosen steps
 
@@ -121,15 +147,21 @@ class GPTDemo(Workload):
             self.trace(what)
 
     def train_step(self, step: int) -> float:
+        # Data and dropout of a step depend on (seed, rank, step) only: the state a replica
+        # holds plus the step number is all a rebuilt rank needs (see replica_group).
+        self.data.seek(step, self.batch, self.seq)
+        torch.manual_seed(self.seed + 7919 * (self.rank + 1) + 104729 * step)  # seeds CUDA generators too
         x, y = (t.to(self.device, non_blocking=True) for t in self.data.batch(self.batch, self.seq))
         self._mark("data")
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-            logits = self.ddp(x)
+            logits = self.forward(x)
             loss = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), y.reshape(-1))
         self._mark("forward")
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self._mark("backward (DDP all-reduce)")
+        if self.before_update:
+            self.before_update()
         self.opt.step()
         self._mark("optimizer")
         out = loss.item()

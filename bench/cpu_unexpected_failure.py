@@ -1,0 +1,101 @@
+"""Unexpected failure on the CPU local cluster: a worker killed with SIGKILL, replaced from a
+data-parallel replica by the warm standby. Downtime is measured from the kill (the fault, not
+its detection) to the first step that every rank completed afterwards.
+
+    .venv/bin/python bench/cpu_unexpected_failure.py --repeats 3 [--steps 600]
+
+Submits the demo template to the embedded cluster (`trainmover cluster up` first), waits for
+training and a warm standby, kills rank 1's worker process from outside, and reads what the
+controller wrote. Writes bench/results/cpu-failure-<time>.json (shared/reference/bench-results.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import results_io  # noqa: E402
+from bench.cpu_planned_migration import last, wait  # noqa: E402
+from trainmover import cluster  # noqa: E402
+from trainmover.cluster.procs import step_pid  # noqa: E402
+from trainmover.slurm import commands  # noqa: E402
+
+
+def events(run: Path) -> dict:
+    return {e["event"]: e for e in map(json.loads, (run / "timeline.jsonl").read_text().splitlines())}
+
+
+def one(env, workdir: Path) -> dict:
+    job = int(commands.run(["sbatch", "--parsable", f"--chdir={workdir}", "--job-name=tm-bench-failure",
+                            str(ROOT / "sbatch_templates/demo_gpt_cpu.sbatch")], timeout=15, env=env).stdout.split(";")[0])
+    run = workdir / "runs" / str(job)
+    wait("step 100 and a warm standby", lambda: (last(run / "metrics.jsonl") or {}).get("step", 0) >= 100 and any(
+        s["state"] == "ready" for s in json.loads((run / "status.json").read_text())["standbys"]), 180)
+    victim = last(run / "metrics.jsonl")["nodes"][1]
+    pid = step_pid(job, victim)
+    t_kill = time.time()
+    os.kill(pid, signal.SIGKILL)
+    status = wait("the recovery", lambda: (s := json.loads((run / "status.json").read_text()))
+                  and s["migrations"] and s["migrations"][0]["state"] == "done"
+                  and s["migrations"][0]["downtime_s"] is not None and s, 120)
+    m = status["migrations"][0]
+    resume = m["switch_step"]
+    rows = list(map(json.loads, (run / "metrics.jsonl").read_text().splitlines()))
+    first_after = next(r for r in rows if r["step"] == resume + 1)
+    before = [r for r in rows if r["step"] <= resume][-30:]
+    steady = statistics.median(b["t"] - a["t"] for a, b in zip(before, before[1:]))
+    commands.run(["scancel", str(job)], timeout=10, env=env)
+    ev = events(run)
+    joined = ev["joined"]["detail"]
+    return {"job_id": job, "victim": victim, "joiner": m["joiner"],
+            "fault_to_first_step_s": round(first_after["t"] - t_kill, 4),
+            "detect_s": round(ev["detected"]["t"] - t_kill, 4),
+            "plan_s": round(ev["recover"]["t"] - ev["detected"]["t"], 4),
+            "rebuild_s": round(ev["switched"]["t"] - ev["recover"]["t"], 4),
+            "joiner_rebind_s": joined.get("rebind_s"), "state_bytes": joined.get("recv_bytes"),
+            "copy_s": joined.get("recv_s"), "resume_step": resume, "steady_step_s": round(steady, 5),
+            "policy_downtime_s": m["downtime_s"], "evidence": ev["detected"].get("evidence"),
+            "state_source": m["state_source"]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=600)
+    args = ap.parse_args()
+    info = cluster.up(nodes=4, standby=2)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TM_")}
+    env.update(SLURM_CONF=str(info.slurm_conf), TM_STEPS=str(args.steps))
+    workdir = ROOT / "runs" / "bench"
+    workdir.mkdir(parents=True, exist_ok=True)
+    trials = [one(env, workdir) for _ in range(args.repeats)]
+    down = [t["fault_to_first_step_s"] for t in trials]
+    med = lambda k: statistics.median(t[k] for t in trials)  # noqa: E731
+    result = {
+        "scenario": "unexpected-failure-cpu-demo", "machine": "cpu-local-cluster",
+        "gpus": "none", "cpu": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
+        "commit": results_io.commit(),
+        "command": " ".join(["python", "bench/cpu_unexpected_failure.py", *sys.argv[1:]]),
+        "when": results_io.now(),
+        "settings": {"workload": "gpt_demo tiny", "workers": 3, "standbys": 1, "backend": "gloo", "steps": args.steps,
+                     "fault": "SIGKILL of rank 1's worker process", "slurm": "22.05.8 embedded, one machine"},
+        "metrics": {"unexpected_downtime_s": statistics.median(down), "unexpected_downtime_s_all": down,
+                    "goal_s": 10.0, "detect_s": med("detect_s"), "plan_s": med("plan_s"),
+                    "rebuild_s": med("rebuild_s"), "steady_step_s": med("steady_step_s"),
+                    "state_bytes": trials[0]["state_bytes"]},
+        "trials": trials,
+    }
+    results_io.write(results_io.stamped("cpu-failure"), result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,374 @@
+"""Warm vs cold joiner with a compiled model, on one GPU host (issue 4), in one run:
+
+    python bench/gpu_warm_joiner.py --preset 125m --out DIR          # on the GPU machine
+    python bench/gpu_warm_joiner.py --device cpu --preset tiny       # dry run of the plumbing
+
+GPUs-1 data-parallel workers and 1 standby (2 GPUs suffice), gpt_demo with torch.compile
+under DDP, the real controller, policy and runtime (`SingleHostAllocation`: each GPU is a
+"node" with its own compile caches). Two jobs, each a child process with a deadline:
+
+* cold: the standby is cold (TM_STANDBY_WARMUP=cold: no recording, no replay; only the eager
+  steps DDP needs in the sandbox), so the joiner compiles at its first real step. Also
+  calibrates the step time for the second job.
+* warm: rank 0 records 3 iterations from step TM_RECORD_FROM_STEP (after its own compile);
+  the standby replays them (compiling), runs shadow steps and reports ready; after a steady
+  window the last worker is migrated to it.
+
+Measured: (a) the joiner's first real step over a steady step, warm and cold (target <= 1.2
+warm); (b) the stayers' throughput from the start of the recording until the standby is
+ready, over the steady window after it (target >= 0.99); (c) the recording's size and its
+cost in step time (from the recorder's own report and from the job's step times).
+Writes <out>/<scenario>.json (shared/reference/bench-results.md) even when a job fails or
+runs out of time: `complete` and `errors` say what is missing. Exit code 0 only if complete.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import results_io  # noqa: E402
+
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+           "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+           # connect every peer during (non-blocking) init, i.e. in Phase 1, not at the first collective
+           "NCCL_RUNTIME_CONNECT": "0"}
+os.environ.update(GPU_ENV)
+
+MAX_STEPS = 1_000_000  # a job is stopped by the benchmark once measured (see _stop), or by its deadline
+TARGETS = {"first_step_ratio_max": 1.2, "stayer_throughput_ratio_min": 0.99}
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # a line being appended right now
+            pass
+    return rows
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+# --- one job (runs in a child process: a hung job can be killed, its files stay) -------------
+def run_job(spec: dict) -> int:
+    from trainmover.config import Config
+    from trainmover.control import channel
+    from trainmover.control.messages import make
+    from trainmover.controller.main import Controller
+    from trainmover.controller.single_host import SingleHostAllocation
+
+    workdir = Path(spec["workdir"])
+    workdir.mkdir(parents=True, exist_ok=True)
+    run = workdir / "run"
+    cfg = Config(run_dir=str(run), **spec["config"])
+    alloc = SingleHostAllocation(gpus=spec["gpus"], train=spec["gpus"] - 1, work_dir=str(workdir))
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    raw = {"name": spec["name"], "t_start": time.time(), "trigger": {}, "error": None}
+    out = workdir / "raw.json"
+
+    ctl = Controller(cfg, job_id=1, slurm=alloc, environ=env)
+
+    def trigger():
+        """Migrate the leaver once the standby is ready and a steady window has passed; stop
+        the job `after_steps` steps after the switch (the numbers are in by then)."""
+        t = raw["trigger"]
+        deadline = time.monotonic() + spec["deadline_s"]
+        try:
+            while time.monotonic() < deadline:
+                rows = read_jsonl(run / "metrics.jsonl")
+                status = read_json(run / "status.json")
+                step = rows[-1]["step"] if rows else 0
+                for s in status.get("standbys", []):
+                    t.setdefault("standby_seen", s["node"])
+                    if s["state"] == "ready" and "ready_t" not in t:
+                        t.update(ready_t=time.time(), ready_step=step, standby=s)
+                if "standby_seen" in t and "ready_t" not in t and not status.get("standbys"):
+                    # its agent exited before it was warm: say why now instead of at the deadline
+                    log = run / f"standby-{t['standby_seen']}.log"
+                    last = log.read_text().strip().splitlines()[-1:] if log.exists() else ["(no log)"]
+                    t["error"] = f"standby on {t['standby_seen']} exited before it was ready: {last[0][-500:]}"
+                    _stop(ctl)
+                    return
+                if ("t" not in t and "ready_t" in t and step >= t["ready_step"] + spec["steady_steps"]
+                        and step >= spec["min_step"]):
+                    where = read_json(run / "controller.json")
+                    t["t"], t["step"] = time.time(), step
+                    reply = channel.request((where["host"], where["port"]), channel.read_secret(str(run / "secret")),
+                                            make("migrate", node=spec["leaver"]))
+                    t["reply"] = reply["message"]
+                migrations = status.get("migrations") or []
+                switch = migrations[0]["switch_step"] if migrations else None
+                if switch is not None and step >= switch + spec["after_steps"]:
+                    t["stopped_at_step"] = step
+                    _stop(ctl)
+                    return
+                time.sleep(0.05)
+            t["error"] = f"no switch and {spec['after_steps']} steps after it within {spec['deadline_s']:.0f}s"
+        except Exception as exc:  # noqa: BLE001 - reported in the result
+            t["error"] = f"trigger failed: {exc!r}"
+
+    threading.Thread(target=trigger, daemon=True).start()
+    try:
+        raw["rc"] = ctl.run()
+    except Exception:  # noqa: BLE001 - reported in the result
+        raw["error"] = traceback.format_exc()[-3000:]
+    raw.update(t_end=time.time(), metrics=read_jsonl(run / "metrics.jsonl"),
+               timeline=read_jsonl(run / "timeline.jsonl"), status=read_json(run / "status.json"),
+               final=read_json(run / "final.json"))
+    out.write_text(json.dumps(raw))
+    return 0 if raw["error"] is None and raw.get("rc") == 0 else 1
+
+
+def _stop(ctl) -> None:
+    """End the job once measured: training would otherwise run to a step count that must be
+    guessed before the standby's warm-up time is known. The controller's loop ends on its
+    outcome; the workers (which keep training without a controller) are then terminated."""
+    ctl.outcome = (True, "benchmark: measurements taken, job stopped")
+    time.sleep(2.0)
+    for proc in list(getattr(ctl, "steps", {}).values()):
+        if proc.poll() is None:
+            proc.terminate()
+
+
+def launch(spec: dict, timeout_s: float) -> tuple[dict, str | None]:
+    """Run one job in a child process (its own session: on timeout the controller and its
+    workers are killed together). Returns (raw results or {}, error)."""
+    workdir = Path(spec["workdir"])
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / "job.log"
+    print(f"[{spec['name']}] deadline {timeout_s:.0f}s, log {log}", flush=True)
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, __file__, "--run-job", json.dumps(spec)], stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=max(1.0, timeout_s))
+            error = None if proc.returncode == 0 else f"job {spec['name']} exited with {proc.returncode} (see {log})"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            error = f"job {spec['name']} did not finish within {timeout_s:.0f}s: killed (see {log})"
+    raw = read_json(workdir / "raw.json")
+    if not raw:  # killed before it could write: salvage what the controller wrote
+        run = workdir / "run"
+        raw = {"name": spec["name"], "metrics": read_jsonl(run / "metrics.jsonl"), "status": read_json(run / "status.json"),
+               "timeline": read_jsonl(run / "timeline.jsonl"), "trigger": {}, "error": None}
+    if raw.get("error"):
+        error = (error + "; " if error else "") + raw["error"].strip().splitlines()[-1]
+    if raw.get("trigger", {}).get("error"):
+        error = (error + "; " if error else "") + raw["trigger"]["error"]
+    return raw, error
+
+
+def keep_logs(workdir: Path, dest: Path) -> None:
+    """Copy a job's logs and run files (not its recordings or compile caches) next to the result."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in [workdir / "job.log", *sorted((workdir / "run").glob("*.log")), *sorted((workdir / "run").glob("*.json")),
+              *sorted((workdir / "run").glob("*.jsonl"))]:
+        if f.is_file() and f.stat().st_size <= 20 << 20:
+            shutil.copyfile(f, dest / f.name)
+
+
+# --- what one job says ------------------------------------------------------------------------
+def summarize(raw: dict, spec: dict) -> dict:
+    """Per-job numbers; raises ValueError naming what is missing."""
+    rows = {r["step"]: r for r in raw.get("metrics", [])}  # row k: k steps done
+    trig = raw.get("trigger", {})
+    if "ready_t" not in trig:
+        raise ValueError("the standby never reported ready")
+    migrations = raw.get("status", {}).get("migrations", [])
+    if not migrations or migrations[0]["switch_step"] is None:
+        raise ValueError(f"no switch happened (migrations: {[m['state'] for m in migrations]})")
+    m = migrations[0]
+    s = m["switch_step"]
+    joiner_rank = m["leaver_ranks"][0]
+    # steady window: after the standby is ready, before the migration request
+    hi = trig.get("step", s)
+    lo = max(trig["ready_step"], hi - spec["steady_steps"])
+    steady = [rows[k]["step_s"] for k in range(lo + 1, hi + 1) if k in rows]
+    if len(steady) < 5:
+        raise ValueError(f"steady window has {len(steady)} steps")
+    steady_step_s = statistics.median(steady)
+    steady_period = (rows[hi]["t"] - rows[lo]["t"]) / (hi - lo) if lo in rows and hi in rows and hi > lo else None
+    first = rows.get(s + 1, {}).get("step_s_ranks", [None] * (joiner_rank + 1))[joiner_rank]
+    if first is None:
+        raise ValueError(f"no step after the switch (step {s}) was reported")
+    out = {"steady_step_s": steady_step_s, "steady_period_s": steady_period, "steady_steps": len(steady),
+           "joiner_first_step_s": first, "first_step_ratio": first / steady_step_s, "switch_step": s,
+           "joiner_second_step_s": rows.get(s + 2, {}).get("step_s_ranks", [None] * (joiner_rank + 1))[joiner_rank],
+           "pause_s": (rows[s + 1]["t"] - rows[s]["t"]) if s in rows and s + 1 in rows else None,
+           "standby": trig.get("standby"), "migration_state": m["state"]}
+    rec_from = spec["config"].get("record_from_step", 0)
+    if spec["config"].get("record_iterations"):
+        # (b) from the first recorded step until the standby is ready: recording, writing, replay
+        ready = trig["ready_step"]
+        if rec_from in rows and ready > rec_from and steady_period:
+            window = (trig["ready_t"] - rows[rec_from]["t"]) / (ready - rec_from)
+            out.update(warm_window_s=trig["ready_t"] - rows[rec_from]["t"], warm_window_steps=ready - rec_from,
+                       warm_window_period_s=window, stayer_throughput_ratio=steady_period / window)
+        # (c) the recorded steps and the steps while the file was written, from the job's own rows
+        rec = raw.get("status", {}).get("recording") or {}
+        out["recording"] = rec
+        rec_steps = [rows[k]["step_s"] for k in range(rec_from + 1, rec_from + 1 + spec["config"]["record_iterations"])
+                     if k in rows]
+        if rec_steps:
+            out["recording_step_ratio_job"] = statistics.median(rec_steps) / steady_step_s
+    return out
+
+
+def gpu_names() -> str:
+    """'<n>x <name>' from nvidia-smi: a CUDA context in this process would hold memory on GPU 0
+    for the whole run, next to a worker."""
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                               text=True, timeout=30).stdout.split("\n")
+        names = [n.strip() for n in names if n.strip()]
+        return f"{len(names)}x {names[0]}" if names else "unknown (nvidia-smi listed none)"
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unknown ({exc})"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="125m")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run of the same flow")
+    ap.add_argument("--gpus", type=int, default=None, help="GPU 'nodes' to use (default: all; cpu: 2)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
+    ap.add_argument("--work", default=None, help="scratch directory of the jobs (recordings are GBs on GPUs; "
+                    "default: a new one under /tmp); their logs and run files are copied to <out>/<scenario>-logs")
+    ap.add_argument("--machine", default=os.environ.get("TM_BENCH_MACHINE", "unknown"))
+    ap.add_argument("--no-compile", action="store_true", help="plain eager model (compile is the subject)")
+    ap.add_argument("--record-from", type=int, default=20, help="first recorded step (past the worker's compile)")
+    ap.add_argument("--steady-steps", type=int, default=60, help="steady steps between 'ready' and the migration")
+    ap.add_argument("--cold-migrate-at", type=int, default=30, help="cold job: earliest step of the migration")
+    ap.add_argument("--after-steps", type=int, default=30, help="steps after the switch before a job is stopped")
+    ap.add_argument("--deadline-s", type=float, default=560.0, help="whole run, both jobs")
+    ap.add_argument("--run-job", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.run_job:
+        return run_job(json.loads(args.run_job))
+
+    t_begin = time.monotonic()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import torch
+    gpus = args.gpus or (torch.cuda.device_count() if args.device == "cuda" else 2)
+    scenario = f"warm-joiner-{'gpu' if args.device == 'cuda' else 'cpu-dryrun'}-{args.preset}"
+    path = out / f"{scenario}.json"
+    result = {
+        "scenario": scenario, "machine": args.machine if args.device == "cuda" else "cpu-local",
+        "gpus": gpu_names() if args.device == "cuda" else "none",
+        "commit": results_io.commit(),
+        "command": " ".join(["python", "bench/gpu_warm_joiner.py", *sys.argv[1:]]),
+        "when": results_io.now(),
+        "settings": {"preset": args.preset, "compile": not args.no_compile, "workers": gpus - 1, "standbys": 1,
+                     "record_iterations": 3, "record_from_step": args.record_from, "torch": torch.__version__,
+                     "env": GPU_ENV, "targets": TARGETS},
+        "metrics": {}, "jobs": {}, "errors": [], "complete": False,
+    }
+
+    def save():
+        result["wall_s"] = round(time.monotonic() - t_begin, 1)
+        results_io.write(path, result)
+
+    if gpus < 2:
+        result["errors"].append(f"needs at least 2 GPUs (1 worker + 1 standby), found {gpus}")
+        save()
+        return 1
+    leaver = f"gpu{gpus - 2}"  # the last worker; with 2 GPUs the only one (it also records)
+    base = {"model": args.preset, "device": args.device, "backend": "nccl" if args.device == "cuda" else "gloo",
+            "standbys": 1, "poll_s": 0.5, "group_timeout_s": 300, "switch_timeout_s": 300, "phase1_timeout_s": 300,
+            "release_timeout_s": 60, "shadow_steps": 6, "straggler": "off",
+            "workload_options": "" if args.no_compile else "compile=true"}
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    work = Path(args.work or f"/tmp/tm-warm-joiner-{stamp}")
+    jobs = {
+        "cold": {"name": "cold", "gpus": gpus, "leaver": leaver, "steady_steps": 20, "min_step": args.cold_migrate_at,
+                 "after_steps": args.after_steps, "workdir": str(work / "cold"),
+                 "config": {**base, "steps": MAX_STEPS, "record_iterations": 0, "standby_warmup": "cold"}},
+        "warm": {"name": "warm", "gpus": gpus, "leaver": leaver, "steady_steps": args.steady_steps,
+                 "min_step": args.record_from + 3, "after_steps": args.after_steps,
+                 "workdir": str(work / "warm"),
+                 "config": {**base, "steps": MAX_STEPS, "record_iterations": 3, "record_from_step": args.record_from,
+                            "standby_warmup": "shadow"}},
+    }
+    summaries = {}
+    for name in ("cold", "warm"):
+        spec = jobs[name]
+        left = args.deadline_s - (time.monotonic() - t_begin) - 5
+        if left < 30:
+            result["errors"].append(f"{name}: not run, {left:.0f}s of the deadline left")
+            continue
+        spec["deadline_s"] = left
+        raw, error = launch(spec, left)
+        keep_logs(Path(spec["workdir"]), out / f"{scenario}-logs" / name)
+        if error:
+            result["errors"].append(error)
+        result["jobs"][name] = {"steps_done": (raw.get("metrics") or [{}])[-1].get("step"), "rc": raw.get("rc"),
+                                "wall_s": round(raw["t_end"] - raw["t_start"], 1) if raw.get("t_end") else None,
+                                "workdir": spec["workdir"], "trigger": raw.get("trigger")}
+        try:
+            summaries[name] = summarize(raw, spec)
+            result["jobs"][name]["summary"] = summaries[name]
+        except (ValueError, KeyError, TypeError, ZeroDivisionError) as exc:
+            result["errors"].append(f"{name}: {exc}")
+        print(f"[{name}] done: {json.dumps(summaries.get(name, {}).get('first_step_ratio'))} first-step ratio, "
+              f"errors so far {result['errors']}", flush=True)
+        save()
+
+    warm, cold = summaries.get("warm", {}), summaries.get("cold", {})
+    rec = warm.get("recording") or {}
+    detail = rec.get("detail") or {}
+    metrics = {
+        "first_step_ratio": warm.get("first_step_ratio"),
+        "cold_first_step_ratio": cold.get("first_step_ratio"),
+        "joiner_first_step_s": warm.get("joiner_first_step_s"),
+        "cold_joiner_first_step_s": cold.get("joiner_first_step_s"),
+        "steady_step_s": warm.get("steady_step_s"), "cold_steady_step_s": cold.get("steady_step_s"),
+        "stayer_throughput_ratio": warm.get("stayer_throughput_ratio"),
+        "warm_window_s": warm.get("warm_window_s"), "warm_window_steps": warm.get("warm_window_steps"),
+        "standby_warmup_s": (warm.get("standby") or {}).get("warmup_s"),
+        "standby_loss_equal": ((warm.get("standby") or {}).get("shadow") or {}).get("loss_equal"),
+        "standby_replay": ((warm.get("standby") or {}).get("shadow") or {}).get("replay"),
+        "recording_bytes": rec.get("bytes"),
+        "recording_overhead_s": rec.get("overhead_s"),  # extra step time of recorded + writing steps
+        "recording_step_ratio": detail.get("step_ratio_recording"),
+        "recording_step_ratio_job": warm.get("recording_step_ratio_job"),
+        "recording_host_s": detail.get("host_s"), "recording_writer_s": detail.get("writer_s"),
+        "recording_pinned_bytes": detail.get("pinned_bytes"),
+        "recording_writing_steps": len(detail.get("writing_step_s") or []) if detail else None,
+    }
+    metrics["first_step_target_met"] = (metrics["first_step_ratio"] is not None
+                                        and metrics["first_step_ratio"] <= TARGETS["first_step_ratio_max"])
+    metrics["stayer_throughput_target_met"] = (metrics["stayer_throughput_ratio"] is not None and
+                                               metrics["stayer_throughput_ratio"] >= TARGETS["stayer_throughput_ratio_min"])
+    result["metrics"] = metrics
+    result["complete"] = not result["errors"] and all(metrics[k] is not None for k in (
+        "first_step_ratio", "cold_first_step_ratio", "stayer_throughput_ratio", "recording_bytes"))
+    save()
+    return 0 if result["complete"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""The controller's decisions after an unexpected failure (pure: events in, actions out).
+
+A rank *vanishes* when its process dies without a report: its control connection drops or
+its Slurm step ends with an error. (A rank that *reports* an error stops the job with that
+error: a software fault would follow the rank to any node.) Then:
+
+    detected ── revoke ──> every live rank stalls, reports (steps complete, state digest)
+       └─ a warm standby (or the joiner already in the slot) ── recover ──> groups rebuilt,
+          state from a replica, every rank resumes at the same step ──> node released
+
+Recoveries use the migration state machine (trigger "failure"): REQUESTED/WAITING_STANDBY
+while ranks stall and a standby is found, PREPARING once the plan is sent, SWITCHING as
+ranks report back, RELEASING/DONE when the dead node is handed back. The job is paused
+throughout, so `recovery_timeout_s` bounds it: past it the job stops with a clear error.
+"""
+from __future__ import annotations
+
+import logging
+
+from trainmover.control.messages import make
+from trainmover.controller.actions import Finish, Send
+from trainmover.controller.migration import Migration, Phase
+
+log = logging.getLogger("trainmover.policy")
+
+DETECT_WINDOW_S = 15.0  # ranks stalled but nobody found lost: how long before the job stops
+
+
+class Recovering:
+    """Mixed into `Policy`: uses its view, migrations, standbys and timeline."""
+
+    def recovery(self) -> Migration | None:
+        return next((m for m in self.migrations if m.active and m.recovery), None)
+
+    # --- detection ---------------------------------------------------------------------
+    def on_peer_gone(self, now: float, node: str) -> list:
+        """A worker's control connection closed."""
+        if self._lost_unexpectedly(node):
+            return self._fault(now, node, "control connection lost")
+        return []
+
+    def _lost_unexpectedly(self, node: str) -> bool:
+        if self.done or node not in self.view.rank_node.values():
+            return False
+        ranks = self.view.ranks_of(node)
+        if all(r in self.finished for r in ranks):
+            return False
+        # a leaver that handed its state over is expected to go
+        return not any(m.leaver == node and any(role == "leaver" for _, role in m.switched) for m in self.migrations)
+
+    def _fault(self, now: float, node: str, evidence: str) -> list:
+        r = self.recovery()
+        if r is not None and node in (r.leaver, r.joiner):
+            return []  # already being recovered
+        if r is not None:
+            return [Finish(False, f"{node} lost ({evidence}) while recovering from the loss of {r.leaver}: "
+                                  "two overlapping failures are not recovered")]
+        ranks = self.view.ranks_of(node)
+        planned = self.active()
+        self.epoch += 1
+        m = Migration(len(self.migrations) + 1, node, ranks, "failure", now)
+        m.recovery, m.epoch, m.leaver_exited = True, self.epoch, True
+        self.migrations.append(m)  # first: nothing planned may start while this is active
+        actions = []
+        if planned is not None:
+            if planned.leaver == node and planned.phase in (Phase.SWITCHING, Phase.RELEASING):
+                # the leaver died during the state copy: the joiner already holds the slot
+                m.joiner = planned.joiner
+                planned.to(Phase.FAILED, now, "leaver lost during the state copy; its state comes from a replica")
+                actions.append(self._timeline(planned, now, "failed", reason=evidence))
+                self.view.standbys.pop(m.joiner, None)
+                self.view.rank_node.update({r_: m.joiner for r_ in ranks})
+            elif planned.phase in (Phase.PREPARING, Phase.SWITCHING):
+                actions += self._abort(now, planned, f"{node} lost during the migration ({evidence})",
+                                       retry=planned.leaver != node)
+            elif planned.leaver == node:
+                planned.to(Phase.FAILED, now, f"{node} lost before it could migrate ({evidence})")
+        live = [n for n in self.view.train_nodes() if n != node]
+        reason = f"{node} (ranks {list(ranks)}) lost: {evidence}"
+        log.error("unexpected failure: %s", reason)
+        actions += [self._timeline(m, now, "detected", evidence=evidence),
+                    Send(tuple(live), make("revoke", epoch=m.epoch, failed=list(ranks), reason=reason[:500]))]
+        return actions + self._maybe_recover(now)
+
+    # --- the plan ----------------------------------------------------------------------
+    def _on_stalled(self, now: float, node: str, msg: dict) -> list:
+        self.stalled[msg["rank"]] = {**msg, "node": node, "t": now}
+        return self._maybe_recover(now)
+
+    def _maybe_recover(self, now: float) -> list:
+        m = self.recovery()
+        if m is None or m.phase not in (Phase.REQUESTED, Phase.WAITING_STANDBY):
+            return []
+        live = [r for r in range(self.view.world_size) if r not in m.leaver_ranks]
+        if not m.joiner:
+            ready = sorted(s.node for s in self.view.standbys.values() if s.state == "ready")
+            if not ready:
+                if m.phase is Phase.REQUESTED:
+                    m.to(Phase.WAITING_STANDBY, now, f"no warm standby: training is paused until one is ready "
+                                                      f"(at most {self.cfg.recovery_timeout_s:.0f}s)")
+                    return [self._timeline(m, now, "waiting_standby")] + self._maybe_acquire(now)
+                return self._maybe_acquire(now)
+            m.joiner = ready[0]
+            self.view.standbys[m.joiner].state = "joining"
+        stayers = [self.stalled.get(r) for r in live]
+        if any(s is None or s["role"] != "stayer" for s in stayers):
+            return []  # not every live rank has stopped yet
+        step = max(s["step"] for s in stayers)
+        at_step = [s for s in stayers if s["step"] == step]
+        digests = {s["digest"] for s in at_step}
+        if len(digests) != 1:
+            m.to(Phase.FAILED, now, "replicas disagree")
+            return [self._timeline(m, now, "failed", reason="replicas disagree"),
+                    Finish(False, f"replicas that completed step {step} hold different states "
+                                  f"({len(digests)} digests among ranks {[s['rank'] for s in at_step]}): "
+                                  "no safe source to recover from")]
+        source = min(s["rank"] for s in at_step)
+        laggers = sorted(s["rank"] for s in stayers if s["step"] < step)
+        needers = sorted(list(m.leaver_ranks) + laggers)
+        m.switch_step = step
+        m.source = {"tier": "replica", "rank": source, "step": step, "laggers": laggers}
+        m.expected = {(r, "stayer") for r in live} | {(r, "joiner") for r in m.leaver_ranks}
+        m.to(Phase.PREPARING, now, "")
+        stayer_nodes = tuple(sorted({self.view.rank_node[r] for r in live}))
+        common = dict(epoch=m.epoch, failed=list(m.leaver_ranks), step=step, source=source, needers=needers)
+        self.stalled = {}
+        return self.flush_rows(step) + [
+                self._timeline(m, now, "recover", source=source, step=step, laggers=laggers),
+                Send(stayer_nodes, make("recover", assign={}, **common)),
+                Send((m.joiner,), make("recover", assign={str(i): r for i, r in enumerate(m.leaver_ranks)}, **common))]
+
+    def _recovery_tick(self, now: float) -> list:
+        m = self.recovery()
+        if m is not None and now - m.requested_at > self.cfg.recovery_timeout_s:
+            waiting = {Phase.REQUESTED: "for every live rank to stop", Phase.WAITING_STANDBY: "for a standby",
+                       }.get(m.phase, "for the new groups and the state copy")
+            m.to(Phase.FAILED, now, f"no recovery within {self.cfg.recovery_timeout_s:.0f}s (waiting {waiting})")
+            return [self._timeline(m, now, "failed", reason=m.note),
+                    Finish(False, f"{m.leaver} lost and not recovered within {self.cfg.recovery_timeout_s:.0f}s "
+                                  f"(waiting {waiting}); the job stops")]
+        if m is None and self.stalled and not self.done:
+            first = min(s["t"] for s in self.stalled.values())
+            if now - first > DETECT_WINDOW_S:
+                s = min(self.stalled.values(), key=lambda s: s["t"])
+                return [Finish(False, f"rank {s['rank']} stalled ({s['error'][:300]}) but no rank was found lost "
+                                      f"within {DETECT_WINDOW_S:.0f}s; the job stops")]
+        return []
