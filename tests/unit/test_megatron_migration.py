@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
-import os
+import socket
 import traceback
 
 import pytest
@@ -64,6 +64,7 @@ class Job:
         self.rank = rank
         self.workload.build(workloads.BuildContext(rank=rank, world_size=WORLD, groups=self.groups, seed=SEED,
                                                    options={"device": "cpu"}))
+        self.initial_tracker = {k: v.clone() for k, v in self.workload.state_dict()["rng_tracker"].items()}
 
     def new_backends(self, d, rank: int) -> dict:
         return {g.name: gloo_group(self.store, d.prefix(g), g.ranks.index(rank), len(g.ranks), host="127.0.0.1",
@@ -77,9 +78,11 @@ class Job:
         return transfer.digest_tensors(transfer.tensors_of({"model": sd["model"], "optimizer": sd["optimizer"]}))
 
 
-def _train(job: Job, start: int, migrations: list[tuple[int, int]], drop_optimizer: bool):
+def _train(job: Job, start: int, migrations: list[tuple[int, int]], drop: str | None = None):
     """Train from `start`; at each boundary of `migrations` ((step, leaver), epoch = index + 1)
-    act as stayer or leaver. Returns ("left", losses) or ("done", losses, digest)."""
+    act as stayer or leaver. Returns ("left", losses) or ("done", losses, digest).
+    `drop` (negative controls): the leaver leaves its optimizer state out of the copy, or
+    sends the RNG tracker states it had at build time instead of the current ones."""
     for step in range(start, STEPS):
         job.losses[step] = job.workload.train_step(step)
         boundary = step + 1
@@ -90,8 +93,10 @@ def _train(job: Job, start: int, migrations: list[tuple[int, int]], drop_optimiz
             if job.rank == leaver:
                 xfer = gloo_group(job.store, xfer_prefix(epoch, leaver), 0, 2, host="127.0.0.1", timeout=TIMEOUT)
                 state = job.full_state(boundary)
-                if drop_optimizer:
+                if drop == "optimizer":
                     state["workload"].pop("optimizer")
+                elif drop == "rng_tracker":
+                    state["workload"]["rng_tracker"] = job.initial_tracker
                 transfer.send_state(state, xfer, dst=1)
                 return ("left", job.losses)
             for name, backend in job.new_backends(d, job.rank).items():
@@ -99,18 +104,18 @@ def _train(job: Job, start: int, migrations: list[tuple[int, int]], drop_optimiz
     return ("done", job.losses, job.digest())
 
 
-def _worker(rank, port, options, migrations, drop_optimizer, results):
+def _worker(rank, port, options, migrations, drop, results):
     try:
         torch.set_num_threads(1)
         job = Job(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT), options)
         job.make_groups(rank, sandbox=False)
         job.build(rank)
-        results.put((rank, "worker", _train(job, 0, migrations, drop_optimizer), None))
+        results.put((rank, "worker", _train(job, 0, migrations, drop), None))
     except Exception:  # noqa: BLE001 - reported to the test with the rank
         results.put((rank, "worker", None, traceback.format_exc()))
 
 
-def _joiner(index, port, options, migrations, drop_optimizer, results):
+def _joiner(index, port, options, migrations, drop, results):
     """The standby for migration `index`: warm on another rank's role, then take the leaver's."""
     at, leaver = migrations[index]
     epoch = index + 1
@@ -137,23 +142,29 @@ def _joiner(index, port, options, migrations, drop_optimizer, results):
         rng.restore(state["rng"])
         for name, backend in backends.items():
             job.groups[name].swap(backend)
-        results.put((leaver, f"joiner{epoch}", _train(job, at, migrations, drop_optimizer), None))
+        results.put((leaver, f"joiner{epoch}", _train(job, at, migrations), None))
     except Exception:  # noqa: BLE001
         results.put((leaver, f"joiner{epoch}", None, traceback.format_exc()))
 
 
-def run_job(distributed_optimizer: bool, migrations=(), drop_optimizer=False):
+def run_job(distributed_optimizer: bool, migrations=(), drop=None):
     """Per rank: the losses of every step (whoever played the rank) and the final digest."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+    # The store's server thread starts only after the fork: a child forked while another
+    # thread of this process holds a lock can hang (seen: a rank that never reached its first
+    # group). Its socket listens before, so early clients are queued, not refused.
+    sock = socket.create_server(("127.0.0.1", 0), backlog=64)
+    port = sock.getsockname()[1]
     options = {**LAYOUT, "distributed_optimizer": distributed_optimizer}
     ctx = mp.get_context("fork")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, store.port, options, list(migrations), drop_optimizer, results))
+    procs = [ctx.Process(target=_worker, args=(r, port, options, list(migrations), drop, results))
              for r in range(WORLD)]
-    procs += [ctx.Process(target=_joiner, args=(i, store.port, options, list(migrations), drop_optimizer, results))
+    procs += [ctx.Process(target=_joiner, args=(i, port, options, list(migrations), drop, results))
               for i in range(len(migrations))]
     for p in procs:
         p.start()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=TIMEOUT,
+                          master_listen_fd=sock.detach(), use_libuv=False)
     losses = {r: {} for r in range(WORLD)}
     digests, errors = {}, []
     try:
@@ -170,6 +181,7 @@ def run_job(distributed_optimizer: bool, migrations=(), drop_optimizer=False):
             p.join(timeout=5 if errors else 60)
             if p.is_alive():
                 p.kill()
+    del store
     assert not errors, errors[0]
     return losses, digests
 
@@ -198,7 +210,11 @@ def test_reference_runs_are_not_trivially_equal(reference):
     assert losses_ddp[0][STEPS - 1] < losses_ddp[0][0]
 
 
-def test_without_optimizer_state_the_run_diverges(reference):
-    ref_losses, ref_digests = reference[True]
-    _, digests = run_job(True, [(2, LAST_STAGE)], drop_optimizer=True)
+@pytest.mark.parametrize("drop", ["optimizer", "rng_tracker"])
+def test_without_a_part_of_the_state_the_run_diverges(reference, drop):
+    """Negative controls: the joiner keeps its own optimizer state (the leaver's shard is
+    what makes the distributed optimizer exact), or its own model-parallel RNG tracker
+    (dropout inside tensor-parallel regions draws from it)."""
+    _, ref_digests = reference[True]
+    _, digests = run_job(True, [(2, LAST_STAGE)], drop=drop)
     assert digests[LAST_STAGE] != ref_digests[LAST_STAGE]
