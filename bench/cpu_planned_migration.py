@@ -45,35 +45,63 @@ def last(path: Path):
         return None
 
 
-def one(env, slurm, workdir: Path, steps: int) -> dict:
+def gantt(m: dict, rows: dict, t0: float) -> list[dict]:
+    """The migration's phases relative to the drain (t0), and the stayers' pause: from the end
+    of the last step before the switch to the end of the first step after it."""
+    p = m["phases"]
+    spans = [("detect (drain -> controller decision)", t0, p.get("requested")),
+             ("wait for a standby", p.get("waiting_standby"), p.get("preparing")),
+             ("phase 1: prepare (training continues)", p.get("preparing"), p.get("switching")),
+             ("switch (agree, state copy, swap)", p.get("switching"), p.get("releasing")),
+             ("release node (training continues)", p.get("releasing"), p.get("done"))]
+    s = m["switch_step"]
+    if s in rows and s + 1 in rows:
+        spans.append(("stayers: step across the switch (pause + one step)", rows[s]["t"], rows[s + 1]["t"]))
+    return [{"phase": name, "start_s": round(a - t0, 6), "end_s": round(b - t0, 6), "seconds": round(b - a, 6)}
+            for name, a, b in spans if a is not None and b is not None]
+
+
+def one(env, slurm, workdir: Path, steps: int, nodes: int = 3, at_step: int = 100, start_timeout: float = 180) -> dict:
+    """One planned migration: submit the demo on `nodes` nodes, drain rank 1's node once step
+    `at_step` is done and a standby is warm, and return what status.json and metrics show."""
     for name, node in slurm.nodes().items():
         if "DRAIN" in node.flags and node.reason == REASON:
             slurm.resume(name)
-    job = int(commands.run(["sbatch", "--parsable", f"--chdir={workdir}", "--job-name=tm-bench",
+    job = int(commands.run(["sbatch", "--parsable", f"--chdir={workdir}", "--job-name=tm-bench", f"--nodes={nodes}",
                             str(ROOT / "sbatch_templates/demo_gpt_cpu.sbatch")], timeout=15, env=env).stdout.split(";")[0])
     run = workdir / "runs" / str(job)
-    wait("step 100 and a warm standby", lambda: (last(run / "metrics.jsonl") or {}).get("step", 0) >= 100 and any(
-        s["state"] == "ready" for s in json.loads((run / "status.json").read_text())["standbys"]), 180)
+    wait(f"step {at_step} and a warm standby", lambda: (last(run / "metrics.jsonl") or {}).get("step", 0) >= at_step and any(
+        s["state"] == "ready" for s in json.loads((run / "status.json").read_text())["standbys"]), start_timeout)
     leaver = last(run / "metrics.jsonl")["nodes"][1]
     t_drain = time.time()
     commands.run(["scontrol", "update", f"nodename={leaver}", "state=drain", f"reason={REASON}"], timeout=10, env=env)
     row = wait("rank 1 to move", lambda: (r := last(run / "metrics.jsonl")) and r["nodes"][1] != leaver and r, 30, 0.05)
     moved_s = time.time() - t_drain
-    status = wait("downtime and release", lambda: (s := json.loads((run / "status.json").read_text()))
-                  and s["migrations"] and s["migrations"][0]["state"] == "done"
-                  and s["migrations"][0]["downtime_s"] is not None and s, 60)
+    status = wait("the downtime", lambda: (s := json.loads((run / "status.json").read_text()))
+                  and s["migrations"] and s["migrations"][0]["downtime_s"] is not None and s, 60)
+    try:  # the release comes after the pause; on a loaded machine it can take long: not fatal here
+        status = wait("the release", lambda: (s := json.loads((run / "status.json").read_text()))
+                      and s["migrations"][0]["state"] == "done" and s, 90)
+    except TimeoutError:
+        status = json.loads((run / "status.json").read_text())
     commands.run(["scancel", str(job)], timeout=10, env=env)
     m = status["migrations"][0]
-    steps_before = [x for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-                    if x["step"] <= m["switch_step"]][-30:]
+    all_rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps_before = [x for x in all_rows if x["step"] <= m["switch_step"]][-30:]
     intervals = [b["t"] - a["t"] for a, b in zip(steps_before, steps_before[1:])]
-    return {"job_id": job, "leaver": m["leaver"], "joiner": m["joiner"], "downtime_s": m["downtime_s"],
+    rows = {x["step"]: x for x in all_rows}
+    # stayers' steps whose whole interval lies inside Phase 1 (training goes on meanwhile)
+    p0, p1 = m["phases"]["preparing"], m["phases"].get("switching", m["phases"]["preparing"])
+    during = [rows[k + 1]["t"] - rows[k]["t"] for k in rows if k + 1 in rows and p0 <= rows[k]["t"] and rows[k + 1]["t"] <= p1]
+    return {"job_id": job, "ranks": nodes, "leaver": m["leaver"], "joiner": m["joiner"], "downtime_s": m["downtime_s"],
             "detect_s": round(m["phases"]["requested"] - t_drain, 4), "drain_to_moved_s": round(moved_s, 3),
             "phase1_s": m["durations"]["phase1_s"], "switch_s": m["durations"]["switch_s"],
             "release_s": m["durations"]["release_s"], "state_bytes": (m["transfer"] or {}).get("bytes"),
-            "recv_s": (m["transfer"] or {}).get("recv_s"), "steady_step_s": statistics.median(intervals),
-            "first_step_after": row["step"]}
-
+            "recv_s": (m["transfer"] or {}).get("recv_s"), "copy_s": (m["transfer"] or {}).get("copy_s"),
+            "steady_step_s": statistics.median(intervals),
+            "steps_during_phase1": len(during),
+            "stayer_throughput_ratio": statistics.median(intervals) / statistics.median(during) if during else None,
+            "first_step_after": row["step"], "gantt": gantt(m, rows, t_drain), "migration": m}
 
 def main():
     ap = argparse.ArgumentParser()

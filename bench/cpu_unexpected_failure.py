@@ -34,11 +34,13 @@ def events(run: Path) -> dict:
     return {e["event"]: e for e in map(json.loads, (run / "timeline.jsonl").read_text().splitlines())}
 
 
-def one(env, workdir: Path) -> dict:
-    job = int(commands.run(["sbatch", "--parsable", f"--chdir={workdir}", "--job-name=tm-bench-failure",
+def one(env, workdir: Path, nodes: int = 3, at_step: int = 100) -> dict:
+    """One failure: submit the demo on `nodes` nodes, SIGKILL rank 1's worker once step
+    `at_step` is done and a standby is warm, and return the recovery's timings."""
+    job = int(commands.run(["sbatch", "--parsable", f"--chdir={workdir}", "--job-name=tm-bench-failure", f"--nodes={nodes}",
                             str(ROOT / "sbatch_templates/demo_gpt_cpu.sbatch")], timeout=15, env=env).stdout.split(";")[0])
     run = workdir / "runs" / str(job)
-    wait("step 100 and a warm standby", lambda: (last(run / "metrics.jsonl") or {}).get("step", 0) >= 100 and any(
+    wait(f"step {at_step} and a warm standby", lambda: (last(run / "metrics.jsonl") or {}).get("step", 0) >= at_step and any(
         s["state"] == "ready" for s in json.loads((run / "status.json").read_text())["standbys"]), 180)
     victim = last(run / "metrics.jsonl")["nodes"][1]
     pid = step_pid(job, victim)
@@ -56,7 +58,7 @@ def one(env, workdir: Path) -> dict:
     commands.run(["scancel", str(job)], timeout=10, env=env)
     ev = events(run)
     joined = ev["joined"]["detail"]
-    return {"job_id": job, "victim": victim, "joiner": m["joiner"],
+    return {"job_id": job, "victim": victim, "joiner": m["joiner"], "downtime_s": round(first_after["t"] - t_kill, 4),
             "fault_to_first_step_s": round(first_after["t"] - t_kill, 4),
             "detect_s": round(ev["detected"]["t"] - t_kill, 4),
             "plan_s": round(ev["recover"]["t"] - ev["detected"]["t"], 4),

@@ -93,7 +93,7 @@ def run_job(name: str, out: Path, args, migrate: bool) -> dict:
             if rows and rows[-1]["step"] >= args.migrate_at and any(s["state"] == "ready" for s in status.get("standbys", [])):
                 where = json.loads((run / "controller.json").read_text())
                 trigger["t"] = time.time()
-                if args.fault == "kill":  # `env` execs the worker: this pid is the training process
+                if getattr(args, "fault", "migrate") == "kill":  # `env` execs the worker: this pid is the training process
                     ctl.steps[args.leaver].send_signal(signal.SIGKILL)
                     trigger["reply"] = f"SIGKILL to the worker on {args.leaver}"
                     return

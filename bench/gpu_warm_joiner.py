@@ -42,11 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import results_io  # noqa: E402
 
-GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-           "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
-           # connect every peer during (non-blocking) init, i.e. in Phase 1, not at the first collective
-           "NCCL_RUNTIME_CONNECT": "0"}
-os.environ.update(GPU_ENV)
+from bench.gpu_planned_migration import GPU_ENV  # noqa: E402  (also sets them in os.environ)
 
 MAX_STEPS = 1_000_000  # a job is stopped by the benchmark once measured (see _stop), or by its deadline
 TARGETS = {"first_step_ratio_max": 1.2, "stayer_throughput_ratio_min": 0.99}

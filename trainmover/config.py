@@ -20,28 +20,26 @@ INJECTIONS = {
 }
 
 
+def _rank_and(item: str, what: str, convert, valid, rule: str):
+    """`<kind>:<rank>:<value>` -> (rank, value), or a ConfigError that quotes the item."""
+    try:
+        kind, rank, value = item.split(":")
+        rank_i, v = int(rank), convert(value)
+    except ValueError:
+        raise ConfigError(f"TM_INJECT: {item!r} is not {item.split(':')[0]}:<rank>:<{what}>") from None
+    if rank_i < 0 or not valid(v):
+        raise ConfigError(f"TM_INJECT: {item!r}: rank must be >= 0 and {rule}")
+    return rank_i, v
+
+
 def parse_die(item: str) -> tuple[int, int]:
     """`die:<rank>:<step>` -> (rank, step)."""
-    try:
-        _, rank, step = item.split(":")
-        rank_i, step_i = int(rank), int(step)
-    except ValueError:
-        raise ConfigError(f"TM_INJECT: {item!r} is not die:<rank>:<step>") from None
-    if rank_i < 0 or step_i < 0:
-        raise ConfigError(f"TM_INJECT: {item!r}: rank and step must be >= 0")
-    return rank_i, step_i
+    return _rank_and(item, "step", int, lambda v: v >= 0, "step >= 0")
 
 
 def parse_slow(item: str) -> tuple[int, float]:
     """`slow:<rank>:<fraction>` -> (rank, fraction)."""
-    try:
-        _, rank, fraction = item.split(":")
-        rank_i, frac = int(rank), float(fraction)
-    except ValueError:
-        raise ConfigError(f"TM_INJECT: {item!r} is not slow:<rank>:<fraction>") from None
-    if rank_i < 0 or not 0 < frac < 10:
-        raise ConfigError(f"TM_INJECT: {item!r}: rank must be >= 0 and fraction in (0, 10)")
-    return rank_i, frac
+    return _rank_and(item, "fraction", float, lambda v: 0 < v < 10, "fraction in (0, 10)")
 
 def parse_options(raw: str) -> dict:
     """`TM_WORKLOAD_OPTIONS`: `key=value,...` -> dict; true/false become bools, numbers numbers.

@@ -16,6 +16,7 @@ import pytest
 
 from tests.e2e.conftest import wait_for
 from trainmover.cluster.procs import step_pid
+from trainmover.slurm import commands
 from tests.e2e.test_migration import (  # noqa: F401 - fixtures shared with the planned-migration tests
     STEPS, assert_same_training, demo, leaver_of, reference, resume_drained_nodes, start_training)
 
@@ -96,3 +97,35 @@ def test_a_corrupted_copy_is_detected_and_sent_again(demo, reference, slurm_clie
     assert_same_training(run, reference)
     (m,) = run.status()["migrations"]
     assert m["state"] == "done" and m["transfer"]["attempts"] == 2
+
+
+def test_a_node_whose_slurmd_dies_is_migrated_off_while_its_ranks_still_run(demo, slurm_client, slurm_cluster,
+                                                                           slurm_env):
+    """slurmd SIGKILLed on a training node: its ranks keep running (slurmstepd outlives
+    slurmd) and, thanks to the template's --no-kill, Slurm does not end the job when it marks
+    the node DOWN (SlurmdTimeout=30 s here). TrainMover sees the state and moves the rank to the
+    standby as a planned migration (whose exactness the tests above prove); training goes on."""
+    from trainmover import cluster
+    from trainmover.cluster.procs import read_pid
+    run = demo("slurmd-kill", TM_STEPS=100000)
+    start_training(run, slurm_client, min_step=60)
+    wait_for("a warm standby", lambda: any(s["state"] == "ready" for s in run.status()["standbys"]), timeout=60)
+    node = leaver_of(run)
+    pid = read_pid(slurm_cluster.state_dir / "run" / f"slurmd-{node}.pid")
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    try:
+        wait_for("the rank to move", lambda: any(m["leaver"] == node and m["state"] == "done"
+                                                 for m in run.status()["migrations"]), timeout=150, interval=1.0)
+        (m,) = run.status()["migrations"]
+        assert m["trigger"] == "failure" and not m["recovery"]
+        wait_for("100 steps on the new node", lambda: run.last_step() >= m["switch_step"] + 100, timeout=120)
+        assert run.metrics()[-1]["nodes"][1] == m["joiner"]
+        job = slurm_client.job(run.job_id)
+        assert job.state == "RUNNING" and job.restart_count == 0 and node not in job.nodes
+    finally:
+        commands.run(["scancel", str(run.job_id)], timeout=10, env=slurm_env, check=False)
+        cluster.up(nodes=4, standby=2, state_dir=slurm_cluster.state_dir)  # restarts the missing slurmd
+        wait_for(f"{node} to answer again", lambda: not slurm_client.nodes([node])[node].unresponsive, timeout=90,
+                 interval=1.0)
+        run.wait_done(slurm_client, timeout=60)

@@ -13,6 +13,10 @@ class Node:
     reason: str = ""
 
     @property
+    def unresponsive(self):
+        return self.state.startswith("DOWN") or "NOT_RESPONDING" in self.state
+
+    @property
     def draining(self):
         return "DRAIN" in self.state and self.state.startswith(("ALLOCATED", "MIXED"))
 
@@ -267,3 +271,44 @@ def test_scheduled_rebalancing_moves_a_node_every_n_steps_but_never_the_batch_ho
                                                        "step_s": 0.08, "compute_s": 0.05, "t": 1.0})
     m = p.active()
     assert sends(acts, "prepare") and m.trigger == "rebalance" and m.leaver != "train1"
+
+
+def test_a_joiner_dying_in_phase1_aborts_at_once_and_the_job_keeps_its_node():
+    p = new_policy()
+    ready_standby(p)
+    p.on_nodes(10.0, {"train2": Node("ALLOCATED+DRAIN")})
+    m = p.active()
+    acts = p.on_step_exit(10.5, "spare1", 137)
+    (abort,) = sends(acts, "abort")
+    assert abort.msg["epoch"] == m.epoch and m.phase is Phase.ABORTED
+    assert "spare1" not in p.view.standbys and AcquireStandby() in acts  # a new standby is sought
+    assert p.view.rank_node[1] == "train2"  # nothing changed for the job
+
+
+def test_a_stayer_lost_during_phase1_aborts_the_planned_migration_and_recovers_first():
+    p = new_policy(standbys=2)
+    p.start(0.0)
+    p.on_standby_acquired(1.0, "spare1")
+    p.on_message(1.5, "spare1", {"type": "ready", "node": "spare1", "warmup_s": 2.0, "shadow_steps": 2, "detail": {}})
+    p.on_standby_acquired(2.0, "spare2")
+    p.on_message(3.0, "spare2", {"type": "ready", "node": "spare2", "warmup_s": 2.0, "shadow_steps": 2, "detail": {}})
+    p.on_nodes(10.0, {"train2": Node("ALLOCATED+DRAIN")})
+    planned = p.active()
+    acts = p.on_peer_gone(10.2, "train3")  # a stayer dies while Phase 1 runs
+    assert sends(acts, "abort") and sends(acts, "revoke")
+    assert planned.phase is Phase.ABORTED and p.recovery().leaver == "train3"
+    retry = [m for m in p.migrations if m.leaver == "train2" and m.active]
+    assert retry and retry[0].phase is Phase.REQUESTED  # the drain is retried after the recovery
+
+
+def test_a_node_whose_slurmd_stopped_answering_is_migrated_as_planned():
+    """slurmd killed: its ranks' processes still run, so their state is copied from them."""
+    p = new_policy()
+    ready_standby(p)
+    acts = p.on_nodes(10.0, {"train3": Node("ALLOCATED+NOT_RESPONDING")})
+    assert sends(acts, "prepare") and p.active().trigger == "failure" and not p.active().recovery
+    # ...and a node being recovered is not asked to migrate on top of it
+    q = new_policy()
+    ready_standby(q)
+    q.on_peer_gone(3.0, "train2")
+    assert q.request(4.0, "train2", "drain")[1].startswith("train2 is being recovered")

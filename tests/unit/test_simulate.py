@@ -114,6 +114,10 @@ def test_measured_downtimes_match_bench_results():
         pytest.skip("bench/results not in this checkout")
     assert json.loads(gpu.read_text())["metrics"]["planned_downtime_s"] == inputs.GPU_MEASURED_PLANNED_S
     assert json.loads(cpu.read_text())["metrics"]["planned_downtime_s"] == inputs.CPU_MEASURED_PLANNED_S
+    gpu_f = REPO / "bench/results/gpu-failure-1b-gpu1-20261121.json"
+    cpu_f = REPO / "bench/results/cpu-failure-20261121-140921.json"
+    assert json.loads(gpu_f.read_text())["metrics"]["unexpected_downtime_s"] == inputs.GPU_MEASURED_UNPLANNED_S
+    assert json.loads(cpu_f.read_text())["metrics"]["unexpected_downtime_s"] == inputs.CPU_MEASURED_UNPLANNED_S
 
 
 @pytest.mark.parametrize("kw, words", [

@@ -113,12 +113,19 @@ class Policy(Recovering):
                 # TrainMover's own health check drains with a "trainmover:" reason
                 trigger = "healthcheck" if getattr(info, "reason", "").startswith("trainmover:") else "drain"
                 actions += self.request(now, node, trigger)[2]
+            elif node in self.view.rank_node.values() and getattr(info, "unresponsive", False):
+                # Slurm lost the node's slurmd. Its ranks may still run (slurmstepd outlives
+                # slurmd): move them as planned; if they died too, the recovery path takes over.
+                actions += self.request(now, node, "failure")[2]
         return actions
 
     def request(self, now: float, node: str, trigger: str) -> tuple[bool, str, list]:
         """Ask for `node` to leave. Returns (accepted, message, actions)."""
         if node not in self.view.rank_node.values():
             return False, f"{node} runs no rank of job {self.view.job_id}", []
+        r = self.recovery()
+        if r is not None and r.leaver == node:
+            return True, f"{node} is being recovered after a failure (migration {r.id})", []
         for m in self.migrations:
             if m.leaver == node and m.active:
                 return True, f"{node} is already migrating (migration {m.id}, {m.phase.value})", []

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
-from trainmover.errors import MigrationError
+from trainmover.errors import MigrationError, TrainMoverError
 
 
 class FutureWork(dist.Work):
@@ -230,8 +230,12 @@ def _forwarder(op: str):
             return _failed(Revoked(f"group {self.group_name_} revoked: {self.revoked}"))
         try:
             work = getattr(self._inner, op)(*a, **k)
-        except RuntimeError as exc:
-            return _failed(exc)
+        except Exception as exc:  # noqa: BLE001 - an aborted NCCL communicator raises its own error type
+            if self.revoked:  # revoked while this call was being issued
+                return _failed(Revoked(f"group {self.group_name_} revoked: {self.revoked}"))
+            if isinstance(exc, (RuntimeError, TrainMoverError)):
+                return _failed(exc)
+            raise
         if self.observer is not None:
             self.observer(self.group_name_, op, a, work)
         if op in _REVOCABLE and isinstance(self._inner, dist.ProcessGroupGloo):

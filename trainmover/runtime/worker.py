@@ -426,7 +426,11 @@ class Agent:
             self.completed = step
             try:
                 loss, step = self._iteration(step)
-            except RuntimeError as exc:  # a collective failed or was revoked: a peer is gone
+            except (RuntimeError, TrainMoverError) as exc:
+                # a collective failed or was revoked (a peer is gone); an error of our own
+                # communicator library counts only if the controller revoked a group meanwhile
+                if not isinstance(exc, RuntimeError) and not any(g.revoked for g in self.groups.values()):
+                    raise
                 step = self.stall(self.completed, exc)
                 continue
             if step < 0:

@@ -55,6 +55,11 @@ class NodeInfo:
         return self.base_state in _BUSY or "COMPLETING" in self.flags
 
     @property
+    def unresponsive(self) -> bool:
+        """slurmctld lost the node's slurmd (DOWN, or NOT_RESPONDING after SlurmdTimeout)."""
+        return self.base_state == "DOWN" or "NOT_RESPONDING" in self.flags
+
+    @property
     def draining(self) -> bool:
         """Drain requested, a job still runs there (sinfo: 'draining')."""
         return "DRAIN" in self.flags and self.busy
