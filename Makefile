@@ -24,6 +24,7 @@ unit: $(VENV)/.installed
 cluster-down:
 	-$(VENV)/bin/trainmover cluster down
 	-$(VENV)/bin/trainmover cluster down --dir /var/tmp/trainmover-cluster-e2e
+	-$(VENV)/bin/trainmover cluster down --dir /var/tmp/trainmover-cluster-megatron
 
 clean: cluster-down
 	rm -rf $(VENV) runs slurm-*.out

@@ -80,6 +80,10 @@ class Config:
     device: str = field(default="auto", metadata={"env": "TM_DEVICE", "doc": "cpu, cuda, or auto (cuda when the node has a GPU)"})
     backend: str = field(default="auto", metadata={"env": "TM_BACKEND", "doc": "gloo, nccl, or auto (nccl on cuda)"})
     seed: int = field(default=1234, metadata={"env": "TM_SEED", "doc": "seed of weights, data and dropout"})
+    tp: int = field(default=0, metadata={"env": "TM_TP", "doc": "Megatron tensor-parallel size (0: the workload takes no layout)"})
+    pp: int = field(default=0, metadata={"env": "TM_PP", "doc": "Megatron pipeline-parallel size; TP x PP x DP must equal nodes x ranks per node"})
+    dp: int = field(default=0, metadata={"env": "TM_DP", "doc": "Megatron data-parallel size"})
+    distributed_optimizer: int = field(default=0, metadata={"env": "TM_DISTRIBUTED_OPTIMIZER", "doc": "Megatron: 1 shards the optimizer state over DP (0: off)"})
     ranks_per_node: int = field(default=1, metadata={"env": "TM_RANKS_PER_NODE", "doc": "worker processes per node"})
     standbys: int = field(default=1, metadata={"env": "TM_STANDBYS", "doc": "warm standby nodes kept in the job"})
     reservation: str = field(default="trainmover_standby", metadata={"env": "TM_RESERVATION", "doc": "Slurm reservation holding the standby nodes"})
@@ -124,6 +128,13 @@ class Config:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        layout = (self.tp, self.pp, self.dp)
+        if min(layout) < 0 or (any(layout) and not all(layout)):
+            raise ConfigError(f"TM_TP, TM_PP, TM_DP = {layout}: set all three (>= 1) or none")
+        if self.distributed_optimizer not in (0, 1):
+            raise ConfigError("TM_DISTRIBUTED_OPTIMIZER must be 0 or 1")
+        if self.distributed_optimizer and not self.tp:
+            raise ConfigError("TM_DISTRIBUTED_OPTIMIZER needs a Megatron layout (TM_TP, TM_PP, TM_DP)")
         if self.record_from_step < 0 or self.record_versions < 1:
             raise ConfigError("TM_RECORD_FROM_STEP must be >= 0 and TM_RECORD_VERSIONS >= 1")
         if self.standby_warmup not in ("shadow", "cold"):
@@ -144,6 +155,15 @@ class Config:
         unknown = {i for i in self.inject if not i.startswith(("slow:", "die:"))} - set(INJECTIONS)
         if unknown:
             raise ConfigError(f"TM_INJECT: unknown injection(s) {sorted(unknown)}; known: {sorted(INJECTIONS)}")
+
+    def workload_kwargs(self) -> dict:
+        """What the workload's constructor gets: the model preset, the parallel layout when
+        one is set (only workloads that take a layout, e.g. megatron_gpt, accept it) and
+        TM_WORKLOAD_OPTIONS."""
+        kwargs: dict = {"preset": self.model}
+        if self.tp:
+            kwargs.update(tp=self.tp, pp=self.pp, dp=self.dp, distributed_optimizer=bool(self.distributed_optimizer))
+        return {**kwargs, **parse_options(self.workload_options)}
 
     @classmethod
     def from_env(cls, environ=None, **overrides) -> "Config":

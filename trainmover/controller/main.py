@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from trainmover.config import Config, parse_options
+from trainmover.config import Config
 from trainmover.control import channel
 from trainmover.control.messages import make
 from trainmover.controller import records
@@ -29,6 +29,7 @@ from trainmover.errors import ConfigError, SlurmError, TrainMoverError
 from trainmover.runtime.spec import ENV as SPEC_ENV, WorkerSpec
 from trainmover.slurm.client import CliSlurm
 from trainmover.slurm.model import BatchHostRelease, NoStandbyAvailable
+from trainmover.workloads import base as workloads
 
 log = logging.getLogger("trainmover.controller")
 
@@ -48,6 +49,8 @@ class Controller:
         k = cfg.ranks_per_node
         self.view = JobView(job_id, len(nodes) * k, k, self.batch_host,
                             {i * k + j: n for i, n in enumerate(nodes) for j in range(k)})
+        # A layout that cannot fit the job (TP x PP x DP != ranks) fails here, before any launch.
+        workloads.load(cfg.workload, cfg.workload_kwargs()).group_specs(self.view.world_size)
         self.policy = Policy(cfg, self.view)
         self.files = records.RunFiles(Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id)))
         try:
@@ -80,8 +83,7 @@ class Controller:
         return WorkerSpec(role=role, ranks=ranks, world_size=self.view.world_size, node=node,
                           node_addr=self.addr[node], controller=tuple(self.server.address),
                           store=(self.host, self.store_port), secret_file=str(self.files.secret),
-                          workload=self.cfg.workload,
-                          workload_options={"preset": self.cfg.model, **parse_options(self.cfg.workload_options)},
+                          workload=self.cfg.workload, workload_options=self.cfg.workload_kwargs(),
                           device=self.cfg.device, backend=self.cfg.backend,
                           record_iterations=self.cfg.record_iterations, record_rank=self.cfg.record_rank,
                           recording_path=str(self.files.root / "recordings" / f"rank{self.cfg.record_rank}.h5")

@@ -89,6 +89,11 @@ class NcclBackend:
             self.comm.reduce_scatter(flat, out, op)
         return _done(outputs)
 
+    def _reduce_scatter_base(self, output, input, opts=None):
+        """Tensor reduce-scatter (Megatron's distributed optimizer: gradient buckets)."""
+        self.comm.reduce_scatter(input, output, _op(opts))
+        return _done([output])
+
     def barrier(self, opts=None):
         t = torch.zeros(1, device=torch.cuda.current_device())
         self.comm.allreduce(t, t, "sum")

@@ -22,6 +22,8 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as _c10d
+
 from trainmover.errors import MigrationError, TrainMoverError
 
 
@@ -117,6 +119,10 @@ class SandboxBackend:
             out.copy_(ins[self.rank_])
         return self._answer("reduce_scatter", outputs)
 
+    def _reduce_scatter_base(self, output, input, opts=None):
+        output.copy_(input.reshape(self.size_, -1)[self.rank_].view_as(output))
+        return self._answer("reduce_scatter", [output])
+
     def barrier(self, opts=None):
         return self._answer("barrier", [])
 
@@ -124,6 +130,8 @@ class SandboxBackend:
         return self._answer("send", tensors)
 
     def recv(self, tensors, src, tag=0):
+        for t in tensors:  # defined contents (buffers are often torch.empty): a shadow step stays finite
+            t.detach().zero_()  # detach: recv buffers may require grad (pipeline activations)
         return self._answer("recv", tensors)
 
     def shutdown(self):
@@ -241,11 +249,49 @@ def _forwarder(op: str):
 
 # The collectives DDP, the optimizers and Megatron call on a group object; the Python
 # ProcessGroup trampoline dispatches to these class attributes.
-FORWARDED = ("allreduce", "broadcast", "allgather", "_allgather_base", "reduce_scatter", "barrier", "send", "recv")
-# gloo's point-to-point works have no future to chain on; they fail on the dead peer's socket.
-_REVOCABLE = set(FORWARDED) - {"send", "recv"}
+FORWARDED = ("allreduce", "broadcast", "allgather", "_allgather_base", "reduce_scatter", "_reduce_scatter_base",
+             "barrier", "send", "recv")
+# gloo's point-to-point and tensor reduce-scatter works have no future to chain on ("Work::getFuture
+# not implemented"); they fail on the dead peer's socket or at the group timeout.
+_REVOCABLE = set(FORWARDED) - {"send", "recv", "_reduce_scatter_base"}
 for _op in FORWARDED:
     setattr(SwappableGroup, _op, _forwarder(_op))
+
+
+# Tensor-in/tensor-out collectives under both of torch's names (2.11: `_allgather_base`,
+# `_reduce_scatter_base`; 2.13: `all_gather_single`, `reduce_scatter_single`). Inner backends
+# implement the 2.11 names (gloo has them in both versions).
+SwappableGroup.all_gather_single = _forwarder("_allgather_base")
+SwappableGroup.reduce_scatter_single = _forwarder("_reduce_scatter_base")
+
+
+def _coalesced(single: str, options):
+    """A coalesced collective (what `torch.distributed._coalescing_manager` issues, e.g. for
+    Megatron's gradient buckets) as the same collective per tensor, in order, each awaited:
+    inner backends need only the single-tensor op, and every member runs the same sequence."""
+    def run(self, outputs, inputs=None, opts=None):
+        if inputs is None or not isinstance(inputs, list):  # allreduce_coalesced(tensors, opts)
+            tensors, opts = outputs, inputs
+            for t in tensors:
+                one = dist.AllreduceOptions()
+                one.reduceOp = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+                getattr(self, single)([t], one).wait()
+            return _done(tensors)
+        for out, inp in zip(outputs, inputs):
+            one = options()
+            if opts is not None and hasattr(opts, "reduceOp"):
+                one.reduceOp = opts.reduceOp
+            getattr(self, single)(out, inp, one).wait()
+        return _done(outputs)
+    run.__name__ = f"{single}_coalesced"
+    return run
+
+
+SwappableGroup.allreduce_coalesced = _coalesced("allreduce", None)
+for _name in ("all_gather_single_coalesced", "allgather_into_tensor_coalesced"):  # 2.13, 2.11
+    setattr(SwappableGroup, _name, _coalesced("_allgather_base", _c10d.AllgatherOptions))
+for _name in ("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced"):
+    setattr(SwappableGroup, _name, _coalesced("_reduce_scatter_base", dist.ReduceScatterOptions))
 
 # TM_TRACE_COLLECTIVES=1 prints every collective a group forwards (debugging mismatched
 # sequences between ranks, e.g. a joiner's one-time DDP broadcasts).

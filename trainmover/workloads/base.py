@@ -87,7 +87,8 @@ def load_optimizer_in_place(opt, state: dict) -> None:
         group.update({k: v for k, v in loaded.items() if k != "params"})
 
 
-REGISTRY = {"gpt_demo": "trainmover.workloads.gpt_demo:GPTDemo"}
+REGISTRY = {"gpt_demo": "trainmover.workloads.gpt_demo:GPTDemo",
+            "megatron_gpt": "trainmover.workloads.megatron_gpt:MegatronGPT"}
 
 
 def load(name: str, options: dict | None = None) -> Workload:
@@ -102,4 +103,7 @@ def load(name: str, options: dict | None = None) -> Workload:
         raise ConfigError(f"workload {name!r} cannot be loaded: {exc}") from exc
     if not (isinstance(cls, type) and issubclass(cls, Workload)):
         raise ConfigError(f"workload {name!r} is not a trainmover Workload")
-    return cls(**(options or {}))
+    try:
+        return cls(**(options or {}))
+    except TypeError as exc:  # e.g. a parallel layout (TM_TP...) given to a workload without one
+        raise ConfigError(f"workload {name!r} does not accept options {sorted(options or {})}: {exc}") from exc

@@ -1,0 +1,114 @@
+"""A Megatron-core GPT (TP x PP x DP, optional distributed optimizer) under TrainMover.
+
+Megatron's own GPTModel, DistributedDataParallel, optimizer and pipeline schedule; every
+process group is a runtime SwappableGroup (see trainmover.megatron.parallel), so a switch
+needs no re-pointing. What a rank's future steps depend on, and therefore its state:
+  * model: this rank's shard (its TP slice of its PP stage's layers);
+  * optimizer: the inner torch optimizer's state, i.e. this rank's own shard with the
+    distributed optimizer (Megatron's main params are views of the model params in fp32);
+  * rng_tracker: Megatron's model-parallel RNG states (dropout inside TP regions); the
+    default generators are captured by the runtime;
+  * data: the position in this DP rank's sample stream;
+  * role: the rank's (tp, pp, dp) coordinates, checked on load: a state never lands on a
+    rank of another stage or shard.
+Deterministic: weights from the seed, samples from (seed, dp rank, position).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from trainmover.errors import ConfigError, MigrationError
+from trainmover.megatron.layout import Layout, group_specs
+from trainmover.runtime.plan import GroupSpec
+from trainmover.workloads.base import BuildContext, Workload, load_optimizer_in_place
+
+PRESETS = {
+    # name: (layers, hidden, heads, seq_len, micro_batch, micro_batches, vocab)
+    "tiny": (2, 32, 4, 16, 2, 4, 128),
+    "small": (4, 128, 4, 64, 4, 4, 1024),
+}
+
+
+def _flag(value) -> bool:
+    if isinstance(value, str):
+        if value.lower() not in ("0", "1", "true", "false", "on", "off"):
+            raise ConfigError(f"megatron_gpt: distributed_optimizer={value!r}: expected 0/1")
+        return value.lower() in ("1", "true", "on")
+    return bool(value)
+
+
+class MegatronGPT(Workload):
+    def __init__(self, preset: str = "tiny", tp: int = 1, pp: int = 1, dp: int = 1,
+                 distributed_optimizer=False, lr: float = 1e-3, dropout: float = 0.1):
+        if preset not in PRESETS:
+            raise ConfigError(f"megatron_gpt: unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+        self.preset, self.lr, self.dropout = preset, float(lr), float(dropout)
+        self.layout = Layout(int(tp), int(pp), int(dp))
+        self.distributed_optimizer = _flag(distributed_optimizer)
+        layers, _, heads, _, _, micro_batches, vocab = PRESETS[preset]
+        if layers % self.layout.pp or heads % self.layout.tp or vocab % self.layout.tp:
+            raise ConfigError(f"megatron_gpt: preset {preset!r} ({layers} layers, {heads} heads, vocab {vocab}) "
+                              f"does not split over TP={self.layout.tp}, PP={self.layout.pp}")
+        if self.layout.pp > 1 and micro_batches < self.layout.pp:
+            raise ConfigError(f"megatron_gpt: {micro_batches} micro-batches cannot fill {self.layout.pp} stages")
+
+    def group_specs(self, world_size: int) -> list[GroupSpec]:
+        self.layout.check(world_size)
+        return group_specs(self.layout)
+
+    # --- building -------------------------------------------------------------------------
+    def build(self, ctx: BuildContext) -> None:
+        from trainmover.megatron import stack  # imports Megatron (seconds): only where a model is built
+        self.layout.check(ctx.world_size)
+        self.device = torch.device(ctx.options.get("device", "cpu"))
+        self.coords = self.layout.coords(ctx.rank)
+        layers, hidden, heads, self.seq, self.micro_batch, self.micro_batches, self.vocab = PRESETS[self.preset]
+        self.stack = stack.build(self.layout, ctx, self.device, layers=layers, hidden=hidden, heads=heads,
+                                 seq=self.seq, vocab=self.vocab, lr=self.lr, dropout=self.dropout,
+                                 distributed_optimizer=self.distributed_optimizer)
+        self.seed, self.position = ctx.seed, 0
+
+    # --- data -------------------------------------------------------------------------------
+    def _sample(self, position: int) -> dict:
+        """Micro-batch number `position` of this DP rank: a noisy repeating grammar, so the
+        loss falls. TP peers and all stages of a pipeline see the same samples."""
+        base = torch.randint(0, self.vocab, (31,), generator=torch.Generator().manual_seed(self.seed))
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.coords["dp"]) * 1_000_033 + position)
+        n = self.micro_batch * (self.seq + 1)
+        start = int(torch.randint(0, 31, (1,), generator=g))
+        clean = base[(torch.arange(n) + start) % 31]
+        tokens = torch.where(torch.rand(n, generator=g) < 0.8, clean, torch.randint(0, self.vocab, (n,), generator=g))
+        chunk = tokens.view(self.micro_batch, self.seq + 1).to(self.device)
+        pos = torch.arange(self.seq, device=self.device).expand(self.micro_batch, -1)
+        return {"tokens": chunk[:, :-1].contiguous(), "labels": chunk[:, 1:].contiguous(), "position_ids": pos}
+
+    def _batches(self):
+        while True:
+            batch = self._sample(self.position)
+            self.position += 1
+            yield batch
+
+    # --- training ---------------------------------------------------------------------------
+    def train_step(self, step: int) -> float:
+        loss = self.stack.step(self._batches(), self.micro_batches, self.seq, self.micro_batch)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {step} (rank coords {self.coords})")
+        return loss
+
+    # --- state ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"model": self.stack.model_state(), "optimizer": self.stack.optimizer_state(),
+                "rng_tracker": self.stack.rng_tracker_state(), "data": {"position": self.position},
+                "role": dict(self.coords)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["role"] != self.coords:
+            raise MigrationError(f"state of rank coords {state['role']} offered to a rank at {self.coords}",
+                                 phase="switch")
+        self.stack.load_model_state(state["model"])
+        if "optimizer" in state:
+            self.stack.load_optimizer_state(state["optimizer"], load_optimizer_in_place)
+        self.stack.load_rng_tracker_state(state["rng_tracker"])
+        self.position = int(state["data"]["position"])
