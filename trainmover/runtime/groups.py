@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
-from trainmover.errors import MigrationError, TrainMoverError
+from trainmover.errors import MigrationError
 
 
 class FutureWork(dist.Work):
@@ -231,11 +231,11 @@ def _forwarder(op: str):
         try:
             work = getattr(self._inner, op)(*a, **k)
         except Exception as exc:  # noqa: BLE001 - an aborted NCCL communicator raises its own error type
-            if self.revoked:  # revoked while this call was being issued
+            if self.revoked:  # revoked (its communicator aborted) while this call was being issued
                 return _failed(Revoked(f"group {self.group_name_} revoked: {self.revoked}"))
-            if isinstance(exc, (RuntimeError, TrainMoverError)):
+            if isinstance(exc, RuntimeError):
                 return _failed(exc)
-            raise
+            raise  # ours (e.g. a sandbox's mismatch with its recording): clear, and at once
         if self.observer is not None:
             self.observer(self.group_name_, op, a, work)
         if op in _REVOCABLE and isinstance(self._inner, dist.ProcessGroupGloo):
