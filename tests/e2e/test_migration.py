@@ -331,6 +331,8 @@ def test_a_reported_straggler_fails_the_health_check_which_drains_and_migrates_i
     wait_for("the controller's straggler report", lambda: run.status()["straggler"]["target"] == slow_node,
              timeout=60, interval=0.5)
     assert run.status()["migrations"] == []  # report mode: nothing moves by itself
+    # the drain must find a warm standby while training still runs (500 steps go fast)
+    wait_for("a warm standby", lambda: any(s["state"] == "ready" for s in run.status()["standbys"]), timeout=60)
     check = run.cli("healthcheck", "--node", slow_node, "--no-gpu", "--state-dir", str(run.workdir))
     assert check.returncode == 1 and "straggler: FAULT" in check.stdout, check.stdout + check.stderr
     info = slurm_client.nodes([slow_node])[slow_node]
