@@ -225,9 +225,14 @@ class Controller:
             self.apply(actions)
             try:
                 conn, msg = self.server.inbox.get(timeout=min(0.2, max(0.01, next_poll - time.time())))
-                while True:  # then drain what queued up without waiting
+                # then what queued up, without waiting, but bounded: step reports of many ranks
+                # arrive faster than one loop turn, and node polls and step exits must still run
+                budget = time.monotonic() + 0.1
+                while True:
                     self.apply(self.handle_peer(conn, msg, time.time()) if msg is not None
                                else self.handle_gone(conn, time.time()))
+                    if time.monotonic() > budget:
+                        break
                     conn, msg = self.server.inbox.get_nowait()
             except queue.Empty:
                 pass
