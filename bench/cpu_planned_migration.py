@@ -103,17 +103,23 @@ def one(env, slurm, workdir: Path, steps: int, nodes: int = 3, at_step: int = 10
             "stayer_throughput_ratio": statistics.median(intervals) / statistics.median(during) if during else None,
             "first_step_after": row["step"], "gantt": gantt(m, rows, t_drain), "migration": m}
 
+def setup(steps: int):
+    """The demo cluster up, the submit environment (no inherited TM_*) and the work directory."""
+    info = cluster.up(nodes=4, standby=2)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TM_")}
+    env.update(SLURM_CONF=str(info.slurm_conf), TM_STEPS=str(steps))
+    workdir = ROOT / "runs" / "bench"
+    workdir.mkdir(parents=True, exist_ok=True)
+    return info, env, workdir
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=600)
     args = ap.parse_args()
-    info = cluster.up(nodes=4, standby=2)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TM_")}
-    env.update(SLURM_CONF=str(info.slurm_conf), TM_STEPS=str(args.steps))
+    info, env, workdir = setup(args.steps)
     slurm = CliSlurm(slurm_conf=str(info.slurm_conf))
-    workdir = ROOT / "runs" / "bench"
-    workdir.mkdir(parents=True, exist_ok=True)
     trials = [one(env, slurm, workdir, args.steps) for _ in range(args.repeats)]
     for name, node in slurm.nodes().items():
         if "DRAIN" in node.flags and node.reason == REASON:

@@ -24,8 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import results_io  # noqa: E402
-from bench.cpu_planned_migration import last, wait  # noqa: E402
-from trainmover import cluster  # noqa: E402
+from bench.cpu_planned_migration import last, setup, wait  # noqa: E402
 from trainmover.cluster.procs import step_pid  # noqa: E402
 from trainmover.slurm import commands  # noqa: E402
 
@@ -74,11 +73,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=600)
     args = ap.parse_args()
-    info = cluster.up(nodes=4, standby=2)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TM_")}
-    env.update(SLURM_CONF=str(info.slurm_conf), TM_STEPS=str(args.steps))
-    workdir = ROOT / "runs" / "bench"
-    workdir.mkdir(parents=True, exist_ok=True)
+    _, env, workdir = setup(args.steps)
     trials = [one(env, workdir) for _ in range(args.repeats)]
     down = [t["fault_to_first_step_s"] for t in trials]
     med = lambda k: statistics.median(t[k] for t in trials)  # noqa: E731
