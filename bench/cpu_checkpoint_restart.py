@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import results_io  # noqa: E402
+from bench.polling import read_jsonl, wait  # noqa: E402
 from trainmover import cluster  # noqa: E402
 from trainmover.baseline import phases  # noqa: E402
 from trainmover.baseline.slurm_ops import SlurmOps, left_running  # noqa: E402
@@ -46,22 +47,6 @@ DETECT_NOTE = ("planned: the driver signals the job right after the drain; failu
                "DOWN itself, so Slurm's detection is instant here (a silent node is declared down only after "
                "SlurmdTimeout: 30 s on this cluster, 300 s by default)")
 GONE = {"", "COMPLETED", "CANCELLED", "FAILED", "NODE_FAIL", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    try:
-        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    except FileNotFoundError:
-        return []
-
-
-def wait(what, check, timeout, interval=0.1):
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waiting for {what} ({timeout:g}s)")
-        time.sleep(interval)
-    return value
 
 
 def restore_nodes(slurm: CliSlurm) -> None:

@@ -21,20 +21,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import results_io  # noqa: E402
+from bench.polling import wait  # noqa: E402
 from trainmover import cluster  # noqa: E402
 from trainmover.slurm import commands  # noqa: E402
 from trainmover.slurm.client import CliSlurm  # noqa: E402
 
 REASON = "trainmover-bench maintenance"
-
-
-def wait(what, check, timeout, interval=0.1):
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waiting for {what}")
-        time.sleep(interval)
-    return value
 
 
 def last(path: Path):

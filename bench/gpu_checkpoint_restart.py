@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import results_io  # noqa: E402
+from bench.polling import read_jsonl, wait as _wait  # noqa: E402
 from bench.gpu_planned_migration import GPU_ENV  # noqa: E402  (also sets them in os.environ)
 from trainmover.baseline import phases  # noqa: E402
 
@@ -51,20 +52,8 @@ LABELS = {
 }
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    try:
-        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    except FileNotFoundError:
-        return []
-
-
-def wait(what, check, timeout, interval=0.05):
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waiting for {what} ({timeout:g}s)")
-        time.sleep(interval)
-    return value
+def wait(what, check, timeout):
+    return _wait(what, check, timeout, interval=0.05)  # the launcher's 50 ms poll (its detection time)
 
 
 class Generation:

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import results_io  # noqa: E402
+from bench.polling import read_jsonl  # noqa: E402
 
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
            "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
@@ -57,10 +58,6 @@ def p2p_bandwidth() -> float:
     procs[0].wait(timeout=60)
     rates = [float(line.split()[1]) for line in out.splitlines() if line.startswith("GBPS")]
     return statistics.median(rates)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def run_job(name: str, out: Path, args, migrate: bool) -> dict:
