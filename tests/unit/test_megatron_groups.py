@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 from trainmover.runtime.groups import SandboxBackend, SwappableGroup, gloo_group
 
+pytestmark = pytest.mark.gloo_threads  # see tests/unit/conftest.py
+
 TIMEOUT = datetime.timedelta(seconds=20)
 
 

@@ -98,14 +98,28 @@ def test_compiled_standby_reproduces_losses_and_its_first_real_step_is_warm(tmp_
     assert graphs() == before
 
 
-def test_force_eager_stance_compiles_nothing():
-    """TM_STANDBY_WARMUP=cold runs its shadow steps so: the benchmark's cold joiner."""
+def test_cold_standby_keeps_the_compiled_bucket_layout_and_compiles_its_first_real_step(monkeypatch, tmp_path):
+    """TM_STANDBY_WARMUP=cold (the benchmark's cold joiner). Its shadow steps cannot run
+    eagerly: DDP fixes its bucket layout from its first step's gradient order, and an eager
+    backward orders gradients unlike a compiled one, so an eager-rehearsed joiner would reduce
+    other parameters than the stayers at the same offsets. It compiles, then forgets the code."""
+    from trainmover.runtime import worker
     from trainmover.runtime.groups import SandboxBackend
-    group = SwappableGroup("world", 0, 2, [0, 1], SandboxBackend(0, 2))
-    wl = GPTDemo("tiny", compile=True)
-    wl.build(BuildContext(0, 2, {"world": group}, seed=7))
+
+    def rehearsed(compile):
+        group = SwappableGroup("world", 0, 2, [0, 1], SandboxBackend(0, 2))
+        wl = GPTDemo("tiny", compile=compile)
+        wl.build(BuildContext(0, 2, {"world": group}, seed=7))
+        for step in range(3):  # DDP rebuilds its buckets in the second
+            wl.train_step(step)
+        return wl
+    compiled, eager = rehearsed(True), rehearsed(False)
+    assert "params" in compiled.layout() and compiled.layout() != eager.layout()  # what a joiner checks
+    layout = compiled.layout()
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # restored after the test
+        monkeypatch.setenv(var, str(tmp_path / var))
+    worker._forget_compiled("test")
     before = graphs()
-    with torch.compiler.set_stance("force_eager"):
-        wl.train_step(0)
-        wl.train_step(1)
-    assert graphs() == before
+    compiled.train_step(3)
+    assert graphs() > before  # compiled again: the cold joiner's first real step pays it
+    assert compiled.layout() == layout

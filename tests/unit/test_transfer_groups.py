@@ -12,6 +12,8 @@ from trainmover.errors import MigrationError
 from trainmover.runtime import transfer
 from trainmover.runtime.groups import SandboxBackend, SwappableGroup, gloo_group
 
+pytestmark = pytest.mark.gloo_threads  # see tests/unit/conftest.py
+
 TIMEOUT = datetime.timedelta(seconds=20)
 
 

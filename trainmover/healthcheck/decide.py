@@ -32,7 +32,8 @@ def decide(findings: Sequence[Finding], *, drained: bool, current_reason: str = 
     if not faults:
         return Action(False, "healthy")
     if not may_drain:
-        return Action(False, "faults found; not draining (--no-drain)", faults)
+        # NHC drains by itself with the text it is given: the reason the drain would carry
+        return Action(False, f"not draining (--no-drain): {reason_for(faults)}", faults)
     if drained:
         who = "TrainMover" if current_reason.startswith(REASON_PREFIX) else "someone else"
         return Action(False, f"already drained by {who} ({current_reason or 'no reason'})", faults)

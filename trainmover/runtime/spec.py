@@ -34,7 +34,7 @@ class WorkerSpec:
     recording_path: str = ""        # base name of the HDF5 recordings on the job's shared directory
     record_from_step: int = 0       # first recorded step (0: from the workload's construction on)
     record_versions: int = 4        # most recordings (a change of collective shapes starts a new one)
-    standby_warmup: str = "shadow"  # shadow, or cold (benchmark baseline: no replay, eager shadow steps)
+    standby_warmup: str = "shadow"  # shadow, or cold (benchmark baseline: no replay; compiled code dropped after the shadow steps)
     device: str = "auto"            # cpu, cuda or auto: resolved on the node, which knows its GPUs
     backend: str = "auto"           # gloo, nccl or auto
 

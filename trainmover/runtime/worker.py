@@ -8,6 +8,7 @@ migration the leaver's slot is taken by a standby, which from then on is a worke
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -45,6 +46,10 @@ def go_key(epoch: int, leaver: int) -> str:
 
 def cancel_key(epoch: int, leaver: int) -> str:
     return f"tm/e{epoch}/xfer/r{leaver}/cancel"
+
+
+def layout_key(epoch: int, leaver: int) -> str:
+    return f"tm/e{epoch}/xfer/r{leaver}/layout"
 
 
 class Agent:
@@ -273,13 +278,20 @@ class Agent:
             self.replayed, self.shadow_step = report["version"], report["last_step"]
         return report
 
+    @contextlib.contextmanager
     def _warm_stance(self):
-        """A cold standby (a benchmark's baseline) runs the shadow steps DDP needs eagerly:
-        compiled code is then built at its first real step, as in a fresh process."""
-        import contextlib
+        """Around the shadow steps. A cold standby (a benchmark's baseline) forgets afterwards
+        everything it compiled, so that its first real step compiles as in a fresh process.
+
+        Why not skip compiling in its shadow steps (force_eager): DDP fixes its bucket layout
+        from the gradient order of its first step, and eager and compiled backward passes
+        order gradients differently; a joiner whose buckets differ from the job's reduces
+        other parameters at the same offsets (silently wrong) or buckets of other sizes (NCCL
+        hangs). So the layout comes from a compiled step, as the job's did, and only the
+        compiled code is thrown away. (Every joiner's layout is checked: _layout_mismatch.)"""
+        yield
         if self.spec.standby_warmup == "cold":
-            return torch.compiler.set_stance("force_eager")
-        return contextlib.nullcontext()
+            _forget_compiled(self.spec.node)
 
     def _rewarm_if_newer(self, t0: float) -> None:
         """A warm standby re-warms when the live rank recorded a new version (its collectives
@@ -325,6 +337,19 @@ class Agent:
                 self.send("ready", node=self.spec.node, warmup_s=time.perf_counter() - t0, shadow_steps=0, detail={})
             elif msg["type"] == "recover" and str(self.local) in msg["assign"]:
                 return self.train(self.take_failed_rank(msg))
+
+    def _layout_mismatch(self, epoch: int, leaver: int) -> str:
+        """Why this joiner's collective layout cannot replace the leaver's ('' if it can)."""
+        try:
+            self.store.wait([layout_key(epoch, leaver)], datetime.timedelta(seconds=self.spec.group_timeout_s))
+            theirs = self.store.get(layout_key(epoch, leaver)).decode()
+        except (RuntimeError, dist.DistStoreError) as exc:
+            return f"the leaver never published its collective layout: {exc}"
+        ours = self.workload.layout()
+        if ours != theirs:
+            return (f"the joiner's collective layout differs from the leaver's (its collectives would not match "
+                    f"the stayers'): joiner {ours[:200]!r}, leaver {theirs[:200]!r}")
+        return ""
 
     def _aborted(self, epoch: int) -> bool:
         """Whether the controller aborted `epoch` (other messages are not for a joining standby)."""
@@ -374,6 +399,10 @@ class Agent:
         phase1.start(prep, self.build_backend)
         if not prep.done.wait(self.spec.group_timeout_s + 5) or prep.error:
             self.send("prepare_failed", epoch=epoch, rank=rank, error=prep.error or "phase 1 deadline")
+            return None
+        mismatch = self._layout_mismatch(epoch, leaver)
+        if mismatch:
+            self.send("prepare_failed", epoch=epoch, rank=rank, error=mismatch)
             return None
         self.send("prepared", epoch=epoch, rank=rank, groups=sorted(prep.backends), seconds=prep.seconds,
                   detail={"role": "joiner"})
@@ -559,6 +588,8 @@ class Agent:
         role = "leaver" if self.rank in d.leavers else "stayer"
         if role == "stayer" and not d.groups_to_build(self.rank):
             return  # no group of ours contains the leaver: nothing to do (never the case for world)
+        if role == "leaver":  # for the joiner to check its own against (Workload.layout)
+            self.store.set(layout_key(epoch, self.rank), self.workload.layout())
         self.pending = phase1.Prepared(epoch, d, role, self.rank)
         self.pending.memory_before, self.pending.comms_before = self.memory(), self.comms_created()
         phase1.start(self.pending, self.build_backend)
@@ -606,6 +637,19 @@ def main() -> int:
     finally:
         if agent is not None:
             agent.conn.close()
+
+
+def _forget_compiled(node: str) -> None:
+    """Drop compiled code and point the compile caches at empty folders (torch's own
+    recipe, torch._inductor.runtime.cache_dir_utils.temporary_cache_dir): the next compiled
+    step traces, generates and builds its kernels again."""
+    import tempfile
+    from torch._inductor.utils import clear_caches
+    fresh = tempfile.mkdtemp(prefix=f"tm-cold-{node}-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = fresh
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(fresh, "triton")
+    torch.compiler.reset()
+    clear_caches()
 
 
 def _burn(seconds: float, cpu: bool) -> None:

@@ -138,6 +138,12 @@ class GPTDemo(Workload):
     def replica_group(self) -> str:
         return "world"  # plain DDP: every rank holds the whole model and optimizer
 
+    def layout(self) -> str:
+        info = self.ddp._get_ddp_logging_data()
+        if not info.get("has_rebuilt_buckets"):
+            return f"buckets {info.get('bucket_sizes')}"
+        return f"buckets {info.get('rebuilt_bucket_sizes')} params {info.get('rebuilt_per_bucket_param_indices')}"
+
     trace = None  # set by the runtime to time the sections of chosen steps
 
     def _mark(self, what: str) -> None:

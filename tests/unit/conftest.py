@@ -1,0 +1,72 @@
+"""Tests marked `gloo_threads` (gloo groups on threads of the pytest process) run in a forked child.
+
+Why: gloo ends the whole process with std::terminate when a context whose peer is gone is
+destroyed, or when an abandoned operation times out in one of its threads. In the pytest
+process that would end the entire run without a report (CI saw "Fatal Python error:
+Aborted"); in a child it fails only that test, with what the child printed. Bounded: a
+child that outlives CHILD_DEADLINE_S is killed and its test fails.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import time
+
+import pytest
+from _pytest.reports import TestReport
+from _pytest.runner import runtestprotocol
+
+CHILD_DEADLINE_S = 600
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    if item.get_closest_marker("gloo_threads") is None:
+        return None
+    item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    for report in _run_forked(item):
+        item.ihook.pytest_runtest_logreport(report=report)
+    item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    return True
+
+
+def _run_forked(item) -> list[TestReport]:
+    hook = item.config.hook
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: setup, call and teardown of this one test, reports back as JSON
+        os.close(r)
+        code = 0
+        try:
+            reports = runtestprotocol(item, log=False, nextitem=None)
+            data = [hook.pytest_report_to_serializable(config=item.config, report=rep) for rep in reports]
+            with os.fdopen(w, "wb") as f:
+                f.write(json.dumps(data).encode())
+        except BaseException:  # noqa: BLE001 - whatever happens, never return into pytest's loop
+            code = 1
+        finally:
+            os._exit(code)  # no interpreter teardown: gloo contexts are never destroyed
+    os.close(w)
+    data, deadline = b"", time.monotonic() + CHILD_DEADLINE_S
+    with os.fdopen(r, "rb") as f:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([f], [], [], left)[0]:
+                os.kill(pid, signal.SIGKILL)
+                break
+            chunk = os.read(f.fileno(), 1 << 16)
+            if not chunk:
+                break
+            data += chunk
+    _, status = os.waitpid(pid, 0)
+    try:
+        return [hook.pytest_report_from_serializable(config=item.config, data=d) for d in json.loads(data)]
+    except ValueError:
+        how = (f"was killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
+               else f"exited with {os.WEXITSTATUS(status)}")
+        if time.monotonic() >= deadline:
+            how += f" after {CHILD_DEADLINE_S}s (deadline)"
+        return [TestReport(item.nodeid, item.location, {}, "failed",
+                           f"the forked child running this test {how} before reporting", "call")]
