@@ -54,6 +54,29 @@ def test_healthy_node_is_left_alone(healthcheck, slurm_client):
     assert "DRAIN" not in slurm_client.nodes(["train4"])["train4"].flags
 
 
+def test_slurmd_runs_the_installed_check_itself_and_drains_a_faulty_node(slurm_cluster, slurm_client):
+    """The embedded cluster's slurm.conf has the admin guide's lines (HealthCheckProgram with
+    healthcheck.env beside the script): slurmd runs the check on its own, cycling over the
+    nodes every HealthCheckInterval, and drains the node whose check fails."""
+    from trainmover.cluster.spec import HEALTHCHECK_INTERVAL_S
+    node = slurm_cluster.train_nodes[-1]
+    hook = slurm_cluster.healthcheck_state / f"inject-fault-{node}"
+    hook.write_text("XID 48 (injected for slurmd's own run)\n")
+    t0 = time.monotonic()
+    try:
+        wait_for(f"slurmd's health check to drain {node}",
+                 lambda: slurm_client.nodes([node])[node].reason.startswith("trainmover: healthcheck inject: XID 48"),
+                 timeout=2 * HEALTHCHECK_INTERVAL_S + 30, interval=1.0)
+        assert "DRAIN" in slurm_client.nodes([node])[node].flags
+        print(f"\nslurmd drained {node} {time.monotonic() - t0:.1f}s after the fault appeared "
+              f"(HealthCheckInterval={HEALTHCHECK_INTERVAL_S})")
+    finally:
+        hook.unlink(missing_ok=True)
+        info = slurm_client.nodes([node])[node]
+        if "DRAIN" in info.flags and info.reason.startswith("trainmover:"):
+            slurm_client.resume(node)
+
+
 def test_injected_fault_drains_the_node_and_the_job_migrates(healthcheck, slurm_cluster, slurm_client, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TM_")}
     env.update(SLURM_CONF=str(slurm_cluster.slurm_conf), TM_PYTHON=sys.executable, PYTHONPATH=str(ROOT),

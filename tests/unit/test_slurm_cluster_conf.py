@@ -38,6 +38,10 @@ def test_slurm_conf_has_the_settings_trainmover_needs():
         "State=UNKNOWN",
         "PartitionName=train Nodes=train[1-4],spare[1-2] Default=YES MaxTime=INFINITE State=UP "
         "OverSubscribe=EXCLUSIVE",
+        # the admin guide's health-check lines (docs/admin.md), pointing at the cluster's copy
+        "HealthCheckProgram=/var/tmp/tmc/etc/healthcheck.sh",
+        f"HealthCheckInterval={specmod.HEALTHCHECK_INTERVAL_S}",
+        "HealthCheckNodeState=IDLE,CYCLE",
     ]:
         assert line in conf, line
 

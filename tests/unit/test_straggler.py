@@ -59,6 +59,19 @@ def test_recovered_node_is_no_longer_a_straggler():
     assert decide(ws, RANK_NODE).action == "none"
 
 
+def test_a_named_node_stays_named_through_one_noisy_window_then_clears():
+    """Hysteresis: once named, a node is cleared only when it is not slow in any recent window."""
+    cfg = StragglerConfig(threshold=0.10, min_windows=3, action="report")
+    slow, fast = _windows(4, slow={2: 1.2}), _windows(3)
+    noisy = slow[:3] + [fast[0]]               # the latest window happens to look normal
+    assert decide(noisy, RANK_NODE, cfg).target is None                  # without history: cleared
+    kept = decide(noisy, RANK_NODE, cfg, reported="n1")
+    assert (kept.action, kept.target) == ("report", "n1") and len(kept.stragglers[0].ratios) == 3
+    assert decide(slow[:3] + fast, RANK_NODE, cfg, reported="n1").action == "none"   # recovered
+    assert decide(_windows(3), RANK_NODE, cfg, reported="n9").action == "none"      # left the job
+    assert decide(_windows(3, slow={2: 1.2}), RANK_NODE, cfg, reported="n0").target == "n1"  # new evidence wins
+
+
 def test_two_stragglers_worst_first_and_ties_by_name():
     d = decide(_windows(3, slow={0: 1.3, 7: 1.2}), RANK_NODE)
     # 4 nodes at 1.3, 1.0, 1.0, 1.2: the median (1.1) is pulled up; only n0 is > 10% above it.

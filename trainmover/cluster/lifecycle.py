@@ -47,6 +47,11 @@ class ClusterInfo:
     def env(self) -> dict[str, str]:
         return {"SLURM_CONF": str(self.slurm_conf)}
 
+    @property
+    def healthcheck_state(self) -> Path:
+        """Where slurmd's own health-check runs keep their state (test hook inject-fault-<node>)."""
+        return self.state_dir / "healthcheck"
+
 
 def resolve_dir(state_dir: Optional[os.PathLike | str] = None) -> Path:
     """The state directory: the argument, else $TM_CLUSTER_DIR, else /var/tmp/trainmover-cluster."""
@@ -192,6 +197,7 @@ def _write_files(spec: ClusterSpec, old: Optional[ClusterSpec]) -> None:
     os.chmod(spec.munge_key, 0o400)
     spec.slurm_conf.write_text(specmod.render_slurm_conf(spec))
     plugin.install(spec.etc, _log)
+    plugin.install_healthcheck(spec.etc, spec.slurm_conf, spec.healthcheck_state, sys.executable)
     spec.slurmdbd_conf.write_text(specmod.render_slurmdbd_conf(spec))
     os.chmod(spec.slurmdbd_conf, 0o600)
     try:
@@ -367,6 +373,7 @@ def up(nodes: int = 4, standby: int = 2, state_dir=None) -> ClusterInfo:
         if old and len(live) == len(running) and _ctld_up(old) and _all_nodes_ready(old) \
                 and (old.standby == 0 or _reservation_exists(old)):
             plugin.install(old.etc, _log)  # sbatch/srun/slurmstepd read plugstack.conf at every call
+            _refresh_conf(old)
             _log(f"already running in {state_dir} ({old.nodes} training + {old.standby} standby nodes)")
             return _info(old, already=True, installed=installed, t0=t0)
         if live:
@@ -380,6 +387,18 @@ def up(nodes: int = 4, standby: int = 2, state_dir=None) -> ClusterInfo:
         _write_files(spec, old)
         _start_all(spec, running)
         return _info(spec, already=False, installed=installed, t0=t0)
+
+
+def _refresh_conf(spec: ClusterSpec) -> None:
+    """A running cluster whose slurm.conf this version renders differently (an upgrade):
+    rewrite it and have every daemon re-read it."""
+    plugin.install_healthcheck(spec.etc, spec.slurm_conf, spec.healthcheck_state, sys.executable)
+    text = specmod.render_slurm_conf(spec)
+    if spec.slurm_conf.read_text() == text:
+        return
+    spec.slurm_conf.write_text(text)
+    _slurm(spec, "scontrol", "reconfigure")
+    _log("slurm.conf changed: rewritten, daemons reconfigured")
 
 
 def _start_all(spec: ClusterSpec, running: dict[str, Optional[int]]) -> None:

@@ -22,6 +22,7 @@ MAX_NODES = 240
 DEFAULT_PORTS = {"slurmctld": 16817, "slurmdbd": 16819, "mariadb": 16306, "slurmd": 16901}
 CPUS_PER_NODE = 4
 MEMORY_PER_NODE_MB = 2048
+HEALTHCHECK_INTERVAL_S = 30  # a run costs ~0.1 s of CPU: cheap even with every node on one host
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,16 @@ class ClusterSpec:
     @property
     def slurm_conf(self) -> Path:
         return self.etc / "slurm.conf"
+
+    @property
+    def healthcheck_program(self) -> Path:
+        return self.etc / "healthcheck.sh"
+
+    @property
+    def healthcheck_state(self) -> Path:
+        """The health check's state directory (kernel-log cursor, test hook inject-fault-<node>);
+        ClusterInfo.healthcheck_state says the same to callers."""
+        return self.state_dir / "healthcheck"
 
     @property
     def slurmdbd_conf(self) -> Path:
@@ -200,6 +211,13 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         "# the munge socket for talking to slurmdbd (AuthInfo does not apply to it)",
         f"AccountingStoragePass={s.munge_socket}",
         "JobCompType=jobcomp/none",
+        "# The health check, with the lines docs/admin.md gives admins (slurm_plugin/healthcheck.sh",
+        "# copied next to its healthcheck.env), but on IDLE nodes only: with every slurmd on one",
+        "# host, Slurm 22.05 requeued running jobs ('Batch JobId missing from batch node') in each",
+        "# of our runs with the check on allocated nodes. Tests run it on job nodes as slurmd would.",
+        f"HealthCheckProgram={s.healthcheck_program}",
+        f"HealthCheckInterval={HEALTHCHECK_INTERVAL_S}",
+        "HealthCheckNodeState=IDLE,CYCLE",
         "",
     ]
     for node in s.all_nodes:

@@ -318,7 +318,7 @@ class Policy(Recovering):
         try:
             decision = straggler.decide(self.windows, self.view.rank_node, straggler.StragglerConfig(
                 self.cfg.straggler_threshold, self.cfg.straggler_windows,
-                "evict" if self.cfg.straggler == "evict" else "report"))
+                "evict" if self.cfg.straggler == "evict" else "report"), reported=self.straggler["target"])
         except straggler.StragglerInputError as exc:  # e.g. fewer than 3 nodes: nothing to compare
             self.straggler.update(verdict=f"not evaluated: {exc}")
             return []

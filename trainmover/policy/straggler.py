@@ -19,6 +19,9 @@ Contract (for whoever wires this into the controller):
   ``"evict"`` (migrate the target's ranks to a standby) or ``"report"`` per config, ``"none"``
   when there is no straggler. The caller acts on it; this module has no clock and no I/O, and
   only the last ``min_windows`` windows matter (pass what you have, oldest first).
+* Hysteresis: pass the node the previous decision named as ``reported``; it stays the target
+  while it is slow in at least one of the last ``min_windows`` windows, so the verdict does
+  not flap with noise (it is named in the first place only when slow in all of them).
 * Bad input raises ``StragglerInputError`` (a ``ConfigError``) naming what is wrong.
 """
 from __future__ import annotations
@@ -113,8 +116,9 @@ def _validate(windows: Sequence[Mapping[int, float]], rank_node: Mapping[int, st
 
 
 def decide(windows: Sequence[Mapping[int, float]], rank_node: Mapping[int, str],
-           config: StragglerConfig = StragglerConfig()) -> Decision:
-    """Which node (if any) is persistently slower than its peers, and what to do about it."""
+           config: StragglerConfig = StragglerConfig(), reported: str | None = None) -> Decision:
+    """Which node (if any) is persistently slower than its peers, and what to do about it.
+    `reported`: the node named by the previous decision, if any (see the hysteresis below)."""
     nodes = _validate(windows, rank_node)
     recent = list(windows)[-config.min_windows:]
     if len(recent) < config.min_windows:
@@ -132,6 +136,15 @@ def decide(windows: Sequence[Mapping[int, float]], rank_node: Mapping[int, str],
             found.append(Evidence(node=n, ranks=tuple(nodes[n]), slowest_rank=rows[-1][2], ratios=ratios,
                                   node_s=tuple(t for t, _, _ in rows), median_s=tuple(m for _, m, _ in rows)))
     found.sort(key=lambda e: (-e.mean_ratio, e.node))
+    if not found and reported in per_node:
+        # Hysteresis: a node already named stays named until it is not slow in any of the
+        # last windows. Otherwise one noisy window (on shared cores, say) would clear the
+        # verdict that an operator or the health check is about to act on, and it would flap.
+        rows = per_node[reported]
+        ratios = tuple(t / m for t, m, _ in rows)
+        if any(x > 1.0 + config.threshold for x in ratios):
+            found = [Evidence(node=reported, ranks=tuple(nodes[reported]), slowest_rank=rows[-1][2], ratios=ratios,
+                              node_s=tuple(t for t, _, _ in rows), median_s=tuple(m for _, m, _ in rows))]
     if not found:
         return Decision("none", None, (), len(recent))
     return Decision(config.action, found[0].node, tuple(found), len(recent))
