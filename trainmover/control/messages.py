@@ -29,7 +29,7 @@ SCHEMA: dict[str, dict[str, object]] = {
     "stalled": {"rank": _INT, "step": _INT, "digest": _STR, "error": _STR, "role": _STR},
     # after reconnecting to a restarted controller (right after `hello`): where this process is.
     # `step` steps complete; `pending` the epoch it holds prepared or preparing (0: none);
-    # `switched` the epoch of its last switch (0: none); `state` training, stalled, finished
+    # `switched` the epoch of its last switch (0: none); `state` training, stalled, finished, left
     # (worker) or starting, ready, warming, joining (standby)
     "resync": {"node": _STR, "ranks": _LIST, "role": _STR, "step": _INT, "pending": _INT, "switched": _INT,
                "state": _STR},

@@ -82,21 +82,24 @@ class Controller:
         self.addr = {n: infos[n].addr for n in nodes}
         self.batch_host = job.batch_host or nodes[0]
         self.host = self.addr[self.batch_host]  # bind to our node's own address, from Slurm
-        k = cfg.ranks_per_node
-        self.view = JobView(job_id, len(nodes) * k, k, self.batch_host,
-                            {i * k + j: n for i, n in enumerate(nodes) for j in range(k)})
-        # A layout that cannot fit the job (TP x PP x DP != ranks) fails here, before any launch.
-        workloads.load(cfg.workload, cfg.workload_kwargs()).group_specs(self.view.world_size)
-        self.policy = Policy(cfg, self.view)
         root = Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id))
         self.replayed: journal.Replayed | None = None
         self.metrics_through = 0
+        k = cfg.ranks_per_node
         if resume:  # before anything is appended: what the dead controller left
-            self.replayed = journal.read(root / "journal.jsonl")
-            if self.replayed.job_id != job_id:
-                raise ConfigError(f"{root}/journal.jsonl belongs to job {self.replayed.job_id}, not {job_id}")
+            self.replayed = j = journal.read(root / "journal.jsonl")
+            if j.job_id != job_id:
+                raise ConfigError(f"{root}/journal.jsonl belongs to job {j.job_id}, not {job_id}")
             self.metrics_through = records.trim_torn(root / "metrics.jsonl")
             records.trim_torn(root / "timeline.jsonl")
+            # the job's nodes now include standbys: the layout is the journal's
+            self.view = JobView(job_id, j.world_size, j.ranks_per_node, j.batch_host, dict(j.rank_node))
+        else:
+            self.view = JobView(job_id, len(nodes) * k, k, self.batch_host,
+                                {i * k + j: n for i, n in enumerate(nodes) for j in range(k)})
+        # A layout that cannot fit the job (TP x PP x DP != ranks) fails here, before any launch.
+        workloads.load(cfg.workload, cfg.workload_kwargs()).group_specs(self.view.world_size)
+        self.policy = Policy(cfg, self.view)
         self.files = records.RunFiles(root)
         if resume:
             self.key = channel.read_secret(str(self.files.secret))  # the ranks hold it: same job, same key

@@ -74,6 +74,8 @@ class Resuming:
     def on_resync(self, now: float, node: str, msg: dict) -> list:
         if self.resuming is None:
             return []
+        if msg["state"] == "left":  # a leaver that handed its ranks over: it speaks for none
+            return []
         for r in msg["ranks"]:
             self.resuming["seen"][r] = {**msg, "node": node}
         if msg["role"] == "standby":

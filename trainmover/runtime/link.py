@@ -40,6 +40,8 @@ class Link:
         self.conn = channel.connect(address, key, hello(), timeout=connect_timeout)
         self.up = True
         self.closed = False
+        self.settled = threading.Event()  # set while up, and once gone for good
+        self.settled.set()
         self.reconnects: list[float] = []  # seconds each reconnection took
         threading.Thread(target=self._read, name="tm-inbox", daemon=True).start()
 
@@ -61,10 +63,12 @@ class Link:
             bye = self._read_until_closed()
             with self.lock:
                 self.up = False
+                self.settled.clear()
             if bye or self.closed:
                 break
             if not self._reconnect():
                 break
+        self.settled.set()
         if not self.closed:
             self.on_gone()
         self.inbox.put(None)
@@ -116,10 +120,19 @@ class Link:
                     attempt += 1
                     continue
                 self.conn, self.up = conn, True
+                self.settled.set()
             self.reconnects.append(time.monotonic() - t0)
             log.info("reconnected to the controller after %.3fs", self.reconnects[-1])
             return True
         return False
+
+    def flush(self) -> None:
+        """Before this process exits: if the controller is being replaced, wait (at most the
+        reconnect deadline) for its successor, so that the resync delivers this process's last
+        reports (a leaver's last steps, a rank's `finished`)."""
+        if not self.settled.is_set():
+            log.info("waiting for the controller to come back before exiting")
+            self.settled.wait(self.reconnect_timeout + 1)
 
     def close(self) -> None:
         self.closed = True

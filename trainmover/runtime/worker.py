@@ -628,6 +628,7 @@ class Agent:
         if "die-in-copy" in self.spec.inject:  # fault injection: the state must come from a replica
             os.kill(os.getpid(), signal.SIGKILL)
         stats = transfer.send_verified(state, prep.xfer, dst=1, corrupt="corrupt-transfer" in self.spec.inject)
+        self.pending, self.state, self.switched_epoch = None, "left", prep.epoch
         self.send("switched", epoch=prep.epoch, rank=self.rank, role="leaver", step=step, t=time.time(),
                   detail={"send_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
                           "tensors": stats.tensors})
@@ -651,6 +652,7 @@ def main() -> int:
         return 1
     finally:
         if agent is not None:
+            agent.link.flush()
             agent.link.close()
 
 
