@@ -405,9 +405,17 @@ def main(argv=None) -> int:
     p.add_argument("--store", help="host:port of the supervisor's rendezvous store")
     p.add_argument("--attempt", type=int, default=0, help="0 for the first controller, n for the n-th restart")
     p.add_argument("--resume", action="store_true", help="take over from the journal of a controller that died")
+    p.add_argument("--spare-fd", type=int, help="a pre-started spare: wait for the attempt number on this pipe "
+                                                "(EOF: not needed), then resume")
     args = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("TM_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    if args.spare_fd is not None:  # imports are done: a takeover costs only the journal and Slurm queries
+        with os.fdopen(args.spare_fd, "rb") as pipe:
+            word = pipe.readline().strip()
+        if not word:
+            return 0
+        args.attempt, args.resume = int(word), True
     try:
         job_id = int(os.environ["SLURM_JOB_ID"])
     except (KeyError, ValueError):

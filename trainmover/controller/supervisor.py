@@ -9,9 +9,11 @@ It holds, for the whole job:
     that a migration's Phase 1 and state copy are not cut by the controller's death.
 
 It runs the controller (`python -m trainmover.controller.main`) as a child. When the child
-dies abnormally (a signal such as SIGKILL or an OOM kill, or a crash: exit code 70) it starts
-a new one with `--resume`, which rebuilds the job's view from the journal; at most
-`TM_CONTROLLER_RESTARTS` times. An ordinary end (0: training finished; 1: the job stopped
+dies abnormally (a signal such as SIGKILL or an OOM kill, or a crash: exit code 70) it hands
+over to a new one with `--resume`, which rebuilds the job's view from the journal; at most
+`TM_CONTROLLER_RESTARTS` times. The next controller is pre-started as an idle spare (its
+imports, seconds on a busy node, are done before it is needed) and told to take over through
+a pipe. An ordinary end (0: training finished; 1: the job stopped
 with a reported error; 2: a configuration or journal error) is final.
 """
 from __future__ import annotations
@@ -81,17 +83,43 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    base = [sys.executable, "-m", "trainmover.controller.main", "--listen-fd", str(listen.fileno()),
+            "--store", f"{host}:{store_port}"]
+
+    def start_spare():
+        if cfg.controller_restarts == 0:
+            return None
+        r, w = os.pipe()
+        proc = subprocess.Popen(base + ["--spare-fd", str(r)], pass_fds=(listen.fileno(), r))
+        os.close(r)
+        return proc, w
+
     restarts = 0
-    while True:
-        argv = [sys.executable, "-m", "trainmover.controller.main", "--listen-fd", str(listen.fileno()),
-                "--store", f"{host}:{store_port}", "--attempt", str(restarts)] + (["--resume"] if restarts else [])
-        t0 = time.time()
-        child = subprocess.Popen(argv, pass_fds=(listen.fileno(),))
-        log.info("controller started (pid %d, attempt %d)", child.pid, restarts)
-        code = child.wait()
-        again, why = restart_decision(code, restarts, cfg.controller_restarts, stopping)
-        log.log(logging.INFO if code == 0 else logging.WARNING,
-                "controller pid %d ended after %.1fs: %s", child.pid, time.time() - t0, why)
-        if not again:
-            return code if code >= 0 else 128 - code
-        restarts += 1
+    child = subprocess.Popen(base + ["--attempt", "0"], pass_fds=(listen.fileno(),))
+    spare = start_spare()
+    try:
+        while True:
+            t0 = time.time()
+            log.info("controller running (pid %d, attempt %d)", child.pid, restarts)
+            code = child.wait()
+            again, why = restart_decision(code, restarts, cfg.controller_restarts, stopping)
+            log.log(logging.INFO if code == 0 else logging.WARNING,
+                    "controller pid %d ended after %.1fs: %s", child.pid, time.time() - t0, why)
+            if not again or spare is None:
+                return code if code >= 0 else 128 - code
+            restarts += 1
+            child, w = spare
+            try:
+                os.write(w, f"{restarts}\n".encode())
+            except OSError:  # the spare died meanwhile: a cold start then
+                log.warning("spare controller pid %d is gone; starting one cold", child.pid)
+                child = subprocess.Popen(base + ["--attempt", str(restarts), "--resume"], pass_fds=(listen.fileno(),))
+            os.close(w)
+            spare = start_spare() if restarts < cfg.controller_restarts else None
+    finally:
+        if spare is not None:  # EOF: the spare exits
+            os.close(spare[1])
+            try:
+                spare[0].wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                spare[0].kill()
