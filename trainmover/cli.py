@@ -121,8 +121,8 @@ def main(argv=None) -> int:
             from trainmover.cluster.__main__ import main as cluster_main
             return cluster_main(args.rest)
         if args.command == "controller":
-            from trainmover.controller.main import main as controller_main
-            return controller_main()
+            from trainmover.controller.supervisor import main as supervisor_main
+            return supervisor_main()
         if args.command == "status":
             return _status(args)
         if args.command == "migrate":

@@ -17,6 +17,8 @@ INJECTIONS = {
     "slow:<rank>:<fraction>": "the worker launched for <rank> sleeps <fraction> of its compute time each step (a straggling node)",
     "die-in-copy": "the leaver of a planned migration kills itself (SIGKILL) as the joiner starts to wait for its state",
     "die:<rank>:<step>": "the worker launched for <rank> kills itself (SIGKILL) as it begins step <step>: an unexpected failure mid-run",
+    "controller-die:preparing": "the first controller kills itself (SIGKILL) once a migration's prepare is journaled, before it is sent",
+    "controller-die:prepare": "the first controller kills itself (SIGKILL) right after it sent a migration's prepare",
 }
 
 
@@ -107,6 +109,8 @@ class Config:
     straggler_windows: int = field(default=3, metadata={"env": "TM_STRAGGLER_WINDOWS", "doc": "consecutive slow windows before a verdict"})
     straggler_window_steps: int = field(default=20, metadata={"env": "TM_STRAGGLER_WINDOW_STEPS", "doc": "steps per timing window"})
     rebalance_every_steps: int = field(default=0, metadata={"env": "TM_REBALANCE_EVERY_STEPS", "doc": "move one node to a warm standby every N steps (0: never)"})
+    controller_restarts: int = field(default=3, metadata={"env": "TM_CONTROLLER_RESTARTS", "doc": "times the controller is restarted from its journal after it died (0: never)"})
+    reconnect_timeout_s: float = field(default=60.0, metadata={"env": "TM_RECONNECT_TIMEOUT_S", "doc": "after the controller died: how long ranks try to reach its successor, and it waits for them"})
     inject: tuple[str, ...] = field(default=(), metadata={"env": "TM_INJECT", "doc": "comma-separated fault injections: " + ", ".join(INJECTIONS)})
     run_dir: str = field(default="", metadata={"env": "TM_RUN_DIR", "doc": "output directory (default: <submit dir>/runs/<job id>)"})
 
@@ -116,7 +120,8 @@ class Config:
             (self.ranks_per_node > 0, "TM_RANKS_PER_NODE must be > 0"),
             (self.standbys >= 0, "TM_STANDBYS must be >= 0"),
             (self.poll_s > 0, "TM_POLL_S must be > 0"),
-            (min(self.phase1_timeout_s, self.group_timeout_s, self.switch_timeout_s, self.standby_wait_s, self.recovery_timeout_s,
+            (self.controller_restarts >= 0, "TM_CONTROLLER_RESTARTS must be >= 0"),
+            (min(self.reconnect_timeout_s, self.phase1_timeout_s, self.group_timeout_s, self.switch_timeout_s, self.standby_wait_s, self.recovery_timeout_s,
                  self.standby_retry_s, self.release_timeout_s) > 0, "timeouts must be > 0"),
             (self.record_iterations >= 0 and self.record_rank >= 0, "TM_RECORD_ITERATIONS and TM_RECORD_RANK must be >= 0"),
             (self.shadow_steps >= 2, "TM_SHADOW_STEPS must be >= 2 (steadiness needs two steps to compare)"),

@@ -126,9 +126,12 @@ class Server:
     A connection that fails authentication or validation is closed and logged; the rest
     of the job is not affected."""
 
-    def __init__(self, host: str, key: bytes, port: int = 0, handshake_timeout: float = 10.0):
+    def __init__(self, host: str, key: bytes, port: int = 0, handshake_timeout: float = 10.0,
+                 sock: socket.socket | None = None):
+        """`sock`: a listening socket to accept on (the supervisor's, which outlives a
+        controller, so that a restarted one is found at the same address)."""
         self.key, self.handshake_timeout = key, handshake_timeout
-        self.sock = socket.create_server((host, port))
+        self.sock = sock if sock is not None else socket.create_server((host, port))
         self.address = self.sock.getsockname()[:2]
         self.inbox: queue.Queue = queue.Queue()
         self.rejected = 0

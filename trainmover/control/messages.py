@@ -27,9 +27,17 @@ SCHEMA: dict[str, dict[str, object]] = {
     # a rank whose collective failed (or was revoked) stopped at a step boundary: `step` steps
     # are complete in its state, whose digest it sends; it waits for a `recover`
     "stalled": {"rank": _INT, "step": _INT, "digest": _STR, "error": _STR, "role": _STR},
+    # after reconnecting to a restarted controller (right after `hello`): where this process is.
+    # `step` steps complete; `pending` the epoch it holds prepared or preparing (0: none);
+    # `switched` the epoch of its last switch (0: none); `state` training, stalled, finished, left
+    # (worker) or starting, ready, warming, joining (standby)
+    "resync": {"node": _STR, "ranks": _LIST, "role": _STR, "step": _INT, "pending": _INT, "switched": _INT,
+               "state": _STR},
     # controller -> worker / agent
     "prepare": {"epoch": _INT, "leavers": _LIST, "joiner_node": _STR, "assign": _DICT, "options": _DICT},
     "abort": {"epoch": _INT, "reason": _STR},
+    # the controller ends on purpose: do not wait for it to come back
+    "bye": {"reason": _STR},
     # unexpected failure: fail every collective of groups holding `failed` ranks, now
     "revoke": {"epoch": _INT, "failed": _LIST, "reason": _STR},
     # the way back: new groups without `failed`, state of `step` from `source` to `needers`
@@ -64,7 +72,7 @@ def validate(msg: object) -> dict:
             raise ProtocolError(f"{kind}.{name}: expected {_tname(typ)}, got {type(value).__name__}")
         if isinstance(value, list) and len(value) > MAX_RANKS_IN_MESSAGE:
             raise ProtocolError(f"{kind}.{name}: list too long ({len(value)})")
-    for name in ("rank", "epoch", "step"):
+    for name in ("rank", "epoch", "step", "pending", "switched"):
         if name in msg and msg[name] < 0:
             raise ProtocolError(f"{kind}.{name}: must be >= 0")
     if "ranks" in msg and not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in msg["ranks"]):

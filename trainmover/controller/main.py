@@ -10,6 +10,7 @@ import datetime
 import logging
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from trainmover.config import Config
 from trainmover.control import channel
 from trainmover.control.messages import make
-from trainmover.controller import records
+from trainmover.controller import journal, records
 from trainmover.controller.actions import AcquireStandby, Finish, LaunchStandby, Record, ReleaseNode, Send
 from trainmover.controller.policy import JobView, Policy
 from trainmover.errors import ConfigError, SlurmError, TrainMoverError
@@ -34,9 +35,44 @@ from trainmover.workloads import base as workloads
 log = logging.getLogger("trainmover.controller")
 
 
+class Adopted:
+    """A Slurm step started by a controller that died: not our child, so watched by pid
+    (srun runs on this node). Its exit code is unknown; a lost rank is detected by its
+    channel (resume.py), so an exit reads as 0 here."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def poll(self) -> int | None:
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return 0
+        return 0 if state in ("Z", "X") else None
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.1)
+        return 0
+
+    def terminate(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGTERM)
+        except OSError:
+            pass
+
+
 class Controller:
-    def __init__(self, cfg: Config, job_id: int, slurm=None, environ=os.environ):
-        self.cfg, self.job_id = cfg, job_id
+    def __init__(self, cfg: Config, job_id: int, slurm=None, environ=os.environ, *, listen: socket.socket | None = None,
+                 store: tuple[str, int] | None = None, resume: bool = False, attempt: int = 0):
+        """`listen` and `store`: the supervisor's control socket and rendezvous store, which
+        outlive this controller (None: its own, for one-process uses such as the benches).
+        `resume`: take over a job whose controller died, from its journal."""
+        self.cfg, self.job_id, self.attempt = cfg, job_id, attempt
         self.slurm = slurm or CliSlurm()
         self.environ = dict(environ)
         job = self.slurm.job(job_id)
@@ -46,23 +82,42 @@ class Controller:
         self.addr = {n: infos[n].addr for n in nodes}
         self.batch_host = job.batch_host or nodes[0]
         self.host = self.addr[self.batch_host]  # bind to our node's own address, from Slurm
+        root = Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id))
+        self.replayed: journal.Replayed | None = None
+        self.metrics_through = 0
         k = cfg.ranks_per_node
-        self.view = JobView(job_id, len(nodes) * k, k, self.batch_host,
-                            {i * k + j: n for i, n in enumerate(nodes) for j in range(k)})
+        if resume:  # before anything is appended: what the dead controller left
+            self.replayed = j = journal.read(root / "journal.jsonl")
+            if j.job_id != job_id:
+                raise ConfigError(f"{root}/journal.jsonl belongs to job {j.job_id}, not {job_id}")
+            self.metrics_through = records.trim_torn(root / "metrics.jsonl")
+            records.trim_torn(root / "timeline.jsonl")
+            # the job's nodes now include standbys: the layout is the journal's
+            self.view = JobView(job_id, j.world_size, j.ranks_per_node, j.batch_host, dict(j.rank_node))
+        else:
+            self.view = JobView(job_id, len(nodes) * k, k, self.batch_host,
+                                {i * k + j: n for i, n in enumerate(nodes) for j in range(k)})
         # A layout that cannot fit the job (TP x PP x DP != ranks) fails here, before any launch.
         workloads.load(cfg.workload, cfg.workload_kwargs()).group_specs(self.view.world_size)
         self.policy = Policy(cfg, self.view)
-        self.files = records.RunFiles(Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id)))
-        try:
-            self.key = channel.write_secret(str(self.files.secret))
-        except FileExistsError:
-            raise ConfigError(f"{self.files.root} already holds a job secret: a controller of job {job_id} ran "
-                              "there before (a requeued job?). Move that directory away, or set TM_RUN_DIR "
-                              "to a new one; TrainMover never reuses another controller's secret.") from None
-        self.server = channel.Server(self.host, self.key)
-        self.store, self.store_port = self._store()
+        self.files = records.RunFiles(root)
+        if resume:
+            self.key = channel.read_secret(str(self.files.secret))  # the ranks hold it: same job, same key
+        else:
+            try:
+                self.key = channel.write_secret(str(self.files.secret))
+            except FileExistsError:
+                raise ConfigError(f"{self.files.root} already holds a job secret: a controller of job {job_id} ran "
+                                  "there before (a requeued job?). Move that directory away, or set TM_RUN_DIR "
+                                  "to a new one; TrainMover never reuses another controller's secret.") from None
+        self.server = channel.Server(self.host, self.key, sock=listen)
+        self.store, (self.store_host, self.store_port) = (None, store) if store else self._store()
+        self.journal = journal.Journal(self.files.root / "journal.jsonl",
+                                       seq=self.replayed.seq if self.replayed else 0)
+        self.durable: dict = {}
         self.files.write("controller", {"host": self.server.address[0], "port": self.server.address[1],
-                                        "job_id": job_id, "batch_host": self.batch_host})
+                                        "job_id": job_id, "batch_host": self.batch_host, "pid": os.getpid(),
+                                        "attempt": attempt})
         self.events: queue.Queue = queue.Queue()   # results of background Slurm work
         self.conns: dict[str, list] = {}           # node -> authenticated worker connections
         self.steps: dict[str, subprocess.Popen] = {}
@@ -76,13 +131,13 @@ class Controller:
         store = dist.TCPStore(self.host, port, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=self.cfg.group_timeout_s),
                               master_listen_fd=sock.detach(), use_libuv=False)
-        return store, port
+        return store, (self.host, port)
 
     # --- launching -----------------------------------------------------------------------
     def _spec(self, role: str, node: str, ranks: tuple[int, ...]) -> WorkerSpec:
         return WorkerSpec(role=role, ranks=ranks, world_size=self.view.world_size, node=node,
                           node_addr=self.addr[node], controller=tuple(self.server.address),
-                          store=(self.host, self.store_port), secret_file=str(self.files.secret),
+                          store=(self.store_host, self.store_port), secret_file=str(self.files.secret),
                           workload=self.cfg.workload, workload_options=self.cfg.workload_kwargs(),
                           device=self.cfg.device, backend=self.cfg.backend,
                           record_iterations=self.cfg.record_iterations, record_rank=self.cfg.record_rank,
@@ -92,6 +147,7 @@ class Controller:
                           standby_warmup=self.cfg.standby_warmup,
                           seed=self.cfg.seed, steps=self.cfg.steps, group_timeout_s=self.cfg.group_timeout_s,
                           switch_timeout_s=self.cfg.switch_timeout_s, recovery_timeout_s=self.cfg.recovery_timeout_s,
+                          reconnect_timeout_s=self.cfg.reconnect_timeout_s,
                           shadow_steps=self.cfg.shadow_steps,
                           inject=self.cfg.inject)
 
@@ -105,6 +161,8 @@ class Controller:
         with open(log_path, "ab") as out:
             self.steps[node] = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
                                                 stdin=subprocess.DEVNULL)
+        self.journal.write(time.time(), [{"kind": "launch", "node": node, "role": role, "ranks": list(ranks),
+                                          "pid": self.steps[node].pid}])
         log.info("launched %s on %s (ranks %s), log %s", role, node, list(ranks), log_path)
 
     # --- background Slurm work -------------------------------------------------------------
@@ -137,19 +195,35 @@ class Controller:
             return ("released", node, False, f"release failed: {exc}")
 
     # --- the loop ------------------------------------------------------------------------
+    def _journal_decisions(self) -> None:
+        """Write ahead: what the policy just decided is durable before any of it is acted on."""
+        now_durable = self.policy.durable()
+        self.journal.write(time.time(), journal.diff(self.durable, now_durable))
+        self.durable = now_durable
+
+    def _inject(self, point: str) -> None:
+        if f"controller-die:{point}" in self.cfg.inject and self.attempt == 0:
+            log.error("injected: controller dies (SIGKILL) at %s", point)
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def apply(self, actions: list) -> None:
+        self._journal_decisions()
         for a in actions:
             if isinstance(a, AcquireStandby):
                 self._background("acquire", self._acquire)
             elif isinstance(a, LaunchStandby):
                 self._launch("standby", a.node, ())
             elif isinstance(a, Send):
+                if a.msg["type"] == "prepare":
+                    self._inject("preparing")
                 for node in a.nodes:
                     for conn in self.conns.get(node, []):
                         try:
                             conn.send(a.msg)
                         except OSError as exc:
                             log.warning("cannot send %s to %s: %s", a.msg["type"], node, exc)
+                if a.msg["type"] == "prepare" and a.msg["assign"]:  # the joiner's: the last of a prepare
+                    self._inject("prepare")
             elif isinstance(a, ReleaseNode):
                 self._background("release", lambda n=a.node: self._release(n))
             elif isinstance(a, Record):
@@ -194,10 +268,41 @@ class Controller:
             self.conns[node].remove(conn)
         return self.policy.on_peer_gone(now, node)
 
-    def run(self) -> int:
+    def _begin(self) -> None:
+        self.durable = self.policy.durable()
+        self.journal.write(time.time(), [{"kind": "start", "job_id": self.job_id, "world_size": self.view.world_size,
+                                          "ranks_per_node": self.view.ranks_per_node, "batch_host": self.batch_host,
+                                          "rank_node": {str(r): n for r, n in self.view.rank_node.items()}}])
         for node in self.view.train_nodes():
             self._launch("worker", node, self.view.ranks_of(node))
         self.apply(self.policy.start(time.time()))
+
+    def _resume(self) -> None:
+        """Take over from a dead controller: its view from the journal, its steps adopted, any
+        node Slurm gave the job that the journal does not know of treated as a new standby."""
+        j = self.replayed
+        t0 = time.time()
+        self.journal.write(t0, [{"kind": "restart", "attempt": self.attempt}])
+        actions = self.policy.resume(t0, j, self.metrics_through)
+        self.durable = self.policy.durable()
+        known = set(self.view.rank_node.values()) | set(self.view.standbys) | set(self.view.released)
+        for node, rec in j.steps.items():
+            if node in known and node not in self.view.released:
+                self.steps[node] = Adopted(rec["pid"])
+        for node in self.slurm.job(self.job_id).nodes:
+            if node not in known:
+                log.warning("%s joined the job but is not in the journal (taken while the controller died): "
+                            "made a standby", node)
+                self.addr[node] = self.slurm.nodes([node])[node].addr
+                actions += self.policy.on_standby_acquired(t0, node)
+        log.info("resumed from the journal (%d records) in %.3fs; waiting for the ranks", j.records, time.time() - t0)
+        self.apply(actions)
+
+    def run(self) -> int:
+        if self.replayed is not None:
+            self._resume()
+        else:
+            self._begin()
         next_poll = 0.0
         last_status = None
         while self.outcome is None:
@@ -269,8 +374,12 @@ class Controller:
                     log.info("withdrew donor allocation(s) %s", gone)
             except SlurmError as exc:
                 log.warning("could not withdraw donor allocations: %s", exc)
-        for conns in self.conns.values():  # standbys exit when the channel closes
+        for conns in self.conns.values():  # standbys exit when the controller says bye
             for conn in conns:
+                try:
+                    conn.send(make("bye", reason=message[:500]))
+                except OSError:
+                    pass
                 conn.close()
         deadline = time.time() + 30
         for node, proc in self.steps.items():
@@ -281,15 +390,51 @@ class Controller:
                 proc.terminate()
         self.server.close()
         self.files.close()
+        self.journal.close()
         return 0 if ok else 1
 
 
+CRASHED = 70  # an unexpected exception (EX_SOFTWARE): the supervisor restarts the controller
+
+
 def main(argv=None) -> int:
+    """One controller process, started by `controller.supervisor` (`trainmover controller`)."""
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m trainmover.controller.main")
+    p.add_argument("--listen-fd", type=int, help="the supervisor's listening control socket")
+    p.add_argument("--store", help="host:port of the supervisor's rendezvous store")
+    p.add_argument("--attempt", type=int, default=0, help="0 for the first controller, n for the n-th restart")
+    p.add_argument("--resume", action="store_true", help="take over from the journal of a controller that died")
+    p.add_argument("--spare-fd", type=int, help="a pre-started spare: wait for the attempt number on this pipe "
+                                                "(EOF: not needed), then resume")
+    args = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("TM_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    if args.spare_fd is not None:  # imports are done: a takeover costs only the journal and Slurm queries
+        with os.fdopen(args.spare_fd, "rb") as pipe:
+            word = pipe.readline().strip()
+        if not word:
+            return 0
+        args.attempt, args.resume = int(word), True
     try:
         job_id = int(os.environ["SLURM_JOB_ID"])
     except (KeyError, ValueError):
         raise ConfigError("trainmover controller runs inside a Slurm job (SLURM_JOB_ID is not set)") from None
     cfg = Config.from_env()
-    return Controller(cfg, job_id).run()
+    listen = socket.socket(fileno=args.listen_fd) if args.listen_fd is not None else None
+    store = None
+    if args.store:
+        host, _, port = args.store.rpartition(":")
+        store = (host, int(port))
+    try:
+        return Controller(cfg, job_id, listen=listen, store=store, resume=args.resume, attempt=args.attempt).run()
+    except TrainMoverError as exc:  # a clear error (config, corrupt journal): restarting cannot help
+        log.error("controller: %s", exc)
+        return 2
+    except Exception:  # noqa: BLE001 - a bug or a lost dependency: the supervisor may restart from the journal
+        log.exception("controller crashed")
+        return CRASHED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -86,6 +86,24 @@ class Migration:
         if note:
             self.note = note
 
+    def to_record(self) -> dict:
+        """What the journal keeps (see controller.journal): enough to rebuild the migration.
+        Who prepared or switched is not kept: a restarted controller asks the ranks."""
+        return {"id": self.id, "leaver": self.leaver, "leaver_ranks": list(self.leaver_ranks), "trigger": self.trigger,
+                "requested_at": self.requested_at, "epoch": self.epoch, "joiner": self.joiner, "phase": self.phase.value,
+                "times": dict(self.times), "switch_step": self.switch_step, "downtime_s": self.downtime_s,
+                "leaver_exited": self.leaver_exited, "note": self.note, "recovery": self.recovery,
+                "source": dict(self.source)}
+
+    @classmethod
+    def from_record(cls, d: dict) -> "Migration":
+        m = cls(d["id"], d["leaver"], tuple(d["leaver_ranks"]), d["trigger"], d["requested_at"], epoch=d["epoch"],
+                joiner=d["joiner"], phase=Phase(d["phase"]), switch_step=d.get("switch_step"),
+                downtime_s=d.get("downtime_s"), leaver_exited=bool(d.get("leaver_exited")), note=d.get("note", ""),
+                recovery=bool(d.get("recovery")), source=dict(d.get("source") or {}))
+        m.times = dict(d["times"])
+        return m
+
     def to_json(self) -> dict:
         t = self.times
         def span(a, b):

@@ -14,6 +14,7 @@ from trainmover.control.messages import make
 from trainmover.controller.actions import AcquireStandby, Finish, LaunchStandby, Record, ReleaseNode, Send
 from trainmover.controller.migration import Migration, Phase
 from trainmover.controller.recovery import Recovering
+from trainmover.controller.resume import Resuming
 from trainmover.policy import straggler
 
 log = logging.getLogger("trainmover.policy")
@@ -51,7 +52,7 @@ class JobView:
         return tuple(sorted(r for r, n in self.rank_node.items() if n == node))
 
 
-class Policy(Recovering):
+class Policy(Recovering, Resuming):
     def __init__(self, cfg: Config, view: JobView):
         self.cfg, self.view = cfg, view
         self.migrations: list[Migration] = []
@@ -69,6 +70,9 @@ class Policy(Recovering):
         self.stalled: dict[int, dict] = {}                     # rank -> its 'stalled' report
         self.failed_reports: dict[str, dict] = {}              # node -> a rank's 'failed' report
         self.done = False
+        self.metrics_through = 0     # last step in metrics.jsonl (a resumed controller skips older reports)
+        self.restarts = 0            # controllers that took over from a dead one
+        self.resuming: dict | None = None  # while a restarted controller waits for every rank (see resume.py)
 
     # --- helpers -----------------------------------------------------------------------
     def active(self) -> Migration | None:
@@ -137,7 +141,8 @@ class Policy(Recovering):
 
     def _dispatch(self, now: float) -> list:
         """Start the oldest waiting migration if none is running and a standby is ready."""
-        if any(m.phase in (Phase.PREPARING, Phase.SWITCHING) for m in self.migrations) or self.recovery():
+        if (any(m.phase in (Phase.PREPARING, Phase.SWITCHING) for m in self.migrations) or self.recovery()
+                or self.resuming is not None):
             return []
         waiting = [m for m in self.migrations if m.phase in (Phase.REQUESTED, Phase.WAITING_STANDBY)]
         if not waiting:
@@ -172,6 +177,8 @@ class Policy(Recovering):
             s.state, s.since, s.warmup_s, s.shadow_steps = "ready", now, msg["warmup_s"], msg["shadow_steps"]
             s.shadow = msg["detail"] or s.shadow  # a re-ready after a cancelled join keeps the first report
             return self._maybe_recover(now) + self._dispatch(now)
+        if kind == "resync":
+            return self.on_resync(now, node, msg)
         if kind == "stalled":
             return self._on_stalled(now, node, msg)
         if kind == "failed":
@@ -191,6 +198,8 @@ class Policy(Recovering):
                         self.view.job_id)
             return []
         if kind == "step":
+            if msg["step"] <= self.metrics_through:  # re-sent after a controller restart: logged already
+                return []
             return self._on_step(now, node, msg)
         if kind == "finished":
             self.finished[msg["rank"]] = msg
@@ -209,6 +218,8 @@ class Policy(Recovering):
             return []
         if kind == "prepared":
             role = "joiner" if node == m.joiner else ("leaver" if msg["rank"] in m.leaver_ranks else "stayer")
+            if (msg["rank"], role) in m.prepared:  # re-sent after a controller restart
+                return []
             m.prepared.add((msg["rank"], role))
             actions = [self._timeline(m, now, "rank_prepared", rank=msg["rank"], role=role, seconds=msg["seconds"],
                                       groups=msg["groups"], detail=msg["detail"])]
@@ -219,6 +230,8 @@ class Policy(Recovering):
         if kind == "prepare_failed":
             return self._abort(now, m, f"rank {msg['rank']} on {node}: {msg['error']}")
         if kind == "switched":
+            if (msg["rank"], msg["role"]) in m.switched:  # re-sent after a controller restart
+                return []
             if m.phase is Phase.PREPARING:  # ranks can switch before every 'prepared' has arrived
                 m.to(Phase.SWITCHING, now)
             m.switched[(msg["rank"], msg["role"])] = msg
@@ -230,13 +243,7 @@ class Policy(Recovering):
                 self.view.rank_node[msg["rank"]] = m.joiner
                 self.view.standbys.pop(m.joiner, None)
                 actions.append(self._timeline(m, now, "joined", rank=msg["rank"], step=msg["step"], detail=msg["detail"]))
-            if set(m.switched) >= m.expected and m.phase is Phase.SWITCHING:
-                m.to(Phase.RELEASING, now)
-                actions.append(self._timeline(m, now, "switched", step=m.switch_step))
-                if m.leaver_exited:
-                    actions.append(ReleaseNode(m.leaver))
-                actions += self._maybe_acquire(now)
-            return actions
+            return actions + self._maybe_released(now, m)
         return []
 
     def _abort(self, now: float, m: Migration, reason: str, retry: bool = True) -> list:
@@ -390,6 +397,8 @@ class Policy(Recovering):
         return [self._timeline(m, now, "released" if ok else "kept", note=message, downtime_s=m.downtime_s)] + self._dispatch(now)
 
     def on_tick(self, now: float) -> list:
+        if self.resuming is not None:  # nothing is decided before every rank has said where it is
+            return self._resume_tick(now)
         actions = self._recovery_tick(now)
         m = self.active()
         if m and m.phase is Phase.PREPARING and now - m.times["preparing"] > self.cfg.phase1_timeout_s:
@@ -423,4 +432,5 @@ class Policy(Recovering):
             "migrations": [m.to_json() for m in self.migrations],
             "straggler": self.straggler,
             "finished": self.done,
+            "controller": {"restarts": self.restarts, "resuming": self.resuming is not None},
         }

@@ -41,5 +41,23 @@ class RunFiles:
             f.close()
 
 
+def trim_torn(path: Path) -> int:
+    """Cut a line the writer died inside of (no newline at the end). Returns the `step` of the
+    last complete line (metrics.jsonl: the last step logged), 0 if none or no such field."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        return 0
+    if data and not data.endswith(b"\n"):
+        data = data[:data.rfind(b"\n") + 1]
+        with open(path, "r+b") as f:
+            f.truncate(len(data))
+    lines = data.splitlines()
+    try:
+        return int(json.loads(lines[-1]).get("step", 0)) if lines else 0
+    except (ValueError, AttributeError):
+        return 0
+
+
 def run_dir(work_dir: str, job_id: int | str) -> Path:
     return Path(work_dir) / "runs" / str(job_id)

@@ -27,6 +27,7 @@ class WorkerSpec:
     group_timeout_s: float = 60.0   # deadline of every collective and rendezvous
     switch_timeout_s: float = 60.0  # joiner: longest wait for the leaver's state
     recovery_timeout_s: float = 120.0  # a stalled rank's longest wait for the controller's recovery plan
+    reconnect_timeout_s: float = 60.0  # controller lost: how long to try reaching its successor
     shadow_steps: int = 6          # most shadow steps to reach a steady collective sequence
     inject: tuple[str, ...] = ()    # fault injection, see trainmover.config.INJECTIONS
     record_iterations: int = 3      # iterations whose collectives the recording rank records (0: none)

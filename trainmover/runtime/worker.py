@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ from trainmover.control import channel
 from trainmover.control.messages import make
 from trainmover.errors import DeadlineExceeded, MigrationError, TrainMoverError
 from trainmover.runtime import boundary, phase1, recovery, rng, transfer
+from trainmover.runtime.link import Link
 from trainmover.runtime.groups import Revoked, SandboxBackend, SwappableGroup, gloo_group
 from trainmover.runtime.plan import GroupSpec, delta
 from trainmover.runtime.spec import WorkerSpec
@@ -35,6 +37,8 @@ log = logging.getLogger("trainmover.worker")
 
 
 CONTROL = "tm-control"
+RESEND_STEPS = 2048  # step reports kept for a restarted controller (its metrics rows of the gap)
+RESEND_KINDS = ("recorded", "ready", "prepared", "prepare_failed", "switched", "stalled", "finished")
 RETIRE_AFTER = 3  # steps between a switch and the release of the replaced communicators
 REWARM_POLL_S = 1.0  # an idle standby looks for a newer recording version this often
 TRACE_STEPS = 2 if os.environ.get("TM_TRACE_SWITCH") else 0  # log timings of the steps after a switch
@@ -63,13 +67,18 @@ class Agent:
             torch.cuda.set_device(local_index % torch.cuda.device_count())
         self.store = dist.TCPStore(spec.store[0], spec.store[1], is_master=False,
                                    timeout=self.timeout, wait_for_workers=False)
-        key = channel.read_secret(spec.secret_file)
-        self.conn = channel.connect(tuple(spec.controller), key,
-                                    make("hello", role=spec.role, node=spec.node,
-                                         ranks=[] if self.rank is None else [self.rank], pid=os.getpid()),
-                                    timeout=spec.group_timeout_s)
-        self.inbox: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, name="tm-inbox", daemon=True).start()
+        # what a restarted controller is told (see resync_messages)
+        self.state = "training" if self.role == "worker" else "starting"
+        self.joining = 0        # a standby: the epoch it is joining
+        self.switched_epoch = 0  # the epoch of this process's last switch
+        self.last_sent: dict[str, dict] = {}
+        self.step_reports: deque = deque(maxlen=RESEND_STEPS)
+        self.pending: phase1.Prepared | None = None
+        self.completed = 0     # steps whose updates this rank's state holds
+        self.link = Link(tuple(spec.controller), channel.read_secret(spec.secret_file), self._hello,
+                         self.resync_messages, self._on_control, connect_timeout=spec.group_timeout_s,
+                         reconnect_timeout=spec.reconnect_timeout_s, on_gone=self._controller_gone)
+        self.inbox: queue.Queue = self.link.inbox
         self.workload = workloads.load(spec.workload, spec.workload_options)
         self.specs = self.workload.group_specs(spec.world_size)
         names = {g.name for g in self.specs}
@@ -78,32 +87,49 @@ class Agent:
         # The per-step agreement runs on its own CPU group: 8 bytes over gloo cost no GPU sync.
         self.specs.append(GroupSpec(CONTROL, tuple(range(spec.world_size))))
         self.groups: dict[str, SwappableGroup] = {}
-        self.pending: phase1.Prepared | None = None
         self.reported: set[tuple[int, str]] = set()
         self.retired: list = []  # old backends: released off the critical path (see retire)
         self.trace_steps = 0
         self.recorder = None  # the recording rank's recorder (trainmover.sandbox.live)
         self.replayed = 0  # a standby: the latest recording version it warmed on
         self.shadow_step: int | None = None  # step its shadow steps replay (the latest recorded one)
-        self.completed = 0     # steps whose updates this rank's state holds
         self.slow, self.pure_s = 0.0, 0.0
 
     # --- control channel -------------------------------------------------------------
-    def _read(self):
-        try:
-            while True:
-                msg = self.conn.framer.recv()
-                if msg is None:
-                    break
-                if msg["type"] == "revoke":  # now, not at the next step: the main thread may be stuck
-                    self._revoke(msg)
-                self.inbox.put(msg)
-        except (OSError, TrainMoverError) as exc:
-            log.error("control channel lost: %s", exc)
+    def _hello(self) -> dict:
+        return make("hello", role=self.role, node=self.spec.node, ranks=[] if self.rank is None else [self.rank],
+                    pid=os.getpid())
+
+    def _on_control(self, msg: dict) -> None:
+        if msg["type"] == "revoke":  # now, not at the next step: the main thread may be stuck
+            self._revoke(msg)
+
+    def _controller_gone(self) -> None:
         if self.role == "standby":  # nobody can call on an idle standby any more: free the node now
-            log.info("controller closed the channel; standby exits")
+            log.info("controller gone for good; standby exits")
             _exit_now(0)
-        self.inbox.put(None)
+
+    def resync_messages(self) -> list[dict]:
+        """What a restarted controller needs, sent right after `hello` (see controller/resume.py):
+        where this process is, its recent step reports (the controller skips those it logged)
+        and the last message of each kind that changes the controller's view."""
+        prep = self.pending
+        pending = self.joining or (prep.epoch if prep is not None else 0)
+        out = [make("resync", node=self.spec.node, ranks=[] if self.rank is None else [self.rank], role=self.role,
+                    step=self.completed, pending=pending, switched=self.switched_epoch, state=self.state)]
+        out += list(self.step_reports)
+        for kind in RESEND_KINDS:
+            msg = self.last_sent.get(kind)
+            if msg is None:
+                continue
+            if kind in ("prepared", "prepare_failed") and msg["epoch"] != pending:
+                continue
+            if kind == "stalled" and self.state != "stalled":
+                continue
+            if kind == "ready" and self.state != "ready":
+                continue
+            out.append(msg)
+        return out
 
     def _revoke(self, msg: dict) -> None:
         failed = set(msg["failed"])
@@ -149,10 +175,18 @@ class Agent:
                 threading.Thread(target=comm.abort, name="tm-retire", daemon=True).start()
 
     def send(self, kind: str, **fields):
-        try:
-            self.conn.send(make(kind, **fields))
-        except OSError as exc:  # the controller is gone: training goes on, it cannot migrate
-            log.warning("cannot reach the controller (%s); %s not sent", exc, kind)
+        """To the controller, if reachable; training goes on either way (a restarted
+        controller gets what it needs in the resync)."""
+        msg = make(kind, **fields)
+        if kind == "step":
+            self.step_reports.append(msg)
+        elif kind in RESEND_KINDS:
+            self.last_sent[kind] = msg
+        if kind == "ready":
+            self.state = "ready"
+        elif kind == "warming":
+            self.state = "warming"
+        self.link.send(msg)
 
     # --- groups ------------------------------------------------------------------------
     def build_backend(self, name: str, prefix: str, grank: int, size: int):
@@ -376,7 +410,7 @@ class Agent:
         backends, report = recovery.rebuild(self, msg, "joiner")
         for name, backend in backends.items():
             self.retire(self.groups[name].swap(backend), msg["step"])
-        self.role = "worker"
+        self.role, self.state, self.switched_epoch = "worker", "training", msg["epoch"]
         self.send("switched", epoch=msg["epoch"], rank=rank, role="joiner", step=msg["step"], t=time.time(),
                   detail={**report, "rebind_s": rebind_s, "seconds": time.perf_counter() - t0, **self.memory()})
         log.info("took failed rank %d at step %d in %.3fs", rank, msg["step"], time.perf_counter() - t0)
@@ -387,6 +421,13 @@ class Agent:
         """Take a leaver's slot. Returns the step to continue from, or None if the
         migration was cancelled (the agent then stays a standby)."""
         epoch = msg["epoch"]
+        self.joining, self.state = epoch, "joining"
+        try:
+            return self._join(msg, epoch)
+        finally:
+            self.joining = 0
+
+    def _join(self, msg: dict, epoch: int) -> int | None:
         rank = int(msg["assign"][str(self.local)])
         leaver = rank
         # Off the critical path: rebuild groups with the rank we now know, rebind the workload,
@@ -434,7 +475,7 @@ class Agent:
         # The transfer pair is done too; dropping its last reference here would abort the
         # communicator synchronously, inside the pause (measured: 0.5 s on an H200).
         self.retire(prep.xfer, int(state["step"]))
-        self.rank, self.role = rank, "worker"
+        self.rank, self.role, self.state, self.switched_epoch = rank, "worker", "training", epoch
         self.send("switched", epoch=epoch, rank=rank, role="joiner", step=int(state["step"]), t=time.time(),
                   detail={"recv_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
                           "apply_s": time.perf_counter() - t_switch, "prepare_s": prep.seconds,
@@ -464,6 +505,7 @@ class Agent:
                 continue
             if step < 0:
                 return 0  # this rank left the job (planned migration)
+        self.state = "finished"
         self.send("finished", rank=self.rank, step=step, digest=self.digest(), loss=loss)
         return 0
 
@@ -512,6 +554,7 @@ class Agent:
             for name, backend in prep.backends.items():
                 self.retire(self.groups[name].swap(backend), step)
             self.pending = None
+            self.switched_epoch = prep.epoch
             self.trace_steps = TRACE_STEPS
             self._trace("stayer swapped")
             self.send("switched", epoch=prep.epoch, rank=self.rank, role="stayer", step=step, t=time.time(),
@@ -544,15 +587,18 @@ class Agent:
         log.warning("rank %d stalled after %d steps: %s", self.rank, completed, str(exc)[:300])
         if self.pending is not None:  # a planned migration in flight is void: its groups hold the lost rank
             self._on_abort({"epoch": self.pending.epoch, "reason": "unexpected failure"})
+        self.state = "stalled"
         self.send("stalled", rank=self.rank, step=completed, digest=self.digest(), error=str(exc)[:500],
                   role="stayer")
         msg = self._wait_recover(exc)
+        self.state = "training"
         if completed < msg["step"] and self.rank not in msg["needers"]:
             raise MigrationError(f"recovery plan resumes at step {msg['step']} but this rank has completed "
                                  f"{completed} and gets no state", phase="recover", rank=self.rank)
         backends, report = recovery.rebuild(self, msg, "stayer")
         for name, backend in backends.items():
             self.retire(self.groups[name].swap(backend), msg["step"])
+        self.switched_epoch = msg["epoch"]
         self.send("switched", epoch=msg["epoch"], rank=self.rank, role="stayer", step=msg["step"], t=time.time(),
                   detail={**report, "redo_from": completed})
         self.trace_steps = TRACE_STEPS
@@ -613,6 +659,7 @@ class Agent:
         if "die-in-copy" in self.spec.inject:  # fault injection: the state must come from a replica
             os.kill(os.getpid(), signal.SIGKILL)
         stats = transfer.send_verified(state, prep.xfer, dst=1, corrupt="corrupt-transfer" in self.spec.inject)
+        self.pending, self.state, self.switched_epoch = None, "left", prep.epoch
         self.send("switched", epoch=prep.epoch, rank=self.rank, role="leaver", step=step, t=time.time(),
                   detail={"send_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
                           "tensors": stats.tensors})
@@ -636,7 +683,8 @@ def main() -> int:
         return 1
     finally:
         if agent is not None:
-            agent.conn.close()
+            agent.link.flush()
+            agent.link.close()
 
 
 def _forget_compiled(node: str) -> None:

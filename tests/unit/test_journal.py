@@ -1,0 +1,185 @@
+"""The controller's journal and a restarted controller's resolution of what was in flight.
+Pure: records folded in memory, a fake clock, the policy driven with messages; no processes."""
+import json
+
+import pytest
+
+from tests.unit.test_policy import Node, new_policy, ready_standby, sends
+from trainmover.config import Config
+from trainmover.control.messages import make
+from trainmover.controller import journal
+from trainmover.controller.actions import Finish, Record, ReleaseNode
+from trainmover.controller.journal import Journal, JournalError, fold
+from trainmover.controller.migration import Phase
+from trainmover.controller.supervisor import restart_decision
+
+
+class Writer:
+    """The executor's journaling, in memory: diff of the durable view after each decision."""
+
+    def __init__(self, p):
+        self.p, self.lines, self.seq = p, [], 0
+        self.durable = p.durable()
+        self.lines.append(self._line({"kind": "start", "job_id": 7, "world_size": 3, "ranks_per_node": 1,
+                                      "batch_host": "train1",
+                                      "rank_node": {str(r): n for r, n in p.view.rank_node.items()}}))
+
+    def _line(self, rec):
+        self.seq += 1
+        return json.dumps({"v": 1, "seq": self.seq, "t": 0.0, **rec}) + "\n"
+
+    def __call__(self, actions=None):
+        now = self.p.durable()
+        self.lines += [self._line(r) for r in journal.diff(self.durable, now)]
+        self.durable = now
+        return actions
+
+
+def preparing(tmp_path=None):
+    """A job with a migration of train2 -> spare1 whose prepare was just decided (epoch 1)."""
+    p = new_policy()
+    w = Writer(p)
+    w(ready_standby(p))
+    w(p.on_nodes(10.0, {"train2": Node("ALLOCATED+DRAIN")}))
+    return p, w
+
+
+def resync(node, ranks, role="worker", step=50, pending=0, switched=0, state="training"):
+    return make("resync", node=node, ranks=ranks, role=role, step=step, pending=pending, switched=switched, state=state)
+
+
+def restarted(w, now=20.0, **cfg):
+    p = new_policy(**cfg)
+    acts = p.resume(now, fold(w.lines), metrics_through=45)
+    return p, acts
+
+
+# --- the journal itself -------------------------------------------------------------------
+def test_replay_rebuilds_the_view_and_the_migration_in_flight():
+    p, w = preparing()
+    j = fold(w.lines)
+    assert j.world_size == 3 and j.rank_node == {0: "train1", 1: "train2", 2: "train3"}
+    assert j.standbys == {"spare1": "joining"} and j.epoch == 1
+    (m,) = j.migrations.values()
+    assert (m["phase"], m["epoch"], m["leaver"], m["joiner"]) == ("preparing", 1, "train2", "spare1")
+
+
+def test_a_torn_last_line_is_dropped_a_corrupt_middle_line_is_an_error():
+    p, w = preparing()
+    torn = w.lines + ['{"v": 1, "seq": 99, "kind": "migra']
+    j = fold(torn)
+    assert j.torn_tail and j.records == len(w.lines)
+    bad = w.lines[:2] + ['{"v": 1, "kind": \n'] + w.lines[2:]
+    with pytest.raises(JournalError, match="line 3 is corrupt"):
+        fold(bad)
+
+
+def test_records_are_validated():
+    with pytest.raises(JournalError, match="version 2"):
+        fold(['{"v": 2, "kind": "start"}\n'])
+    with pytest.raises(JournalError, match="unknown kind"):
+        fold(['{"v": 1, "kind": "teleport"}\n'])
+    with pytest.raises(JournalError, match="'epoch' missing or malformed"):
+        fold(['{"v": 1, "kind": "migration", "m": {"id": 1, "leaver": "a", "leaver_ranks": [1], "trigger": "drain",'
+              ' "requested_at": 1.0, "joiner": "", "phase": "requested", "times": {}}}\n'])
+    with pytest.raises(JournalError, match="no start record"):
+        fold(['{"v": 1, "kind": "restart", "attempt": 1}\n'])
+
+
+def test_the_writer_fsyncs_appends_and_cuts_a_torn_tail(tmp_path):
+    path = tmp_path / "journal.jsonl"
+    p, w = preparing()
+    path.write_text("".join(w.lines) + '{"v": 1, "ki')
+    jn = Journal(path, seq=fold(path.read_text().splitlines(keepends=True)).seq)
+    jn.write(1.0, [{"kind": "restart", "attempt": 1}])
+    jn.close()
+    j = journal.read(path)
+    assert not j.torn_tail and j.restarts == 1 and j.seq == len(w.lines) + 1
+
+
+# --- resolution of a migration in flight ----------------------------------------------------
+def test_switched_while_the_controller_was_down_is_completed():
+    _, w = preparing()
+    p, acts = restarted(w)
+    assert any(isinstance(a, Record) and a.payload["event"] == "controller_resumed" for a in acts)
+    assert p.status()["controller"] == {"restarts": 1, "resuming": True}
+    assert p.on_tick(21.0) == []  # nothing is decided before the ranks have said where they are
+    p.on_message(21.0, "train1", resync("train1", [0], switched=1))
+    p.on_message(21.0, "train3", resync("train3", [2], switched=1))
+    acts = p.on_message(21.1, "spare1", resync("spare1", [1], switched=1))  # the joiner holds rank 1
+    m = p.migrations[0]
+    assert p.resuming is None and m.phase is Phase.SWITCHING
+    assert any(isinstance(a, Record) and a.payload.get("resolution") == "completed" for a in acts)
+    for rank, node, role in ((0, "train1", "stayer"), (2, "train3", "stayer"), (1, "spare1", "joiner")):
+        acts = p.on_message(21.2, node, {"type": "switched", "epoch": 1, "rank": rank, "role": role, "step": 50,
+                                         "t": 21.2, "detail": {}})
+    assert m.phase is Phase.RELEASING and p.view.rank_node[1] == "spare1"
+    assert p.on_step_exit(22.0, "train2", 0) == [ReleaseNode("train2")]  # the adopted leaver step ended
+    # a re-sent message changes nothing
+    assert p.on_message(22.1, "train1", {"type": "switched", "epoch": 1, "rank": 0, "role": "stayer", "step": 50,
+                                         "t": 21.2, "detail": {}}) == []
+
+
+def test_nobody_prepared_the_epoch_so_it_is_aborted_and_asked_again():
+    _, w = preparing()  # the controller died after journaling the prepare, before sending it
+    p, _ = restarted(w)
+    p.on_message(21.0, "train1", resync("train1", [0]))
+    p.on_message(21.0, "train2", resync("train2", [1]))
+    p.on_message(21.0, "train3", resync("train3", [2]))
+    acts = p.on_message(21.1, "spare1", resync("spare1", [], role="standby", state="ready"))
+    (abort,) = sends(acts, "abort")
+    assert abort.msg["epoch"] == 1 and "spare1" in abort.nodes
+    first, again = p.migrations
+    assert first.phase is Phase.ABORTED and "before the switch of epoch 1" in first.note
+    # the joiner never saw epoch 1 and is warm: the retry starts at once, with a new epoch
+    (to_stayers, to_joiner) = sends(acts, "prepare")
+    assert again.phase is Phase.PREPARING and again.epoch == 2 and to_joiner.msg["assign"] == {"0": 1}
+
+
+def test_every_rank_still_holds_the_epoch_so_it_goes_on():
+    _, w = preparing()
+    p, _ = restarted(w)
+    for rank, node in ((0, "train1"), (1, "train2"), (2, "train3")):
+        p.on_message(21.0, node, resync(node, [rank], pending=1))
+    acts = p.on_message(21.0, "spare1", resync("spare1", [], role="standby", pending=1, state="joining"))
+    assert not sends(acts, "abort") and p.migrations[0].phase is Phase.PREPARING
+    for rank, node in ((0, "train1"), (2, "train3"), (1, "train2"), (1, "spare1")):
+        p.on_message(21.2, node, {"type": "prepared", "epoch": 1, "rank": rank, "groups": ["world"],
+                                  "seconds": 0.1, "detail": {}})
+    assert p.migrations[0].phase is Phase.SWITCHING
+
+
+def test_a_rank_that_never_reconnects_stops_the_job_at_the_deadline():
+    _, w = preparing()
+    p, _ = restarted(w, reconnect_timeout_s=30.0)
+    p.on_message(21.0, "train1", resync("train1", [0]))
+    assert p.on_tick(49.0) == []
+    (stop,) = p.on_tick(51.0)
+    assert isinstance(stop, Finish) and not stop.ok and "ranks [1, 2] did not reconnect within 30s" in stop.message
+
+
+def test_step_reports_already_logged_are_skipped_after_a_restart():
+    _, w = preparing()
+    p, _ = restarted(w)
+    step = {"type": "step", "rank": 0, "step": 45, "loss": 1.0, "step_s": 0.1, "compute_s": 0.05, "t": 1.0}
+    assert p.on_message(21.0, "train1", step) == [] and 45 not in p.rows
+    p.on_message(21.0, "train1", {**step, "step": 46})
+    assert 46 in p.rows
+
+
+def test_a_recovery_in_flight_is_not_resumed():
+    p = new_policy()
+    w = Writer(p)
+    w(ready_standby(p))
+    w(p.on_peer_gone(10.0, "train2"))
+    p2, acts = restarted(w)
+    (stop,) = [a for a in acts if isinstance(a, Finish)]
+    assert not stop.ok and "recovery in flight is not resumed" in stop.message
+
+
+# --- the supervisor ----------------------------------------------------------------------------
+@pytest.mark.parametrize("code, restarts, again", [(0, 0, False), (1, 0, False), (2, 0, False), (-9, 0, True),
+                                                   (70, 2, True), (-9, 3, False)])
+def test_restart_decision(code, restarts, again):
+    assert restart_decision(code, restarts, 3, stopping=False)[0] is again
+    assert restart_decision(-15, 0, 3, stopping=True) == (False, "the job is being stopped")

@@ -1,0 +1,70 @@
+"""A rank's control link across a controller's death: real sockets on loopback, no processes.
+The listening socket outlives the 'controller' (as the supervisor's does)."""
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from trainmover.control import channel
+from trainmover.control.messages import make
+from trainmover.runtime.link import Link
+
+
+def get(server, timeout=5.0):
+    return server.inbox.get(timeout=timeout)
+
+
+def accept_one(listen, key):
+    """A controller that serves one connection and then dies (it accepts nothing more)."""
+    sock, _ = listen.accept()
+    challenge = b"c" * channel._CHALLENGE
+    sock.sendall(challenge)
+    conn = channel.Connection(channel._Framer(sock, key, challenge, is_server=True), "peer")
+    return conn, conn.framer.recv()
+
+
+def test_the_link_reconnects_and_resyncs_and_a_bye_ends_it():
+    key = channel.new_secret()
+    listen = socket.create_server(("127.0.0.1", 0), backlog=16)
+    hello = lambda: make("hello", role="worker", node="n1", ranks=[3], pid=1)  # noqa: E731
+    resync = lambda: [make("resync", node="n1", ranks=[3], role="worker", step=9, pending=0, switched=2,  # noqa: E731
+                           state="training")]
+    gone = []
+    accepted = ThreadPoolExecutor(1).submit(accept_one, listen, key)
+    link = Link(listen.getsockname(), key, hello, resync, lambda m: None, connect_timeout=5, reconnect_timeout=10,
+                on_gone=lambda: gone.append(1))
+    conn, msg = accepted.result(timeout=5)
+    assert msg["type"] == "hello"
+    # the controller dies: its connection drops without a bye; sends meanwhile are dropped, not blocking
+    conn.close()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    assert link.send(make("finished", rank=3, step=9, digest="d", loss=1.0)) is False
+    assert time.monotonic() - t0 < 0.1
+    # its successor accepts on the same socket: hello, then the resync, in this order
+    second = channel.Server("127.0.0.1", key, sock=listen)
+    kinds = []
+    while len(kinds) < 2:
+        c, m = get(second)
+        if m is not None:
+            kinds.append(m["type"])
+    assert kinds == ["hello", "resync"] and link.reconnects and link.inbox.empty()
+    assert link.send(make("step", rank=3, step=10, loss=1.0, step_s=0.1, compute_s=0.1, t=1.0))
+    assert get(second)[1]["type"] == "step"
+    c.send(make("bye", reason="training finished"))
+    assert link.inbox.get(timeout=5) is None and gone == [1]  # gone for good: no reconnection
+    link.close()
+
+
+def test_no_successor_within_the_deadline_means_gone():
+    key = channel.new_secret()
+    listen = socket.create_server(("127.0.0.1", 0), backlog=16)
+    accepted = ThreadPoolExecutor(1).submit(accept_one, listen, key)
+    link = Link(listen.getsockname(), key, lambda: make("hello", role="standby", node="s", ranks=[], pid=1),
+                lambda: [], lambda m: None, connect_timeout=5, reconnect_timeout=1.0)
+    conn, _ = accepted.result(timeout=5)
+    listen.close()
+    conn.close()
+    t0 = time.monotonic()
+    assert link.inbox.get(timeout=10) is None
+    assert time.monotonic() - t0 < 5
+    link.close()

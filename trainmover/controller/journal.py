@@ -1,0 +1,192 @@
+"""The controller's journal: its decisions, durable before they are acted upon.
+
+`runs/<job id>/journal.jsonl` on the job's shared directory (where a restarted controller,
+on whichever node, finds it). Append-only JSON lines, one fsync per decision, each record
+versioned and checked on replay:
+
+    {"v": 1, "seq": 7, "t": 1732.5, "kind": "migration", "m": {...}}
+
+kinds:
+  start      the job's initial layout (world size, ranks per node, batch host, rank -> node)
+  launch     a Slurm step the controller started (node, role, ranks, pid of its srun)
+  view       what changed of the controller's view: rank -> node, standbys, released, epoch
+  migration  a migration's record after a change (phase, epoch, leaver, joiner, times ...)
+  restart    a controller took over from a dead one (attempt number)
+
+Replay folds the records into a `Replayed` value (pure). A torn last line (the controller
+died inside a write) is dropped with a warning; any other bad line is a `JournalError`:
+a journal that lies in its middle must not be guessed around.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainmover.errors import TrainMoverError
+
+log = logging.getLogger("trainmover.journal")
+
+VERSION = 1
+KINDS = {"start", "launch", "view", "migration", "restart"}
+_REQUIRED = {
+    "start": {"job_id": int, "world_size": int, "ranks_per_node": int, "batch_host": str, "rank_node": dict},
+    "launch": {"node": str, "role": str, "ranks": list, "pid": int},
+    "view": {},
+    "migration": {"m": dict},
+    "restart": {"attempt": int},
+}
+_MIGRATION_FIELDS = {"id": int, "leaver": str, "leaver_ranks": list, "trigger": str, "requested_at": (int, float),
+                     "epoch": int, "joiner": str, "phase": str, "times": dict}
+
+
+class JournalError(TrainMoverError):
+    pass
+
+
+@dataclass
+class Replayed:
+    """The controller's view as its journal last recorded it."""
+    job_id: int = 0
+    world_size: int = 0
+    ranks_per_node: int = 0
+    batch_host: str = ""
+    rank_node: dict[int, str] = field(default_factory=dict)
+    standbys: dict[str, str] = field(default_factory=dict)     # node -> state
+    released: list[str] = field(default_factory=list)
+    epoch: int = 0
+    migrations: dict[int, dict] = field(default_factory=dict)  # id -> last record
+    steps: dict[str, dict] = field(default_factory=dict)       # node -> last launch record
+    restarts: int = 0
+    records: int = 0
+    seq: int = 0              # the last record's sequence number
+    torn_tail: bool = False
+
+
+def _check(n: int, rec: object) -> dict:
+    where = f"journal line {n}"
+    if not isinstance(rec, dict):
+        raise JournalError(f"{where}: not a JSON object")
+    if rec.get("v") != VERSION:
+        raise JournalError(f"{where}: version {rec.get('v')!r}, this controller reads version {VERSION}")
+    kind = rec.get("kind")
+    if kind not in KINDS:
+        raise JournalError(f"{where}: unknown kind {kind!r}")
+    for name, typ in _REQUIRED[kind].items():
+        if not isinstance(rec.get(name), typ) or isinstance(rec.get(name), bool):
+            raise JournalError(f"{where} ({kind}): field {name!r} missing or not {typ.__name__}")
+    if kind == "migration":
+        for name, typ in _MIGRATION_FIELDS.items():
+            if not isinstance(rec["m"].get(name), typ):
+                raise JournalError(f"{where} (migration): field {name!r} missing or malformed")
+    return rec
+
+
+def fold(lines: list[str]) -> Replayed:
+    """The view recorded by `lines` (the journal's text split at newlines). Pure."""
+    out = Replayed()
+    complete = lines[:-1] if lines and not lines[-1].endswith("\n") else lines
+    if len(complete) < len(lines):
+        out.torn_tail = True  # the writer died inside its last write: that decision was never acted on
+    for n, line in enumerate(complete, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = _check(n, json.loads(line))
+        except ValueError as exc:
+            raise JournalError(f"journal line {n} is corrupt ({exc}); it is not the last line, so it is not "
+                               "a write cut short by a crash: refusing to guess the job's state") from None
+        out.records += 1
+        out.seq = int(rec.get("seq", out.seq))
+        kind = rec["kind"]
+        if kind == "start":
+            out.job_id, out.world_size, out.ranks_per_node = rec["job_id"], rec["world_size"], rec["ranks_per_node"]
+            out.batch_host = rec["batch_host"]
+            out.rank_node = {int(r): node for r, node in rec["rank_node"].items()}
+        elif kind == "launch":
+            out.steps[rec["node"]] = rec
+        elif kind == "view":
+            out.rank_node.update({int(r): node for r, node in rec.get("ranks", {}).items()})
+            if "standbys" in rec:
+                out.standbys = dict(rec["standbys"])
+            if "released" in rec:
+                out.released = list(rec["released"])
+            if "epoch" in rec:
+                out.epoch = int(rec["epoch"])
+        elif kind == "migration":
+            out.migrations[rec["m"]["id"]] = rec["m"]
+        elif kind == "restart":
+            out.restarts = rec["attempt"]
+    if out.records and not out.world_size:
+        raise JournalError("journal has no start record: it was not written by a TrainMover controller")
+    return out
+
+
+def read(path: Path) -> Replayed:
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise JournalError(f"no journal at {path}: nothing to resume") from None
+    out = fold(text.splitlines(keepends=True))
+    if out.torn_tail:
+        log.warning("journal %s ends in a torn line (a write cut short): ignored", path)
+    return out
+
+
+def diff(before: dict, after: dict) -> list[dict]:
+    """Records (without v/seq/t) that turn durable view `before` into `after`.
+
+    A durable view: {"rank_node": {rank: node}, "standbys": {node: state}, "released": [...],
+    "epoch": n, "migrations": {id: record}} (see Policy.durable). Pure."""
+    out = []
+    view: dict = {}
+    ranks = {str(r): n for r, n in after["rank_node"].items() if before.get("rank_node", {}).get(r) != n}
+    if ranks:
+        view["ranks"] = ranks
+    for key in ("standbys", "released", "epoch"):
+        if before.get(key) != after[key]:
+            view[key] = after[key]
+    if view:
+        out.append({"kind": "view", **view})
+    old = before.get("migrations", {})
+    for mid, m in after["migrations"].items():
+        if old.get(mid) != m:
+            out.append({"kind": "migration", "m": m})
+    return out
+
+
+class Journal:
+    """The writer: append, flush and fsync per decision (a batch of records)."""
+
+    def __init__(self, path: Path, seq: int = 0):
+        self.path = Path(path)
+        self.seq = seq
+        self._trim_torn_tail()
+        self.f = open(self.path, "a", encoding="utf-8")
+
+    def _trim_torn_tail(self) -> None:
+        """Cut a torn last line, so that the next record starts on a line of its own."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return
+        if data and not data.endswith(b"\n"):
+            with open(self.path, "r+b") as f:
+                f.truncate(data.rfind(b"\n") + 1)
+
+    def write(self, now: float, records: list[dict]) -> None:
+        if not records:
+            return
+        lines = []
+        for r in records:
+            self.seq += 1
+            lines.append(json.dumps({"v": VERSION, "seq": self.seq, "t": round(now, 6), **r}, sort_keys=True,
+                                    separators=(",", ":")) + "\n")
+        self.f.write("".join(lines))
+        self.f.flush()
+        os.fsync(self.f.fileno())
+
+    def close(self) -> None:
+        self.f.close()

@@ -1,0 +1,142 @@
+"""A restarted controller takes the job over from its journal (pure: events in, actions out).
+
+    resume(journal) ──> every rank and standby reconnects and says where it is (`resync`)
+        └─ all ranks accounted for (or `reconnect_timeout_s` passed) ──> the migration that
+           was in flight is resolved, once, deterministically:
+
+    committed  some rank reports it switched in the migration's epoch. The boundary
+               agreement is all-or-nothing (boundary.py), so every live rank did: the
+               migration is completed (the leaver, gone, is counted as switched).
+    resumed    no rank switched, and every rank and the joiner still hold that epoch
+               prepared or preparing: it goes on as if nothing happened.
+    aborted    otherwise: some rank lacks the epoch, so its boundary vote vetoes the switch
+               for ever; `abort` makes the others drop it and the node is asked again as a
+               new migration (a new epoch), as after any failed Phase 1.
+
+A recovery from an unexpected failure in flight is not resumed: the job stops with a message
+saying so (the ranks are paused, their plan died with the controller).
+"""
+from __future__ import annotations
+
+import logging
+
+from trainmover.controller.actions import Finish, Record, ReleaseNode
+from trainmover.controller.journal import Replayed
+from trainmover.controller.migration import Migration, Phase
+
+log = logging.getLogger("trainmover.policy")
+
+
+class Resuming:
+    """Mixed into `Policy`: uses its view, migrations, standbys and timeline."""
+
+    resuming: dict | None = None
+
+    def durable(self) -> dict:
+        """What the journal keeps of the policy's view (compared after each decision)."""
+        v = self.view
+        return {"rank_node": dict(v.rank_node), "standbys": {n: s.state for n, s in v.standbys.items()},
+                "released": list(v.released), "epoch": self.epoch,
+                "migrations": {m.id: m.to_record() for m in self.migrations}}
+
+    def resume(self, now: float, j: Replayed, metrics_through: int) -> list:
+        from trainmover.controller.policy import Standby  # noqa: PLC0415 - policy imports this module
+        v = self.view
+        v.rank_node = dict(j.rank_node)
+        v.released = list(j.released)
+        v.standbys = {n: Standby(n, "joining" if state == "joining" else "starting", now)
+                      for n, state in j.standbys.items()}
+        self.epoch = j.epoch
+        self.migrations = [Migration.from_record(j.migrations[i]) for i in sorted(j.migrations)]
+        self.metrics_through = metrics_through
+        self.resuming = {"since": now, "seen": {}, "nodes": {}}
+        self.restarts = j.restarts + 1
+        flight = self.in_flight()
+        if flight is not None and not flight.recovery:  # who must report: recomputed as _dispatch did
+            flight.expected = ({(r, "stayer") for r in range(v.world_size) if r not in flight.leaver_ranks}
+                               | {(r, role) for r in flight.leaver_ranks for role in ("leaver", "joiner")})
+        log.info("resuming job %d from its journal (%d records): %d migrations, in flight: %s", v.job_id, j.records,
+                 len(self.migrations), f"migration {flight.id} epoch {flight.epoch} ({flight.phase.value})"
+                 if flight else "none")
+        actions = [Record("timeline", {"t": now, "event": "controller_resumed", "attempt": j.restarts + 1,
+                                       "in_flight": flight.id if flight else None, "migration": None})]
+        r = self.recovery()
+        if r is not None:
+            r.to(Phase.FAILED, now, "the controller restarted during this recovery")
+            self.resuming = None
+            return actions + [Finish(False, f"the controller restarted while recovering from the loss of {r.leaver} "
+                                            f"(migration {r.id}); a recovery in flight is not resumed: the job stops")]
+        return actions
+
+    def in_flight(self) -> Migration | None:
+        return next((m for m in self.migrations if m.phase in (Phase.PREPARING, Phase.SWITCHING)), None)
+
+    def on_resync(self, now: float, node: str, msg: dict) -> list:
+        if self.resuming is None:
+            return []
+        if msg["state"] == "left":  # a leaver that handed its ranks over: it speaks for none
+            return []
+        for r in msg["ranks"]:
+            self.resuming["seen"][r] = {**msg, "node": node}
+        if msg["role"] == "standby":
+            self.resuming["nodes"][node] = msg
+        return self._maybe_resolve(now)
+
+    def _maybe_resolve(self, now: float) -> list:
+        res = self.resuming
+        seen = res["seen"]
+        missing = [r for r in range(self.view.world_size) if r not in seen]
+        m = self.in_flight()
+        joiner_known = m is None or not m.joiner or m.joiner in res["nodes"] or any(
+            s["node"] == m.joiner for s in seen.values())
+        late = now - res["since"] > self.cfg.reconnect_timeout_s
+        if (missing or not joiner_known) and not late:
+            return []
+        self.resuming = None
+        waited = round(now - res["since"], 6)
+        committed = m is not None and any(s["switched"] == m.epoch for s in seen.values())
+        if missing:
+            return [Finish(False, f"ranks {missing} did not reconnect within {self.cfg.reconnect_timeout_s:.0f}s "
+                                  "after the controller restarted; the job stops")]
+        if m is None:
+            return [Record("timeline", {"t": now, "event": "controller_resynced", "migration": None,
+                                        "waited_s": waited})] + self._dispatch(now)
+        if committed:
+            return self._complete(now, m, waited)
+        holders = {r for r, s in seen.items() if s["pending"] == m.epoch}
+        joiner = res["nodes"].get(m.joiner)
+        if holders >= set(range(self.view.world_size)) and joiner is not None and joiner["pending"] == m.epoch:
+            log.info("migration %d epoch %d resumed: every rank still holds it", m.id, m.epoch)
+            return [self._timeline(m, now, "resumed", resolution="resumed", waited_s=waited)]
+        lacking = sorted(set(range(self.view.world_size)) - holders)
+        actions = [self._timeline(m, now, "resumed", resolution="aborted", waited_s=waited)]
+        actions += self._abort(now, m, f"the controller restarted before the switch of epoch {m.epoch} "
+                                       f"(not prepared on ranks {lacking[:8]}{' ...' if len(lacking) > 8 else ''}"
+                                       f"{'' if joiner and joiner['pending'] == m.epoch else ' nor on the joiner'})")
+        if joiner is not None and joiner["pending"] != m.epoch and m.joiner in self.view.standbys:
+            # the joiner never took this epoch up: it is as warm as it says
+            self.view.standbys[m.joiner].state = "ready" if joiner["state"] == "ready" else "starting"
+            actions += self._dispatch(now)
+        return actions
+
+    def _complete(self, now: float, m: Migration, waited: float) -> list:
+        log.info("migration %d epoch %d was switched while the controller was down: completed", m.id, m.epoch)
+        if m.phase is Phase.PREPARING:
+            m.to(Phase.SWITCHING, now, "switched while the controller was down")
+        for r in m.leaver_ranks:  # the leaver handed its state over and left
+            m.switched.setdefault((r, "leaver"), {"rank": r, "role": "leaver", "step": m.switch_step or 0,
+                                                  "detail": {"implied": "controller restart"}})
+        actions = [self._timeline(m, now, "resumed", resolution="completed", waited_s=waited)]
+        return actions + self._maybe_released(now, m)
+
+    def _maybe_released(self, now: float, m: Migration) -> list:
+        if set(m.switched) >= m.expected and m.phase is Phase.SWITCHING:
+            m.to(Phase.RELEASING, now)
+            out = [self._timeline(m, now, "switched", step=m.switch_step)]
+            if m.leaver_exited:
+                out.append(ReleaseNode(m.leaver))
+            return out + self._maybe_acquire(now)
+        return []
+
+    def _resume_tick(self, now: float) -> list:
+        return self._maybe_resolve(now) if self.resuming is not None else []
