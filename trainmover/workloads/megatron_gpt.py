@@ -30,6 +30,7 @@ from trainmover.workloads.base import BuildContext, Workload, load_optimizer_in_
 PRESETS = {
     # name: (layers, hidden, heads, seq_len, micro_batch, micro_batches, vocab)
     "tiny": (2, 32, 4, 16, 2, 4, 128),
+    "tiny3": (3, 32, 4, 16, 2, 4, 128),  # splits over 3 pipeline stages (CPU dry run of the GPU bench's PP3)
     "small": (4, 128, 4, 64, 4, 4, 1024),
     # GPUs: 1.28e9 parameters; bf16 + distributed optimizer over DP3 needs ~25 GB a GPU
     # (params 2 B, fp32 grads 4 B, a third of fp32 main params + Adam 12 B, per parameter).
