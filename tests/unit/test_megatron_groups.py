@@ -203,3 +203,32 @@ def test_every_group_megatron_holds_is_a_runtime_group(distributed_optimizer):
     finally:
         parallel_state.destroy_model_parallel()
         c10d.uninstall()
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny3"])
+def test_bf16_model_size_and_fp32_main_params(preset):
+    """One rank on sandboxed groups, bf16: the whole model is bf16 (the learned position
+    embedding included), `param_count` (the benchmark's model size) is exact, and the
+    optimizer state carries fp32 main params, one per model param."""
+    pytest.importorskip("megatron.core")
+    import math
+
+    from megatron.core import parallel_state
+
+    from trainmover.megatron import c10d
+    from trainmover.workloads import base as workloads
+    from trainmover.workloads.megatron_gpt import param_count
+    wl = workloads.load("megatron_gpt", {"preset": preset, "tp": 1, "pp": 1, "dp": 1, "dtype": "bf16",
+                                         "distributed_optimizer": True})
+    groups = {g.name: SwappableGroup(g.name, 0, 1, [0], SandboxBackend(0, 1)) for g in wl.group_specs(1)}
+    wl.build(workloads.BuildContext(rank=0, world_size=1, groups=groups, seed=1, options={"device": "cpu"}))
+    try:
+        assert math.isfinite(wl.train_step(0))
+        params = list(wl.stack.model.parameters())
+        assert sum(p.numel() for p in params) == param_count(preset)
+        assert {p.dtype for p in params} == {torch.bfloat16}
+        main = [t for part in wl.state_dict()["optimizer"]["main_params"] for t in part]
+        assert {t.dtype for t in main} == {torch.float32} and len(main) == len(params)
+    finally:
+        parallel_state.destroy_model_parallel()
+        c10d.uninstall()

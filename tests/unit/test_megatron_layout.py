@@ -65,6 +65,8 @@ def test_layout_that_does_not_fit_the_job_is_a_clear_error():
     ({"tp": 1, "pp": 4, "dp": 1}, "does not split over TP=1, PP=4"),
     ({"preset": "huge"}, "unknown preset"),
     ({"distributed_optimizer": "maybe"}, "expected 0/1"),
+    ({"dtype": "fp16"}, "dtype='fp16'"),
+    ({"preset": "tiny", "tp": 1, "pp": 3, "dp": 1}, "does not split over TP=1, PP=3"),
 ])
 def test_bad_workload_options(options, message):
     with pytest.raises(ConfigError, match=message):

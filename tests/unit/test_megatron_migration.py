@@ -97,6 +97,9 @@ def _train(job: Job, start: int, migrations: list[tuple[int, int]], drop: str | 
                     state["workload"].pop("optimizer")
                 elif drop == "rng_tracker":
                     state["workload"]["rng_tracker"] = job.initial_tracker
+                elif drop == "main_params":  # what a joiner would derive from the bf16 model params
+                    opt = state["workload"]["optimizer"]
+                    opt["main_params"] = [[t.to(torch.bfloat16).float() for t in part] for part in opt["main_params"]]
                 transfer.send_state(state, xfer, dst=1)
                 return ("left", job.losses)
             for name, backend in job.new_backends(d, job.rank).items():
@@ -147,14 +150,14 @@ def _joiner(index, port, options, migrations, drop, results):
         results.put((leaver, f"joiner{epoch}", None, traceback.format_exc()))
 
 
-def run_job(distributed_optimizer: bool, migrations=(), drop=None):
+def run_job(distributed_optimizer: bool, migrations=(), drop=None, dtype="fp32"):
     """Per rank: the losses of every step (whoever played the rank) and the final digest."""
     # The store's server thread starts only after the fork: a child forked while another
     # thread of this process holds a lock can hang (seen: a rank that never reached its first
     # group). Its socket listens before, so early clients are queued, not refused.
     sock = socket.create_server(("127.0.0.1", 0), backlog=64)
     port = sock.getsockname()[1]
-    options = {**LAYOUT, "distributed_optimizer": distributed_optimizer}
+    options = {**LAYOUT, "distributed_optimizer": distributed_optimizer, "dtype": dtype}
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, port, options, list(migrations), drop, results))
@@ -217,4 +220,22 @@ def test_without_a_part_of_the_state_the_run_diverges(reference, drop):
     (dropout inside tensor-parallel regions draws from it)."""
     _, ref_digests = reference[True]
     _, digests = run_job(True, [(2, LAST_STAGE)], drop=drop)
+    assert digests[LAST_STAGE] != ref_digests[LAST_STAGE]
+
+
+@pytest.fixture(scope="module")
+def bf16_reference():
+    return run_job(True, dtype="bf16")
+
+
+def test_bf16_migrations_are_bit_exact_and_need_the_fp32_main_params(bf16_reference):
+    """bf16 (the GPU configuration) with the distributed optimizer: the joiner gets the
+    leaver's fp32 main params too. Negative control: main params re-derived from the bf16
+    model params (what a joiner that did not receive them would hold) change the digest."""
+    ref_losses, ref_digests = bf16_reference
+    losses, digests = run_job(True, [(2, FIRST_STAGE), (4, LAST_STAGE)], dtype="bf16")
+    for r in range(WORLD):
+        assert losses[r] == ref_losses[r], f"rank {r}: losses differ from the uninterrupted bf16 run"
+        assert digests[r] == ref_digests[r], f"rank {r}: parameter/optimizer digest differs"
+    _, digests = run_job(True, [(2, LAST_STAGE)], drop="main_params", dtype="bf16")
     assert digests[LAST_STAGE] != ref_digests[LAST_STAGE]

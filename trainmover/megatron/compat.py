@@ -86,7 +86,7 @@ class _TorchOnCpu(types.ModuleType):
 @contextlib.contextmanager
 def _cpu_tensors_as_cuda():
     """CPU tensors answer `.type()` with their CUDA name (Megatron's dtype checks compare with
-    'torch.cuda.FloatTensor') and `.cuda()` leaves them where they are. Scoped to the
+    'torch.cuda.FloatTensor' or 'torch.cuda.BFloat16Tensor') and `.cuda()` leaves them where they are. Scoped to the
     wrapped Megatron calls only, never global."""
     original, original_cuda = torch.Tensor.type, torch.Tensor.cuda
 
@@ -141,6 +141,9 @@ def activate() -> bool:
     cls = distrib_optimizer.DistributedOptimizer
     cls._build_model_and_main_param_groups = classmethod(
         _with_cpu_tensors_as_cuda(cls._build_model_and_main_param_groups.__func__))
+    # bf16 without the distributed optimizer: the same dtype check when it makes fp32 main params
+    float16 = megatron_optimizer.Float16OptimizerWithFloat16Params
+    float16.__init__ = _with_cpu_tensors_as_cuda(float16.__init__)
     LanguageModule.setup_embeddings_and_output_layer = _with_cpu_tensors_as_cuda(  # weight.data.cuda()
         LanguageModule.setup_embeddings_and_output_layer)
     clip = _with_cpu_tensors_as_cuda(clip_grads.clip_grad_by_total_norm_fp32)

@@ -83,18 +83,33 @@ class Stack:
                            f"unexpected {sorted(state.keys() - own.keys())}")
         with torch.no_grad():  # in place: DDP's param buffer and the optimizer's views hold these
             for name, t in own.items():
-                if state[name] is not t:
-                    t.copy_(state[name])
+                _copy_unless_same(t, state[name])
 
-    def optimizer_state(self) -> list:
-        return [o.state_dict() for o in self._inner()]
+    def _main_params(self) -> list[list[torch.Tensor]]:
+        """Per inner optimizer, the fp32 main params it updates, where they are state of their
+        own: with bf16, Megatron's mixed-precision optimizers keep fp32 copies of the bf16
+        model params and round them into the model after each step. Rebuilt from the bf16
+        params on a joiner they would lose their low bits, and the run would drift from the
+        uninterrupted one. In fp32 they are the model params (or views of them): nothing to add."""
+        if not self.config.bf16:
+            return [[] for _ in self._inner()]
+        return [[p.detach() for g in o.param_groups for p in g["params"]] for o in self._inner()]
 
-    def load_optimizer_state(self, state: list, load_in_place) -> None:
-        inner = self._inner()
-        if len(state) != len(inner):
-            raise KeyError(f"optimizer state has {len(state)} parts, this rank has {len(inner)}")
-        for opt, part in zip(inner, state):
+    def optimizer_state(self) -> dict:
+        return {"inner": [o.state_dict() for o in self._inner()], "main_params": self._main_params()}
+
+    def load_optimizer_state(self, state: dict, load_in_place) -> None:
+        inner, main = self._inner(), self._main_params()
+        if len(state["inner"]) != len(inner) or [len(m) for m in state["main_params"]] != [len(m) for m in main]:
+            raise KeyError(f"optimizer state has {len(state['inner'])} parts with "
+                           f"{[len(m) for m in state['main_params']]} main params, this rank has {len(inner)} "
+                           f"with {[len(m) for m in main]}")
+        for opt, part in zip(inner, state["inner"]):
             load_in_place(opt, part)
+        with torch.no_grad():
+            for own, got in zip(main, state["main_params"]):
+                for t, g in zip(own, got):
+                    _copy_unless_same(t, g)
 
     def rng_tracker_state(self) -> dict:
         return get_cuda_rng_tracker().get_states()
@@ -103,33 +118,52 @@ class Stack:
         get_cuda_rng_tracker().set_states({k: v.clone() for k, v in state.items()})
 
 
+def _copy_unless_same(own: torch.Tensor, got: torch.Tensor) -> None:
+    """Copy `got` into `own` unless the transfer already received it there (same memory)."""
+    if got.data_ptr() != own.data_ptr() or got.device != own.device:
+        own.copy_(got)
+
+
 def build(layout: Layout, ctx, device: torch.device, *, layers: int, hidden: int, heads: int, seq: int,
-          vocab: int, lr: float, dropout: float, distributed_optimizer: bool) -> Stack:
+          vocab: int, lr: float, dropout: float, distributed_optimizer: bool,
+          dtype: torch.dtype = torch.float32) -> Stack:
     parallel.initialize(layout, ctx.rank, ctx.groups, backend="nccl" if device.type == "cuda" else "gloo")
     torch.manual_seed(ctx.seed)
     model_parallel_cuda_manual_seed(ctx.seed, force_reset_rng=True)
+    bf16 = dtype == torch.bfloat16
     config = TransformerConfig(
         num_layers=layers, hidden_size=hidden, num_attention_heads=heads, ffn_hidden_size=4 * hidden,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        pipeline_dtype=torch.float32, params_dtype=torch.float32, use_cpu_initialization=True,
+        pipeline_dtype=dtype, params_dtype=dtype, bf16=bf16,
+        # On a GPU, weights are initialised there (from Megatron's CUDA RNG tracker): a 1B model
+        # initialised on one CPU thread takes tens of seconds, on every worker and standby.
+        use_cpu_initialization=device.type != "cuda",
         hidden_dropout=dropout, attention_dropout=dropout,
-        # CPU-capable, bit-reproducible kernels only: no fused (apex/TE/CUDA) paths.
+        # Bit-reproducible kernels that need neither apex nor TransformerEngine (absent on the
+        # GPU machines too) nor a CUDA extension: no fused paths. On CUDA each of these would
+        # either import apex/TE or build a kernel with torch.compile (jit_fuser).
         gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        cross_entropy_loss_fusion=False,
         batch_p2p_comm=False,  # point-to-point ops one by one: gloo has no coalesced p2p
     )
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=vocab,
                      max_sequence_length=seq, pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute")
-    model.to(device)
+    # The dtype too: Megatron creates the learned position embedding as a plain fp32
+    # nn.Embedding; Megatron-LM casts the whole model to bf16 (Float16Module), as done here.
+    model.to(device=device, dtype=dtype)
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer,
-                                               overlap_grad_reduce=False, grad_reduce_in_fp32=False)
+                                               overlap_grad_reduce=False,
+                                               # bf16: gradients accumulate and reduce in fp32 (Megatron-LM's
+                                               # --accumulate-allreduce-grads-in-fp32, recommended with bf16)
+                                               grad_reduce_in_fp32=bf16)
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     ddp.broadcast_params()  # DP replicas start equal (they already are: same seed per TP/PP slot)
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.01, clip_grad=1.0, bf16=False, fp16=False,
-                        params_dtype=torch.float32, use_distributed_optimizer=distributed_optimizer),
+        OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.01, clip_grad=1.0, bf16=bf16, fp16=False,
+                        params_dtype=dtype, use_distributed_optimizer=distributed_optimizer),
         [ddp], use_gloo_process_groups=False)
     config.no_sync_func = ddp.no_sync
     config.finalize_model_grads_func = finalize_model_grads

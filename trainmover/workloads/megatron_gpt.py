@@ -5,13 +5,16 @@ process group is a runtime SwappableGroup (see trainmover.megatron.parallel), so
 needs no re-pointing. What a rank's future steps depend on, and therefore its state:
   * model: this rank's shard (its TP slice of its PP stage's layers);
   * optimizer: the inner torch optimizer's state, i.e. this rank's own shard with the
-    distributed optimizer (Megatron's main params are views of the model params in fp32);
+    distributed optimizer, and with bf16 the fp32 main params it updates (in fp32 they are
+    views of the model params);
   * rng_tracker: Megatron's model-parallel RNG states (dropout inside TP regions); the
     default generators are captured by the runtime;
   * data: the position in this DP rank's sample stream;
   * role: the rank's (tp, pp, dp) coordinates, checked on load: a state never lands on a
     rank of another stage or shard.
 Deterministic: weights from the seed, samples from (seed, dp rank, position).
+Options: `dtype` fp32 (default; CPU nodes) or bf16 (Megatron's mixed precision: bf16 model,
+fp32 main params and gradient reduction), `device` from the runtime (cpu or cuda).
 """
 from __future__ import annotations
 
@@ -27,8 +30,21 @@ from trainmover.workloads.base import BuildContext, Workload, load_optimizer_in_
 PRESETS = {
     # name: (layers, hidden, heads, seq_len, micro_batch, micro_batches, vocab)
     "tiny": (2, 32, 4, 16, 2, 4, 128),
+    "tiny3": (3, 32, 4, 16, 2, 4, 128),  # splits over 3 pipeline stages (CPU dry run of the GPU bench's PP3)
     "small": (4, 128, 4, 64, 4, 4, 1024),
+    # GPUs: 1.28e9 parameters; bf16 + distributed optimizer over DP3 needs ~25 GB a GPU
+    # (params 2 B, fp32 grads 4 B, a third of fp32 main params + Adam 12 B, per parameter).
+    "1b": (24, 2048, 16, 1024, 2, 4, 32768),
 }
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def param_count(preset: str) -> int:
+    """Parameters of a preset's whole model (all ranks together; embeddings tied): per layer
+    QKV, projection, two MLP matrices with biases and two layer norms; word and position
+    embeddings; the final layer norm."""
+    layers, h, _, seq, _, _, vocab = PRESETS[preset]
+    return layers * (12 * h * h + 13 * h) + vocab * h + seq * h + 2 * h
 
 
 def _flag(value) -> bool:
@@ -41,10 +57,12 @@ def _flag(value) -> bool:
 
 class MegatronGPT(Workload):
     def __init__(self, preset: str = "tiny", tp: int = 1, pp: int = 1, dp: int = 1,
-                 distributed_optimizer=False, lr: float = 1e-3, dropout: float = 0.1):
+                 distributed_optimizer=False, lr: float = 1e-3, dropout: float = 0.1, dtype: str = "fp32"):
         if preset not in PRESETS:
             raise ConfigError(f"megatron_gpt: unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-        self.preset, self.lr, self.dropout = preset, float(lr), float(dropout)
+        if dtype not in DTYPES:
+            raise ConfigError(f"megatron_gpt: dtype={dtype!r}: expected one of {sorted(DTYPES)}")
+        self.preset, self.lr, self.dropout, self.dtype = preset, float(lr), float(dropout), dtype
         self.layout = Layout(int(tp), int(pp), int(dp))
         self.distributed_optimizer = _flag(distributed_optimizer)
         layers, _, heads, _, _, micro_batches, vocab = PRESETS[preset]
@@ -67,7 +85,7 @@ class MegatronGPT(Workload):
         layers, hidden, heads, self.seq, self.micro_batch, self.micro_batches, self.vocab = PRESETS[self.preset]
         self.stack = stack.build(self.layout, ctx, self.device, layers=layers, hidden=hidden, heads=heads,
                                  seq=self.seq, vocab=self.vocab, lr=self.lr, dropout=self.dropout,
-                                 distributed_optimizer=self.distributed_optimizer)
+                                 distributed_optimizer=self.distributed_optimizer, dtype=DTYPES[self.dtype])
         self.seed, self.position = ctx.seed, 0
 
     # --- data -------------------------------------------------------------------------------

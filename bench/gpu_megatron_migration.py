@@ -1,0 +1,283 @@
+"""Planned migration of a Megatron-core GPT rank on one GPU host (issue 7), in one run:
+
+    python bench/gpu_megatron_migration.py --preset 1b --layout dp --out DIR      # GPU machine
+    python bench/gpu_megatron_migration.py --device cpu --preset tiny              # dry run (gloo)
+
+GPUs-1 training "nodes" of one GPU each and 1 standby (4 GPUs: 3 + 1), megatron_gpt in bf16
+(Megatron's local layer spec, no TransformerEngine or apex) with `--layout dp` (DP3 with the
+distributed optimizer, the default) or `--layout pp` (PP3), through the real controller,
+policy and runtime (`SingleHostAllocation`, as bench/gpu_planned_migration.py). Two jobs of
+the same number of steps, each a child process with a deadline:
+
+* ref: uninterrupted;
+* migrate: once the standby is warm and `--migrate-at` steps are done, `migrate` of the
+  leaver's GPU; the standby takes its rank (state over NCCL) and training goes on.
+
+Measured (metric names of shared/reference/bench-results.md): planned downtime from the
+controller's status (the worst stayer's pause minus a steady step), Phase 1, state bytes and
+copy time, and bit-exactness: every step's losses and the final digest of every rank's
+parameters + optimizer state (with bf16: the fp32 main params too) equal the reference's.
+Writes <out>/<scenario>.json after every stage, also when a job fails or runs out of time:
+`complete` and `errors` say what is missing. Exit code 0 only if complete.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import results_io  # noqa: E402
+from bench.gpu_planned_migration import GPU_ENV, p2p_bandwidth, summarize  # noqa: E402  (sets GPU_ENV)
+from bench.gpu_warm_joiner import gpu_names, keep_logs, read_json, read_jsonl  # noqa: E402
+
+
+# --- one job (a child process: a hung job can be killed, its files stay) ----------------------
+def run_job(spec: dict) -> int:
+    from trainmover.config import Config
+    from trainmover.control import channel
+    from trainmover.control.messages import make
+    from trainmover.controller.main import Controller
+    from trainmover.controller.single_host import SingleHostAllocation
+
+    workdir = Path(spec["workdir"])
+    workdir.mkdir(parents=True, exist_ok=True)
+    run = workdir / "run"
+    cfg = Config(run_dir=str(run), **spec["config"])
+    alloc = SingleHostAllocation(gpus=spec["gpus"], train=spec["gpus"] - 1, work_dir=str(workdir))
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    raw = {"name": spec["name"], "t_start": time.time(), "trigger": {}, "error": None}
+    ctl = Controller(cfg, job_id=1, slurm=alloc, environ=env)
+
+    def trigger():
+        """`migrate` the leaver once the standby is ready and `migrate_at` steps are done."""
+        t = raw["trigger"]
+        deadline = time.monotonic() + spec["deadline_s"]
+        try:
+            while time.monotonic() < deadline:
+                rows = read_jsonl(run / "metrics.jsonl")
+                status = read_json(run / "status.json")
+                step = rows[-1]["step"] if rows else 0
+                for s in status.get("standbys", []):
+                    t.setdefault("standby_seen", s["node"])
+                    if s["state"] == "ready" and "ready_step" not in t:
+                        t.update(ready_t=time.time(), ready_step=step, standby=s)
+                if "standby_seen" in t and "ready_step" not in t and not status.get("standbys"):
+                    log = run / f"standby-{t['standby_seen']}.log"
+                    last = log.read_text().strip().splitlines()[-1:] if log.exists() else ["(no log)"]
+                    t["error"] = f"standby on {t['standby_seen']} exited before it was ready: {last[0][-500:]}"
+                    return
+                if "ready_step" in t and step >= spec["migrate_at"]:
+                    if step >= spec["steps"] - spec["min_steps_after"]:
+                        t["error"] = (f"standby ready only at step {t['ready_step']}, too late to migrate and compare "
+                                      f"(training ends at {spec['steps']}): use more --steps")
+                        return
+                    where = read_json(run / "controller.json")
+                    t["t"], t["step"] = time.time(), step
+                    reply = channel.request((where["host"], where["port"]), channel.read_secret(str(run / "secret")),
+                                            make("migrate", node=spec["leaver"]))
+                    t["reply"] = reply["message"]
+                    return
+                time.sleep(0.05)
+            t["error"] = f"standby not ready with {spec['migrate_at']} steps done within {spec['deadline_s']:.0f}s"
+        except Exception as exc:  # noqa: BLE001 - reported in the result
+            t["error"] = f"trigger failed: {exc!r}"
+
+    if spec["migrate"]:
+        threading.Thread(target=trigger, daemon=True).start()
+    try:
+        raw["rc"] = ctl.run()
+    except Exception:  # noqa: BLE001 - reported in the result
+        raw["error"] = traceback.format_exc()[-3000:]
+    raw.update(t_end=time.time(), metrics=read_jsonl(run / "metrics.jsonl"),
+               timeline=read_jsonl(run / "timeline.jsonl"), status=read_json(run / "status.json"),
+               final=read_json(run / "final.json") or None)
+    (workdir / "raw.json").write_text(json.dumps(raw))
+    return 0 if raw["error"] is None and raw.get("rc") == 0 else 1
+
+
+def launch(spec: dict, timeout_s: float) -> tuple[dict, str | None]:
+    """Run one job in a child process in its own session (on timeout the controller and its
+    workers are killed together). Returns (raw results, salvaged if it was killed; error)."""
+    workdir = Path(spec["workdir"])
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / "job.log"
+    print(f"[{spec['name']}] deadline {timeout_s:.0f}s, log {log}", flush=True)
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, __file__, "--run-job", json.dumps(spec)], stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=max(1.0, timeout_s))
+            error = None if proc.returncode == 0 else f"job {spec['name']} exited with {proc.returncode} (see {log})"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            error = f"job {spec['name']} did not finish within {timeout_s:.0f}s: killed (see {log})"
+    raw = read_json(workdir / "raw.json")
+    if not raw:  # killed before it could write: what the controller wrote
+        run = workdir / "run"
+        raw = {"name": spec["name"], "metrics": read_jsonl(run / "metrics.jsonl"), "status": read_json(run / "status.json"),
+               "timeline": read_jsonl(run / "timeline.jsonl"), "final": read_json(run / "final.json") or None,
+               "trigger": {}, "error": None}
+    for extra in (raw.get("error"), raw.get("trigger", {}).get("error")):
+        if extra:
+            error = (error + "; " if error else "") + extra.strip().splitlines()[-1]
+    return raw, error
+
+
+def layout(kind: str, workers: int) -> dict:
+    """All training GPUs in data parallel (distributed optimizer) or in pipeline stages."""
+    return {"tp": 1, "pp": 1, "dp": workers} if kind == "dp" else {"tp": 1, "pp": workers, "dp": 1}
+
+
+def exactness(ref: dict, mig: dict) -> dict:
+    """Bit-exactness from the two jobs' own records (also when `summarize` cannot run)."""
+    ref_losses = {r["step"]: r["losses"] for r in ref.get("metrics", [])}
+    mig_losses = {r["step"]: r["losses"] for r in mig.get("metrics", [])}
+    differ = sorted(k for k in ref_losses if ref_losses[k] != mig_losses.get(k))
+    rf, mf = ref.get("final") or {}, mig.get("final") or {}
+    rank_equal = [a == b for a, b in zip(rf.get("rank_digests", []), mf.get("rank_digests", []))]
+    losses_equal = bool(ref_losses) and ref_losses.keys() == mig_losses.keys() and not differ
+    digest_equal = bool(rf.get("digest")) and rf.get("digest") == mf.get("digest")
+    return {"losses_equal": losses_equal, "first_differing_steps": differ[:5], "steps_compared": len(ref_losses),
+            "digest_equal": digest_equal, "rank_digests_equal": rank_equal,
+            "bit_exact": losses_equal and digest_equal}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="1b", help="megatron_gpt preset (CPU dry run: tiny, or tiny3 with --layout pp)")
+    ap.add_argument("--layout", choices=("dp", "pp"), default="dp",
+                    help="dp: data parallel over the training GPUs with the distributed optimizer; pp: pipeline stages")
+    ap.add_argument("--no-distributed-optimizer", action="store_true", help="dp: plain Megatron DDP optimizer")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run of the same flow over gloo")
+    ap.add_argument("--gpus", type=int, default=4, help="GPU 'nodes': all but one train, one is the standby")
+    ap.add_argument("--steps", type=int, default=80, help="steps of each job (the same for both)")
+    ap.add_argument("--migrate-at", type=int, default=20, help="earliest step of the migrate request")
+    ap.add_argument("--leaver", default="gpu1", help="the GPU 'node' to migrate (gpu0 runs the controller's batch step)")
+    ap.add_argument("--p2p", action="store_true", help="also measure plain NCCL send/recv (needs ~20 s)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
+    ap.add_argument("--work", default=None, help="scratch directory of the jobs (default: a new one under /tmp); "
+                    "their logs and run files are copied to <out>/<scenario>-logs")
+    ap.add_argument("--machine", default=os.environ.get("TM_BENCH_MACHINE", "unknown"))
+    ap.add_argument("--deadline-s", type=float, default=420.0, help="the whole run, both jobs")
+    ap.add_argument("--run-job", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.run_job:
+        return run_job(json.loads(args.run_job))
+
+    t_begin = time.monotonic()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import torch  # no CUDA context here: it would hold memory on GPU 0, next to a worker
+
+    from trainmover.workloads.megatron_gpt import param_count
+    cuda = args.device == "cuda"
+    workers = args.gpus - 1
+    lay = layout(args.layout, workers)
+    dist_opt = args.layout == "dp" and not args.no_distributed_optimizer
+    scenario = (f"planned-{'gpu' if cuda else 'cpu-dryrun'}-megatron-{args.preset}-"
+                f"{args.layout}{workers}{'-distopt' if dist_opt else ''}")
+    path = out / f"{scenario}.json"
+    result = {
+        "scenario": scenario, "machine": args.machine if cuda else "cpu-local",
+        "gpus": gpu_names() if cuda else "none", "leaver": args.leaver,
+        "commit": results_io.commit(),
+        "command": " ".join(["python", "bench/gpu_megatron_migration.py", *sys.argv[1:]]),
+        "when": results_io.now(),
+        "settings": {"model_params": None, "preset": args.preset, "workload": "megatron_gpt", **lay,
+                     "distributed_optimizer": dist_opt, "dtype": args.dtype, "workers": workers, "standbys": 1,
+                     "steps": args.steps, "migrate_at": args.migrate_at, "torch": torch.__version__,
+                     "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+                     "megatron_core": _version("megatron-core"), "env": GPU_ENV},
+        "metrics": {}, "jobs": {}, "errors": [], "complete": False,
+    }
+
+    def save():
+        result["wall_s"] = round(time.monotonic() - t_begin, 1)
+        results_io.write(path, result)
+
+    try:
+        result["settings"]["model_params"] = param_count(args.preset)
+    except KeyError:
+        result["errors"].append(f"unknown preset {args.preset!r}")
+    if workers < 2:
+        result["errors"].append(f"needs at least 3 GPUs (2 training + 1 standby), got {args.gpus}")
+    if result["errors"]:
+        save()
+        return 1
+    config = {"workload": "megatron_gpt", "model": args.preset, "device": args.device,
+              "backend": "nccl" if cuda else "gloo", **lay, "distributed_optimizer": int(dist_opt),
+              "steps": args.steps, "standbys": 1, "poll_s": 0.5, "group_timeout_s": 120, "switch_timeout_s": 120,
+              "phase1_timeout_s": 180, "release_timeout_s": 60, "shadow_steps": 6, "straggler": "off",
+              # Recorded collectives do not capture Megatron's traffic yet (docs/megatron.md): standbys
+              # warm up by shadow steps on sandboxed groups, as in sbatch_templates/megatron_gpt.sbatch.
+              "record_iterations": 0, "workload_options": f"dtype={args.dtype}"}
+    work = Path(args.work or f"/tmp/tm-megatron-migration-{time.strftime('%Y%m%d-%H%M%S')}")
+    raws = {}
+    for name in ("ref", "migrate"):
+        left = args.deadline_s - (time.monotonic() - t_begin) - 5
+        # The reference must leave the migrating job at least as much time as it took itself.
+        budget = left / 2 if name == "ref" else left
+        if budget < 20:
+            result["errors"].append(f"{name}: not run, {left:.0f}s of the deadline left")
+            continue
+        spec = {"name": name, "gpus": args.gpus, "leaver": args.leaver, "migrate": name == "migrate",
+                "migrate_at": args.migrate_at, "steps": args.steps, "min_steps_after": 5, "deadline_s": budget,
+                "workdir": str(work / name), "config": config}
+        raw, error = launch(spec, budget)
+        raws[name] = raw
+        keep_logs(Path(spec["workdir"]), out / f"{scenario}-logs" / name)
+        if error:
+            result["errors"].append(error)
+        rows = raw.get("metrics") or [{}]
+        result["jobs"][name] = {"steps_done": rows[-1].get("step"), "rc": raw.get("rc"),
+                                "wall_s": round(raw["t_end"] - raw["t_start"], 1) if raw.get("t_end") else None,
+                                "workdir": spec["workdir"], "trigger": raw.get("trigger"),
+                                "final": raw.get("final")}
+        print(f"[{name}] done: steps {rows[-1].get('step')}, errors so far {result['errors']}", flush=True)
+        save()
+
+    p2p = None
+    if cuda and args.p2p and args.deadline_s - (time.monotonic() - t_begin) > 300:  # its own waits: 180 + 60 s
+        try:
+            p2p = p2p_bandwidth()
+        except Exception as exc:  # noqa: BLE001 - reported in the result
+            result["errors"].append(f"p2p bandwidth: {exc!r}")
+    if "ref" in raws and "migrate" in raws:
+        ref, mig = raws["ref"], raws["migrate"]
+        metrics = exactness(ref, mig)
+        try:
+            metrics = {**summarize(ref, mig, p2p), **metrics}
+        except (SystemExit, Exception) as exc:  # noqa: BLE001 - what is missing goes into `errors`
+            result["errors"].append(f"summary: {exc!r}")
+        result["metrics"] = metrics
+        result["migrations"] = (mig.get("status") or {}).get("migrations")
+        if not metrics["bit_exact"]:
+            result["errors"].append(f"not bit-exact: losses_equal={metrics['losses_equal']} (first differing steps "
+                                    f"{metrics['first_differing_steps']}), digest_equal={metrics['digest_equal']}")
+    result["complete"] = not result["errors"] and result["metrics"].get("planned_downtime_s") is not None
+    save()
+    return 0 if result["complete"] else 1
+
+
+def _version(dist_name: str) -> str | None:
+    from importlib import metadata
+    try:
+        return metadata.version(dist_name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
