@@ -7,6 +7,7 @@ This is the only place of the controller with effects: Slurm calls (through
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import queue
@@ -341,9 +342,11 @@ class Controller:
                     conn, msg = self.server.inbox.get_nowait()
             except queue.Empty:
                 pass
-            status = self.policy.status()
+            # Compared as text: status() shares nested dicts with the policy (its straggler
+            # verdict is updated in place), so a kept dict would always compare equal.
+            status = json.dumps(self.policy.status(), indent=1, sort_keys=True)
             if status != last_status:
-                self.files.write("status", status)
+                self.files.write_text("status", status)
                 last_status = status
         return self.shutdown()
 

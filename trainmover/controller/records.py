@@ -15,8 +15,12 @@ from pathlib import Path
 
 
 def write_json(path: Path, obj: dict) -> None:
+    write_text(path, json.dumps(obj, indent=1, sort_keys=True))
+
+
+def write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
+    tmp.write_text(text + "\n")
     os.replace(tmp, path)  # readers never see a half-written file
 
 
@@ -31,6 +35,10 @@ class RunFiles:
 
     def write(self, name: str, obj: dict) -> None:
         write_json(self.root / f"{name}.json", obj)
+
+    def write_text(self, name: str, text: str) -> None:
+        """<name>.json from JSON text already serialised."""
+        write_text(self.root / f"{name}.json", text)
 
     @property
     def secret(self) -> Path:
