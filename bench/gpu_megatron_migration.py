@@ -25,12 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,14 +35,13 @@ sys.path.insert(0, str(ROOT))
 
 from bench import results_io  # noqa: E402
 from bench.gpu_planned_migration import GPU_ENV, p2p_bandwidth, summarize  # noqa: E402  (sets GPU_ENV)
-from bench.gpu_warm_joiner import gpu_names, keep_logs, read_json, read_jsonl  # noqa: E402
+from bench import single_host_jobs as jobs  # noqa: E402
+from bench.single_host_jobs import read_json, read_rows  # noqa: E402
 
 
 # --- one job (a child process: a hung job can be killed, its files stay) ----------------------
 def run_job(spec: dict) -> int:
     from trainmover.config import Config
-    from trainmover.control import channel
-    from trainmover.control.messages import make
     from trainmover.controller.main import Controller
     from trainmover.controller.single_host import SingleHostAllocation
 
@@ -64,28 +60,19 @@ def run_job(spec: dict) -> int:
         deadline = time.monotonic() + spec["deadline_s"]
         try:
             while time.monotonic() < deadline:
-                rows = read_jsonl(run / "metrics.jsonl")
+                rows = read_rows(run / "metrics.jsonl")
                 status = read_json(run / "status.json")
                 step = rows[-1]["step"] if rows else 0
-                for s in status.get("standbys", []):
-                    t.setdefault("standby_seen", s["node"])
-                    if s["state"] == "ready" and "ready_step" not in t:
-                        t.update(ready_t=time.time(), ready_step=step, standby=s)
-                if "standby_seen" in t and "ready_step" not in t and not status.get("standbys"):
-                    log = run / f"standby-{t['standby_seen']}.log"
-                    last = log.read_text().strip().splitlines()[-1:] if log.exists() else ["(no log)"]
-                    t["error"] = f"standby on {t['standby_seen']} exited before it was ready: {last[0][-500:]}"
+                lost = jobs.watch_standby(t, run, status, step)
+                if lost:
+                    t["error"] = lost
                     return
                 if "ready_step" in t and step >= spec["migrate_at"]:
                     if step >= spec["steps"] - spec["min_steps_after"]:
                         t["error"] = (f"standby ready only at step {t['ready_step']}, too late to migrate and compare "
                                       f"(training ends at {spec['steps']}): use more --steps")
                         return
-                    where = read_json(run / "controller.json")
-                    t["t"], t["step"] = time.time(), step
-                    reply = channel.request((where["host"], where["port"]), channel.read_secret(str(run / "secret")),
-                                            make("migrate", node=spec["leaver"]))
-                    t["reply"] = reply["message"]
+                    jobs.request_migration(t, run, spec["leaver"], step)
                     return
                 time.sleep(0.05)
             t["error"] = f"standby not ready with {spec['migrate_at']} steps done within {spec['deadline_s']:.0f}s"
@@ -94,44 +81,7 @@ def run_job(spec: dict) -> int:
 
     if spec["migrate"]:
         threading.Thread(target=trigger, daemon=True).start()
-    try:
-        raw["rc"] = ctl.run()
-    except Exception:  # noqa: BLE001 - reported in the result
-        raw["error"] = traceback.format_exc()[-3000:]
-    raw.update(t_end=time.time(), metrics=read_jsonl(run / "metrics.jsonl"),
-               timeline=read_jsonl(run / "timeline.jsonl"), status=read_json(run / "status.json"),
-               final=read_json(run / "final.json") or None)
-    (workdir / "raw.json").write_text(json.dumps(raw))
-    return 0 if raw["error"] is None and raw.get("rc") == 0 else 1
-
-
-def launch(spec: dict, timeout_s: float) -> tuple[dict, str | None]:
-    """Run one job in a child process in its own session (on timeout the controller and its
-    workers are killed together). Returns (raw results, salvaged if it was killed; error)."""
-    workdir = Path(spec["workdir"])
-    workdir.mkdir(parents=True, exist_ok=True)
-    log = workdir / "job.log"
-    print(f"[{spec['name']}] deadline {timeout_s:.0f}s, log {log}", flush=True)
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, __file__, "--run-job", json.dumps(spec)], stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            proc.wait(timeout=max(1.0, timeout_s))
-            error = None if proc.returncode == 0 else f"job {spec['name']} exited with {proc.returncode} (see {log})"
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-            error = f"job {spec['name']} did not finish within {timeout_s:.0f}s: killed (see {log})"
-    raw = read_json(workdir / "raw.json")
-    if not raw:  # killed before it could write: what the controller wrote
-        run = workdir / "run"
-        raw = {"name": spec["name"], "metrics": read_jsonl(run / "metrics.jsonl"), "status": read_json(run / "status.json"),
-               "timeline": read_jsonl(run / "timeline.jsonl"), "final": read_json(run / "final.json") or None,
-               "trigger": {}, "error": None}
-    for extra in (raw.get("error"), raw.get("trigger", {}).get("error")):
-        if extra:
-            error = (error + "; " if error else "") + extra.strip().splitlines()[-1]
-    return raw, error
+    return jobs.run_controller(ctl, run, raw, workdir / "raw.json")
 
 
 def layout(kind: str, workers: int) -> dict:
@@ -191,7 +141,7 @@ def main() -> int:
     path = out / f"{scenario}.json"
     result = {
         "scenario": scenario, "machine": args.machine if cuda else "cpu-local",
-        "gpus": gpu_names() if cuda else "none", "leaver": args.leaver,
+        "gpus": jobs.gpu_names() if cuda else "none", "leaver": args.leaver,
         "commit": results_io.commit(),
         "command": " ".join(["python", "bench/gpu_megatron_migration.py", *sys.argv[1:]]),
         "when": results_io.now(),
@@ -235,9 +185,9 @@ def main() -> int:
         spec = {"name": name, "gpus": args.gpus, "leaver": args.leaver, "migrate": name == "migrate",
                 "migrate_at": args.migrate_at, "steps": args.steps, "min_steps_after": 5, "deadline_s": budget,
                 "workdir": str(work / name), "config": config}
-        raw, error = launch(spec, budget)
+        raw, error = jobs.launch(__file__, spec, budget)
         raws[name] = raw
-        keep_logs(Path(spec["workdir"]), out / f"{scenario}-logs" / name)
+        jobs.keep_logs(Path(spec["workdir"]), out / f"{scenario}-logs" / name)
         if error:
             result["errors"].append(error)
         rows = raw.get("metrics") or [{}]

@@ -26,16 +26,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,36 +38,16 @@ sys.path.insert(0, str(ROOT))
 
 from bench import results_io  # noqa: E402
 
+from bench import single_host_jobs as jobs  # noqa: E402
 from bench.gpu_planned_migration import GPU_ENV  # noqa: E402  (also sets them in os.environ)
 
 MAX_STEPS = 1_000_000  # a job is stopped by the benchmark once measured (see _stop), or by its deadline
 TARGETS = {"first_step_ratio_max": 1.2, "stayer_throughput_ratio_min": 0.99}
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:  # a line being appended right now
-            pass
-    return rows
-
-
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 # --- one job (runs in a child process: a hung job can be killed, its files stay) -------------
 def run_job(spec: dict) -> int:
     from trainmover.config import Config
-    from trainmover.control import channel
-    from trainmover.control.messages import make
     from trainmover.controller.main import Controller
     from trainmover.controller.single_host import SingleHostAllocation
 
@@ -94,27 +69,17 @@ def run_job(spec: dict) -> int:
         deadline = time.monotonic() + spec["deadline_s"]
         try:
             while time.monotonic() < deadline:
-                rows = read_jsonl(run / "metrics.jsonl")
-                status = read_json(run / "status.json")
+                rows = jobs.read_rows(run / "metrics.jsonl")
+                status = jobs.read_json(run / "status.json")
                 step = rows[-1]["step"] if rows else 0
-                for s in status.get("standbys", []):
-                    t.setdefault("standby_seen", s["node"])
-                    if s["state"] == "ready" and "ready_t" not in t:
-                        t.update(ready_t=time.time(), ready_step=step, standby=s)
-                if "standby_seen" in t and "ready_t" not in t and not status.get("standbys"):
-                    # its agent exited before it was warm: say why now instead of at the deadline
-                    log = run / f"standby-{t['standby_seen']}.log"
-                    last = log.read_text().strip().splitlines()[-1:] if log.exists() else ["(no log)"]
-                    t["error"] = f"standby on {t['standby_seen']} exited before it was ready: {last[0][-500:]}"
+                lost = jobs.watch_standby(t, run, status, step)
+                if lost:
+                    t["error"] = lost
                     _stop(ctl)
                     return
                 if ("t" not in t and "ready_t" in t and step >= t["ready_step"] + spec["steady_steps"]
                         and step >= spec["min_step"]):
-                    where = read_json(run / "controller.json")
-                    t["t"], t["step"] = time.time(), step
-                    reply = channel.request((where["host"], where["port"]), channel.read_secret(str(run / "secret")),
-                                            make("migrate", node=spec["leaver"]))
-                    t["reply"] = reply["message"]
+                    jobs.request_migration(t, run, spec["leaver"], step)
                 migrations = status.get("migrations") or []
                 switch = migrations[0]["switch_step"] if migrations else None
                 if switch is not None and step >= switch + spec["after_steps"]:
@@ -127,15 +92,7 @@ def run_job(spec: dict) -> int:
             t["error"] = f"trigger failed: {exc!r}"
 
     threading.Thread(target=trigger, daemon=True).start()
-    try:
-        raw["rc"] = ctl.run()
-    except Exception:  # noqa: BLE001 - reported in the result
-        raw["error"] = traceback.format_exc()[-3000:]
-    raw.update(t_end=time.time(), metrics=read_jsonl(run / "metrics.jsonl"),
-               timeline=read_jsonl(run / "timeline.jsonl"), status=read_json(run / "status.json"),
-               final=read_json(run / "final.json"))
-    out.write_text(json.dumps(raw))
-    return 0 if raw["error"] is None and raw.get("rc") == 0 else 1
+    return jobs.run_controller(ctl, run, raw, out)
 
 
 def _stop(ctl) -> None:
@@ -147,44 +104,6 @@ def _stop(ctl) -> None:
     for proc in list(getattr(ctl, "steps", {}).values()):
         if proc.poll() is None:
             proc.terminate()
-
-
-def launch(spec: dict, timeout_s: float) -> tuple[dict, str | None]:
-    """Run one job in a child process (its own session: on timeout the controller and its
-    workers are killed together). Returns (raw results or {}, error)."""
-    workdir = Path(spec["workdir"])
-    workdir.mkdir(parents=True, exist_ok=True)
-    log = workdir / "job.log"
-    print(f"[{spec['name']}] deadline {timeout_s:.0f}s, log {log}", flush=True)
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, __file__, "--run-job", json.dumps(spec)], stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            proc.wait(timeout=max(1.0, timeout_s))
-            error = None if proc.returncode == 0 else f"job {spec['name']} exited with {proc.returncode} (see {log})"
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-            error = f"job {spec['name']} did not finish within {timeout_s:.0f}s: killed (see {log})"
-    raw = read_json(workdir / "raw.json")
-    if not raw:  # killed before it could write: salvage what the controller wrote
-        run = workdir / "run"
-        raw = {"name": spec["name"], "metrics": read_jsonl(run / "metrics.jsonl"), "status": read_json(run / "status.json"),
-               "timeline": read_jsonl(run / "timeline.jsonl"), "trigger": {}, "error": None}
-    if raw.get("error"):
-        error = (error + "; " if error else "") + raw["error"].strip().splitlines()[-1]
-    if raw.get("trigger", {}).get("error"):
-        error = (error + "; " if error else "") + raw["trigger"]["error"]
-    return raw, error
-
-
-def keep_logs(workdir: Path, dest: Path) -> None:
-    """Copy a job's logs and run files (not its recordings or compile caches) next to the result."""
-    dest.mkdir(parents=True, exist_ok=True)
-    for f in [workdir / "job.log", *sorted((workdir / "run").glob("*.log")), *sorted((workdir / "run").glob("*.json")),
-              *sorted((workdir / "run").glob("*.jsonl"))]:
-        if f.is_file() and f.stat().st_size <= 20 << 20:
-            shutil.copyfile(f, dest / f.name)
 
 
 # --- what one job says ------------------------------------------------------------------------
@@ -237,18 +156,6 @@ def summarize(raw: dict, spec: dict) -> dict:
     return out
 
 
-def gpu_names() -> str:
-    """'<n>x <name>' from nvidia-smi: a CUDA context in this process would hold memory on GPU 0
-    for the whole run, next to a worker."""
-    try:
-        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                               text=True, timeout=30).stdout.split("\n")
-        names = [n.strip() for n in names if n.strip()]
-        return f"{len(names)}x {names[0]}" if names else "unknown (nvidia-smi listed none)"
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"unknown ({exc})"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="125m")
@@ -278,7 +185,7 @@ def main() -> int:
     path = out / f"{scenario}.json"
     result = {
         "scenario": scenario, "machine": args.machine if args.device == "cuda" else "cpu-local",
-        "gpus": gpu_names() if args.device == "cuda" else "none",
+        "gpus": jobs.gpu_names() if args.device == "cuda" else "none",
         "commit": results_io.commit(),
         "command": " ".join(["python", "bench/gpu_warm_joiner.py", *sys.argv[1:]]),
         "when": results_io.now(),
@@ -323,8 +230,8 @@ def main() -> int:
             result["errors"].append(f"{name}: not run, {left:.0f}s of the deadline left")
             continue
         spec["deadline_s"] = left
-        raw, error = launch(spec, left)
-        keep_logs(Path(spec["workdir"]), out / f"{scenario}-logs" / name)
+        raw, error = jobs.launch(__file__, spec, left)
+        jobs.keep_logs(Path(spec["workdir"]), out / f"{scenario}-logs" / name)
         if error:
             result["errors"].append(error)
         result["jobs"][name] = {"steps_done": (raw.get("metrics") or [{}])[-1].get("step"), "rc": raw.get("rc"),

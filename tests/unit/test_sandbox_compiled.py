@@ -114,12 +114,12 @@ def test_cold_standby_keeps_the_compiled_bucket_layout_and_compiles_its_first_re
             wl.train_step(step)
         return wl
     compiled, eager = rehearsed(True), rehearsed(False)
-    assert "params" in compiled.layout() and compiled.layout() != eager.layout()  # what a joiner checks
-    layout = compiled.layout()
+    layout = compiled.collective_layout()
+    assert "params" in layout and layout != eager.collective_layout()  # what a joiner checks
     for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # restored after the test
         monkeypatch.setenv(var, str(tmp_path / var))
     worker._forget_compiled("test")
     before = graphs()
     compiled.train_step(3)
     assert graphs() > before  # compiled again: the cold joiner's first real step pays it
-    assert compiled.layout() == layout
+    assert compiled.collective_layout() == layout

@@ -379,7 +379,7 @@ class Agent:
             theirs = self.store.get(layout_key(epoch, leaver)).decode()
         except (RuntimeError, dist.DistStoreError) as exc:
             return f"the leaver never published its collective layout: {exc}"
-        ours = self.workload.layout()
+        ours = self.workload.collective_layout()
         if ours != theirs:
             return (f"the joiner's collective layout differs from the leaver's (its collectives would not match "
                     f"the stayers'): joiner {ours[:200]!r}, leaver {theirs[:200]!r}")
@@ -634,8 +634,8 @@ class Agent:
         role = "leaver" if self.rank in d.leavers else "stayer"
         if role == "stayer" and not d.groups_to_build(self.rank):
             return  # no group of ours contains the leaver: nothing to do (never the case for world)
-        if role == "leaver":  # for the joiner to check its own against (Workload.layout)
-            self.store.set(layout_key(epoch, self.rank), self.workload.layout())
+        if role == "leaver":  # for the joiner to check its own against (Workload.collective_layout)
+            self.store.set(layout_key(epoch, self.rank), self.workload.collective_layout())
         self.pending = phase1.Prepared(epoch, d, role, self.rank)
         self.pending.memory_before, self.pending.comms_before = self.memory(), self.comms_created()
         phase1.start(self.pending, self.build_backend)

@@ -69,7 +69,7 @@ class Workload(abc.ABC):
         """Step number a standby uses for shadow iterations (any valid one)."""
         return 0
 
-    def layout(self) -> str:
+    def collective_layout(self) -> str:
         """How this rank's wrappers lay out their collectives, where it is fixed at run time
         (DDP orders its gradient buckets by its first step's gradient order). A joiner
         whose layout differs from its leaver's would issue collectives that the stayers do

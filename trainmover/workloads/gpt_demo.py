@@ -138,7 +138,7 @@ class GPTDemo(Workload):
     def replica_group(self) -> str:
         return "world"  # plain DDP: every rank holds the whole model and optimizer
 
-    def layout(self) -> str:
+    def collective_layout(self) -> str:
         info = self.ddp._get_ddp_logging_data()
         if not info.get("has_rebuilt_buckets"):
             return f"buckets {info.get('bucket_sizes')}"

@@ -1,0 +1,126 @@
+"""What the one-GPU-host benchmarks share: a job (the real controller on `SingleHostAllocation`)
+runs in a child process with a deadline, a trigger thread watches its run files, and what it
+wrote is salvaged even when it had to be killed."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+
+def read_json(path: Path) -> dict:
+    """A JSON file, or {} while it does not exist or is being replaced."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def read_rows(path: Path) -> list[dict]:
+    """JSON lines, skipping a line being appended right now."""
+    rows = []
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return rows
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            pass
+    return rows
+
+
+def watch_standby(t: dict, run: Path, status: dict, step: int) -> str | None:
+    """Note in `t` when the standby is first seen and ready (ready_t, ready_step, standby);
+    the reason if its agent exited before it was warm (said at once, not at the deadline)."""
+    for s in status.get("standbys", []):
+        t.setdefault("standby_seen", s["node"])
+        if s["state"] == "ready" and "ready_t" not in t:
+            t.update(ready_t=time.time(), ready_step=step, standby=s)
+    if "standby_seen" in t and "ready_t" not in t and not status.get("standbys"):
+        log = run / f"standby-{t['standby_seen']}.log"
+        last = log.read_text().strip().splitlines()[-1:] if log.exists() else ["(no log)"]
+        return f"standby on {t['standby_seen']} exited before it was ready: {last[0][-500:]}"
+    return None
+
+
+def request_migration(t: dict, run: Path, node: str, step: int) -> None:
+    """`trainmover migrate <node>` through the job's authenticated control channel."""
+    from trainmover.control import channel
+    from trainmover.control.messages import make
+    where = read_json(run / "controller.json")
+    t["t"], t["step"] = time.time(), step
+    reply = channel.request((where["host"], where["port"]), channel.read_secret(str(run / "secret")),
+                            make("migrate", node=node))
+    t["reply"] = reply["message"]
+
+
+def run_controller(ctl, run: Path, raw: dict, out: Path) -> int:
+    """Run the controller to its end and write what the job produced to `out` (raw.json)."""
+    try:
+        raw["rc"] = ctl.run()
+    except Exception:  # noqa: BLE001 - reported in the result
+        raw["error"] = traceback.format_exc()[-3000:]
+    raw.update(t_end=time.time(), metrics=read_rows(run / "metrics.jsonl"),
+               timeline=read_rows(run / "timeline.jsonl"), status=read_json(run / "status.json"),
+               final=read_json(run / "final.json") or None)
+    out.write_text(json.dumps(raw))
+    return 0 if raw["error"] is None and raw.get("rc") == 0 else 1
+
+
+def launch(script: str, spec: dict, timeout_s: float) -> tuple[dict, str | None]:
+    """Run `script --run-job <spec>` in a child process in its own session (on timeout the
+    controller and its workers are killed together). Returns (raw results, salvaged from the
+    run files if it was killed before writing them; error)."""
+    workdir = Path(spec["workdir"])
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / "job.log"
+    print(f"[{spec['name']}] deadline {timeout_s:.0f}s, log {log}", flush=True)
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, script, "--run-job", json.dumps(spec)], stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=max(1.0, timeout_s))
+            error = None if proc.returncode == 0 else f"job {spec['name']} exited with {proc.returncode} (see {log})"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            error = f"job {spec['name']} did not finish within {timeout_s:.0f}s: killed (see {log})"
+    raw = read_json(workdir / "raw.json")
+    if not raw:
+        run = workdir / "run"
+        raw = {"name": spec["name"], "metrics": read_rows(run / "metrics.jsonl"), "status": read_json(run / "status.json"),
+               "timeline": read_rows(run / "timeline.jsonl"), "final": read_json(run / "final.json") or None,
+               "trigger": {}, "error": None}
+    for extra in (raw.get("error"), raw.get("trigger", {}).get("error")):
+        if extra:
+            error = (error + "; " if error else "") + extra.strip().splitlines()[-1]
+    return raw, error
+
+
+def keep_logs(workdir: Path, dest: Path) -> None:
+    """Copy a job's logs and run files (not its recordings or compile caches) next to the result."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in [workdir / "job.log", *sorted((workdir / "run").glob("*.log")), *sorted((workdir / "run").glob("*.json")),
+              *sorted((workdir / "run").glob("*.jsonl"))]:
+        if f.is_file() and f.stat().st_size <= 20 << 20:
+            shutil.copyfile(f, dest / f.name)
+
+
+def gpu_names() -> str:
+    """'<n>x <name>' from nvidia-smi: a CUDA context in this process would hold memory on GPU 0
+    for the whole run, next to a worker."""
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                               text=True, timeout=30).stdout.split("\n")
+        names = [n.strip() for n in names if n.strip()]
+        return f"{len(names)}x {names[0]}" if names else "unknown (nvidia-smi listed none)"
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unknown ({exc})"
