@@ -24,9 +24,11 @@ def jsonl(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.parametrize("point, resolution", [("prepare", "completed"), ("preparing", "aborted")])
+# Killed right after `prepare` went out, the ranks may have switched before the new controller
+# asks them (completed) or not yet (resumed: it carries the same migration on): both are right.
+@pytest.mark.parametrize("point, resolutions", [("prepare", ("completed", "resumed")), ("preparing", ("aborted",))])
 def test_the_controller_killed_mid_migration_is_restarted_and_the_job_trains_on(demo, reference, slurm_client,
-                                                                                point, resolution):
+                                                                                point, resolutions):
     run = demo(f"ctl-{point}", TM_INJECT=f"controller-die:{point}")
     start_training(run, slurm_client, min_step=60)
     wait_for("a warm standby", lambda: any(s["state"] == "ready" for s in run.status()["standbys"]), timeout=60)
@@ -46,7 +48,8 @@ def test_the_controller_killed_mid_migration_is_restarted_and_the_job_trains_on(
     assert len(done) == 1
     timeline = jsonl(run.dir / "timeline.jsonl")
     (resumed,) = [e for e in timeline if e["event"] == "resumed"]
-    assert resumed["resolution"] == resolution
+    resolution = resumed["resolution"]
+    assert resolution in resolutions, resumed
     if resolution == "aborted":  # the retry is a new migration, with a new epoch, that completed
         aborted = [m for m in status["migrations"] if m["state"] == "aborted"]
         assert len(aborted) == 1 and done[0]["epoch"] > aborted[0]["epoch"]
