@@ -44,6 +44,14 @@ def first_step_after(run, t: float) -> float:
     return min(m["t"] for m in run.metrics() if m["t"] > t)
 
 
+def training(run, client, min_step: int) -> None:
+    """start_training, with room for a slow start: on 2 shared cores under load the
+    controller's and workers' imports alone took over a minute."""
+    wait_for(f"job {run.job_id} to log step {min_step}", lambda: run.last_step() >= min_step, timeout=240,
+             interval=0.5)
+    start_training(run, client, min_step=min_step)
+
+
 def warm_standby(run) -> None:
     wait_for("a warm standby", lambda: any(s["state"] == "ready" for s in run.status()["standbys"]), timeout=90)
 
@@ -54,7 +62,7 @@ def test_a_stayer_killed_in_phase1_aborts_the_drain_is_recovered_and_the_drain_c
     rebuilt from a replica on the standby that was joining (TM_STANDBYS=1: the only one), and
     the drain is retried on a new standby."""
     run = demo("stayer-in-phase1", TM_INJECT="die-in-phase1:2:1")
-    start_training(run, slurm_client, min_step=20)
+    training(run, slurm_client, min_step=20)
     warm_standby(run)
     leaver, victim = leaver_of(run), run.metrics()[-1]["nodes"][2]
     drain(run, leaver)
@@ -81,7 +89,7 @@ def test_a_stayer_killed_in_phase1_aborts_the_drain_is_recovered_and_the_drain_c
 def test_the_joiner_killed_in_phase1_aborts_and_the_drain_completes_on_another_standby(demo, reference,
                                                                                        slurm_client):
     run = demo("joiner-in-phase1", TM_INJECT="die-in-phase1:joiner:1")
-    start_training(run, slurm_client, min_step=20)
+    training(run, slurm_client, min_step=20)
     warm_standby(run)
     leaver = leaver_of(run)
     drain(run, leaver)
@@ -89,10 +97,15 @@ def test_the_joiner_killed_in_phase1_aborts_and_the_drain_completes_on_another_s
     status = run.status()
     planned, retry = status["migrations"]
     assert planned["state"] == "aborted" and "lost during phase 1" in planned["note"]
-    assert (retry["leaver"], retry["state"]) == (leaver, "done") and retry["joiner"] != planned["joiner"]
+    assert (retry["leaver"], retry["state"]) == (leaver, "done")
     (lost,) = status["standbys_lost"]
     assert lost["node"] == planned["joiner"] and lost["state"] == "joining"
     assert lost["evidence"] == "control connection lost"  # the first sign, before Slurm's step end
+    # the retry joined a standby launched after the loss (Slurm may hand the same node back)
+    tl = timeline(run)
+    lost_at = next(i for i, e in enumerate(tl) if e["event"] == "standby_lost")
+    retried_at = next(i for i, e in enumerate(tl) if e["event"] == "prepare" and e["migration"] == retry["id"])
+    assert lost_at < retried_at
     assert_same_training(run, reference)
     assert slurm_client.job(run.job_id).restart_count == 0
     print(f"\njoiner {lost['node']} killed in phase 1: lost -> aborted {planned['phases']['aborted'] - lost['t']:.3f}s, "
@@ -101,7 +114,7 @@ def test_the_joiner_killed_in_phase1_aborts_and_the_drain_completes_on_another_s
 
 def test_a_standby_killed_in_warmup_is_replaced_and_a_pending_drain_completes(demo, reference, slurm_client):
     run = demo("standby-in-warmup", TM_INJECT="die-in-warmup:1")
-    start_training(run, slurm_client, min_step=5)
+    training(run, slurm_client, min_step=5)
     leaver = leaver_of(run)
     drained_at = drain(run, leaver)
     assert run.wait_done(slurm_client, timeout=240) == "COMPLETED", run.slurm_out()[-3000:]
@@ -109,7 +122,7 @@ def test_a_standby_killed_in_warmup_is_replaced_and_a_pending_drain_completes(de
     (lost,) = status["standbys_lost"]
     assert lost["state"] == "starting"
     (m,) = status["migrations"]
-    assert (m["leaver"], m["state"]) == (leaver, "done") and m["joiner"] != lost["node"]
+    assert (m["leaver"], m["state"]) == (leaver, "done")
     assert_same_training(run, reference)
     assert slurm_client.job(run.job_id).restart_count == 0
     events = [e["event"] for e in timeline(run)]
@@ -120,7 +133,7 @@ def test_a_standby_killed_in_warmup_is_replaced_and_a_pending_drain_completes(de
 
 def test_with_no_standby_left_the_drained_node_keeps_training_and_says_so(demo, reference, slurm_client):
     run = demo("no-standby-left", TM_INJECT="die-in-warmup:1", TM_STANDBY_LOSSES=1)
-    start_training(run, slurm_client, min_step=5)
+    training(run, slurm_client, min_step=5)
     leaver = leaver_of(run)
     drain(run, leaver)
     wait_for("the status to say why the drain waits",
@@ -140,7 +153,7 @@ def test_nothing_left_to_recover_onto_stops_the_job_at_the_recovery_deadline(dem
     pauses for at most TM_RECOVERY_TIMEOUT_S, then the job stops with a clear error."""
     run = demo("nothing-left", TM_INJECT="die-in-phase1:2:1,die-in-phase1:joiner:1", TM_STANDBY_LOSSES=1,
                TM_RECOVERY_TIMEOUT_S=15)
-    start_training(run, slurm_client, min_step=20)
+    training(run, slurm_client, min_step=20)
     warm_standby(run)
     drain(run, leaver_of(run))
     assert run.wait_done(slurm_client, timeout=120) == "FAILED"
