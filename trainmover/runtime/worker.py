@@ -40,6 +40,7 @@ CONTROL = "tm-control"
 RESEND_STEPS = 2048  # step reports kept for a restarted controller (its metrics rows of the gap)
 RESEND_KINDS = ("recorded", "ready", "prepared", "prepare_failed", "switched", "stalled", "finished")
 RETIRE_AFTER = 3  # steps between a switch and the release of the replaced communicators
+RECOVERY_GRACE_S = 10.0  # a stalled rank outwaits the controller's recovery deadline by this much
 REWARM_POLL_S = 1.0  # an idle standby looks for a newer recording version this often
 TRACE_STEPS = 2 if os.environ.get("TM_TRACE_SWITCH") else 0  # log timings of the steps after a switch
 
@@ -604,8 +605,10 @@ class Agent:
 
     # --- unexpected failure of another rank ----------------------------------------------
     def _wait_recover(self, exc: Exception) -> dict:
-        """The controller's `recover` plan, within the recovery deadline."""
-        deadline = time.monotonic() + self.spec.recovery_timeout_s
+        """The controller's `recover` plan, within the recovery deadline. The controller's
+        deadline decides (its message names what it waited for); a rank gives up only
+        RECOVERY_GRACE_S later, when that decision never came."""
+        deadline = time.monotonic() + self.spec.recovery_timeout_s + RECOVERY_GRACE_S
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
