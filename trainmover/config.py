@@ -17,6 +17,9 @@ INJECTIONS = {
     "slow:<rank>:<fraction>": "the worker launched for <rank> sleeps <fraction> of its compute time each step (a straggling node)",
     "die-in-copy": "the leaver of a planned migration kills itself (SIGKILL) as the joiner starts to wait for its state",
     "die:<rank>:<step>": "the worker launched for <rank> kills itself (SIGKILL) as it begins step <step>: an unexpected failure mid-run",
+    "die-in-phase1:<rank>:<epoch>": "the worker process holding <rank> kills itself (SIGKILL) as it starts Phase 1 of migration epoch <epoch> (a stayer or the leaver lost while the replacement groups are built)",
+    "die-in-phase1:joiner:<epoch>": "the standby joining migration epoch <epoch> kills itself (SIGKILL) as it starts Phase 1",
+    "die-in-warmup:<n>": "the <n>-th standby agent the controller launches (1 = the first) kills itself (SIGKILL) as its warm-up begins",
     "controller-die:preparing": "the first controller kills itself (SIGKILL) once a migration's prepare is journaled, before it is sent",
     "controller-die:prepare": "the first controller kills itself (SIGKILL) right after it sent a migration's prepare",
 }
@@ -37,6 +40,30 @@ def _rank_and(item: str, what: str, convert, valid, rule: str):
 def parse_die(item: str) -> tuple[int, int]:
     """`die:<rank>:<step>` -> (rank, step)."""
     return _rank_and(item, "step", int, lambda v: v >= 0, "step >= 0")
+
+
+def parse_die_in_phase1(item: str) -> tuple[int | str, int]:
+    """`die-in-phase1:<rank>:<epoch>` or `die-in-phase1:joiner:<epoch>` -> (rank or "joiner", epoch)."""
+    try:
+        kind, who, epoch = item.split(":")
+        who_v: int | str = who if who == "joiner" else int(who)
+        epoch_i = int(epoch)
+    except ValueError:
+        raise ConfigError(f"TM_INJECT: {item!r} is not die-in-phase1:<rank or joiner>:<epoch>") from None
+    if (isinstance(who_v, int) and who_v < 0) or epoch_i < 1:
+        raise ConfigError(f"TM_INJECT: {item!r}: rank must be >= 0 and epoch >= 1")
+    return who_v, epoch_i
+
+
+def parse_die_in_warmup(item: str) -> int:
+    """`die-in-warmup:<n>` -> n (1-based count of standby launches)."""
+    try:
+        n = int(item.split(":", 1)[1])
+    except (ValueError, IndexError):
+        raise ConfigError(f"TM_INJECT: {item!r} is not die-in-warmup:<n>") from None
+    if n < 1:
+        raise ConfigError(f"TM_INJECT: {item!r}: n must be >= 1 (the first standby launched is 1)")
+    return n
 
 
 def parse_slow(item: str) -> tuple[int, float]:
@@ -95,6 +122,7 @@ class Config:
     switch_timeout_s: float = field(default=60.0, metadata={"env": "TM_SWITCH_TIMEOUT_S", "doc": "joiner's longest wait for the leaver's state"})
     recovery_timeout_s: float = field(default=120.0, metadata={"env": "TM_RECOVERY_TIMEOUT_S", "doc": "after a rank vanished: longest pause for a standby and the new groups before the job stops"})
     standby_wait_s: float = field(default=10.0, metadata={"env": "TM_STANDBY_WAIT_S", "doc": "one attempt to take a standby from the reservation"})
+    standby_losses: int = field(default=3, metadata={"env": "TM_STANDBY_LOSSES", "doc": "standbys that may die (before or while joining) in one job; after that many no more are taken and a drain waits, the job running on its node"})
     standby_retry_s: float = field(default=5.0, metadata={"env": "TM_STANDBY_RETRY_S", "doc": "pause between attempts when none is free"})
     release_timeout_s: float = field(default=60.0, metadata={"env": "TM_RELEASE_TIMEOUT_S", "doc": "longest wait for the leaver's step to end before its node is released"})
     record_iterations: int = field(default=3, metadata={"env": "TM_RECORD_ITERATIONS", "doc": "iterations whose collectives are recorded for standbys' shadow steps (0: none)"})
@@ -119,6 +147,7 @@ class Config:
             (self.steps > 0, "TM_STEPS must be > 0"),
             (self.ranks_per_node > 0, "TM_RANKS_PER_NODE must be > 0"),
             (self.standbys >= 0, "TM_STANDBYS must be >= 0"),
+            (self.standby_losses >= 0, "TM_STANDBY_LOSSES must be >= 0"),
             (self.poll_s > 0, "TM_POLL_S must be > 0"),
             (self.controller_restarts >= 0, "TM_CONTROLLER_RESTARTS must be >= 0"),
             (min(self.reconnect_timeout_s, self.phase1_timeout_s, self.group_timeout_s, self.switch_timeout_s, self.standby_wait_s, self.recovery_timeout_s,
@@ -157,7 +186,12 @@ class Config:
                 parse_slow(item)
             elif item.startswith("die:"):
                 parse_die(item)
-        unknown = {i for i in self.inject if not i.startswith(("slow:", "die:"))} - set(INJECTIONS)
+            elif item.startswith("die-in-phase1:"):
+                parse_die_in_phase1(item)
+            elif item.startswith("die-in-warmup:"):
+                parse_die_in_warmup(item)
+        unknown = {i for i in self.inject if not i.startswith(("slow:", "die:", "die-in-phase1:", "die-in-warmup:"))
+                   } - set(INJECTIONS)
         if unknown:
             raise ConfigError(f"TM_INJECT: unknown injection(s) {sorted(unknown)}; known: {sorted(INJECTIONS)}")
 

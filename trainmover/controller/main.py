@@ -122,6 +122,7 @@ class Controller:
         self.events: queue.Queue = queue.Queue()   # results of background Slurm work
         self.conns: dict[str, list] = {}           # node -> authenticated worker connections
         self.steps: dict[str, subprocess.Popen] = {}
+        self.standby_launches = 0                  # for TM_INJECT die-in-warmup:<n>
         self.outcome: tuple[bool, str] | None = None
 
     def _store(self):
@@ -150,9 +151,21 @@ class Controller:
                           switch_timeout_s=self.cfg.switch_timeout_s, recovery_timeout_s=self.cfg.recovery_timeout_s,
                           reconnect_timeout_s=self.cfg.reconnect_timeout_s,
                           shadow_steps=self.cfg.shadow_steps,
-                          inject=self.cfg.inject)
+                          inject=self._injections(role))
+
+    def _injections(self, role: str) -> tuple[str, ...]:
+        """TM_INJECT as one process sees it: die-in-warmup:<n> becomes die-in-warmup for the
+        n-th standby this (first) controller launches, and nothing for the others."""
+        from trainmover.config import parse_die_in_warmup
+        out = tuple(i for i in self.cfg.inject if not i.startswith("die-in-warmup:"))
+        chosen = {parse_die_in_warmup(i) for i in self.cfg.inject if i.startswith("die-in-warmup:")}
+        if role == "standby" and self.attempt == 0 and self.standby_launches in chosen:
+            out += ("die-in-warmup",)
+        return out
 
     def _launch(self, role: str, node: str, ranks: tuple[int, ...]) -> None:
+        if role == "standby":
+            self.standby_launches += 1
         spec = self._spec(role, node, ranks)
         argv = self.slurm.step_argv(self.job_id, node, [sys.executable, "-m", "trainmover.runtime.worker"],
                                     ntasks=self.cfg.ranks_per_node)

@@ -15,6 +15,7 @@ from trainmover.controller.actions import AcquireStandby, Finish, LaunchStandby,
 from trainmover.controller.migration import Migration, Phase
 from trainmover.controller.recovery import Recovering
 from trainmover.controller.resume import Resuming
+from trainmover.controller.standby_loss import StandbyLoss
 from trainmover.policy import straggler
 
 log = logging.getLogger("trainmover.policy")
@@ -52,7 +53,7 @@ class JobView:
         return tuple(sorted(r for r, n in self.rank_node.items() if n == node))
 
 
-class Policy(Recovering, Resuming):
+class Policy(Recovering, Resuming, StandbyLoss):
     def __init__(self, cfg: Config, view: JobView):
         self.cfg, self.view = cfg, view
         self.migrations: list[Migration] = []
@@ -69,6 +70,7 @@ class Policy(Recovering, Resuming):
         self.straggler: dict = {"mode": cfg.straggler, "verdict": "", "target": None, "windows": 0, "evicted": []}
         self.stalled: dict[int, dict] = {}                     # rank -> its 'stalled' report
         self.failed_reports: dict[str, dict] = {}              # node -> a rank's 'failed' report
+        self.standbys_lost: list[dict] = []                    # standbys that died (see standby_loss.py)
         self.done = False
         self.metrics_through = 0     # last step in metrics.jsonl (a resumed controller skips older reports)
         self.restarts = 0            # controllers that took over from a dead one
@@ -79,7 +81,7 @@ class Policy(Recovering, Resuming):
         return next((m for m in self.migrations if m.active), None)
 
     def _want_standby(self) -> bool:
-        return len(self.view.standbys) < self.cfg.standbys and not self.done
+        return len(self.view.standbys) < self.cfg.standbys and not self.done and not self.pool_exhausted()
 
     def _maybe_acquire(self, now: float) -> list:
         if self._want_standby() and not self.acquiring and now >= self.next_acquire_at:
@@ -364,14 +366,8 @@ class Policy(Recovering, Resuming):
             if m.phase is Phase.RELEASING:
                 return [ReleaseNode(node)]
             return []
-        if node in self.view.standbys:
-            standby = self.view.standbys.pop(node)
-            log.warning("standby agent on %s exited (code %d)", node, code)
-            actions = []
-            planned = self.active()
-            if standby.state == "joining" and planned is not None and planned.joiner == node and not planned.recovery:
-                actions += self._abort(now, planned, f"joiner on {node} exited (code {code}) during phase 1")
-            return actions + self._maybe_acquire(now)
+        if node in self.view.standbys:  # usually known lost already, from its closed connection
+            return self._standby_lost(now, node, f"its Slurm step exited with code {code}")
         r = self.recovery()
         if r is not None and node in (r.leaver, r.joiner):
             if node == r.joiner and r.phase is not Phase.RELEASING:
@@ -390,6 +386,8 @@ class Policy(Recovering, Resuming):
     def on_released(self, now: float, node: str, ok: bool, message: str) -> list:
         m = next((m for m in self.migrations if m.leaver == node and m.phase is Phase.RELEASING), None)
         if m is None:
+            if any(x["node"] == node for x in self.standbys_lost):
+                return self.on_lost_standby_released(now, node, ok, message)
             return []
         if ok:
             self.view.released.append(node)
@@ -425,10 +423,11 @@ class Policy(Recovering, Resuming):
             "standbys": [{"node": s.node, "state": s.state, "warmup_s": s.warmup_s, "shadow_steps": s.shadow_steps,
                           "shadow": s.shadow, "slurm_state": v.node_state.get(s.node, "")} for s in v.standbys.values()],
             "recording": self.recording,
-            "standby_pool": {"wanted": self.cfg.standbys, "acquiring": self.acquiring, "note": self.acquire_note},
+            "standby_pool": {"wanted": self.cfg.standbys, "acquiring": self.acquiring, "note": self.pool_note() or self.acquire_note},
             "waiting_for_standby": [m.leaver for m in waiting],
             "message": (f"waiting for a standby: the job keeps running on {', '.join(m.leaver for m in waiting)}"
-                        if waiting else ""),
+                        + (f" ({self.pool_note()})" if self.pool_exhausted() else "") if waiting else ""),
+            "standbys_lost": list(self.standbys_lost),
             "migrations": [m.to_json() for m in self.migrations],
             "straggler": self.straggler,
             "finished": self.done,

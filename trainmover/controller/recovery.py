@@ -34,7 +34,9 @@ class Recovering:
 
     # --- detection ---------------------------------------------------------------------
     def on_peer_gone(self, now: float, node: str) -> list:
-        """A worker's control connection closed."""
+        """A worker's or a standby's control connection closed."""
+        if node in self.view.standbys:  # a standby, or a joiner that has not switched yet
+            return self._standby_lost(now, node, "control connection lost")
         if self._lost_unexpectedly(node):
             return self._fault(now, node, "control connection lost")
         return []

@@ -40,6 +40,7 @@ CONTROL = "tm-control"
 RESEND_STEPS = 2048  # step reports kept for a restarted controller (its metrics rows of the gap)
 RESEND_KINDS = ("recorded", "ready", "prepared", "prepare_failed", "switched", "stalled", "finished")
 RETIRE_AFTER = 3  # steps between a switch and the release of the replaced communicators
+RECOVERY_GRACE_S = 10.0  # a stalled rank outwaits the controller's recovery deadline by this much
 REWARM_POLL_S = 1.0  # an idle standby looks for a newer recording version this often
 TRACE_STEPS = 2 if os.environ.get("TM_TRACE_SWITCH") else 0  # log timings of the steps after a switch
 
@@ -189,15 +190,40 @@ class Agent:
         self.link.send(msg)
 
     # --- groups ------------------------------------------------------------------------
-    def build_backend(self, name: str, prefix: str, grank: int, size: int):
+    def build_backend(self, name: str, prefix: str, grank: int, size: int, store=None):
         """A real backend for group `name`: gloo for the control group (and on CPU nodes),
-        NCCL through trainmover.nccl on GPU nodes."""
+        NCCL through trainmover.nccl on GPU nodes. `store`: the rendezvous client to use
+        (default: the agent's own)."""
+        store = self.store if store is None else store
         if self.backend == "nccl" and name != CONTROL:
             from trainmover.nccl.backend import nccl_group
-            backend = nccl_group(self.store, prefix, grank, size, timeout_s=self.spec.group_timeout_s, name=name)
+            backend = nccl_group(store, prefix, grank, size, timeout_s=self.spec.group_timeout_s, name=name)
             backend.preconnect(p2p=name == "xfer")
             return backend
-        return gloo_group(self.store, prefix, grank, size, host=self.spec.node_addr, timeout=self.timeout)
+        return gloo_group(store, prefix, grank, size, host=self.spec.node_addr, timeout=self.timeout)
+
+    def phase1_builder(self) -> phase1.Builder:
+        """The builder of one Phase 1, on a rendezvous client of its own. A TCPStore client
+        serialises its operations: a rendezvous waiting for a peer that died (up to the group
+        timeout) would otherwise hold up every store operation of this process, such as the
+        leaver's cancel key on an abort, the next epoch's Phase 1, or a recovery's rebuild."""
+        clients = []
+
+        def build(name: str, prefix: str, grank: int, size: int):
+            if not clients:  # made in the Phase 1 thread: a connect is off the training path
+                clients.append(dist.TCPStore(self.spec.store[0], self.spec.store[1], is_master=False,
+                                             timeout=self.timeout, wait_for_workers=False))
+            return self.build_backend(name, prefix, grank, size, store=clients[0])
+        return build
+
+    def _inject_phase1(self, who: int | str, epoch: int) -> None:
+        """TM_INJECT die-in-phase1:<rank or joiner>:<epoch>: this process dies (SIGKILL) as
+        its Phase 1 of `epoch` has begun (the builds are under way)."""
+        from trainmover.config import parse_die_in_phase1
+        if any(parse_die_in_phase1(i) == (who, epoch) for i in self.spec.inject if i.startswith("die-in-phase1:")):
+            log.error("injected: %s dies (SIGKILL) in phase 1 of epoch %d", who, epoch)
+            logging.shutdown()
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _make_groups(self, rank: int, sandbox: bool) -> dict[str, SwappableGroup]:
         groups = {}
@@ -345,6 +371,10 @@ class Agent:
 
     def standby(self) -> int:
         t0 = time.perf_counter()
+        if "die-in-warmup" in self.spec.inject:  # the controller gives it to the chosen launch only
+            log.error("injected: standby on %s dies (SIGKILL) as its warm-up begins", self.spec.node)
+            logging.shutdown()
+            os.kill(os.getpid(), signal.SIGKILL)
         shadow = self._replay()
         if shadow["replay"] != "done":
             log.warning("shadow iterations without a recording: %s", shadow["replay"])
@@ -437,8 +467,19 @@ class Agent:
         with self._warm_stance():
             self.shadow_until_steady(self.spec.shadow_steps)
         prep = phase1.Prepared(epoch, delta(self.specs, msg["leavers"], epoch), "joiner", rank)
-        phase1.start(prep, self.build_backend)
-        if not prep.done.wait(self.spec.group_timeout_s + 5) or prep.error:
+        phase1.start(prep, self.phase1_builder())
+        self._inject_phase1("joiner", epoch)
+        # Bounded, and abortable: a peer lost meanwhile leaves the builds waiting until the
+        # group timeout, but the controller's abort frees this standby at once (the Phase 1
+        # thread ends by its own deadline, on its own store client, and is discarded).
+        deadline = time.monotonic() + self.spec.group_timeout_s + 5
+        while not prep.done.wait(0.05):
+            if self._aborted(epoch):
+                log.info("epoch %d aborted during phase 1; back to standby", epoch)
+                return None
+            if time.monotonic() > deadline:
+                break
+        if not prep.done.is_set() or prep.error:
             self.send("prepare_failed", epoch=epoch, rank=rank, error=prep.error or "phase 1 deadline")
             return None
         mismatch = self._layout_mismatch(epoch, leaver)
@@ -564,8 +605,10 @@ class Agent:
 
     # --- unexpected failure of another rank ----------------------------------------------
     def _wait_recover(self, exc: Exception) -> dict:
-        """The controller's `recover` plan, within the recovery deadline."""
-        deadline = time.monotonic() + self.spec.recovery_timeout_s
+        """The controller's `recover` plan, within the recovery deadline. The controller's
+        deadline decides (its message names what it waited for); a rank gives up only
+        RECOVERY_GRACE_S later, when that decision never came."""
+        deadline = time.monotonic() + self.spec.recovery_timeout_s + RECOVERY_GRACE_S
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -638,8 +681,10 @@ class Agent:
             self.store.set(layout_key(epoch, self.rank), self.workload.collective_layout())
         self.pending = phase1.Prepared(epoch, d, role, self.rank)
         self.pending.memory_before, self.pending.comms_before = self.memory(), self.comms_created()
-        phase1.start(self.pending, self.build_backend)
+        phase1.start(self.pending, self.phase1_builder())
         log.info("phase 1 epoch %d as %s: %s", epoch, role, [g.name for g in d.groups_to_build(self.rank)])
+        if self.role == "worker":
+            self._inject_phase1(self.rank, epoch)
 
     def _on_abort(self, msg: dict):
         prep = self.pending
