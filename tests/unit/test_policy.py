@@ -37,7 +37,7 @@ def sends(actions, kind):
 def ready_standby(p, now=1.0, node="spare1"):
     assert p.start(0.0) == [AcquireStandby()]
     assert p.on_standby_acquired(now, node) == [LaunchStandby(node)]
-    return p.on_message(now + 1, node, {"type": "ready", "node": node, "warmup_s": 2.0, "shadow_steps": 2,
+    return p.on_message(now + 1, node, {"type": "ready", "node": node, "local": 0, "warmup_s": 2.0, "shadow_steps": 2,
                                           "detail": {}})
 
 
@@ -93,7 +93,7 @@ def test_drain_without_standby_waits_and_keeps_the_job_running():
     assert AcquireStandby() in p.on_tick(2.0 + p.cfg.standby_retry_s + 0.1)
     # when one arrives and warms up, the waiting migration starts
     p.on_standby_acquired(9.0, "spare2")
-    acts = p.on_message(12.0, "spare2", {"type": "ready", "node": "spare2", "warmup_s": 2.0, "shadow_steps": 2,
+    acts = p.on_message(12.0, "spare2", {"type": "ready", "node": "spare2", "local": 0, "warmup_s": 2.0, "shadow_steps": 2,
                                           "detail": {}})
     assert sends(acts, "prepare") and p.active().phase is Phase.PREPARING
 
@@ -115,7 +115,7 @@ def test_phase1_deadline_aborts_and_retries_then_gives_up():
     assert sends(acts, "abort") and p.migrations[0].phase is Phase.ABORTED
     assert "phase 1 not done within 5s" in p.migrations[0].note
     for attempt in range(2):  # the standby reports ready again after a cancelled join
-        p.on_message(16.0 + attempt * 10, "spare1", {"type": "ready", "node": "spare1", "warmup_s": 0.0, "shadow_steps": 0, "detail": {}})
+        p.on_message(16.0 + attempt * 10, "spare1", {"type": "ready", "node": "spare1", "local": 0, "warmup_s": 0.0, "shadow_steps": 0, "detail": {}})
         p.on_tick(16.0 + attempt * 10 + 5.5)
     assert [m.phase for m in p.migrations].count(Phase.ABORTED) == 3
     assert p.migrations[-1].phase is Phase.FAILED and "stays in the job" in p.migrations[-1].note
@@ -289,9 +289,9 @@ def test_a_stayer_lost_during_phase1_aborts_the_planned_migration_and_recovers_f
     p = new_policy(standbys=2)
     p.start(0.0)
     p.on_standby_acquired(1.0, "spare1")
-    p.on_message(1.5, "spare1", {"type": "ready", "node": "spare1", "warmup_s": 2.0, "shadow_steps": 2, "detail": {}})
+    p.on_message(1.5, "spare1", {"type": "ready", "node": "spare1", "local": 0, "warmup_s": 2.0, "shadow_steps": 2, "detail": {}})
     p.on_standby_acquired(2.0, "spare2")
-    p.on_message(3.0, "spare2", {"type": "ready", "node": "spare2", "warmup_s": 2.0, "shadow_steps": 2, "detail": {}})
+    p.on_message(3.0, "spare2", {"type": "ready", "node": "spare2", "local": 0, "warmup_s": 2.0, "shadow_steps": 2, "detail": {}})
     p.on_nodes(10.0, {"train2": Node("ALLOCATED+DRAIN")})
     planned = p.active()
     acts = p.on_peer_gone(10.2, "train3")  # a stayer dies while Phase 1 runs
