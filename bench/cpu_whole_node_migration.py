@@ -54,13 +54,24 @@ def submit(env: dict, workdir: Path, name: str, **extra) -> tuple[int, Path]:
     return job, workdir / "runs" / str(job)
 
 
-def finish(slurm: CliSlurm, job: int, run: Path, timeout: float) -> dict:
-    """Wait for the job to end; its final.json (the controller's, after every rank finished)."""
-    wait(f"job {job} to end", lambda: slurm.job(job).state not in DONE, timeout, 1.0)
-    state = slurm.job(job).state
-    if state != "COMPLETED":
-        raise RuntimeError(f"job {job} ended {state}; see {run}")
-    return json.loads((run / "final.json").read_text())
+def finish(env: dict, slurm: CliSlurm, job: int, run: Path, timeout: float) -> tuple[dict, str]:
+    """Wait for the job to end; its final.json (the controller's, after every rank finished)
+    and a note on how Slurm ended it. Slurm sometimes requeues a resized job right after its
+    training finished ("Batch JobId=N missing from batch node", docs/megatron.md): the
+    requeued copy is cancelled, the finished run's results stand, and the note says so."""
+    def over():
+        x = slurm.job(job)
+        return x if x.state not in DONE or x.restart_count > 0 else None
+    j = wait(f"job {job} to end", over, timeout, 1.0)
+    note = "" if j.state == "COMPLETED" else f"Slurm: {j.state}, restart_count {j.restart_count}"
+    if j.restart_count > 0:
+        commands.run(["scancel", str(job)], timeout=10, env=env, check=False)
+        wait(f"job {job} cancelled", lambda: slurm.job(job).state not in DONE, 60, 1.0)
+        note += " (requeued by Slurm after training finished; the requeued copy was cancelled)"
+    final = run / "final.json"
+    if not final.exists() or json.loads(final.read_text())["steps"] != int(env["TM_STEPS"]):
+        raise RuntimeError(f"job {job} did not finish training ({note or j.state}); see {run}")
+    return json.loads(final.read_text()), note
 
 
 def trial(env, slurm: CliSlurm, workdir: Path, at_step: int, ref: dict, timeout: float) -> dict:
@@ -75,7 +86,7 @@ def trial(env, slurm: CliSlurm, workdir: Path, at_step: int, ref: dict, timeout:
     row = wait("both ranks to move", lambda: (r := (read_jsonl(run / "metrics.jsonl") or [{}])[-1]).get("nodes") and all(
         r["nodes"][k] != leaver for k in MOVED) and r, 60, 0.05)
     moved_s = time.time() - t_drain
-    final = finish(slurm, job, run, timeout)
+    final, slurm_note = finish(env, slurm, job, run, timeout)
     slurm.resume(leaver)
     st = status(run)
     (m,) = st["migrations"]
@@ -97,7 +108,7 @@ def trial(env, slurm: CliSlurm, workdir: Path, at_step: int, ref: dict, timeout:
             "losses_equal": {x["step"]: x["losses"] for x in rows} == ref_losses,
             "digest_equal": final["rank_digests"] == ref["final"]["rank_digests"],
             "rank_digests_equal": [a == b for a, b in zip(final["rank_digests"], ref["final"]["rank_digests"])],
-            "gantt": gantt(m, by_step, t_drain), "migration": m}
+            "slurm_note": slurm_note, "gantt": gantt(m, by_step, t_drain), "migration": m}
 
 
 def main():
@@ -119,7 +130,7 @@ def main():
     workdir = ROOT / "runs" / "bench-whole-node"
     workdir.mkdir(parents=True, exist_ok=True)
     job, run = submit(env, workdir, "whole-node-ref", TM_STANDBYS=0)
-    ref = {"final": finish(slurm, job, run, args.timeout)}
+    ref = {"final": finish(env, slurm, job, run, args.timeout)[0]}
     ref["metrics"] = read_jsonl(run / "metrics.jsonl")
     trials = [trial(env, slurm, workdir, args.at_step, ref, args.timeout) for _ in range(args.repeats)]
     downs = [t["downtime_s"] for t in trials]
