@@ -56,9 +56,10 @@ def submit(env: dict, workdir: Path, name: str, **extra) -> tuple[int, Path]:
 
 def finish(env: dict, slurm: CliSlurm, job: int, run: Path, timeout: float) -> tuple[dict, str]:
     """Wait for the job to end; its final.json (the controller's, after every rank finished)
-    and a note on how Slurm ended it. Slurm sometimes requeues a resized job right after its
-    training finished ("Batch JobId=N missing from batch node", docs/megatron.md): the
-    requeued copy is cancelled, the finished run's results stand, and the note says so."""
+    and a note on how Slurm ended it. Slurm sometimes requeues a resized job ("Batch JobId=N
+    missing from batch node", docs/megatron.md); when that happened after its training
+    finished, the requeued copy is cancelled, the finished run's results stand, and the note
+    says so."""
     def over():
         x = slurm.job(job)
         return x if x.state not in DONE or x.restart_count > 0 else None
@@ -132,7 +133,12 @@ def main():
     job, run = submit(env, workdir, "whole-node-ref", TM_STANDBYS=0)
     ref = {"final": finish(env, slurm, job, run, args.timeout)[0]}
     ref["metrics"] = read_jsonl(run / "metrics.jsonl")
-    trials = [trial(env, slurm, workdir, args.at_step, ref, args.timeout) for _ in range(args.repeats)]
+    try:
+        trials = [trial(env, slurm, workdir, args.at_step, ref, args.timeout) for _ in range(args.repeats)]
+    finally:  # a failed trial leaves no node of the cluster drained
+        for name, node in slurm.nodes().items():
+            if "DRAIN" in node.flags and node.reason == REASON:
+                slurm.resume(name)
     downs = [t["downtime_s"] for t in trials]
     result = {
         "scenario": "planned-cpu-megatron-whole-node-tp2", **machine(),

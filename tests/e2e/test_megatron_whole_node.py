@@ -90,6 +90,11 @@ def runs(cluster, tmp_path_factory):
                             f"--chdir={workdir}", str(TEMPLATE)], timeout=15, env=job_env).stdout
         out[name] = Run(int(sub.strip().split(";")[0]), workdir, job_env)
     try:
+        # All three at once: a job left pending would start later and find the other's
+        # spare free after its move, and a job that takes a second standby is the one Slurm
+        # has been seen to requeue (docs/megatron.md, Limits).
+        wait_for("the three jobs to run side by side (6 free training nodes)",
+                 lambda: all(client.job(r.job_id).running for r in out.values()), timeout=60, interval=1.0)
         out["moved"].leaver = _drain_when_warm(out["moved"])
         out["negative"].leaver = _drain_when_warm(out["negative"])
         for run in out.values():
