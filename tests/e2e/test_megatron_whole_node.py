@@ -60,7 +60,8 @@ def cluster():
 
 def _drain_when_warm(run: Run) -> str:
     """Drain the node of ranks MOVED once a standby node is warm; returns that node."""
-    wait_for(f"job {run.job_id}: a warm standby node", lambda: _standby_ready(run), timeout=150, interval=0.5)
+    wait_for(f"job {run.job_id}: training and a warm standby node", lambda: run.last_step() >= 5 and _standby_ready(run),
+             timeout=150, interval=0.5)
     nodes = run.metrics()[-1]["nodes"]
     leaver = nodes[MOVED[0]]
     assert [nodes[r] for r in MOVED] == [leaver] * len(MOVED) and nodes[0] != leaver, nodes
