@@ -10,8 +10,8 @@ optimizer state must differ on both moved ranks.
 
 The reference, the moved run and the negative control run side by side (6 + 2 node cluster
 of this module's own, state in $TM_E2E_WHOLE_NODE_CLUSTER_DIR or
-/var/tmp/trainmover-cluster-wholenode): about 3.5 min on 2 shared cores under load,
-the cluster start included.
+/var/tmp/trainmover-cluster-wholenode): 2.5 min on 2 shared cores under load, 3.5 min
+with the cluster start.
 """
 from __future__ import annotations
 
