@@ -50,6 +50,27 @@ def test_a_tp_peer_leaving_changes_only_its_groups():
     assert d.untouched and all(1 not in g.ranks for g in d.untouched)
 
 
+def test_whole_node_of_tp2_leaving_changes_groups_of_its_two_ranks():
+    """TP2 inside a node (ranks 2, 3 on one node of TP2 x PP2): both leave at once; their TP
+    group is replaced whole, and every changed group holds one of them."""
+    specs = group_specs(Layout(2, 2, 1))
+    tp = next(g for g in specs if g.name.startswith("tp."))
+    assert tp.ranks == (0, 1)  # tp varies fastest: a node's ranks form a TP group
+    d = delta(specs, (2, 3), epoch=1)
+    assert d.leavers == (2, 3)
+    assert all({2, 3} & set(g.ranks) for g in d.changed)
+    assert {g.ranks for g in d.changed} >= {(2, 3), (0, 2), (1, 3), (0, 1, 2, 3)}
+    assert all(not {2, 3} & set(g.ranks) for g in d.untouched)
+
+
+def test_workload_layout_is_the_runtime_hook_not_the_parallel_grid():
+    """`Workload.layout()` is what a leaver publishes for its joiner to compare; the parallel
+    grid must not shadow it (it did: every Megatron leaver failed in Phase 1)."""
+    wl = workloads.load("megatron_gpt", {"tp": 2, "pp": 2, "dp": 1})
+    assert isinstance(wl.layout(), str)
+    assert wl.grid == Layout(2, 2, 1)
+
+
 def test_layout_that_does_not_fit_the_job_is_a_clear_error():
     with pytest.raises(ConfigError, match=r"TP=2 x PP=2 x DP=1 = 4 ranks, but the job has 8"):
         Layout(2, 2, 1).check(8)

@@ -37,7 +37,7 @@ def sends(actions, kind):
 def ready_standby(p, now=1.0, node="spare1"):
     assert p.start(0.0) == [AcquireStandby()]
     assert p.on_standby_acquired(now, node) == [LaunchStandby(node)]
-    return p.on_message(now + 1, node, {"type": "ready", "node": node, "warmup_s": 2.0, "shadow_steps": 2,
+    return p.on_message(now + 1, node, {"type": "ready", "node": node, "local": 0, "warmup_s": 2.0, "shadow_steps": 2,
                                           "detail": {}})
 
 
@@ -93,7 +93,7 @@ def test_drain_without_standby_waits_and_keeps_the_job_running():
     assert AcquireStandby() in p.on_tick(2.0 + p.cfg.standby_retry_s + 0.1)
     # when one arrives and warms up, the waiting migration starts
     p.on_standby_acquired(9.0, "spare2")
-    acts = p.on_message(12.0, "spare2", {"type": "ready", "node": "spare2", "warmup_s": 2.0, "shadow_steps": 2,
+    acts = p.on_message(12.0, "spare2", {"type": "ready", "node": "spare2", "local": 0, "warmup_s": 2.0, "shadow_steps": 2,
                                           "detail": {}})
     assert sends(acts, "prepare") and p.active().phase is Phase.PREPARING
 
@@ -115,7 +115,7 @@ def test_phase1_deadline_aborts_and_retries_then_gives_up():
     assert sends(acts, "abort") and p.migrations[0].phase is Phase.ABORTED
     assert "phase 1 not done within 5s" in p.migrations[0].note
     for attempt in range(2):  # the standby reports ready again after a cancelled join
-        p.on_message(16.0 + attempt * 10, "spare1", {"type": "ready", "node": "spare1", "warmup_s": 0.0, "shadow_steps": 0, "detail": {}})
+        p.on_message(16.0 + attempt * 10, "spare1", {"type": "ready", "node": "spare1", "local": 0, "warmup_s": 0.0, "shadow_steps": 0, "detail": {}})
         p.on_tick(16.0 + attempt * 10 + 5.5)
     assert [m.phase for m in p.migrations].count(Phase.ABORTED) == 3
     assert p.migrations[-1].phase is Phase.FAILED and "stays in the job" in p.migrations[-1].note
@@ -289,9 +289,9 @@ def test_a_stayer_lost_during_phase1_aborts_the_planned_migration_and_recovers_f
     p = new_policy(standbys=2)
     p.start(0.0)
     p.on_standby_acquired(1.0, "spare1")
-    p.on_message(1.5, "spare1", {"type": "ready", "node": "spare1", "warmup_s": 2.0, "shadow_steps": 2, "detail": {}})
+    p.on_message(1.5, "spare1", {"type": "ready", "node": "spare1", "local": 0, "warmup_s": 2.0, "shadow_steps": 2, "detail": {}})
     p.on_standby_acquired(2.0, "spare2")
-    p.on_message(3.0, "spare2", {"type": "ready", "node": "spare2", "warmup_s": 2.0, "shadow_steps": 2, "detail": {}})
+    p.on_message(3.0, "spare2", {"type": "ready", "node": "spare2", "local": 0, "warmup_s": 2.0, "shadow_steps": 2, "detail": {}})
     p.on_nodes(10.0, {"train2": Node("ALLOCATED+DRAIN")})
     planned = p.active()
     acts = p.on_peer_gone(10.2, "train3")  # a stayer dies while Phase 1 runs
@@ -312,3 +312,62 @@ def test_a_node_whose_slurmd_stopped_answering_is_migrated_as_planned():
     ready_standby(q)
     q.on_peer_gone(3.0, "train2")
     assert q.request(4.0, "train2", "drain")[1].startswith("train2 is being recovered")
+
+
+# --- several ranks per node (whole-node migration) ---------------------------------------
+def new_two_rank_policy(**cfg):
+    """2 nodes of 2 ranks (TP2 inside a node): train1 holds 0, 1; train2 holds 2, 3."""
+    view = JobView(7, 4, 2, "train1", {0: "train1", 1: "train1", 2: "train2", 3: "train2"})
+    return Policy(Config(ranks_per_node=2, **cfg), view)
+
+
+def ready_msg(node, local):
+    return {"type": "ready", "node": node, "local": local, "warmup_s": 2.0, "shadow_steps": 2, "detail": {}}
+
+
+def test_a_standby_node_is_ready_once_each_of_its_processes_is():
+    p = new_two_rank_policy()
+    ready_standby(p)  # local 0 only
+    assert p.view.standbys["spare1"].state == "starting"
+    assert not sends(p.on_nodes(10.0, {"train2": Node("ALLOCATED+DRAIN")}), "prepare")  # waits for the node
+    assert p.on_message(10.5, "spare1", ready_msg("spare1", 0)) == []  # the same process again
+    acts = p.on_message(11.0, "spare1", ready_msg("spare1", 1))
+    assert p.view.standbys["spare1"].state == "joining" and sends(acts, "prepare")
+
+
+def test_a_drained_node_moves_whole_each_rank_into_its_slot():
+    p = new_two_rank_policy(standbys=1)
+    ready_standby(p)
+    p.on_message(2.5, "spare1", ready_msg("spare1", 1))
+    acts = p.on_nodes(10.0, {"train2": Node("ALLOCATED+DRAIN")})
+    to_stayers, to_joiner = sends(acts, "prepare")
+    assert to_stayers.msg["leavers"] == [2, 3] and set(to_stayers.nodes) == {"train1", "train2"}
+    assert to_joiner.nodes == ("spare1",) and to_joiner.msg["assign"] == {"0": 2, "1": 3}
+    m = p.active()
+    assert m.leaver_ranks == (2, 3) and len(m.expected) == 6
+    for rank, role, node in [(0, "stayer", "train1"), (1, "stayer", "train1"), (2, "leaver", "train2"),
+                             (3, "leaver", "train2"), (2, "joiner", "spare1"), (3, "joiner", "spare1")]:
+        p.on_message(11.0, node, {"type": "prepared", "epoch": 1, "rank": rank, "groups": [], "seconds": 0.1,
+                                  "detail": {}})
+    assert m.phase is Phase.SWITCHING
+    for rank, role, node in [(0, "stayer", "train1"), (1, "stayer", "train1"), (2, "leaver", "train2"),
+                             (3, "leaver", "train2"), (2, "joiner", "spare1")]:
+        p.on_message(12.0, node, {"type": "switched", "epoch": 1, "rank": rank, "role": role, "step": 40, "t": 12.0,
+                                  "detail": {"bytes": 10 + rank}})
+    assert m.phase is Phase.SWITCHING, "not before every moved rank joined"
+    assert p.on_peer_gone(12.1, "train2", (2,)) == [] and p.recovery() is None  # a leaver that handed over
+    p.on_message(12.2, "spare1", {"type": "switched", "epoch": 1, "rank": 3, "role": "joiner", "step": 40, "t": 12.2,
+                                  "detail": {"bytes": 13}})
+    assert m.phase is Phase.RELEASING and p.view.ranks_of("spare1") == (2, 3) and p.view.ranks_of("train2") == ()
+    assert ReleaseNode("train2") in p.on_step_exit(13.0, "train2", 0)
+    assert m.to_json()["transfers"] == {"2": {"bytes": 12}, "3": {"bytes": 13}}
+
+
+def test_one_finished_process_of_a_two_rank_node_is_not_the_loss_of_the_node():
+    p = new_two_rank_policy()
+    ready_standby(p)
+    p.on_message(3.0, "train2", {"type": "finished", "rank": 2, "step": 20, "digest": "d", "loss": 1.0})
+    assert p.on_peer_gone(3.1, "train2", (2,)) == [] and p.recovery() is None
+    # its node-mate vanishing before it finished is a loss of the node (both ranks)
+    p.on_peer_gone(3.2, "train2", (3,))
+    assert p.recovery() is not None and p.recovery().leaver_ranks == (2, 3)

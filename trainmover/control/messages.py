@@ -14,7 +14,8 @@ _INT, _FLOAT, _STR, _LIST, _DICT, _BOOL = int, (int, float), str, list, dict, bo
 SCHEMA: dict[str, dict[str, object]] = {
     # worker / agent -> controller
     "hello": {"role": _STR, "node": _STR, "ranks": _LIST, "pid": _INT},
-    "ready": {"node": _STR, "warmup_s": _FLOAT, "shadow_steps": _INT, "detail": _DICT},
+    # one per standby process (`local`: its index on the node); the node is ready once all are
+    "ready": {"node": _STR, "local": _INT, "warmup_s": _FLOAT, "shadow_steps": _INT, "detail": _DICT},
     "recorded": {"rank": _INT, "iterations": _INT, "bytes": _INT, "overhead_s": _FLOAT, "step_s": _LIST,
                  "version": _INT, "detail": _DICT},
     "warming": {"node": _STR, "version": _INT},   # a ready standby re-warms on a newer recording

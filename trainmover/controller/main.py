@@ -121,6 +121,7 @@ class Controller:
                                         "attempt": attempt})
         self.events: queue.Queue = queue.Queue()   # results of background Slurm work
         self.conns: dict[str, list] = {}           # node -> authenticated worker connections
+        self.conn_ranks: dict = {}                 # connection -> the ranks its process runs (from its messages)
         self.steps: dict[str, subprocess.Popen] = {}
         self.standby_launches = 0                  # for TM_INJECT die-in-warmup:<n>
         self.outcome: tuple[bool, str] | None = None
@@ -252,6 +253,7 @@ class Controller:
         kind = msg["type"]
         if kind == "hello":
             self.conns.setdefault(msg["node"], []).append(conn)
+            self.conn_ranks[conn] = tuple(msg["ranks"])  # () for a standby, until it joins
             return []
         if kind in ("migrate", "status"):  # CLI requests: one reply, then the CLI hangs up
             if kind == "migrate":
@@ -266,6 +268,8 @@ class Controller:
         node = (conn.identity or {}).get("node")
         if node is None:
             return []
+        if "rank" in msg and kind in ("step", "switched", "finished"):  # a joiner's rank is learnt here
+            self.conn_ranks[conn] = (msg["rank"],)
         if kind == "failed":
             log.error("rank %d on %s failed in %s: %s", msg["rank"], node, msg["phase"], msg["error"])
         return self.policy.on_message(now, node, msg)
@@ -280,7 +284,7 @@ class Controller:
             return []  # a CLI request, or a peer that never authenticated
         if conn in self.conns.get(node, []):
             self.conns[node].remove(conn)
-        return self.policy.on_peer_gone(now, node)
+        return self.policy.on_peer_gone(now, node, self.conn_ranks.pop(conn, ()))
 
     def _begin(self) -> None:
         self.durable = self.policy.durable()

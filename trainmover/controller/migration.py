@@ -118,4 +118,6 @@ class Migration:
             "switch_step": self.switch_step, "downtime_s": self.downtime_s, "note": self.note,
             "recovery": self.recovery, "state_source": self.source or None,
             "transfer": next((m["detail"] for (r, role), m in self.switched.items() if role == "joiner"), None),
+            # one per moved rank (a whole node moves several): rank -> the joiner's report
+            "transfers": {str(r): m["detail"] for (r, role), m in sorted(self.switched.items()) if role == "joiner"},
         }

@@ -32,6 +32,7 @@ class Standby:
     warmup_s: float | None = None
     shadow_steps: int | None = None
     shadow: dict = field(default_factory=dict)   # replay of recorded collectives: losses, equality
+    warm: set = field(default_factory=set)       # local indices of its processes that reported 'ready'
 
 
 @dataclass
@@ -176,6 +177,11 @@ class Policy(Recovering, Resuming, StandbyLoss):
             s = self.view.standbys.get(node)
             if s is None or s.state == "joining":  # a re-warm's report that crossed a prepare: the join decides
                 return []
+            # A node runs ranks_per_node standby processes; it takes a whole node's ranks, so it
+            # is ready once every one of them is warm.
+            s.warm.add(msg["local"])
+            if len(s.warm) < self.view.ranks_per_node:
+                return []
             s.state, s.since, s.warmup_s, s.shadow_steps = "ready", now, msg["warmup_s"], msg["shadow_steps"]
             s.shadow = msg["detail"] or s.shadow  # a re-ready after a cancelled join keeps the first report
             return self._maybe_recover(now) + self._dispatch(now)
@@ -251,7 +257,8 @@ class Policy(Recovering, Resuming, StandbyLoss):
     def _abort(self, now: float, m: Migration, reason: str, retry: bool = True) -> list:
         m.to(Phase.ABORTED, now, reason)
         if m.joiner in self.view.standbys:
-            self.view.standbys[m.joiner].state = "starting"  # it reports 'ready' again once it is back
+            s = self.view.standbys[m.joiner]  # each of its processes reports 'ready' again once it is back
+            s.state, s.warm = "starting", set()
         nodes = tuple(self.view.train_nodes()) + ((m.joiner,) if m.joiner else ())
         # The node still has to leave: ask again, as a new migration, once a standby is ready;
         # after MAX_ATTEMPTS failures give up (the job keeps running on the node and says so).

@@ -33,18 +33,22 @@ class Recovering:
         return next((m for m in self.migrations if m.active and m.recovery), None)
 
     # --- detection ---------------------------------------------------------------------
-    def on_peer_gone(self, now: float, node: str) -> list:
-        """A worker's or a standby's control connection closed."""
+    def on_peer_gone(self, now: float, node: str, ranks: tuple[int, ...] = ()) -> list:
+        """A worker's or a standby's control connection closed. `ranks`: the ranks that process
+        ran, where known; a node with several ranks has a connection per process, and one
+        rank's process may end (finished) before its node-mates report."""
         if node in self.view.standbys:  # a standby, or a joiner that has not switched yet
             return self._standby_lost(now, node, "control connection lost")
-        if self._lost_unexpectedly(node):
+        if self._lost_unexpectedly(node, ranks):
             return self._fault(now, node, "control connection lost")
         return []
 
-    def _lost_unexpectedly(self, node: str) -> bool:
+    def _lost_unexpectedly(self, node: str, ranks: tuple[int, ...] = ()) -> bool:
+        """Whether the end of `ranks`' process on `node` (unknown ranks: all of the node's) is a
+        loss; losing one process of a node loses the node."""
         if self.done or node not in self.view.rank_node.values():
             return False
-        ranks = self.view.ranks_of(node)
+        ranks = tuple(r for r in ranks if self.view.rank_node.get(r) == node) or self.view.ranks_of(node)
         if all(r in self.finished for r in ranks):
             return False
         # a leaver that handed its state over is expected to go

@@ -367,7 +367,8 @@ class Agent:
                                CONTROL, self.workload.train_step)
         self.replayed, self.shadow_step = version, report["last_step"]
         steps = self.shadow_until_steady(self.spec.shadow_steps)
-        self.send("ready", node=self.spec.node, warmup_s=time.perf_counter() - t0, shadow_steps=steps, detail=report)
+        self.send("ready", node=self.spec.node, local=self.local, warmup_s=time.perf_counter() - t0,
+                  shadow_steps=steps, detail=report)
 
     def standby(self) -> int:
         t0 = time.perf_counter()
@@ -383,7 +384,8 @@ class Agent:
             self.workload.build(self._context(rehearse))
         with self._warm_stance():
             steps = self.shadow_until_steady(self.spec.shadow_steps)
-        self.send("ready", node=self.spec.node, warmup_s=time.perf_counter() - t0, shadow_steps=steps, detail=shadow)
+        self.send("ready", node=self.spec.node, local=self.local, warmup_s=time.perf_counter() - t0,
+                  shadow_steps=steps, detail=shadow)
         log.info("standby on %s warm after %.2fs", self.spec.node, time.perf_counter() - t0)
         while True:
             try:
@@ -398,7 +400,8 @@ class Agent:
                 start = self.join(msg)
                 if start is not None:
                     return self.train(start)
-                self.send("ready", node=self.spec.node, warmup_s=time.perf_counter() - t0, shadow_steps=0, detail={})
+                self.send("ready", node=self.spec.node, local=self.local, warmup_s=time.perf_counter() - t0,
+                          shadow_steps=0, detail={})
             elif msg["type"] == "recover" and str(self.local) in msg["assign"]:
                 return self.train(self.take_failed_rank(msg))
 

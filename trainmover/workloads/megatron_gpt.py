@@ -63,27 +63,27 @@ class MegatronGPT(Workload):
         if dtype not in DTYPES:
             raise ConfigError(f"megatron_gpt: dtype={dtype!r}: expected one of {sorted(DTYPES)}")
         self.preset, self.lr, self.dropout, self.dtype = preset, float(lr), float(dropout), dtype
-        self.layout = Layout(int(tp), int(pp), int(dp))
+        self.grid = Layout(int(tp), int(pp), int(dp))
         self.distributed_optimizer = _flag(distributed_optimizer)
         layers, _, heads, _, _, micro_batches, vocab = PRESETS[preset]
-        if layers % self.layout.pp or heads % self.layout.tp or vocab % self.layout.tp:
+        if layers % self.grid.pp or heads % self.grid.tp or vocab % self.grid.tp:
             raise ConfigError(f"megatron_gpt: preset {preset!r} ({layers} layers, {heads} heads, vocab {vocab}) "
-                              f"does not split over TP={self.layout.tp}, PP={self.layout.pp}")
-        if self.layout.pp > 1 and micro_batches < self.layout.pp:
-            raise ConfigError(f"megatron_gpt: {micro_batches} micro-batches cannot fill {self.layout.pp} stages")
+                              f"does not split over TP={self.grid.tp}, PP={self.grid.pp}")
+        if self.grid.pp > 1 and micro_batches < self.grid.pp:
+            raise ConfigError(f"megatron_gpt: {micro_batches} micro-batches cannot fill {self.grid.pp} stages")
 
     def group_specs(self, world_size: int) -> list[GroupSpec]:
-        self.layout.check(world_size)
-        return group_specs(self.layout)
+        self.grid.check(world_size)
+        return group_specs(self.grid)
 
     # --- building -------------------------------------------------------------------------
     def build(self, ctx: BuildContext) -> None:
         from trainmover.megatron import stack  # imports Megatron (seconds): only where a model is built
-        self.layout.check(ctx.world_size)
+        self.grid.check(ctx.world_size)
         self.device = torch.device(ctx.options.get("device", "cpu"))
-        self.coords = self.layout.coords(ctx.rank)
+        self.coords = self.grid.coords(ctx.rank)
         layers, hidden, heads, self.seq, self.micro_batch, self.micro_batches, self.vocab = PRESETS[self.preset]
-        self.stack = stack.build(self.layout, ctx, self.device, layers=layers, hidden=hidden, heads=heads,
+        self.stack = stack.build(self.grid, ctx, self.device, layers=layers, hidden=hidden, heads=heads,
                                  seq=self.seq, vocab=self.vocab, lr=self.lr, dropout=self.dropout,
                                  distributed_optimizer=self.distributed_optimizer, dtype=DTYPES[self.dtype])
         self.seed, self.position = ctx.seed, 0
