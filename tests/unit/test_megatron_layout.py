@@ -63,11 +63,11 @@ def test_whole_node_of_tp2_leaving_changes_groups_of_its_two_ranks():
     assert all(not {2, 3} & set(g.ranks) for g in d.untouched)
 
 
-def test_workload_layout_is_the_runtime_hook_not_the_parallel_grid():
-    """`Workload.layout()` is what a leaver publishes for its joiner to compare; the parallel
-    grid must not shadow it (it did: every Megatron leaver failed in Phase 1)."""
+def test_collective_layout_is_the_runtime_hook_not_the_parallel_grid():
+    """`Workload.collective_layout()` is what a leaver publishes for its joiner to compare; an
+    attribute of the workload must not shadow it (one did: every Megatron leaver failed in Phase 1)."""
     wl = workloads.load("megatron_gpt", {"tp": 2, "pp": 2, "dp": 1})
-    assert isinstance(wl.layout(), str)
+    assert isinstance(wl.collective_layout(), str)
     assert wl.grid == Layout(2, 2, 1)
 
 
