@@ -183,3 +183,19 @@ def test_a_recovery_in_flight_is_not_resumed():
 def test_restart_decision(code, restarts, again):
     assert restart_decision(code, restarts, 3, stopping=False)[0] is again
     assert restart_decision(-15, 0, 3, stopping=True) == (False, "the job is being stopped")
+
+
+def test_a_requeued_job_whose_training_ended_has_nothing_left_to_do(tmp_path):
+    """Slurm can requeue a job after its training ended; the second run ends at once (exit 0)
+    only if final.json and status.json say this very job trained every step and ended well."""
+    import json
+
+    from trainmover.controller.records import completed_before
+    assert completed_before(tmp_path, 7, 500) is None                      # a first run
+    (tmp_path / "final.json").write_text(json.dumps({"job_id": 7, "steps": 500, "digest": "x"}))
+    (tmp_path / "status.json").write_text(json.dumps({"outcome": {"ok": True, "message": "training finished"}}))
+    assert "nothing left to do" in completed_before(tmp_path, 7, 500)
+    assert completed_before(tmp_path, 8, 500) is None                      # another job's files
+    assert completed_before(tmp_path, 7, 1000) is None                     # more steps asked for now
+    (tmp_path / "status.json").write_text(json.dumps({"outcome": {"ok": False, "message": "failed"}}))
+    assert completed_before(tmp_path, 7, 500) is None                      # it did not end well

@@ -69,3 +69,19 @@ def trim_torn(path: Path) -> int:
 
 def run_dir(work_dir: str, job_id: int | str) -> Path:
     return Path(work_dir) / "runs" / str(job_id)
+
+
+def completed_before(root: Path, job_id: int, steps: int) -> str | None:
+    """Why this job has nothing left to do, if an earlier run of the same job id (Slurm
+    requeued it) already trained every step and ended well; None otherwise. Slurm 22.05 can
+    requeue a job after its training ended ('Batch JobId missing from batch node'); its second
+    run must then say so and end, not fail on the secret the first run left."""
+    try:
+        final = json.loads((Path(root) / "final.json").read_text())
+        outcome = json.loads((Path(root) / "status.json").read_text()).get("outcome") or {}
+    except (OSError, ValueError):
+        return None
+    if final.get("job_id") == job_id and final.get("steps") == steps and outcome.get("ok"):
+        return (f"job {job_id} already trained all {steps} steps in an earlier run ({root}/final.json); "
+                "Slurm requeued it afterwards: nothing left to do")
+    return None

@@ -26,8 +26,10 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from trainmover.config import Config
+from trainmover.controller import records
 from trainmover.errors import ConfigError
 
 log = logging.getLogger("trainmover.supervisor")
@@ -64,6 +66,11 @@ def main() -> int:
     from trainmover.slurm.client import CliSlurm
     slurm = CliSlurm()
     job = slurm.job(job_id)
+    done = records.completed_before(Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id)),
+                                    job_id, cfg.steps)
+    if done:
+        log.warning("%s", done)
+        return 0
     batch_host = job.batch_host or job.nodes[0]
     host = slurm.nodes([batch_host])[batch_host].addr  # our node's own address, from Slurm
     listen = _bind(host)
