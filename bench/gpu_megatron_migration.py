@@ -41,18 +41,7 @@ from bench.single_host_jobs import read_json, read_rows  # noqa: E402
 
 # --- one job (a child process: a hung job can be killed, its files stay) ----------------------
 def run_job(spec: dict) -> int:
-    from trainmover.config import Config
-    from trainmover.controller.main import Controller
-    from trainmover.controller.single_host import SingleHostAllocation
-
-    workdir = Path(spec["workdir"])
-    workdir.mkdir(parents=True, exist_ok=True)
-    run = workdir / "run"
-    cfg = Config(run_dir=str(run), **spec["config"])
-    alloc = SingleHostAllocation(gpus=spec["gpus"], train=spec["gpus"] - 1, work_dir=str(workdir))
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    raw = {"name": spec["name"], "t_start": time.time(), "trigger": {}, "error": None}
-    ctl = Controller(cfg, job_id=1, slurm=alloc, environ=env)
+    ctl, run, raw = jobs.new_job(spec, ROOT)
 
     def trigger():
         """`migrate` the leaver once the standby is ready and `migrate_at` steps are done."""
@@ -81,7 +70,7 @@ def run_job(spec: dict) -> int:
 
     if spec["migrate"]:
         threading.Thread(target=trigger, daemon=True).start()
-    return jobs.run_controller(ctl, run, raw, workdir / "raw.json")
+    return jobs.run_controller(ctl, run, raw, Path(spec["workdir"]) / "raw.json")
 
 
 def layout(kind: str, workers: int) -> dict:

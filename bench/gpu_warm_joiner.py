@@ -47,20 +47,7 @@ TARGETS = {"first_step_ratio_max": 1.2, "stayer_throughput_ratio_min": 0.99}
 
 # --- one job (runs in a child process: a hung job can be killed, its files stay) -------------
 def run_job(spec: dict) -> int:
-    from trainmover.config import Config
-    from trainmover.controller.main import Controller
-    from trainmover.controller.single_host import SingleHostAllocation
-
-    workdir = Path(spec["workdir"])
-    workdir.mkdir(parents=True, exist_ok=True)
-    run = workdir / "run"
-    cfg = Config(run_dir=str(run), **spec["config"])
-    alloc = SingleHostAllocation(gpus=spec["gpus"], train=spec["gpus"] - 1, work_dir=str(workdir))
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    raw = {"name": spec["name"], "t_start": time.time(), "trigger": {}, "error": None}
-    out = workdir / "raw.json"
-
-    ctl = Controller(cfg, job_id=1, slurm=alloc, environ=env)
+    ctl, run, raw = jobs.new_job(spec, ROOT)
 
     def trigger():
         """Migrate the leaver once the standby is ready and a steady window has passed; stop
@@ -92,7 +79,7 @@ def run_job(spec: dict) -> int:
             t["error"] = f"trigger failed: {exc!r}"
 
     threading.Thread(target=trigger, daemon=True).start()
-    return jobs.run_controller(ctl, run, raw, out)
+    return jobs.run_controller(ctl, run, raw, Path(spec["workdir"]) / "raw.json")
 
 
 def _stop(ctl) -> None:
@@ -210,7 +197,7 @@ def main() -> int:
             "workload_options": "" if args.no_compile else "compile=true"}
     stamp = time.strftime("%Y%m%d-%H%M%S")
     work = Path(args.work or f"/tmp/tm-warm-joiner-{stamp}")
-    jobs = {
+    specs = {
         "cold": {"name": "cold", "gpus": gpus, "leaver": leaver, "steady_steps": 20, "min_step": args.cold_migrate_at,
                  "after_steps": args.after_steps, "workdir": str(work / "cold"),
                  "config": {**base, "steps": MAX_STEPS, "record_iterations": 0, "standby_warmup": "cold"}},
@@ -222,7 +209,7 @@ def main() -> int:
     }
     summaries = {}
     for name in ("warm", "cold"):  # the subject first: a cold job that hangs cannot starve it
-        spec = jobs[name]
+        spec = specs[name]
         left = args.deadline_s - (time.monotonic() - t_begin) - 5
         if name == "warm":
             left = min(left, 0.6 * args.deadline_s)

@@ -37,6 +37,23 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
+def new_job(spec: dict, root: Path):
+    """(controller, run dir, raw results) of one job: the real controller on
+    `SingleHostAllocation`, one GPU a 'node', the last one the standby; `root` goes on
+    PYTHONPATH so that the workers import this checkout."""
+    from trainmover.config import Config
+    from trainmover.controller.main import Controller
+    from trainmover.controller.single_host import SingleHostAllocation
+    workdir = Path(spec["workdir"])
+    workdir.mkdir(parents=True, exist_ok=True)
+    run = workdir / "run"
+    cfg = Config(run_dir=str(run), **spec["config"])
+    alloc = SingleHostAllocation(gpus=spec["gpus"], train=spec["gpus"] - 1, work_dir=str(workdir))
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    raw = {"name": spec["name"], "t_start": time.time(), "trigger": {}, "error": None}
+    return Controller(cfg, job_id=1, slurm=alloc, environ=env), run, raw
+
+
 def watch_standby(t: dict, run: Path, status: dict, step: int) -> str | None:
     """Note in `t` when the standby is first seen and ready (ready_t, ready_step, standby);
     the reason if its agent exited before it was warm (said at once, not at the deadline)."""
