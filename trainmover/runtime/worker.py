@@ -405,14 +405,18 @@ class Agent:
             elif msg["type"] == "recover" and str(self.local) in msg["assign"]:
                 return self.train(self.take_failed_rank(msg))
 
-    def _layout_mismatch(self, epoch: int, leaver: int) -> str:
-        """Why this joiner's collective layout cannot replace the leaver's ('' if it can)."""
-        try:
-            self.store.wait([layout_key(epoch, leaver)], datetime.timedelta(seconds=self.spec.group_timeout_s))
-            theirs = self.store.get(layout_key(epoch, leaver)).decode()
-        except (RuntimeError, dist.DistStoreError) as exc:
-            return f"the leaver never published its collective layout: {exc}"
-        ours = self.workload.collective_layout()
+    def _layout_mismatch(self, epoch: int, leaver: int) -> str | None:
+        """Why this joiner's collective layout cannot replace the leaver's ('' if it can; None
+        if the controller aborted the epoch meanwhile). The leaver publishes its layout when it
+        gets `prepare`; the wait is bounded and abortable."""
+        key, deadline = layout_key(epoch, leaver), time.monotonic() + self.spec.group_timeout_s
+        while not self.store.check([key]):
+            if self._aborted(epoch):
+                return None
+            if time.monotonic() > deadline:
+                return f"the leaver never published its collective layout ({self.spec.group_timeout_s:g}s)"
+            time.sleep(0.05)
+        ours, theirs = self.workload.collective_layout(), self.store.get(key).decode()
         if ours != theirs:
             return (f"the joiner's collective layout differs from the leaver's (its collectives would not match "
                     f"the stayers'): joiner {ours[:200]!r}, leaver {theirs[:200]!r}")
@@ -486,6 +490,9 @@ class Agent:
             self.send("prepare_failed", epoch=epoch, rank=rank, error=prep.error or "phase 1 deadline")
             return None
         mismatch = self._layout_mismatch(epoch, leaver)
+        if mismatch is None:
+            log.info("epoch %d aborted during phase 1; back to standby", epoch)
+            return None
         if mismatch:
             self.send("prepare_failed", epoch=epoch, rank=rank, error=mismatch)
             return None
