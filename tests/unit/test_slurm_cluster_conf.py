@@ -42,6 +42,7 @@ def test_slurm_conf_has_the_settings_trainmover_needs():
         "HealthCheckProgram=/var/tmp/tmc/etc/healthcheck.sh",
         f"HealthCheckInterval={specmod.HEALTHCHECK_INTERVAL_S}",
         "HealthCheckNodeState=IDLE,CYCLE",
+        "BatchStartTimeout=3600",  # no requeue of a job one registration left out
     ]:
         assert line in conf, line
 

@@ -22,6 +22,7 @@ MAX_NODES = 240
 DEFAULT_PORTS = {"slurmctld": 16817, "slurmdbd": 16819, "mariadb": 16306, "slurmd": 16901}
 CPUS_PER_NODE = 4
 MEMORY_PER_NODE_MB = 2048
+BATCH_START_TIMEOUT_S = 3600  # see render_slurm_conf
 HEALTHCHECK_INTERVAL_S = 30  # a run costs ~0.1 s of CPU: cheap even with every node on one host
 
 
@@ -197,6 +198,12 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         "MailProg=/bin/true",
         "ReturnToService=2",
         "SlurmdTimeout=30",
+        "# slurmctld requeues a running batch job that one node registration leaves out once the",
+        "# job has not been seen for BatchStartTimeout (+ MessageTimeout) seconds; with every",
+        "# slurmd on one loaded host such a registration happens now and then (most often after",
+        "# a job was resized), and 22.05 then requeued healthy TrainMover jobs. A job lost for real",
+        "# still ends: its node goes DOWN, or its steps end.",
+        f"BatchStartTimeout={BATCH_START_TIMEOUT_S}",
         "InactiveLimit=0",
         "KillWait=5",
         "MinJobAge=300",
