@@ -10,7 +10,8 @@ from test_policy import Node, new_policy, ready_standby, sends, stalled
 
 
 def ready(p, now, node):
-    return p.on_message(now, node, {"type": "ready", "node": node, "warmup_s": 2.0, "shadow_steps": 2, "detail": {}})
+    return p.on_message(now, node, {"type": "ready", "node": node, "local": 0, "warmup_s": 2.0, "shadow_steps": 2,
+                                    "detail": {}})
 
 
 def events(actions):
