@@ -72,7 +72,7 @@ def test_job_grow_shrink_and_steps(backend, submit, slurm_env):
     wait_for("a free standby", lambda: backend.free_standbys(RESERVATION), timeout=60)
     free_before = backend.free_standbys(RESERVATION)
     assert free_before and all(n.startswith("spare") for n in free_before)
-    new = backend.grow(job.job_id, reservation=RESERVATION, timeout=10)
+    new = backend.grow(job.job_id, reservation=RESERVATION, timeout=30)  # salloc waits on a loaded slurmctld
     assert new in free_before
     grown = backend.job(job.job_id)
     assert set(grown.nodes) == {got.batch_host, new} and grown.restart_count == 0

@@ -47,6 +47,9 @@ def test_the_link_reconnects_and_resyncs_and_a_bye_ends_it():
         c, m = get(second)
         if m is not None:
             kinds.append(m["type"])
+    deadline = time.monotonic() + 5  # the link notes the reconnection after it has sent both
+    while not link.reconnects and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert kinds == ["hello", "resync"] and link.reconnects and link.inbox.empty()
     assert link.send(make("step", rank=3, step=10, loss=1.0, step_s=0.1, compute_s=0.1, t=1.0))
     assert get(second)[1]["type"] == "step"
