@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from trainmover.errors import SlurmError
 from trainmover.slurm import CliSlurm, JobInfo, commands
 
 TEST_JOB_PREFIX = "tm-e2e-"
@@ -49,6 +50,38 @@ def _clean(client: CliSlurm, slurm_conf) -> None:
     for name, node in client.nodes().items():
         if "DRAIN" in node.flags and node.reason.startswith(DRAIN_PREFIX):
             client.resume(name)
+
+
+def job_ended(client: CliSlurm, job_id: int) -> bool:
+    """Whether the job left RUNNING/PENDING/COMPLETING/CONFIGURING."""
+    try:
+        return client.job(job_id).state not in ("RUNNING", "PENDING", "COMPLETING", "CONFIGURING")
+    except SlurmError as exc:  # ended long enough ago (MinJobAge) that slurmctld forgot it
+        if "Invalid job id" in str(exc):
+            return True
+        raise
+
+
+def resume_drained(client: CliSlurm, reason: str) -> None:
+    """Resume every node drained with exactly `reason` (a module's own drains)."""
+    for name, node in client.nodes().items():
+        if "DRAIN" in node.flags and node.reason == reason:
+            client.resume(name)
+
+
+def own_cluster(nodes: int, standby: int, state_dir: str, drain_reason: str) -> Iterator[tuple]:
+    """Body of a module-scoped fixture for a module that runs a cluster of its own size in its
+    own state directory (its ports apart): yields (ClusterInfo, CliSlurm); nodes the module
+    drained are resumed before and after."""
+    if os.geteuid() != 0:
+        pytest.skip("the embedded Slurm cluster needs root (private munged, slurmd in namespaces)")
+    from trainmover import cluster
+
+    info = cluster.up(nodes=nodes, standby=standby, state_dir=state_dir)
+    client = CliSlurm(slurm_conf=str(info.slurm_conf))
+    resume_drained(client, drain_reason)
+    yield info, client
+    resume_drained(client, drain_reason)
 
 
 @pytest.fixture

@@ -19,10 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import TEST_JOB_PREFIX, wait_for
+from tests.e2e.conftest import TEST_JOB_PREFIX, job_ended, own_cluster, resume_drained, wait_for
 from tests.e2e.test_migration import Run
 from trainmover.slurm import commands
-from trainmover.errors import SlurmError
 from trainmover.slurm.client import CliSlurm
 
 pytestmark = pytest.mark.slurm
@@ -39,34 +38,14 @@ FIRST_STAGE, LAST_STAGE, TP_PEER = 2, 7, 1
 
 @pytest.fixture(scope="module")
 def cluster():
-    if os.geteuid() != 0:
-        pytest.skip("the embedded Slurm cluster needs root (private munged, slurmd in namespaces)")
-    from trainmover import cluster as embedded
-    info = embedded.up(nodes=8, standby=3, state_dir=STATE_DIR)
-    client = CliSlurm(slurm_conf=str(info.slurm_conf))
-    _resume_drained(client)
-    yield info, client
-    _resume_drained(client)
+    yield from own_cluster(8, 3, STATE_DIR, DRAIN_REASON)
 
 
 @pytest.fixture(autouse=True)
 def resume_drained_nodes(cluster):
     """Each test leaves the cluster as it found it: the next job needs all 8 training nodes."""
     yield
-    _resume_drained(cluster[1])
-
-
-def _ended(client: CliSlurm, job_id: int) -> bool:
-    try:
-        return client.job(job_id).state not in ("RUNNING", "PENDING", "COMPLETING", "CONFIGURING")
-    except SlurmError:  # slurmctld forgot it: ended long ago
-        return True
-
-
-def _resume_drained(client: CliSlurm) -> None:
-    for name, node in client.nodes().items():
-        if "DRAIN" in node.flags and node.reason == DRAIN_REASON:
-            client.resume(name)
+    resume_drained(cluster[1], DRAIN_REASON)
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +66,9 @@ def submit(cluster, tmp_path_factory):
 
     yield _submit
     commands.run(["scancel", *[str(r.job_id) for r in runs]], timeout=10, env=env, check=False)
-    wait_for("this module's jobs to end", lambda: all(_ended(client, r.job_id) for r in runs), timeout=60,
+    wait_for("this module's jobs to end", lambda: all(job_ended(client, r.job_id) for r in runs), timeout=60,
              interval=1.0)
-    _resume_drained(client)
+    resume_drained(client, DRAIN_REASON)
 
 
 def _completed(run: Run, client: CliSlurm) -> Run:

@@ -22,11 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import TEST_JOB_PREFIX, wait_for
-from tests.e2e.test_megatron_slurm import _assert_same_training, _ended, _standby_ready
+from tests.e2e.conftest import TEST_JOB_PREFIX, job_ended, own_cluster, resume_drained, wait_for
+from tests.e2e.test_megatron_slurm import _assert_same_training, _standby_ready
 from tests.e2e.test_migration import Run
 from trainmover.slurm import commands
-from trainmover.slurm.client import CliSlurm
 
 pytestmark = pytest.mark.slurm
 pytest.importorskip("megatron.core")
@@ -40,22 +39,9 @@ LAYOUT = {"TM_TP": 2, "TM_PP": 2, "TM_DP": 1, "TM_RANKS_PER_NODE": 2}
 MOVED = [2, 3]  # the second node: pipeline stage 1, its TP pair
 
 
-def _resume_drained(client: CliSlurm) -> None:
-    for name, node in client.nodes().items():
-        if "DRAIN" in node.flags and node.reason == DRAIN_REASON:
-            client.resume(name)
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    if os.geteuid() != 0:
-        pytest.skip("the embedded Slurm cluster needs root (private munged, slurmd in namespaces)")
-    from trainmover import cluster as embedded
-    info = embedded.up(nodes=6, standby=2, state_dir=STATE_DIR)
-    client = CliSlurm(slurm_conf=str(info.slurm_conf))
-    _resume_drained(client)
-    yield info, client
-    _resume_drained(client)
+    yield from own_cluster(6, 2, STATE_DIR, DRAIN_REASON)
 
 
 def _drain_when_warm(run: Run) -> str:
@@ -105,9 +91,9 @@ def runs(cluster, tmp_path_factory):
         yield out
     finally:
         commands.run(["scancel", *[str(r.job_id) for r in out.values()]], timeout=10, env=env, check=False)
-        wait_for("this module's jobs to end", lambda: all(_ended(client, r.job_id) for r in out.values()),
+        wait_for("this module's jobs to end", lambda: all(job_ended(client, r.job_id) for r in out.values()),
                  timeout=60, interval=1.0)
-        _resume_drained(client)
+        resume_drained(client, DRAIN_REASON)
 
 
 def test_whole_node_with_tp2_inside_moves_both_ranks_bit_exactly(runs):

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import TEST_JOB_PREFIX, wait_for
-from trainmover.errors import SlurmError
+from tests.e2e.conftest import TEST_JOB_PREFIX, job_ended, wait_for
 from trainmover.slurm import commands
 
 pytestmark = pytest.mark.slurm
@@ -89,17 +88,8 @@ def demo(slurm_cluster, tmp_path_factory):
     from trainmover.slurm.client import CliSlurm
     client = CliSlurm(slurm_conf=str(slurm_cluster.slurm_conf))
     # Leave the cluster as found: every job of this module ended, not merely cancelled.
-    wait_for("this module's jobs to end", lambda: all(_ended(client, r.job_id) for r in runs), timeout=60,
+    wait_for("this module's jobs to end", lambda: all(job_ended(client, r.job_id) for r in runs), timeout=60,
              interval=1.0)
-
-
-def _ended(client, job_id: int) -> bool:
-    try:
-        return client.job(job_id).state not in ("RUNNING", "PENDING", "COMPLETING", "CONFIGURING")
-    except SlurmError as exc:  # ended long enough ago (MinJobAge) that slurmctld forgot it
-        if "Invalid job id" in str(exc):
-            return True
-        raise
 
 
 @pytest.fixture(autouse=True)
@@ -360,7 +350,7 @@ def test_a_reported_straggler_fails_the_health_check_which_drains_and_migrates_i
         assert slurm_client.job(run.job_id).restart_count == 0 and slurm_client.job(run.job_id).state == "RUNNING"
     finally:
         commands.run(["scancel", str(run.job_id)], timeout=10, env=run.env, check=False)
-        wait_for(f"job {run.job_id} to end", lambda: _ended(slurm_client, run.job_id), timeout=60, interval=1.0)
+        wait_for(f"job {run.job_id} to end", lambda: job_ended(slurm_client, run.job_id), timeout=60, interval=1.0)
         if slow_node is not None:
             slurm_client.resume(slow_node)  # its reason is not the tests' prefix: the fixture would leave it
 
