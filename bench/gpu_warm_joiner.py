@@ -134,7 +134,7 @@ def summarize(raw: dict, spec: dict) -> dict:
             out.update(warm_window_s=trig["ready_t"] - rows[rec_from]["t"], warm_window_steps=ready - rec_from,
                        warm_window_period_s=window, stayer_throughput_ratio=steady_period / window)
         # (c) the recorded steps and the steps while the file was written, from the job's own rows
-        rec = raw.get("status", {}).get("recording") or {}
+        rec = (raw.get("status", {}).get("recordings") or {}).get("0") or {}
         out["recording"] = rec
         rec_steps = [rows[k]["step_s"] for k in range(rec_from + 1, rec_from + 1 + spec["config"]["record_iterations"])
                      if k in rows]

@@ -41,6 +41,10 @@ def _read_run_file(path: Path, job: str, what: str) -> dict:
         raise TrainMoverError(f"job {job} has not written its {what} yet ({path})") from None
 
 
+def _role(report: dict) -> str:
+    return f"{report['role']} (rank {report['rank']})" if "role" in report else f"rank {report['rank']}"
+
+
 def _status(args) -> int:
     status = _read_run_file(_run_dir(args.job, args.run_dir) / "status.json", args.job, "status")
     if args.json:
@@ -56,13 +60,16 @@ def _status(args) -> int:
             warm += (f", {shadow['iterations']} shadow iterations on recording version {shadow['version']} "
                      f"(steps {shadow['first_step']}-{shadow['last_step']} of rank {shadow['rank']}; shapes checked)")
         elif shadow.get("replay") == "done":
-            warm += (f", {shadow['iterations']} shadow iterations on recorded collectives, losses "
-                     f"{'equal to' if shadow['loss_equal'] else 'DIFFERENT from'} rank {shadow['rank']}'s")
+            roles = shadow.get("roles") or [shadow]
+            warm += (f", {sum(r['iterations'] for r in roles)} shadow iterations on recorded collectives of "
+                     f"{'role' if len(roles) == 1 else 'roles'} {', '.join(_role(r) for r in roles)}, losses "
+                     f"{'equal' if shadow['loss_equal'] else 'DIFFERENT'}"
+                     + ("" if shadow.get("sends_equal") is None else
+                        f", sends {'equal' if shadow['sends_equal'] else 'DIFFERENT'}"))
         elif shadow.get("replay"):
             warm += f", shadow iterations answered locally ({shadow['replay']})"
         print(f"  standby {s['node']:<7} {s['state']:<9} {warm}")
-    rec = status.get("recording") or {}
-    if rec:
+    for rec in (status.get("recordings") or {}).values():
         print(f"  recording v{rec.get('version', 1)}: rank {rec['rank']}, {rec['iterations']} iterations, "
               f"{rec['bytes']} bytes, {rec['overhead_s']:.3f}s of extra step time")
     if not status["standbys"]:

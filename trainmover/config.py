@@ -125,8 +125,7 @@ class Config:
     standby_losses: int = field(default=3, metadata={"env": "TM_STANDBY_LOSSES", "doc": "standbys that may die (before or while joining) in one job; after that many no more are taken and a drain waits, the job running on its node"})
     standby_retry_s: float = field(default=5.0, metadata={"env": "TM_STANDBY_RETRY_S", "doc": "pause between attempts when none is free"})
     release_timeout_s: float = field(default=60.0, metadata={"env": "TM_RELEASE_TIMEOUT_S", "doc": "longest wait for the leaver's step to end before its node is released"})
-    record_iterations: int = field(default=3, metadata={"env": "TM_RECORD_ITERATIONS", "doc": "iterations whose collectives are recorded for standbys' shadow steps (0: none)"})
-    record_rank: int = field(default=0, metadata={"env": "TM_RECORD_RANK", "doc": "the rank that records and that standbys rehearse"})
+    record_iterations: int = field(default=3, metadata={"env": "TM_RECORD_ITERATIONS", "doc": "iterations whose collectives are recorded for standbys' shadow steps, by one rank of each role a standby may take (Workload.standby_roles; 0: none)"})
     record_from_step: int = field(default=0, metadata={"env": "TM_RECORD_FROM_STEP", "doc": "first recorded step (0: from the workload's construction on; later: a steady step, past compile and warm-up)"})
     record_versions: int = field(default=4, metadata={"env": "TM_RECORD_VERSIONS", "doc": "most recordings per job: the recording rank records again when a step's collectives change shape"})
     shadow_steps: int = field(default=6, metadata={"env": "TM_SHADOW_STEPS", "doc": "most shadow steps a standby runs to warm up"})
@@ -152,7 +151,7 @@ class Config:
             (self.controller_restarts >= 0, "TM_CONTROLLER_RESTARTS must be >= 0"),
             (min(self.reconnect_timeout_s, self.phase1_timeout_s, self.group_timeout_s, self.switch_timeout_s, self.standby_wait_s, self.recovery_timeout_s,
                  self.standby_retry_s, self.release_timeout_s) > 0, "timeouts must be > 0"),
-            (self.record_iterations >= 0 and self.record_rank >= 0, "TM_RECORD_ITERATIONS and TM_RECORD_RANK must be >= 0"),
+            (self.record_iterations >= 0, "TM_RECORD_ITERATIONS must be >= 0"),
             (self.shadow_steps >= 2, "TM_SHADOW_STEPS must be >= 2 (steadiness needs two steps to compare)"),
             (bool(self.reservation), "TM_RESERVATION must not be empty"),
             (self.device in ("auto", "cpu", "cuda"), f"TM_DEVICE={self.device!r}: expected auto, cpu or cuda"),

@@ -97,9 +97,21 @@ def _standby_ready(run: Run) -> bool:
     return any(s["state"] == "ready" for s in status["standbys"])
 
 
+def _assert_rehearsed_both_stages(run: Run) -> None:
+    """A ready standby rehearsed the first and the last stage on their ranks' recordings
+    (issue 4: it cannot know which it will replace) and gave what those ranks gave."""
+    ready = [s for s in run.status()["standbys"] if s["state"] == "ready"]
+    for s in ready:
+        shadow = s["shadow"]
+        assert [(r["role"], r["rank"]) for r in shadow.get("roles", [])] == [("first", 0), ("last", 4)], shadow
+        assert shadow["loss_equal"] is True and shadow["sends_equal"] is True, shadow
+        assert all(r["sends_checked"] > 0 for r in shadow["roles"]), shadow
+
+
 def _move(run: Run, client: CliSlurm, rank: int, how: str) -> str:
     """Make `rank` leave its node (drain or `trainmover migrate`); returns the joiner's node."""
     wait_for("a warm standby", lambda: _standby_ready(run), timeout=120, interval=0.5)
+    _assert_rehearsed_both_stages(run)
     leaver = run.metrics()[-1]["nodes"][rank]
     if how == "drain":
         commands.run(["scontrol", "update", f"nodename={leaver}", "state=drain", f"reason={DRAIN_REASON}"],

@@ -148,7 +148,7 @@ def test_drain_moves_the_rank_to_a_standby_bit_exactly(demo, reference, slurm_cl
     status = run.status()
     (standby,) = status["standbys"]
     assert standby["shadow"]["replay"] == "done" and standby["shadow"]["loss_equal"] is True, standby
-    assert status["recording"]["bytes"] > 0 and status["recording"]["iterations"] == 3
+    assert status["recordings"]["0"]["bytes"] > 0 and status["recordings"]["0"]["iterations"] == 3
     leaver = leaver_of(run)
     commands.run(["scontrol", "update", f"nodename={leaver}", "state=drain", f"reason={DRAIN_REASON}"],
                  timeout=10, env=run.env)

@@ -26,9 +26,9 @@ def test_a_ready_standby_rewarms_on_the_version_recorded_after_a_change_of_shape
                     environ=env).run()
     status = json.loads((tmp_path / "run" / "status.json").read_text())
     assert rc == 0, status
-    assert status["recording"]["version"] == 2 and status["recording"]["detail"]["first_step"] >= 402, status
+    assert status["recordings"]["0"]["version"] == 2 and status["recordings"]["0"]["detail"]["first_step"] >= 402, status
     (standby,) = status["standbys"]
     log = (tmp_path / "run" / "standby-gpu2.log").read_text()
     assert standby["state"] == "ready" and standby["shadow"]["version"] == 2, (standby, log[-2000:])
-    assert standby["shadow"]["first_step"] == status["recording"]["detail"]["first_step"]
+    assert standby["shadow"]["first_step"] == status["recordings"]["0"]["detail"]["first_step"]
     assert "re-warming on recording version 2" in log

@@ -18,7 +18,7 @@ SCHEMA: dict[str, dict[str, object]] = {
     "ready": {"node": _STR, "local": _INT, "warmup_s": _FLOAT, "shadow_steps": _INT, "detail": _DICT},
     "recorded": {"rank": _INT, "iterations": _INT, "bytes": _INT, "overhead_s": _FLOAT, "step_s": _LIST,
                  "version": _INT, "detail": _DICT},
-    "warming": {"node": _STR, "version": _INT},   # a ready standby re-warms on a newer recording
+    "warming": {"node": _STR, "version": _INT, "rank": _INT},  # a ready standby re-warms on a newer recording of that rank
     "step": {"rank": _INT, "step": _INT, "loss": _FLOAT, "step_s": _FLOAT, "compute_s": _FLOAT, "t": _FLOAT},
     "prepared": {"epoch": _INT, "rank": _INT, "groups": _LIST, "seconds": _FLOAT, "detail": _DICT},
     "prepare_failed": {"epoch": _INT, "rank": _INT, "error": _STR},

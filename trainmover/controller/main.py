@@ -143,9 +143,8 @@ class Controller:
                           store=(self.store_host, self.store_port), secret_file=str(self.files.secret),
                           workload=self.cfg.workload, workload_options=self.cfg.workload_kwargs(),
                           device=self.cfg.device, backend=self.cfg.backend,
-                          record_iterations=self.cfg.record_iterations, record_rank=self.cfg.record_rank,
-                          recording_path=str(self.files.root / "recordings" / f"rank{self.cfg.record_rank}.h5")
-                          if self.cfg.record_iterations else "",
+                          record_iterations=self.cfg.record_iterations,
+                          recording_dir=str(self.files.root / "recordings") if self.cfg.record_iterations else "",
                           record_from_step=self.cfg.record_from_step, record_versions=self.cfg.record_versions,
                           standby_warmup=self.cfg.standby_warmup,
                           seed=self.cfg.seed, steps=self.cfg.steps, group_timeout_s=self.cfg.group_timeout_s,

@@ -65,7 +65,7 @@ class Policy(Recovering, Resuming, StandbyLoss):
         self.steps: dict[int, list[tuple[int, float]]] = {}     # rank -> [(step, t)]
         self.rows: dict[int, dict[int, dict]] = {}              # step -> rank -> report
         self.finished: dict[int, dict] = {}
-        self.recording: dict = {}
+        self.recordings: dict[str, dict] = {}  # by recording rank (one per standby role)
         self.samples: dict[int, list[float]] = {}             # rank -> compute times of this window
         self.windows: list[dict[int, float]] = []             # oldest first: rank -> median compute time
         self.straggler: dict = {"mode": cfg.straggler, "verdict": "", "target": None, "windows": 0, "evicted": []}
@@ -193,8 +193,8 @@ class Policy(Recovering, Resuming, StandbyLoss):
             self.failed_reports[node] = msg
             return []
         if kind == "recorded":
-            self.recording = {k: msg[k] for k in ("rank", "iterations", "bytes", "overhead_s", "step_s", "version",
-                                                  "detail")}
+            self.recordings[str(msg["rank"])] = {k: msg[k] for k in ("rank", "iterations", "bytes", "overhead_s",
+                                                                     "step_s", "version", "detail")}
             return []
         if kind == "warming":  # not offered to a migration until it is ready again
             s = self.view.standbys.get(node)
@@ -429,7 +429,7 @@ class Policy(Recovering, Resuming, StandbyLoss):
             "nodes": nodes,
             "standbys": [{"node": s.node, "state": s.state, "warmup_s": s.warmup_s, "shadow_steps": s.shadow_steps,
                           "shadow": s.shadow, "slurm_state": v.node_state.get(s.node, "")} for s in v.standbys.values()],
-            "recording": self.recording,
+            "recordings": self.recordings,
             "standby_pool": {"wanted": self.cfg.standbys, "acquiring": self.acquiring, "note": self.pool_note() or self.acquire_note},
             "waiting_for_standby": [m.leaver for m in waiting],
             "message": (f"waiting for a standby: the job keeps running on {', '.join(m.leaver for m in waiting)}"

@@ -102,6 +102,11 @@ class SandboxBackend:
         return self._answer("allreduce", tensors)
 
     def broadcast(self, tensors, opts=None):
+        if self.answers is not None and opts is not None and opts.rootRank == self.rank_:
+            # this rank is the source: its own data is the answer, to be checked, not replaced
+            self.calls.append(("broadcast", tuple(tuple(t.shape) for t in tensors)))
+            self.answers("broadcast-source", tensors)
+            return _done(tensors)
         return self._answer("broadcast", tensors)
 
     def allgather(self, output_lists, input_tensors, opts=None):
@@ -152,9 +157,10 @@ class SwappableGroup(dist.ProcessGroup):
         self.first_call_cpu: float | None = None  # process CPU time at that moment
         self.revoked = ""                  # why this generation was revoked ("" while usable)
         self._pending: set = set()         # futures of this generation's gloo collectives in flight
-        # observer(group, op, args, work), called after each forwarded collective: the recording
-        # rank's recorder (trainmover.sandbox.live). It lives on the group, not on the backend,
-        # so that a migration's swap of the backend leaves it in place.
+        # observer(group, op, args, work) -> Work | None, called after each forwarded collective:
+        # the recording rank's recorder (trainmover.sandbox.live), which may return a Work to
+        # hand on instead. It lives on the group, not on the backend, so that a migration's
+        # swap of the backend leaves it in place.
         self.observer: Callable | None = None
 
     @property
@@ -236,8 +242,8 @@ def _forwarder(op: str):
             if isinstance(exc, RuntimeError):
                 return _failed(exc)
             raise  # ours (e.g. a sandbox's mismatch with its recording): clear, and at once
-        if self.observer is not None:
-            self.observer(self.group_name_, op, a, work)
+        if self.observer is not None:  # a recorder may hand back a Work that copies the outputs on completion
+            work = self.observer(self.group_name_, op, a, work) or work
         if op in _REVOCABLE and isinstance(self._inner, dist.ProcessGroupGloo):
             return self._revocable(work)
         return work

@@ -30,9 +30,8 @@ class WorkerSpec:
     reconnect_timeout_s: float = 60.0  # controller lost: how long to try reaching its successor
     shadow_steps: int = 6          # most shadow steps to reach a steady collective sequence
     inject: tuple[str, ...] = ()    # fault injection, see trainmover.config.INJECTIONS
-    record_iterations: int = 3      # iterations whose collectives the recording rank records (0: none)
-    record_rank: int = 0            # the rank a standby rehearses
-    recording_path: str = ""        # base name of the HDF5 recordings on the job's shared directory
+    record_iterations: int = 3      # iterations whose collectives the role ranks record (0: none)
+    recording_dir: str = ""         # the job's HDF5 recordings, on its shared directory (see Workload.standby_roles)
     record_from_step: int = 0       # first recorded step (0: from the workload's construction on)
     record_versions: int = 4        # most recordings (a change of collective shapes starts a new one)
     standby_warmup: str = "shadow"  # shadow, or cold (benchmark baseline: no replay; compiled code dropped after the shadow steps)

@@ -92,7 +92,8 @@ class Agent:
         self.retired: list = []  # old backends: released off the critical path (see retire)
         self.trace_steps = 0
         self.recorder = None  # the recording rank's recorder (trainmover.sandbox.live)
-        self.replayed = 0  # a standby: the latest recording version it warmed on
+        self.replayed: dict[int, int] = {}  # a standby: the latest recording version it warmed on, by role rank
+        self.rehearsed: int | None = None  # a standby: the rank whose role its workload is built for
         self.shadow_step: int | None = None  # step its shadow steps replay (the latest recorded one)
         self.slow, self.pure_s = 0.0, 0.0
 
@@ -300,43 +301,61 @@ class Agent:
     def run(self) -> int:
         if self.role == "worker":
             self.groups = self._make_groups(self.rank, sandbox=False)
-            if self.spec.recording_path and self.rank == self.spec.record_rank and self.spec.record_iterations:
+            if self.rank in self._roles().values():
                 self._start_recording()
             self.workload.build(self._context(self.rank))
             return self.train(0)
         return self.standby()
 
     # --- recorded collectives (trainmover.sandbox) ------------------------------------------
+    def _roles(self) -> dict[str, int]:
+        """The roles a standby rehearses and the ranks that record them ({} if not recording)."""
+        if not self.spec.recording_dir or not self.spec.record_iterations:
+            return {}
+        return self.workload.standby_roles(self.spec.world_size)
+
     def _start_recording(self) -> None:
         from trainmover.sandbox import live, recording
         ok, why = recording.available()
         if not ok:
             log.warning("not recording collectives: %s", why)
             return
-        self.recorder = live.Recorder(self.groups, Path(self.spec.recording_path), self.rank,
+        self.recorder = live.Recorder(self.groups, recording.base_of(self.spec.recording_dir, self.rank), self.rank,
                                       self.spec.record_iterations, skip=CONTROL,
                                       from_step=self.spec.record_from_step, max_versions=self.spec.record_versions)
 
     def _replay(self) -> dict:
-        """Shadow iterations on the live job's recording: the standby rehearses the recorded
-        rank and must compute the very losses that rank computed."""
+        """Shadow iterations on the live job's recordings: the standby rehearses every role
+        (each pipeline stage kind; one role without pipeline parallelism) and must compute the
+        very losses and sends its rank computed. Between roles it drops the previous role's
+        model and optimizer, so that it never holds more than one rank's state; the last
+        role stays built (a join rebinds it to the leaver's rank)."""
         if self.spec.standby_warmup == "cold":
             return {"replay": "skipped: cold standby (TM_STANDBY_WARMUP=cold)"}
-        if not self.spec.recording_path or not self.spec.record_iterations:
+        roles = self._roles()
+        if not roles:
             return {"replay": "unavailable: recording disabled"}
         from trainmover.sandbox import shadow
 
         def build(rank, groups):
+            if self.groups:
+                self.workload.release()
+                _free_device_memory(self.device)
             self.groups = groups
-            self.workload.build(self._context(rank))
+            (self.workload.rebind if self.rehearsed is not None else self.workload.build)(self._context(rank))
+            self.rehearsed = rank
 
-        # The live rank may record later than the job start (TM_RECORD_FROM_STEP): wait longer.
-        _, report = shadow.replay(self.specs, Path(self.spec.recording_path), 3 * self.spec.group_timeout_s,
-                                  CONTROL, build, self.workload.train_step,
-                                  settle=lambda: self.shadow_until_steady(self.spec.shadow_steps))
-        if report["replay"] == "done":
-            self.replayed, self.shadow_step = report["version"], report["last_step"]
-        return report
+        # The live ranks may record later than the job start (TM_RECORD_FROM_STEP): wait longer.
+        done, failed = shadow.replay_roles(
+            self.specs, Path(self.spec.recording_dir), roles, 3 * self.spec.group_timeout_s, CONTROL, build,
+            self.workload.train_step, settle=lambda: self.shadow_until_steady(self.spec.shadow_steps),
+            reset_peak=lambda: _reset_peak_memory(self.device), peak=lambda: _peak_memory(self.device))
+        for report in done:
+            self.replayed[report["rank"]], self.shadow_step = report["version"], report["last_step"]
+        if failed is not None:
+            return {**failed, "roles": done}
+        _free_device_memory(self.device)  # keeps the last role's model and optimizer, not its activations
+        return shadow.combine(done, self.memory())
 
     @contextlib.contextmanager
     def _warm_stance(self):
@@ -354,18 +373,27 @@ class Agent:
             _forget_compiled(self.spec.node)
 
     def _rewarm_if_newer(self, t0: float) -> None:
-        """A warm standby re-warms when the live rank recorded a new version (its collectives
-        changed shape): replay it, then report ready again with the new version's report."""
-        if self.spec.standby_warmup == "cold" or not self.spec.recording_path or not self.replayed:
+        """A warm standby re-warms when a role's live rank recorded a new version (its
+        collectives changed shape): it rebinds to that role if it holds another, replays the
+        version, then reports ready again with the new version's report."""
+        if self.spec.standby_warmup == "cold" or not self.replayed:
             return
         from trainmover.sandbox import recording, shadow
-        version = shadow.newer(Path(self.spec.recording_path), self.replayed)
+        found = {rank: shadow.newer(recording.base_of(self.spec.recording_dir, rank), version)
+                 for rank, version in self.replayed.items()}
+        rank, version = next(((r, v) for r, v in found.items() if v is not None), (None, None))
         if version is None:
             return
-        self.send("warming", node=self.spec.node, version=version)
-        report = shadow.rewarm(self.groups, recording.version_path(Path(self.spec.recording_path), version),
-                               CONTROL, self.workload.train_step)
-        self.replayed, self.shadow_step = version, report["last_step"]
+        self.send("warming", node=self.spec.node, version=version, rank=rank)
+        if rank != self.rehearsed:
+            self.workload.release()
+            _free_device_memory(self.device)
+            self.groups = self._make_groups(rank, sandbox=True)
+            self.workload.rebind(self._context(rank))
+            self.rehearsed = rank
+        report = shadow.rewarm(self.groups, recording.version_path(recording.base_of(self.spec.recording_dir, rank),
+                                                                   version), CONTROL, self.workload.train_step)
+        self.replayed[rank], self.shadow_step = version, report["last_step"]
         steps = self.shadow_until_steady(self.spec.shadow_steps)
         self.send("ready", node=self.spec.node, local=self.local, warmup_s=time.perf_counter() - t0,
                   shadow_steps=steps, detail=report)
@@ -379,9 +407,11 @@ class Agent:
         shadow = self._replay()
         if shadow["replay"] != "done":
             log.warning("shadow iterations without a recording: %s", shadow["replay"])
-            rehearse = self.local % self.spec.world_size  # any valid rank: the layout is rank-symmetric here
-            self.groups = self._make_groups(rehearse, sandbox=True)
-            self.workload.build(self._context(rehearse))
+            if self.rehearsed is None:  # else: a role before the missing one was rehearsed and stays built
+                rehearse = self.local % self.spec.world_size  # any valid rank: a join rebinds to the leaver's
+                self.groups = self._make_groups(rehearse, sandbox=True)
+                self.workload.build(self._context(rehearse))
+                self.rehearsed = rehearse
         with self._warm_stance():
             steps = self.shadow_until_steady(self.spec.shadow_steps)
         self.send("ready", node=self.spec.node, local=self.local, warmup_s=time.perf_counter() - t0,
@@ -740,6 +770,25 @@ def main() -> int:
         if agent is not None:
             agent.link.flush()
             agent.link.close()
+
+
+def _reset_peak_memory(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_memory(device: str) -> int | None:
+    """Most bytes torch's allocator held since the last reset (None on CPU nodes)."""
+    return torch.cuda.max_memory_allocated() if device == "cuda" else None
+
+
+def _free_device_memory(device: str) -> None:
+    """Give cached device memory back (a standby between roles, and once warm): what it keeps
+    is then what it holds, not the peak of the role it rehearsed last."""
+    import gc
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _forget_compiled(node: str) -> None:

@@ -81,14 +81,16 @@ class Recorder:
         log.info("recorder v%d: %s -> %s (%s)", self.version, self.state.value, state.value, why)
         self.state = state
 
-    def _observe(self, group: str, op: str, args, work) -> None:
+    def _observe(self, group: str, op: str, args, work):
+        """Returns the Work to hand to the caller instead of `work` (None: `work`)."""
         outs = recording.outputs_of(op, args)
         if outs is None:
-            return
+            return None
         self.signature.append(recording.signature_of(group, op, outs))
         self.device_bytes += [t.numel() * t.element_size() for t in outs if t.is_cuda]
         if self.state is State.RECORDING:
-            self.writer.record(group, op, outs, work)
+            return self.writer.record(group, op, outs, work)
+        return None
 
     def _start(self, step: int, init: bool) -> None:
         self.version += 1

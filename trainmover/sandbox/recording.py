@@ -7,7 +7,11 @@ sees half a recording). A new version is recorded when a step's collectives chan
     /init/<seq>      collectives issued while the workload was built (DDP checks, broadcasts);
                      only in a recording that starts at the workload's construction
     /it<k>/<seq>     one dataset per output tensor of the k-th recorded iteration's seq-th
-                     collective, flattened (chunked, lzf-compressed); attrs: group, op, dtype, shape
+                     collective, flattened (chunked, lzf-compressed); attrs: group, op, dtype, shape.
+                     A point-to-point `send` keeps no data, only `digest` (SHA-256 of what the
+                     live rank sent): a replay checks that the shadow step sends the same. On a
+                     pipeline stage that is not the last, that is the check that its shadow
+                     step computed what the live one did (its loss arrives by broadcast).
     /it<k>.attrs     loss of that iteration on the recording rank, and its training step
     /.attrs          rank, iterations, version, first_step, complete
 
@@ -19,14 +23,17 @@ for each copy and writes HDF5. The training thread only enqueues (see `Recording
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import queue
 import re
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from trainmover.errors import DeadlineExceeded, MigrationError
 
@@ -42,6 +49,11 @@ COPY_DEADLINE_S = 120.0    # longest wait for one device-to-host copy in the wri
 
 def available() -> tuple[bool, str]:
     return (h5py is not None, "" if h5py is not None else "h5py is not installed (pip install trainmover[sandbox])")
+
+
+def base_of(directory: str | Path, rank: int) -> Path:
+    """The base name of rank `rank`'s recordings in a job's recording directory."""
+    return Path(directory) / f"rank{rank}.h5"
 
 
 def version_path(base: Path, version: int) -> Path:
@@ -67,9 +79,9 @@ def _flat(tensors) -> list[torch.Tensor]:
 
 
 def outputs_of(op: str, args) -> list[torch.Tensor] | None:
-    """The tensors a collective writes, from the arguments of the ProcessGroup call
-    (None for calls with nothing to record: sends and barriers)."""
-    if op in ("send", "barrier"):
+    """The tensors a collective writes (for a `send`: the tensors it sends, recorded as
+    digests), from the arguments of the ProcessGroup call (None for a barrier)."""
+    if op == "barrier":
         return None
     if op == "_allgather_base":
         return [args[0]]
@@ -84,6 +96,16 @@ def signature_of(group: str, op: str, tensors) -> tuple:
 
 def _storage_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.int16 if dtype == torch.bfloat16 else dtype
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """`t` flattened, as the storage dtype numpy can hold."""
+    return t.detach().reshape(-1).view(_storage_dtype(t.dtype))
+
+
+def sent_digest(host_words) -> str:
+    """SHA-256 of a sent tensor's bytes (a numpy array of its storage words)."""
+    return hashlib.sha256(host_words.tobytes()).hexdigest()
 
 
 class PinnedPool:
@@ -138,6 +160,42 @@ class PinnedPool:
             self.free.setdefault(buf.numel(), []).append(buf)
 
 
+def _attrs(group: str, op: str, t: torch.Tensor) -> dict:
+    return dict(group=group, op="allgather" if op == "_allgather_base" else op, dtype=str(t.dtype),
+                shape=list(t.shape))
+
+
+class CopyOnWait(dist.Work):
+    """A host collective's Work that takes the recording's copy of its outputs the moment the
+    training thread learns it is complete (its `wait`, or a callback chained on its future),
+    before anything can read or overwrite them. Once only."""
+
+    def __init__(self, inner: dist.Work, take: Callable[[], None]):
+        super().__init__()
+        self.inner, self._take, self.lock, self.taken = inner, take, threading.Lock(), False
+
+    def _once(self) -> None:
+        with self.lock:
+            if not self.taken:
+                self.taken = True
+                self._take()
+
+    def wait(self, timeout=None) -> bool:
+        ok = self.inner.wait() if timeout is None else self.inner.wait(timeout)
+        self._once()
+        return ok
+
+    def is_completed(self) -> bool:
+        return self.inner.is_completed()
+
+    def get_future(self) -> torch.futures.Future:
+        def then(fut):
+            value = fut.value()  # raises the collective's error: nothing to take then
+            self._once()
+            return value
+        return self.inner.get_future().then(then)
+
+
 class RecordingWriter:
     """Takes a recording rank's collective outputs on the training thread (`record`: enqueue a
     copy, no host wait on a GPU) and writes them from a background thread."""
@@ -161,6 +219,7 @@ class RecordingWriter:
         self.pool = pool or PinnedPool(pinned=torch.cuda.is_available())
         self.stream = None          # side stream of the device-to-host copies (created on first use)
         self.last_copy = None       # event after the latest copy: the next iteration waits on it
+        self.pending: list[CopyOnWait] = []  # this iteration's host collectives still in flight
         self.queue: queue.Queue = queue.Queue()
         self.finished = threading.Event()
         self.thread = threading.Thread(target=self._write_loop, name="tm-recording-writer", daemon=True)
@@ -178,21 +237,38 @@ class RecordingWriter:
         self.queue.put(("group", _key(iteration), {} if iteration == "init" else
                         {"step": int(iteration if step is None else step)}))
 
-    def record(self, group: str, op: str, tensors, work=None) -> None:
+    def record(self, group: str, op: str, tensors, work=None):
+        """Take a collective's outputs. Returns the Work the caller must hand on instead of
+        `work` (None: `work` itself): see `CopyOnWait`."""
         t0 = time.perf_counter()
-        for t in _flat(tensors):
-            attrs = dict(group=group, op="allgather" if op == "_allgather_base" else op, dtype=str(t.dtype),
-                         shape=list(t.shape))
-            name = f"{_key(self.iteration)}/{self.seq:05d}"
-            self.seq += 1
-            if t.is_cuda:
-                self._copy_async(name, attrs, t, work)
-            else:  # host tensors: the collective must be complete before its output is read
-                if work is not None:
-                    work.wait()
-                self.queue.put(("data", name, attrs, t.detach().reshape(-1).view(_storage_dtype(t.dtype)).clone(),
-                                None, None))
+        flat = _flat(tensors)
+        if (op != "send" and work is not None and flat and not flat[0].is_cuda
+                and not work.is_completed()):
+            # A host collective still in flight: copy its outputs when the training thread
+            # waits for it. Waiting here instead would hang a pipeline schedule (a stage posts
+            # its receive before the send its peer waits for).
+            names = [self._name() for _ in flat]
+            replaced = CopyOnWait(work, lambda: self._enqueue_host(names, group, op, flat))
+            self.pending.append(replaced)
+            self.host_s += time.perf_counter() - t0
+            return replaced
+        for t in flat:
+            name = self._name()
+            if t.is_cuda:  # a send's tensor holds its data when the call is issued: no wait for the peer
+                self._copy_async(name, _attrs(group, op, t), t, None if op == "send" else work)
+            else:  # a send, or a complete host collective
+                self._enqueue_host([name], group, op, [t])
         self.host_s += time.perf_counter() - t0
+        return None
+
+    def _name(self) -> str:
+        name = f"{_key(self.iteration)}/{self.seq:05d}"
+        self.seq += 1
+        return name
+
+    def _enqueue_host(self, names: list[str], group: str, op: str, tensors: list[torch.Tensor]) -> None:
+        for name, t in zip(names, tensors):
+            self.queue.put(("data", name, _attrs(group, op, t), _words(t).clone(), None, None))
 
     def _copy_async(self, name: str, attrs: dict, t: torch.Tensor, work) -> None:
         current = torch.cuda.current_stream(t.device)
@@ -207,7 +283,7 @@ class RecordingWriter:
             if work is not None:
                 work.wait()  # ProcessGroupNCCL: makes the side stream wait for its own stream
             dst = buf.view(_storage_dtype(t.dtype)) if nbytes else buf
-            dst.copy_(t.detach().reshape(-1).view(_storage_dtype(t.dtype)), non_blocking=True)
+            dst.copy_(_words(t), non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
         t.record_stream(self.stream)  # the allocator must not reuse t's memory before the copy
@@ -216,7 +292,12 @@ class RecordingWriter:
 
     def end_iteration(self, loss: float) -> None:
         """Called at the iteration boundary. The next iteration may overwrite what was recorded
-        (DDP refills its buckets in the next backward): its kernels wait for the copies."""
+        (DDP refills its buckets in the next backward): its kernels wait for the copies, and
+        host outputs not yet taken (a Work nobody waited for) are taken now."""
+        for work in self.pending:
+            if not work.taken:  # a gloo Work must not be waited twice: its second wait never ends
+                work.wait()
+        self.pending = []
         if self.last_copy is not None:
             torch.cuda.current_stream().wait_event(self.last_copy)
         self.queue.put(("loss", _key(self.iteration), float(loss)))
@@ -279,7 +360,10 @@ class RecordingWriter:
                 time.sleep(0.0005)
         arr = data.numpy()
         n = arr.shape[0]
-        if n == 0:
+        if attrs["op"] == "send":
+            ds = self.file.create_dataset(name, shape=(0,), dtype=arr.dtype)
+            attrs = {**attrs, "digest": sent_digest(arr)}
+        elif n == 0:
             ds = self.file.create_dataset(name, data=arr)
         else:
             chunk = min(n, CHUNK_ELEMS)
@@ -306,7 +390,7 @@ class RecordingBackend:
             work = call(*args, **kwargs)
             outs = outputs_of(op, args)
             if outs is not None:
-                self.writer.record(self.group, op, outs, work)
+                work = self.writer.record(self.group, op, outs, work) or work
             return work
         return run
 
@@ -328,6 +412,8 @@ class Replay:
         self.first_step = int(self.file.attrs.get("first_step", 0))
         self.has_init = "init" in self.file
         self.iteration, self.seq = 0, 0
+        self.sends = 0                      # sends checked against the recorded digests
+        self.sends_differ: list[str] = []   # the ones whose data differed
 
     def begin(self, iteration: int | str) -> None:
         if _key(iteration) not in self.file:
@@ -344,13 +430,14 @@ class Replay:
 
     def for_group(self, group: str):
         def answer(op: str, tensors) -> None:
-            if op in ("barrier", "send"):
+            if op == "barrier":
                 return  # skipped: a standby never talks to the live job
             for t in _flat(tensors):
                 self._fill(group, op, t)
         return answer
 
-    def _fill(self, group: str, op: str, t: torch.Tensor) -> None:
+    def _entry(self, group: str, op: str, t: torch.Tensor):
+        """The next recorded collective, checked against what the step asks for."""
         name = f"{_key(self.iteration)}/{self.seq:05d}"
         want = f"{op} on {group}, shape {list(t.shape)}, {t.dtype}"
         if name not in self.file:
@@ -361,12 +448,27 @@ class Replay:
         if got != want:
             raise MigrationError(f"sandbox: iteration {self.iteration} collective #{self.seq}: the step asked for "
                                  f"{want}, the recording has {got}", phase="warmup")
+        self.seq += 1
+        return ds
+
+    def _fill(self, group: str, op: str, t: torch.Tensor) -> None:
+        if op in ("send", "broadcast-source"):
+            # What this rank gives its peers: nothing to answer; compare it with what the live
+            # rank gave (a digest for a send, the recorded data for a broadcast it sourced).
+            ds = self._entry(group, "send" if op == "send" else "broadcast", t)
+            ours = _words(t).cpu().numpy()
+            same = (sent_digest(ours) == ds.attrs["digest"] if op == "send" else
+                    (ours == ds[()]).all() if ours.size else True)
+            self.sends += 1
+            if not same:
+                self.sends_differ.append(f"it{self.iteration}/#{self.seq - 1} ({op} on {group}, {list(t.shape)})")
+            return
+        ds = self._entry(group, op, t)
         data = torch.from_numpy(ds[()])
         if t.dtype == torch.bfloat16:
             data = data.view(torch.bfloat16)
         with torch.no_grad():
             t.copy_(data.reshape(t.shape))
-        self.seq += 1
 
     def close(self) -> None:
         self.file.close()

@@ -42,7 +42,27 @@ def _report(rec: recording.Replay, steps, compared: bool) -> dict:
     return {"replay": "done", "rank": rec.rank, "version": rec.version, "iterations": len(pairs),
             "first_step": steps[0][0], "last_step": steps[-1][0],
             "recorded_losses": [a for a, _ in pairs], "shadow_losses": [b for _, b in pairs],
-            "losses_compared": compared, "loss_equal": all(a == b for a, b in pairs) if compared else None}
+            "losses_compared": compared, "loss_equal": all(a == b for a, b in pairs) if compared else None,
+            # sends (pipeline p2p): the shadow step's data against the digests of the live one's
+            "sends_checked": rec.sends if compared else 0,
+            "sends_equal": (not rec.sends_differ) if compared and rec.sends else None,
+            "sends_differ": rec.sends_differ[:5] if compared else []}
+
+
+def combine(roles: list[dict], memory: dict) -> dict:
+    """One standby report from its roles' replays (oldest first): the last role's fields (the
+    role it keeps built), every role's report under `roles`, equality over all roles, and the
+    device memory it keeps once warm against the highest peak of a role's shadow steps."""
+    last = roles[-1]
+    peaks = [r["peak_bytes"] for r in roles if r.get("peak_bytes") is not None]
+    out = {**last, "roles": roles,
+           "loss_equal": None if any(r["loss_equal"] is None for r in roles) else all(r["loss_equal"] for r in roles),
+           "sends_equal": None if all(r["sends_equal"] is None for r in roles) else
+           all(r["sends_equal"] is not False for r in roles)}
+    if peaks and memory:
+        out.update(kept_bytes=memory.get("reserved_bytes"), role_peak_bytes=max(peaks),
+                   kept_below_peak=memory.get("reserved_bytes", 0) < max(peaks))
+    return out
 
 
 def replay(specs, base: Path, timeout_s: float, local_only: str,
@@ -91,6 +111,24 @@ def replay(specs, base: Path, timeout_s: float, local_only: str,
     rec.close()
     _answer_locally(groups)
     return groups, {**_report(rec, steps, compared=rec.has_init), "settle_steps": settled}
+
+
+def replay_roles(specs, directory: Path, roles: dict[str, int], timeout_s: float, local_only: str,
+                 build: Callable[[int, dict], object], step: Callable[[int], float],
+                 settle: Callable[[], int] | None = None, *, reset_peak: Callable[[], None] = lambda: None,
+                 peak: Callable[[], int | None] = lambda: None) -> tuple[list[dict], dict | None]:
+    """`replay` each role's recording in turn (`roles`: name -> the rank that recorded it).
+    `build` is called once per role: it must drop the previous role's model first (see
+    Workload.release) so that a standby never holds two. Returns (the reports of the roles
+    replayed, the report of the first role that could not be, or None)."""
+    done = []
+    for name, rank in roles.items():
+        reset_peak()
+        _, report = replay(specs, recording.base_of(directory, rank), timeout_s, local_only, build, step, settle)
+        if report["replay"] != "done":
+            return done, {**report, "role": name}
+        done.append({**report, "role": name, "peak_bytes": peak()})
+    return done, None
 
 
 def rewarm(groups: dict[str, SwappableGroup], path: Path, local_only: str, step: Callable[[int], float]) -> dict:

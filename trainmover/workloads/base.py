@@ -65,6 +65,17 @@ class Workload(abc.ABC):
         unexpected failure then needs a checkpoint)."""
         return None
 
+    def standby_roles(self, world_size: int) -> dict[str, int]:
+        """The distinct roles a standby may be asked to take, each by a rank that plays it:
+        those ranks record their collectives and a standby rehearses every role in turn,
+        since it does not know which rank it will replace. Default: every rank does the
+        same work (data parallel), one role."""
+        return {"any": 0}
+
+    def release(self) -> None:
+        """Drop model and optimizer (a standby moving on to rehearse another role): the next
+        `rebind` builds them again. Default: nothing to drop before a rebuild."""
+
     def shadow_data_step(self) -> int:
         """Step number a standby uses for shadow iterations (any valid one)."""
         return 0

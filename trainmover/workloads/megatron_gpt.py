@@ -88,6 +88,23 @@ class MegatronGPT(Workload):
                                  distributed_optimizer=self.distributed_optimizer, dtype=DTYPES[self.dtype])
         self.seed, self.position = ctx.seed, 0
 
+    def standby_roles(self, world_size: int) -> dict[str, int]:
+        """With pipeline parallelism the stages differ (embedding on the first, loss head on
+        the last, p2p on both sides in the middle): first, one middle and the last stage,
+        each by its (tp 0, dp 0) rank. TP and DP peers of a stage have the same shapes."""
+        self.grid.check(world_size)
+        per_stage = self.grid.tp * self.grid.dp
+        if self.grid.pp == 1:
+            return {"any": 0}
+        roles = {"first": 0, "last": (self.grid.pp - 1) * per_stage}
+        if self.grid.pp > 2:
+            roles["middle"] = (self.grid.pp // 2) * per_stage
+        return dict(sorted(roles.items(), key=lambda kv: kv[1]))
+
+    def release(self) -> None:
+        # Megatron's DDP holds the grad buffers, the optimizer its main params: all go with the stack.
+        self.stack = None
+
     # --- data -------------------------------------------------------------------------------
     def _sample(self, position: int) -> dict:
         """Micro-batch number `position` of this DP rank: a noisy repeating grammar, so the
