@@ -110,6 +110,8 @@ def main() -> int:
                     "their logs and run files are copied to <out>/<scenario>-logs")
     ap.add_argument("--machine", default=os.environ.get("TM_BENCH_MACHINE", "unknown"))
     ap.add_argument("--deadline-s", type=float, default=420.0, help="the whole run, both jobs")
+    ap.add_argument("--record-iterations", type=int, default=3,
+                    help="recorded iterations per standby role (0: the standby warms on local answers)")
     ap.add_argument("--run-job", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.run_job:
@@ -159,9 +161,9 @@ def main() -> int:
               "backend": "nccl" if cuda else "gloo", **lay, "distributed_optimizer": int(dist_opt),
               "steps": args.steps, "standbys": 1, "poll_s": 0.5, "group_timeout_s": 120, "switch_timeout_s": 120,
               "phase1_timeout_s": 180, "release_timeout_s": 60, "shadow_steps": 6, "straggler": "off",
-              # Recorded collectives do not capture Megatron's traffic yet (docs/megatron.md): standbys
-              # warm up by shadow steps on sandboxed groups, as in sbatch_templates/megatron_gpt.sbatch.
-              "record_iterations": 0, "workload_options": f"dtype={args.dtype}"}
+              # as sbatch_templates/megatron_gpt.sbatch: each pipeline stage kind records, the
+              # standby rehearses all of them (0: shadow steps on locally answered groups)
+              "record_iterations": args.record_iterations, "workload_options": f"dtype={args.dtype}"}
     work = Path(args.work or f"/tmp/tm-megatron-migration-{time.strftime('%Y%m%d-%H%M%S')}")
     raws = {}
     for name in ("ref", "migrate"):
@@ -200,6 +202,7 @@ def main() -> int:
             metrics = {**summarize(ref, mig, p2p), **metrics}
         except (SystemExit, Exception) as exc:  # noqa: BLE001 - what is missing goes into `errors`
             result["errors"].append(f"summary: {exc!r}")
+        metrics.update(standby_warmup(mig))
         result["metrics"] = metrics
         result["migrations"] = (mig.get("status") or {}).get("migrations")
         if not metrics["bit_exact"]:
@@ -208,6 +211,18 @@ def main() -> int:
     result["complete"] = not result["errors"] and result["metrics"].get("planned_downtime_s") is not None
     save()
     return 0 if result["complete"] else 1
+
+
+def standby_warmup(raw: dict) -> dict:
+    """The migrating job's standby, as it reported ready: the roles it rehearsed on the
+    recordings, whether it gave what their ranks gave, and the memory it kept."""
+    standby = (raw.get("trigger") or {}).get("standby") or {}
+    shadow = standby.get("shadow") or {}
+    return {"standby_warmup_s": standby.get("warmup_s"), "standby_replay": shadow.get("replay"),
+            "standby_roles": [(r.get("role"), r.get("rank")) for r in shadow.get("roles", [])],
+            "standby_loss_equal": shadow.get("loss_equal"), "standby_sends_equal": shadow.get("sends_equal"),
+            "standby_sends_checked": sum(r.get("sends_checked", 0) for r in shadow.get("roles", [])),
+            "standby_kept_bytes": shadow.get("kept_bytes"), "standby_role_peak_bytes": shadow.get("role_peak_bytes")}
 
 
 def _version(dist_name: str) -> str | None:

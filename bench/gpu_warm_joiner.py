@@ -158,6 +158,9 @@ def main() -> int:
     ap.add_argument("--cold-migrate-at", type=int, default=30, help="cold job: earliest step of the migration")
     ap.add_argument("--after-steps", type=int, default=30, help="steps after the switch before a job is stopped")
     ap.add_argument("--deadline-s", type=float, default=560.0, help="whole run, both jobs")
+    ap.add_argument("--jobs", nargs="+", choices=("warm", "cold"), default=["warm", "cold"],
+                    help="which jobs to run (warm alone with --record-from 0: the shadow losses are compared "
+                         "with the recorded ones, on this device)")
     ap.add_argument("--run-job", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.run_job:
@@ -168,7 +171,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     import torch
     gpus = args.gpus or (torch.cuda.device_count() if args.device == "cuda" else 2)
-    scenario = f"warm-joiner-{'gpu' if args.device == 'cuda' else 'cpu-dryrun'}-{args.preset}"
+    scenario = (f"warm-joiner-{'gpu' if args.device == 'cuda' else 'cpu-dryrun'}-{args.preset}"
+                + ("-record-from0" if args.record_from == 0 else ""))
     path = out / f"{scenario}.json"
     result = {
         "scenario": scenario, "machine": args.machine if args.device == "cuda" else "cpu-local",
@@ -177,6 +181,7 @@ def main() -> int:
         "command": " ".join(["python", "bench/gpu_warm_joiner.py", *sys.argv[1:]]),
         "when": results_io.now(),
         "settings": {"preset": args.preset, "compile": not args.no_compile, "workers": gpus - 1, "standbys": 1,
+                     "jobs": args.jobs,
                      "record_iterations": 3, "record_from_step": args.record_from, "torch": torch.__version__,
                      "env": GPU_ENV, "targets": TARGETS},
         "metrics": {}, "jobs": {}, "errors": [], "complete": False,
@@ -208,10 +213,10 @@ def main() -> int:
                             "standby_warmup": "shadow"}},
     }
     summaries = {}
-    for name in ("warm", "cold"):  # the subject first: a cold job that hangs cannot starve it
+    for name in [j for j in ("warm", "cold") if j in args.jobs]:  # the subject first: a hung cold job cannot starve it
         spec = specs[name]
         left = args.deadline_s - (time.monotonic() - t_begin) - 5
-        if name == "warm":
+        if name == "warm" and "cold" in args.jobs:
             left = min(left, 0.6 * args.deadline_s)
         if left < 30:
             result["errors"].append(f"{name}: not run, {left:.0f}s of the deadline left")
@@ -261,8 +266,11 @@ def main() -> int:
     metrics["stayer_throughput_target_met"] = (metrics["stayer_throughput_ratio"] is not None and
                                                metrics["stayer_throughput_ratio"] >= TARGETS["stayer_throughput_ratio_min"])
     result["metrics"] = metrics
-    result["complete"] = not result["errors"] and all(metrics[k] is not None for k in (
-        "first_step_ratio", "cold_first_step_ratio", "stayer_throughput_ratio", "recording_bytes"))
+    # from step 0 the recorded steps are the job's first (compiling): no steady window before them
+    wanted = ["first_step_ratio", "recording_bytes"] + (["stayer_throughput_ratio"] if args.record_from else [])
+    wanted += ["cold_first_step_ratio"] if "cold" in args.jobs else []
+    wanted += ["standby_loss_equal"] if args.record_from == 0 else []
+    result["complete"] = not result["errors"] and all(metrics[k] is not None for k in wanted)
     save()
     return 0 if result["complete"] else 1
 

@@ -40,6 +40,10 @@ def _run_forked(item) -> list[TestReport]:
         os.close(r)
         code = 0
         try:
+            # One intra-op thread: an OpenMP pool the parent started (any earlier test that
+            # trained in the pytest process) does not survive the fork, and using it hangs.
+            import torch
+            torch.set_num_threads(1)
             reports = runtestprotocol(item, log=False, nextitem=None)
             data = [hook.pytest_report_to_serializable(config=item.config, report=rep) for rep in reports]
             with os.fdopen(w, "wb") as f:

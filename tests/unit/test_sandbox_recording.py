@@ -120,3 +120,25 @@ def test_incomplete_recording_is_refused(tmp_path):
     (tmp_path / "r.h5.part").rename(tmp_path / "r.h5")
     with pytest.raises(MigrationError, match="incomplete"):
         Replay(tmp_path / "r.h5")
+
+
+def test_tensor_in_tensor_out_collectives_record_their_one_output(tmp_path):
+    """`_reduce_scatter_base` / `_allgather_base` (Megatron's distributed optimizer) take
+    (output, input) tensors: the output is recorded whole, and a replay answers it."""
+    writer = RecordingWriter(tmp_path / "r.h5", rank=0, iterations=1)
+    live = RecordingBackend(SandboxBackend(0, 2), writer, "dp")
+    writer.begin(0)
+    shard, full = torch.empty(4), torch.empty(8)
+    live._reduce_scatter_base(shard, torch.arange(8.0))
+    live._allgather_base(full, torch.arange(4.0) + 10)
+    writer.end_iteration(1.0)
+    writer.close()
+    rec = Replay(tmp_path / "r.h5")
+    rec.begin(0)
+    sandbox = SandboxBackend(0, 2, answers=rec.for_group("dp"))
+    got_shard, got_full = torch.full((4,), -1.0), torch.full((8,), -1.0)
+    sandbox._reduce_scatter_base(got_shard, torch.zeros(8))
+    sandbox._allgather_base(got_full, torch.zeros(4))
+    assert torch.equal(got_shard, shard) and torch.equal(got_full, full)
+    with pytest.raises(MigrationError, match="only 2 were recorded"):
+        sandbox._reduce_scatter_base(torch.empty(4), torch.zeros(8))

@@ -14,13 +14,17 @@ from megatron.core import parallel_state
 
 from trainmover.errors import ConfigError
 from trainmover.megatron import c10d
-from trainmover.megatron.layout import Layout
+from trainmover.megatron.layout import Layout, group_specs
 
 
 def initialize(layout: Layout, rank: int, groups: dict, backend: str) -> None:
     """Point torch.distributed and parallel_state at `groups` (this rank's SwappableGroups,
     by name; must include every rank set of `layout` containing `rank`)."""
-    by_ranks = {tuple(g.global_ranks): g for g in groups.values()}
+    # Only the layout's own groups: the runtime adds groups of its own (its per-step control
+    # group spans every rank, as Megatron's pipeline or data-parallel group may), and traffic
+    # Megatron sends there would bypass the recorder and, on GPUs, run over gloo.
+    own = {spec.name for spec in group_specs(layout)}
+    by_ranks = {tuple(g.global_ranks): g for name, g in groups.items() if name in own}
     c10d.install(groups["world"], list(groups.values()), backend)
 
     def create_group(ranks=None, timeout=None, backend=None, pg_options=None,

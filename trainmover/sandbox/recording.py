@@ -78,19 +78,24 @@ def _flat(tensors) -> list[torch.Tensor]:
     return [t for x in tensors for t in (x if isinstance(x, (list, tuple)) else [x])]
 
 
+# Tensor-in/tensor-out collectives, recorded under the name of their list form (what a
+# SandboxBackend answers them as).
+_TENSOR_OPS = {"_allgather_base": "allgather", "_reduce_scatter_base": "reduce_scatter"}
+
+
 def outputs_of(op: str, args) -> list[torch.Tensor] | None:
     """The tensors a collective writes (for a `send`: the tensors it sends, recorded as
     digests), from the arguments of the ProcessGroup call (None for a barrier)."""
     if op == "barrier":
         return None
-    if op == "_allgather_base":
+    if op in _TENSOR_OPS:  # (output, input): one output tensor, not a list
         return [args[0]]
     return _flat(args[0])
 
 
 def signature_of(group: str, op: str, tensors) -> tuple:
     """What a replay checks of a collective: group, op, shapes and dtypes of its outputs."""
-    return (group, "allgather" if op == "_allgather_base" else op,
+    return (group, _TENSOR_OPS.get(op, op),
             tuple((tuple(t.shape), str(t.dtype)) for t in tensors))
 
 
@@ -161,7 +166,7 @@ class PinnedPool:
 
 
 def _attrs(group: str, op: str, t: torch.Tensor) -> dict:
-    return dict(group=group, op="allgather" if op == "_allgather_base" else op, dtype=str(t.dtype),
+    return dict(group=group, op=_TENSOR_OPS.get(op, op), dtype=str(t.dtype),
                 shape=list(t.shape))
 
 
