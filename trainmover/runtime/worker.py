@@ -698,6 +698,8 @@ class Agent:
         backends, report = recovery.rebuild(self, msg, "stayer")
         for name, backend in backends.items():
             self.retire(self.groups[name].swap(backend), msg["step"])
+        # a rollback redoes the steps after msg["step"]: their old reports must not reach a restarted controller
+        self.step_reports = deque((r for r in self.step_reports if r["step"] <= msg["step"]), maxlen=RESEND_STEPS)
         self.switched_epoch = msg["epoch"]
         self.send("switched", epoch=msg["epoch"], rank=self.rank, role="stayer", step=msg["step"], t=time.time(),
                   detail={**report, "redo_from": completed})
