@@ -70,7 +70,13 @@ def one(env, workdir: Path, nodes: int = 3, at_step: int = 100, tier: str = "rep
         env["TM_CHECKPOINT_EVERY"] = str(every)
     job = int(commands.run(["sbatch", "--parsable", f"--chdir={workdir}", "--job-name=tm-bench-failure", f"--nodes={nodes}",
                             str(ROOT / "sbatch_templates/demo_gpt_cpu.sbatch")], timeout=15, env=env).stdout.split(";")[0])
-    run = workdir / "runs" / str(job)
+    try:
+        return _measure(workdir / "runs" / str(job), at_step, tier, every, job)
+    finally:  # also when a wait timed out: a trial's job never outlives it
+        commands.run(["scancel", str(job)], timeout=10, env=env, check=False)
+
+
+def _measure(run: Path, at_step: int, tier: str, every: int, job: int) -> dict:
     wait(f"step {at_step} and a warm standby", lambda: (last(run / "metrics.jsonl") or {}).get("step", 0) >= at_step and any(
         s["state"] == "ready" for s in json.loads((run / "status.json").read_text())["standbys"]), 180)
     victim = last(run / "metrics.jsonl")["nodes"][1]
@@ -90,7 +96,11 @@ def one(env, workdir: Path, nodes: int = 3, at_step: int = 100, tier: str = "rep
         if r["step"] == killed_after + 1 and r["t"] > t_kill), None), 120)
     before = [r for r in rows if r["step"] <= resume][-30:]
     steady = statistics.median(b["t"] - a["t"] for a, b in zip(before, before[1:]))
-    commands.run(["scancel", str(job)], timeout=10, env=env)
+    try:  # a job cancelled while its controller takes a standby (salloc + merge) was seen to stay COMPLETING
+        wait("the standby pool refilled", lambda: not json.loads((run / "status.json").read_text())[
+            "standby_pool"]["acquiring"], 60)
+    except TimeoutError:
+        pass
     ev = events(run)
     joined = ev["joined"]["detail"]
     return {"job_id": job, "victim": victim, "joiner": m["joiner"], "downtime_s": round(first_after["t"] - t_kill, 4),

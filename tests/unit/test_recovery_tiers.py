@@ -1,8 +1,11 @@
 """The controller's choice of a recovery tier (pure): replica, then snapshot, then checkpoint,
 else a clear stop; and what the policy sends and records for each."""
+import json
+
 from trainmover.controller import tiers
 from trainmover.controller.actions import CheckpointDone, Finish, Rewind
 from trainmover.controller.migration import Phase
+from trainmover.controller.records import RunFiles
 
 from test_policy import new_policy, ready_standby, sends, stalled
 
@@ -133,3 +136,14 @@ def test_no_tier_stops_the_job_with_a_clear_error():
     (stop,) = [a for a in acts if isinstance(a, Finish)]
     assert not stop.ok and "train2 (ranks [1]) lost: no recovery tier can restore rank(s) [1]" in stop.message
     assert "no complete checkpoint" in stop.message
+
+
+def test_rewinding_the_metrics_keeps_each_step_once_and_appends_after(tmp_path):
+    files = RunFiles(tmp_path)
+    for step in range(1, 8):
+        files.append("metrics", {"step": step, "loss": 1.0})
+    assert files.rewind("metrics", 4) == 3
+    files.append("metrics", {"step": 5, "loss": 2.0})
+    files.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 1.0), (3, 1.0), (4, 1.0), (5, 2.0)]
