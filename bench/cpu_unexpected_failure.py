@@ -115,6 +115,7 @@ def _measure(run: Path, at_step: int, tier: str, every: int, job: int) -> dict:
             "rolled_back_steps": m["state_source"].get("rolled_back_steps", 0),
             "fault_to_progress_regained_s": round(regained["t"] - t_kill, 4),
             "joiner_load_s": joined.get("load_s"),
+            "checkpoint_file_bytes": max((f.stat().st_size for f in run.glob("checkpoints/*/rank-*.h5")), default=None),
             **({} if tier == "replica" else protection_cost(rows, every, resume))}
 
 
@@ -128,8 +129,9 @@ def main():
     ap.add_argument("--cluster-dir", help="state directory of the embedded cluster (default: the demo's)")
     args = ap.parse_args()
     _, env, workdir = setup(args.steps, args.cluster_dir)
-    # a rollback tier: killed half way between two snapshots or checkpoints (the mean case)
-    at_step = 100 + (0 if args.tier == "replica" else args.every // 2)
+    # a rollback tier: killed half way between two snapshots or checkpoints (the mean case), late
+    # enough that several protected steps come before it (their step-time cost is measured)
+    at_step = 100 if args.tier == "replica" else 300 + args.every // 2
     trials = [one(env, workdir, at_step=at_step, tier=args.tier, every=args.every) for _ in range(args.repeats)]
     down = [t["fault_to_first_step_s"] for t in trials]
     med = lambda k: statistics.median(t[k] for t in trials)  # noqa: E731
@@ -150,6 +152,8 @@ def main():
                     **({} if args.tier == "replica" else {
                         "fault_to_progress_regained_s": med("fault_to_progress_regained_s"),
                         "rolled_back_steps_all": [t["rolled_back_steps"] for t in trials],
+                        "snapshot_host_bytes_per_rank": 4 * trials[0]["state_bytes"] if args.tier == "snapshot" else None,
+                        "checkpoint_file_bytes": trials[0]["checkpoint_file_bytes"],
                         **{k: med(k) for k in ("protected_step_extra_s", "amortised_overhead")
                            if all(k in t for t in trials)}})},
         "trials": trials,
