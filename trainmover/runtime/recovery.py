@@ -35,7 +35,10 @@ def rebuild(agent, msg: dict, role: str) -> tuple[dict, dict]:
     transfer is bounded by the group timeout the builder was configured with."""
     t0 = time.perf_counter()
     epoch, step, tier = msg["epoch"], msg["step"], msg["tier"]
-    plan = delta(agent.specs, msg["failed"], epoch)
+    # Every group is replaced, not only those holding a failed rank: a step cut short leaves
+    # operations unmatched in the others too (a pipeline peer waiting for a rank that stalled
+    # keeps waiting until the group timeout, which then closes that pair for good).
+    plan = delta(agent.specs, sorted({r for g in agent.specs for r in g.ranks}), epoch)
     if tier == "replica" and agent.workload.replica_group() is None:
         raise MigrationError(f"workload {agent.spec.workload!r} names no replica group: a vanished rank's "
                              "state can only come from a snapshot or a checkpoint", phase="recover", rank=agent.rank)

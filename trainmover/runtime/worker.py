@@ -138,10 +138,11 @@ class Agent:
         return out
 
     def _revoke(self, msg: dict) -> None:
-        failed = set(msg["failed"])
+        # Every group, not only those holding a failed rank: this rank stalls at its next step
+        # boundary and every group is rebuilt (recovery.rebuild), so a collective it leaves in
+        # flight anywhere must end now rather than make its peers wait for the group timeout.
         for g in list(self.groups.values()):
-            if failed & set(g.global_ranks):
-                g.revoke(msg["reason"])
+            g.revoke(msg["reason"])
 
     def _die_at(self) -> int | None:
         """The step at which an injected failure kills this process (workers launched for
