@@ -93,7 +93,7 @@ def _measure(run: Path, at_step: int, tier: str, every: int, job: int) -> dict:
     first_after = next(r for r in rows if r["step"] == resume + 1)
     regained = wait(f"step {killed_after + 1} again", lambda: next((
         r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-        if r["step"] == killed_after + 1 and r["t"] > t_kill), None), 120)
+        if r["step"] > killed_after and r["t"] > t_kill), None), 120)  # replica: that row may predate the kill
     before = [r for r in rows if r["step"] <= resume][-30:]
     steady = statistics.median(b["t"] - a["t"] for a, b in zip(before, before[1:]))
     try:  # a job cancelled while its controller takes a standby (salloc + merge) was seen to stay COMPLETING
