@@ -95,9 +95,10 @@ def one(env, slurm, workdir: Path, steps: int, nodes: int = 3, at_step: int = 10
             "stayer_throughput_ratio": statistics.median(intervals) / statistics.median(during) if during else None,
             "first_step_after": row["step"], "gantt": gantt(m, rows, t_drain), "migration": m}
 
-def setup(steps: int):
-    """The demo cluster up, the submit environment (no inherited TM_*) and the work directory."""
-    info = cluster.up(nodes=4, standby=2)
+def setup(steps: int, state_dir: str | None = None):
+    """The demo cluster up (in `state_dir`; default: the demo's), the submit environment (no
+    inherited TM_*) and the work directory."""
+    info = cluster.up(nodes=4, standby=2, **({"state_dir": state_dir} if state_dir else {}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("TM_")}
     env.update(SLURM_CONF=str(info.slurm_conf), TM_STEPS=str(steps))
     workdir = ROOT / "runs" / "bench"

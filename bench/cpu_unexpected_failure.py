@@ -1,12 +1,19 @@
-"""Unexpected failure on the CPU local cluster: a worker killed with SIGKILL, replaced from a
-data-parallel replica by the warm standby. Downtime is measured from the kill (the fault, not
-its detection) to the first step that every rank completed afterwards.
+"""Unexpected failure on the CPU local cluster: a worker killed with SIGKILL, replaced by the
+warm standby with its state from a recovery tier (`--tier`): a data-parallel replica (the
+default), the in-memory snapshots (`TM_RECOVERY_TIERS=snapshot`) or the checkpoints
+(`TM_RECOVERY_TIERS=checkpoint`, snapshots off). Downtime is measured from the kill (the
+fault, not its detection) to the first step that every rank completed afterwards; for the
+rollback tiers also to the step at which progress is regained (the step killed in, done again).
 
-    .venv/bin/python bench/cpu_unexpected_failure.py --repeats 3 [--steps 600]
+    .venv/bin/python bench/cpu_unexpected_failure.py --repeats 3 [--steps 600] [--tier snapshot]
+        [--every 50] [--cluster-dir DIR]
 
 Submits the demo template to the embedded cluster (`trainmover cluster up` first), waits for
 training and a warm standby, kills rank 1's worker process from outside, and reads what the
-controller wrote. Writes bench/results/cpu-failure-<time>.json (shared/reference/bench-results.md).
+controller wrote. Writes bench/results/cpu-failure[-<tier>]-<time>.json (shared/reference/bench-results.md).
+The rollback tiers also report their step-time cost: the interval of the steps right after a
+snapshot or checkpoint (whose copy into host memory runs on the training thread; the exchange
+or the write runs beside the following steps) against the median interval.
 """
 from __future__ import annotations
 
@@ -33,18 +40,50 @@ def events(run: Path) -> dict:
     return {e["event"]: e for e in map(json.loads, (run / "timeline.jsonl").read_text().splitlines())}
 
 
-def one(env, workdir: Path, nodes: int = 3, at_step: int = 100) -> dict:
+TIER_ENV = {"replica": {},
+            "snapshot": {"TM_RECOVERY_TIERS": "snapshot"},
+            "checkpoint": {"TM_RECOVERY_TIERS": "checkpoint", "TM_SNAPSHOT_EVERY": "0"}}
+
+
+def protection_cost(rows: list[dict], every: int, upto: int, span: int = 3) -> dict:
+    """What each snapshot or checkpoint costs in step time: the excess over the median interval
+    of the `span` step intervals from the protected step on (its copy into host memory on the
+    training thread, then the exchange or write beside the next steps, on the same cores)."""
+    t = {r["step"]: r["t"] for r in rows if r["step"] <= upto}
+    gaps = {s: t[s + 1] - t[s] for s in t if s + 1 in t and s > 10}  # past the first steps' warm-up
+    steady = statistics.median([g for s, g in gaps.items() if s % every >= span])
+    extra = [sum(gaps[s + i] - steady for i in range(span)) for s in gaps if s % every == 0
+             and all(s + i in gaps for i in range(span))]
+    if not extra:
+        return {}
+    return {"protected_step_extra_s": round(statistics.median(extra), 5), "steady_step_s": round(steady, 5),
+            "amortised_overhead": round(statistics.median(extra) / every / steady, 5), "protected_steps": len(extra)}
+
+
+def one(env, workdir: Path, nodes: int = 3, at_step: int = 100, tier: str = "replica", every: int = 50) -> dict:
     """One failure: submit the demo on `nodes` nodes, SIGKILL rank 1's worker once step
     `at_step` is done and a standby is warm, and return the recovery's timings."""
+    env = {**env, **TIER_ENV[tier]}
+    if tier == "snapshot":
+        env["TM_SNAPSHOT_EVERY"] = str(every)
+    if tier == "checkpoint":
+        env["TM_CHECKPOINT_EVERY"] = str(every)
     job = int(commands.run(["sbatch", "--parsable", f"--chdir={workdir}", "--job-name=tm-bench-failure", f"--nodes={nodes}",
                             str(ROOT / "sbatch_templates/demo_gpt_cpu.sbatch")], timeout=15, env=env).stdout.split(";")[0])
-    run = workdir / "runs" / str(job)
+    try:
+        return _measure(workdir / "runs" / str(job), at_step, tier, every, job)
+    finally:  # also when a wait timed out: a trial's job never outlives it
+        commands.run(["scancel", str(job)], timeout=10, env=env, check=False)
+
+
+def _measure(run: Path, at_step: int, tier: str, every: int, job: int) -> dict:
     wait(f"step {at_step} and a warm standby", lambda: (last(run / "metrics.jsonl") or {}).get("step", 0) >= at_step and any(
         s["state"] == "ready" for s in json.loads((run / "status.json").read_text())["standbys"]), 180)
     victim = last(run / "metrics.jsonl")["nodes"][1]
     pid = step_pid(job, victim)
     t_kill = time.time()
     os.kill(pid, signal.SIGKILL)
+    killed_after = last(run / "metrics.jsonl")["step"]  # the last step logged before the kill
     status = wait("the recovery", lambda: (s := json.loads((run / "status.json").read_text()))
                   and s["migrations"] and s["migrations"][0]["state"] == "done"
                   and s["migrations"][0]["downtime_s"] is not None and s, 120)
@@ -52,9 +91,16 @@ def one(env, workdir: Path, nodes: int = 3, at_step: int = 100) -> dict:
     resume = m["switch_step"]
     rows = list(map(json.loads, (run / "metrics.jsonl").read_text().splitlines()))
     first_after = next(r for r in rows if r["step"] == resume + 1)
+    regained = wait(f"step {killed_after + 1} again", lambda: next((
+        r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        if r["step"] > killed_after and r["t"] > t_kill), None), 120)  # replica: that row may predate the kill
     before = [r for r in rows if r["step"] <= resume][-30:]
     steady = statistics.median(b["t"] - a["t"] for a, b in zip(before, before[1:]))
-    commands.run(["scancel", str(job)], timeout=10, env=env)
+    try:  # a job cancelled while its controller takes a standby (salloc + merge) was seen to stay COMPLETING
+        wait("the standby pool refilled", lambda: not json.loads((run / "status.json").read_text())[
+            "standby_pool"]["acquiring"], 60)
+    except TimeoutError:
+        pass
     ev = events(run)
     joined = ev["joined"]["detail"]
     return {"job_id": job, "victim": victim, "joiner": m["joiner"], "downtime_s": round(first_after["t"] - t_kill, 4),
@@ -65,33 +111,54 @@ def one(env, workdir: Path, nodes: int = 3, at_step: int = 100) -> dict:
             "joiner_rebind_s": joined.get("rebind_s"), "state_bytes": joined.get("recv_bytes"),
             "copy_s": joined.get("recv_s"), "resume_step": resume, "steady_step_s": round(steady, 5),
             "policy_downtime_s": m["downtime_s"], "evidence": ev["detected"].get("evidence"),
-            "state_source": m["state_source"]}
+            "state_source": m["state_source"], "tier": m["state_source"]["tier"],
+            "rolled_back_steps": m["state_source"].get("rolled_back_steps", 0),
+            "fault_to_progress_regained_s": round(regained["t"] - t_kill, 4),
+            "joiner_load_s": joined.get("load_s"),
+            "checkpoint_file_bytes": max((f.stat().st_size for f in run.glob("checkpoints/*/rank-*.h5")), default=None),
+            **({} if tier == "replica" else protection_cost(rows, every, resume))}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--tier", choices=sorted(TIER_ENV), default="replica",
+                    help="where the lost rank's state comes from (TM_RECOVERY_TIERS of the job)")
+    ap.add_argument("--every", type=int, default=50, help="TM_SNAPSHOT_EVERY or TM_CHECKPOINT_EVERY of the job")
+    ap.add_argument("--cluster-dir", help="state directory of the embedded cluster (default: the demo's)")
     args = ap.parse_args()
-    _, env, workdir = setup(args.steps)
-    trials = [one(env, workdir) for _ in range(args.repeats)]
+    _, env, workdir = setup(args.steps, args.cluster_dir)
+    # a rollback tier: killed half way between two snapshots or checkpoints (the mean case), late
+    # enough that several protected steps come before it (their step-time cost is measured)
+    at_step = 100 if args.tier == "replica" else 300 + args.every // 2
+    trials = [one(env, workdir, at_step=at_step, tier=args.tier, every=args.every) for _ in range(args.repeats)]
     down = [t["fault_to_first_step_s"] for t in trials]
     med = lambda k: statistics.median(t[k] for t in trials)  # noqa: E731
     result = {
-        "scenario": "unexpected-failure-cpu-demo", "machine": "cpu-local-cluster",
+        "scenario": "unexpected-failure-cpu-demo" + ("" if args.tier == "replica" else f"-{args.tier}"),
+        "machine": "cpu-local-cluster",
         "gpus": "none", "cpu": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
         "commit": results_io.commit(),
         "command": " ".join(["python", "bench/cpu_unexpected_failure.py", *sys.argv[1:]]),
         "when": results_io.now(),
         "settings": {"workload": "gpt_demo tiny", "workers": 3, "standbys": 1, "backend": "gloo", "steps": args.steps,
-                     "fault": "SIGKILL of rank 1's worker process", "slurm": "22.05.8 embedded, one machine"},
+                     "fault": "SIGKILL of rank 1's worker process", "slurm": "22.05.8 embedded, one machine",
+                     "tier": args.tier, **({} if args.tier == "replica" else {"every": args.every})},
         "metrics": {"unexpected_downtime_s": statistics.median(down), "unexpected_downtime_s_all": down,
                     "goal_s": 10.0, "detect_s": med("detect_s"), "plan_s": med("plan_s"),
                     "rebuild_s": med("rebuild_s"), "steady_step_s": med("steady_step_s"),
-                    "state_bytes": trials[0]["state_bytes"]},
+                    "state_bytes": trials[0]["state_bytes"],
+                    **({} if args.tier == "replica" else {
+                        "fault_to_progress_regained_s": med("fault_to_progress_regained_s"),
+                        "rolled_back_steps_all": [t["rolled_back_steps"] for t in trials],
+                        "snapshot_host_bytes_per_rank": 4 * trials[0]["state_bytes"] if args.tier == "snapshot" else None,
+                        "checkpoint_file_bytes": trials[0]["checkpoint_file_bytes"],
+                        **{k: med(k) for k in ("protected_step_extra_s", "amortised_overhead")
+                           if all(k in t for t in trials)}})},
         "trials": trials,
     }
-    results_io.write(results_io.stamped("cpu-failure"), result)
+    results_io.write(results_io.stamped("cpu-failure" + ("" if args.tier == "replica" else f"-{args.tier}")), result)
 
 
 if __name__ == "__main__":

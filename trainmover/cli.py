@@ -80,9 +80,20 @@ def _status(args) -> int:
         dt = f"downtime {m['downtime_s']:.3f}s" if m["downtime_s"] is not None else "downtime -"
         print(f"  migration {m['id']}: {m['leaver']} -> {m['joiner'] or '?'}  [{m['trigger']}] {m['state']}  {dt}"
               f"{'  ' + m['note'] if m['note'] else ''}")
+        if m.get("state_source"):
+            print(f"    state from {_source(m['state_source'])}")
     if "outcome" in status:
         print(f"  finished: {status['outcome']['message']}")
     return 0
+
+
+def _source(src: dict) -> str:
+    """A recovery's tier in words, e.g. 'snapshot of step 200 (rolled back 30 steps)'."""
+    where = {"replica": f"replica (rank {src.get('rank')}) at step {src.get('step')}",
+             "snapshot": f"snapshot of step {src.get('step')}", "checkpoint": f"checkpoint of step {src.get('step')}"}
+    text = where.get(src.get("tier"), str(src))
+    back = src.get("rolled_back_steps", 0)
+    return text + (f" (rolled back {back} steps)" if back else "")
 
 
 def _migrate(args) -> int:

@@ -2,6 +2,7 @@
 from dataclasses import dataclass
 
 from trainmover.config import Config
+from trainmover.control.messages import make
 from trainmover.controller.actions import AcquireStandby, Finish, LaunchStandby, Record, ReleaseNode, Send
 from trainmover.controller.migration import Phase
 from trainmover.controller.policy import JobView, Policy
@@ -157,9 +158,11 @@ def test_a_rank_that_reports_its_error_stops_the_job_with_that_root_cause():
     assert acts == [Finish(False, "rank 2 on train3 failed in worker: CUDA error: out of memory")]
 
 
-def stalled(p, now, rank, step, digest="d", node=None):
-    return p.on_message(now, node or f"train{rank + 1}", {"type": "stalled", "rank": rank, "step": step,
-                                                          "digest": digest, "error": "peer gone", "role": "stayer"})
+def stalled(p, now, rank, step, digest="d", node=None, holds=None):
+    """A live rank's `stalled` report; `holds` defaults to a whole-job replica group (plain DDP)."""
+    holds = {"replicas": [0, 1, 2], "own": [], "held": {}} if holds is None else holds
+    return p.on_message(now, node or f"train{rank + 1}", make("stalled", rank=rank, step=step, digest=digest,
+                                                              error="peer gone", role="stayer", holds=holds))
 
 
 def test_a_vanished_rank_is_revoked_and_rebuilt_from_a_replica_with_laggers_redoing():
@@ -183,7 +186,7 @@ def test_a_vanished_rank_is_revoked_and_rebuilt_from_a_replica_with_laggers_redo
     assert p.view.rank_node[1] == "spare1"
     p.on_released(4.0, "train2", True, "")
     assert m.phase is Phase.DONE and m.to_json()["state_source"] == {"tier": "replica", "rank": 0, "step": 10,
-                                                                      "laggers": [2]}
+                                                                      "laggers": [2], "rolled_back_steps": 0}
 
 
 def test_replicas_that_disagree_stop_the_job_rather_than_spread_a_bad_state():

@@ -26,8 +26,12 @@ SCHEMA: dict[str, dict[str, object]] = {
     "finished": {"rank": _INT, "step": _INT, "digest": _STR, "loss": _FLOAT},
     "failed": {"rank": _INT, "phase": _STR, "error": _STR},
     # a rank whose collective failed (or was revoked) stopped at a step boundary: `step` steps
-    # are complete in its state, whose digest it sends; it waits for a `recover`
-    "stalled": {"rank": _INT, "step": _INT, "digest": _STR, "error": _STR, "role": _STR},
+    # are complete in its state, whose digest it sends; it waits for a `recover`. `holds`: what
+    # the tiers can use (controller/tiers.py): `replicas` (its replica group's ranks), `own`
+    # (snapshot steps of itself), `held` (rank -> snapshot steps it holds of that rank)
+    "stalled": {"rank": _INT, "step": _INT, "digest": _STR, "error": _STR, "role": _STR, "holds": _DICT},
+    # a rank's checkpoint file of `step` is in place (runtime/checkpoint.py)
+    "checkpointed": {"rank": _INT, "step": _INT, "digest": _STR, "bytes": _INT, "seconds": _FLOAT},
     # after reconnecting to a restarted controller (right after `hello`): where this process is.
     # `step` steps complete; `pending` the epoch it holds prepared or preparing (0: none);
     # `switched` the epoch of its last switch (0: none); `state` training, stalled, finished, left
@@ -41,9 +45,13 @@ SCHEMA: dict[str, dict[str, object]] = {
     "bye": {"reason": _STR},
     # unexpected failure: fail every collective of groups holding `failed` ranks, now
     "revoke": {"epoch": _INT, "failed": _LIST, "reason": _STR},
-    # the way back: new groups without `failed`, state of `step` from `source` to `needers`
-    # (the standby taking each failed rank, and ranks that had not completed `step`)
-    "recover": {"epoch": _INT, "failed": _LIST, "step": _INT, "source": _INT, "needers": _LIST, "assign": _DICT},
+    # the way back: new groups without `failed`, every rank resumes at `step`. `tier` says from
+    # where: replica (state of `step` from `source` to `needers`: the standby taking each failed
+    # rank, and ranks that had not completed `step`), snapshot (every rank rolls back to its own
+    # snapshot of `step`; `holders`: failed rank -> the rank sending it its copy) or checkpoint
+    # (every rank loads its file of `step`)
+    "recover": {"epoch": _INT, "failed": _LIST, "step": _INT, "source": _INT, "needers": _LIST, "assign": _DICT,
+                "tier": _STR, "holders": _DICT},
     # CLI -> controller, and replies
     "migrate": {"node": _STR},
     "status": {},

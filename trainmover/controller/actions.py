@@ -35,3 +35,19 @@ class Record:
 class Finish:
     ok: bool
     message: str
+
+
+@dataclass(frozen=True)
+class Rewind:
+    """A recovery rolled every rank back to `step`: rows of later steps leave metrics.jsonl
+    (they are redone and logged again; each step is logged once, from the final run)."""
+    step: int
+
+
+@dataclass(frozen=True)
+class CheckpointDone:
+    """Every rank wrote its file of `step`: write the manifest (last), then delete the
+    checkpoints older than the newest of `keep` that are not in it."""
+    step: int
+    digests: dict
+    keep: tuple[int, ...]

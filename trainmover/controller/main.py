@@ -25,9 +25,12 @@ from trainmover.config import Config
 from trainmover.control import channel
 from trainmover.control.messages import make
 from trainmover.controller import journal, records
-from trainmover.controller.actions import AcquireStandby, Finish, LaunchStandby, Record, ReleaseNode, Send
+from trainmover.controller.actions import (AcquireStandby, CheckpointDone, Finish, LaunchStandby, Record, ReleaseNode,
+                                          Rewind, Send)
 from trainmover.controller.policy import JobView, Policy
+from trainmover.controller.recovery import KEEP_CHECKPOINTS
 from trainmover.errors import ConfigError, SlurmError, TrainMoverError
+from trainmover.runtime import checkpoint
 from trainmover.runtime.spec import ENV as SPEC_ENV, WorkerSpec
 from trainmover.slurm.client import CliSlurm
 from trainmover.slurm.model import BatchHostRelease, NoStandbyAvailable
@@ -102,6 +105,8 @@ class Controller:
         workloads.load(cfg.workload, cfg.workload_kwargs()).group_specs(self.view.world_size)
         self.policy = Policy(cfg, self.view)
         self.files = records.RunFiles(root)
+        self.checkpoint_root = self.files.root / "checkpoints"
+        self.policy.checkpoint_steps = checkpoint.complete(self.checkpoint_root)[-KEEP_CHECKPOINTS:]
         if resume:
             self.key = channel.read_secret(str(self.files.secret))  # the ranks hold it: same job, same key
         else:
@@ -151,6 +156,8 @@ class Controller:
                           switch_timeout_s=self.cfg.switch_timeout_s, recovery_timeout_s=self.cfg.recovery_timeout_s,
                           reconnect_timeout_s=self.cfg.reconnect_timeout_s,
                           shadow_steps=self.cfg.shadow_steps,
+                          snapshot_every=self.cfg.snapshot_every, checkpoint_every=self.cfg.checkpoint_every,
+                          checkpoint_dir=str(self.checkpoint_root), ranks_per_node=self.view.ranks_per_node,
                           inject=self._injections(role))
 
     def _injections(self, role: str) -> tuple[str, ...]:
@@ -245,6 +252,14 @@ class Controller:
                     self.files.write("final", a.payload)
                 else:
                     self.files.append(a.stream, a.payload)
+            elif isinstance(a, Rewind):
+                dropped = self.files.rewind("metrics", a.step)
+                log.info("rolled back to step %d: %d metrics rows of later steps dropped (they are redone)",
+                         a.step, dropped)
+            elif isinstance(a, CheckpointDone):
+                checkpoint.write_manifest(self.checkpoint_root, a.step, a.digests)
+                gone = checkpoint.prune(self.checkpoint_root, list(a.keep))
+                log.info("checkpoint of step %d complete; pruned %s", a.step, [d.name for d in gone])
             elif isinstance(a, Finish):
                 self.outcome = (a.ok, a.message)
 

@@ -70,6 +70,8 @@ class Policy(Recovering, Resuming, StandbyLoss):
         self.windows: list[dict[int, float]] = []             # oldest first: rank -> median compute time
         self.straggler: dict = {"mode": cfg.straggler, "verdict": "", "target": None, "windows": 0, "evicted": []}
         self.stalled: dict[int, dict] = {}                     # rank -> its 'stalled' report
+        self.checkpoints: dict[int, dict[int, str]] = {}       # step -> rank -> digest, until every rank wrote it
+        self.checkpoint_steps: list[int] = []                  # complete checkpoints (manifest written), oldest first
         self.failed_reports: dict[str, dict] = {}              # node -> a rank's 'failed' report
         self.standbys_lost: list[dict] = []                    # standbys that died (see standby_loss.py)
         self.done = False
@@ -192,6 +194,8 @@ class Policy(Recovering, Resuming, StandbyLoss):
         if kind == "failed":
             self.failed_reports[node] = msg
             return []
+        if kind == "checkpointed":
+            return self._on_checkpointed(msg)
         if kind == "recorded":
             self.recordings[str(msg["rank"])] = {k: msg[k] for k in ("rank", "iterations", "bytes", "overhead_s",
                                                                      "step_s", "version", "detail")}
@@ -439,4 +443,6 @@ class Policy(Recovering, Resuming, StandbyLoss):
             "straggler": self.straggler,
             "finished": self.done,
             "controller": {"restarts": self.restarts, "resuming": self.resuming is not None},
+            "protection": {"tiers": self.cfg.recovery_tiers, "snapshot_every": self.cfg.snapshot_every,
+                           "checkpoint_every": self.cfg.checkpoint_every, "checkpoints": list(self.checkpoint_steps)},
         }

@@ -33,6 +33,20 @@ class RunFiles:
     def append(self, stream: str, row: dict) -> None:
         self._streams[stream].write(json.dumps(row, sort_keys=True) + "\n")
 
+    def rewind(self, stream: str, step: int) -> int:
+        """Drop the rows of `stream` past `step` (a rollback redoes them): the file is rewritten
+        (temp + rename) and appended to afterwards. Returns the rows dropped."""
+        path = self.root / f"{stream}.jsonl"
+        self._streams[stream].close()
+        lines = path.read_text().splitlines(keepends=True)
+        keep = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+        if keep:
+            write_text(path, "".join(keep).rstrip("\n"))
+        else:
+            path.write_text("")
+        self._streams[stream] = open(path, "a", buffering=1)
+        return len(lines) - len(keep)
+
     def write(self, name: str, obj: dict) -> None:
         write_json(self.root / f"{name}.json", obj)
 

@@ -6,7 +6,8 @@ error: a software fault would follow the rank to any node.) Then:
 
     detected ── revoke ──> every live rank stalls, reports (steps complete, state digest)
        └─ a warm standby (or the joiner already in the slot) ── recover ──> groups rebuilt,
-          state from a replica, every rank resumes at the same step ──> node released
+          state from a tier (controller/tiers.py: replica, else a snapshot or a checkpoint,
+          to which every rank rolls back), every rank resumes at the same step ──> node released
 
 Recoveries use the migration state machine (trigger "failure"): REQUESTED/WAITING_STANDBY
 while ranks stall and a standby is found, PREPARING once the plan is sent, SWITCHING as
@@ -17,13 +18,16 @@ from __future__ import annotations
 
 import logging
 
+from trainmover.config import parse_tiers
 from trainmover.control.messages import make
-from trainmover.controller.actions import Finish, Send
+from trainmover.controller import tiers
+from trainmover.controller.actions import CheckpointDone, Finish, Rewind, Send
 from trainmover.controller.migration import Migration, Phase
 
 log = logging.getLogger("trainmover.policy")
 
 DETECT_WINDOW_S = 15.0  # ranks stalled but nobody found lost: how long before the job stops
+KEEP_CHECKPOINTS = 2    # complete checkpoints kept on the shared directory
 
 
 class Recovering:
@@ -111,29 +115,44 @@ class Recovering:
         stayers = [self.stalled.get(r) for r in live]
         if any(s is None or s["role"] != "stayer" for s in stayers):
             return []  # not every live rank has stopped yet
-        step = max(s["step"] for s in stayers)
-        at_step = [s for s in stayers if s["step"] == step]
-        digests = {s["digest"] for s in at_step}
-        if len(digests) != 1:
-            m.to(Phase.FAILED, now, "replicas disagree")
-            return [self._timeline(m, now, "failed", reason="replicas disagree"),
-                    Finish(False, f"replicas that completed step {step} hold different states "
-                                  f"({len(digests)} digests among ranks {[s['rank'] for s in at_step]}): "
-                                  "no safe source to recover from")]
-        source = min(s["rank"] for s in at_step)
-        laggers = sorted(s["rank"] for s in stayers if s["step"] < step)
-        needers = sorted(list(m.leaver_ranks) + laggers)
+        choice = tiers.choose(parse_tiers(self.cfg.recovery_tiers), m.leaver_ranks, {s["rank"]: s for s in stayers},
+                              self.checkpoint_steps)
+        if isinstance(choice, tiers.Stop):
+            m.to(Phase.FAILED, now, choice.message[:300])
+            return [self._timeline(m, now, "failed", reason=choice.message),
+                    Finish(False, f"{m.leaver} (ranks {list(m.leaver_ranks)}) lost: {choice.message}")]
+        step = choice.step
+        needers = sorted(list(m.leaver_ranks) + list(choice.laggers))
         m.switch_step = step
-        m.source = {"tier": "replica", "rank": source, "step": step, "laggers": laggers}
+        m.source = choice.to_json()
         m.expected = {(r, "stayer") for r in live} | {(r, "joiner") for r in m.leaver_ranks}
         m.to(Phase.PREPARING, now, "")
         stayer_nodes = tuple(sorted({self.view.rank_node[r] for r in live}))
-        common = dict(epoch=m.epoch, failed=list(m.leaver_ranks), step=step, source=source, needers=needers)
+        common = dict(epoch=m.epoch, failed=list(m.leaver_ranks), step=step, source=choice.source, needers=needers,
+                      tier=choice.tier, holders={str(r): h for r, h in choice.holders.items()})
         self.stalled = {}
-        return self.flush_rows(step) + [
-                self._timeline(m, now, "recover", source=source, step=step, laggers=laggers),
+        actions = self.flush_rows(step)
+        if choice.tier != "replica":  # every rank rolls back: later steps are redone and logged again
+            self.rows = {s: row for s, row in self.rows.items() if s <= step}
+            self.metrics_through = min(self.metrics_through, step)
+            actions.append(Rewind(step))
+        return actions + [
+                self._timeline(m, now, "recover", **m.source),
                 Send(stayer_nodes, make("recover", assign={}, **common)),
                 Send((m.joiner,), make("recover", assign={str(i): r for i, r in enumerate(m.leaver_ranks)}, **common))]
+
+    # --- checkpoints -------------------------------------------------------------------------
+    def _on_checkpointed(self, msg: dict) -> list:
+        """A rank's checkpoint file is in place; once every rank's is, the checkpoint is
+        complete: its manifest is written and older ones pruned (KEEP_CHECKPOINTS kept)."""
+        got = self.checkpoints.setdefault(msg["step"], {})
+        got[msg["rank"]] = msg["digest"]
+        if len(got) < self.view.world_size:
+            return []
+        del self.checkpoints[msg["step"]]
+        self.checkpoint_steps = sorted({*self.checkpoint_steps, msg["step"]})[-KEEP_CHECKPOINTS:]
+        self.checkpoints = {s: v for s, v in self.checkpoints.items() if s > msg["step"]}
+        return [CheckpointDone(msg["step"], dict(got), tuple(self.checkpoint_steps))]
 
     def _recovery_tick(self, now: float) -> list:
         m = self.recovery()

@@ -1,25 +1,29 @@
 """Recovery from an unexpected failure, on the ranks that survived and on the standby.
 
 The controller revokes the groups of a vanished rank (every collective with it fails at once),
-collects each live rank's `stalled` report (steps complete, state digest) and sends one plan,
-`recover`: the epoch, the failed ranks, the step S to resume from, a `source` rank that has
-completed S, and the `needers` (each standby taking a failed rank, and any rank that had not
-completed S). Everyone then builds the replacement groups (same delta as a planned migration),
-the source sends its state to each needer over a verified transfer pair, and every rank swaps
-its groups and resumes at S.
+collects each live rank's `stalled` report (steps complete, state digest, what it holds) and
+sends one plan, `recover`: the epoch, the failed ranks, the step S to resume from and the tier
+(controller/tiers.py). Everyone then builds the replacement groups (same delta as a planned
+migration), gets the state of S, swaps its groups and resumes at S:
 
-Why this is exact: the workload's model and optimizer are identical on the replicas of its
-`replica_group`, and the rest of a step (data, dropout) is a function of (rank, step). A step
-that some rank had not completed is redone by it from the state of a rank that had, so no
-step is applied twice or skipped.
+* replica: a `source` rank that completed S sends its state to each needer (the standby taking
+  a failed rank, and any rank that had not completed S) over a verified transfer pair;
+* snapshot: the holder of each failed rank's snapshot of S sends it to the standby (verified);
+  every other rank loads its own snapshot of S (a rollback);
+* checkpoint: every rank, the standby included, loads its file of S (checksums verified).
+
+Why this is exact: the rest of a step (data, dropout) is a function of (rank, step), so a rank
+holding the state of S redoes steps S+1.. exactly; with a replica, model and optimizer are
+identical on the members of the workload's `replica_group`. No step is applied twice or skipped.
 """
 from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 from trainmover.errors import MigrationError
-from trainmover.runtime import phase1, transfer
+from trainmover.runtime import checkpoint, phase1, transfer
 from trainmover.runtime.plan import delta
 
 log = logging.getLogger("trainmover.recovery")
@@ -30,34 +34,86 @@ def rebuild(agent, msg: dict, role: str) -> tuple[dict, dict]:
     Returns (new backends by group name, report fields). Deadlines: every rendezvous and
     transfer is bounded by the group timeout the builder was configured with."""
     t0 = time.perf_counter()
-    epoch, step, source = msg["epoch"], msg["step"], msg["source"]
-    plan = delta(agent.specs, msg["failed"], epoch)
-    replica = agent.workload.replica_group()
-    if replica is None:
+    epoch, step, tier = msg["epoch"], msg["step"], msg["tier"]
+    # Every group is replaced, not only those holding a failed rank: a step cut short leaves
+    # operations unmatched in the others too (a pipeline peer waiting for a rank that stalled
+    # keeps waiting until the group timeout, which then closes that pair for good).
+    plan = delta(agent.specs, sorted({r for g in agent.specs for r in g.ranks}), epoch)
+    if tier == "replica" and agent.workload.replica_group() is None:
         raise MigrationError(f"workload {agent.spec.workload!r} names no replica group: a vanished rank's "
-                             "state can only come from a checkpoint", phase="recover", rank=agent.rank)
+                             "state can only come from a snapshot or a checkpoint", phase="recover", rank=agent.rank)
     backends = {g.name: agent.build_backend(g.name, plan.prefix(g), g.ranks.index(agent.rank), len(g.ranks))
                 for g in plan.groups_to_build(agent.rank)}
-    built_s = time.perf_counter() - t0
-    report = {"role": role, "build_s": built_s, "groups": sorted(backends), "source": source}
-    if agent.rank == source:
-        corrupt = "corrupt-transfer" in agent.spec.inject
-        for needer in msg["needers"]:
-            pair = agent.build_backend("xfer", phase1.xfer_prefix(epoch, needer), 0, 2)
-            stats = transfer.send_verified(agent.replica_state(step), pair, dst=1, corrupt=corrupt)
-            agent.retire(pair, step)
-            report.setdefault("sent", []).append({"to": needer, "bytes": stats.bytes, "seconds": stats.seconds,
-                                                  "attempts": stats.attempts})
-    elif agent.rank in msg["needers"]:
-        pair = agent.build_backend("xfer", phase1.xfer_prefix(epoch, agent.rank), 1, 2)
-        state, stats = transfer.recv_verified(pair, src=0, like=agent.replica_state(step))
-        if int(state["step"]) != step:
-            raise MigrationError(f"source sent the state of step {state['step']}, not {step}", phase="recover",
-                                 rank=agent.rank)
-        agent.workload.load_state_dict(state["workload"])
-        agent.retire(pair, step)
-        report.update(recv_bytes=stats.bytes, recv_s=stats.seconds, attempts=stats.attempts)
+    report = {"role": role, "build_s": time.perf_counter() - t0, "groups": sorted(backends), "tier": tier,
+              "source": msg["source"]}
+    report.update(STATE_FROM[tier](agent, msg, role))
     report["seconds"] = time.perf_counter() - t0
     log.info("recovery epoch %d: rank %d (%s) ready to resume at step %d in %.3fs", epoch, agent.rank, role, step,
              report["seconds"])
     return backends, report
+
+
+def _send(agent, state: dict, epoch: int, needer: int, step: int) -> dict:
+    """Send `state` to `needer` over a new verified transfer pair (this rank is its member 0)."""
+    pair = agent.build_backend("xfer", phase1.xfer_prefix(epoch, needer), 0, 2)
+    stats = transfer.send_verified(state, pair, dst=1, corrupt="corrupt-transfer" in agent.spec.inject)
+    agent.retire(pair, step)
+    return {"to": needer, "bytes": stats.bytes, "seconds": stats.seconds, "attempts": stats.attempts}
+
+
+def _receive(agent, epoch: int, step: int, like: dict | None) -> tuple[dict, dict]:
+    """This rank's state of `step` from member 0 of its verified transfer pair."""
+    pair = agent.build_backend("xfer", phase1.xfer_prefix(epoch, agent.rank), 1, 2)
+    state, stats = transfer.recv_verified(pair, src=0, like=like)
+    if int(state["step"]) != step:
+        raise MigrationError(f"sent the state of step {state['step']}, not {step}", phase="recover", rank=agent.rank)
+    agent.retire(pair, step)
+    return state, {"recv_bytes": stats.bytes, "recv_s": stats.seconds, "attempts": stats.attempts}
+
+
+def _from_replica(agent, msg: dict, role: str) -> dict:
+    epoch, step = msg["epoch"], msg["step"]
+    if agent.rank == msg["source"]:
+        return {"sent": [_send(agent, agent.replica_state(step), epoch, needer, step) for needer in msg["needers"]]}
+    if agent.rank in msg["needers"]:
+        state, report = _receive(agent, epoch, step, like=agent.replica_state(step))
+        agent.workload.load_state_dict(state["workload"])
+        return report
+    return {}
+
+
+def _roll_back(agent, role: str, load) -> dict:
+    """A live rank loads its own state of the step rolled back to (`load()`), unless the
+    negative control `no-rollback` keeps its state (it then redoes steps it already applied)."""
+    if role == "stayer" and "no-rollback" in agent.spec.inject:
+        log.warning("injected: no-rollback: rank %d keeps its state", agent.rank)
+        return {"rolled_back": False}
+    t0 = time.perf_counter()
+    agent.load_full(load())
+    return {"rolled_back": True, "load_s": time.perf_counter() - t0}
+
+
+def _from_snapshot(agent, msg: dict, role: str) -> dict:
+    epoch, step = msg["epoch"], msg["step"]
+    keeper = agent.snapshot_keeper()
+    report: dict = {}
+    for lost, holder in sorted(msg["holders"].items()):
+        if agent.rank == holder:
+            report.setdefault("sent", []).append(_send(agent, keeper.held_state(int(lost), step), epoch, int(lost), step))
+    if agent.rank in msg["failed"]:
+        state, received = _receive(agent, epoch, step, like=None)
+        keeper.rolled_back(step, mine=state)
+        return {**report, **received, **_roll_back(agent, role, lambda: state)}
+    report.update(_roll_back(agent, role, lambda: keeper.own_state(step)))
+    keeper.rolled_back(step)
+    return report
+
+
+def _from_checkpoint(agent, msg: dict, role: str) -> dict:
+    step = msg["step"]
+    if agent.snapshots is not None:
+        agent.snapshots.rolled_back(step)
+    return _roll_back(agent, role, lambda: checkpoint.read_rank(Path(agent.spec.checkpoint_dir), step, agent.rank))
+
+
+STATE_FROM = {"replica": _from_replica, "snapshot": _from_snapshot, "checkpoint": _from_checkpoint}

@@ -35,6 +35,10 @@ class WorkerSpec:
     record_from_step: int = 0       # first recorded step (0: from the workload's construction on)
     record_versions: int = 4        # most recordings (a change of collective shapes starts a new one)
     standby_warmup: str = "shadow"  # shadow, or cold (benchmark baseline: no replay; compiled code dropped after the shadow steps)
+    snapshot_every: int = 0         # steps between in-memory snapshots (0: off), see runtime/snapshot.py
+    checkpoint_every: int = 0       # steps between checkpoints (0: off), see runtime/checkpoint.py
+    checkpoint_dir: str = ""        # on the job's shared directory
+    ranks_per_node: int = 1         # a snapshot's holder is the same local index on the next node
     device: str = "auto"            # cpu, cuda or auto: resolved on the node, which knows its GPUs
     backend: str = "auto"           # gloo, nccl or auto
 

@@ -169,9 +169,10 @@ class TransferStats:
     attempts: int = 1    # sends needed (more than 1: a checksum mismatch was retried)
 
 
-def send_state(state: dict, xfer, *, dst: int = 1, corrupt: bool = False, chan=None) -> TransferStats:
-    t0 = time.perf_counter()
-    chan = chan or channel_for(xfer)
+def pack(state: dict) -> tuple[bytes, list[torch.Tensor], str]:
+    """A state as (manifest, tensors, checksum): what a transfer sends and a checkpoint file
+    holds. The manifest is a `torch.save` of the state with every tensor replaced by its index,
+    the (key path, shape, dtype, device) of each tensor and the checksum of all tensor bytes."""
     tensors: list[torch.Tensor] = []
     paths: list[str] = []
     skeleton = _flatten(state, tensors, paths)
@@ -180,22 +181,14 @@ def send_state(state: dict, xfer, *, dst: int = 1, corrupt: bool = False, chan=N
     buf = io.BytesIO()
     specs = [(p, tuple(t.shape), str(t.dtype), t.device.type) for p, t in zip(paths, tensors)]
     torch.save({"skeleton": skeleton, "specs": specs, "digest": digest}, buf)
-    chan.send_bytes(buf.getvalue(), dst)
-    t1 = time.perf_counter()
-    chan.send_tensors(tensors, dst, corrupt=corrupt)
-    t2 = time.perf_counter()
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    return TransferStats(nbytes, t2 - t0, len(tensors), digest, getattr(chan, "group_s", 0.0) or t2 - t1)
+    return buf.getvalue(), tensors, digest
 
 
-def recv_state(xfer, *, src: int = 0, like: dict | None = None, chan=None) -> tuple[dict, TransferStats]:
-    """Receive a state; tensors land in `like`'s tensors when key, shape and dtype match."""
-    t0 = time.perf_counter()
-    chan = chan or channel_for(xfer)
+def unpack(manifest: bytes, like: dict | None = None) -> tuple[dict, list[torch.Tensor]]:
+    """Decode a manifest (weights_only: a peer or a file cannot make us run code) and give the
+    tensors to fill: `like`'s where key path, shape and dtype match, else new ones."""
     try:
-        meta = torch.load(io.BytesIO(chan.recv_bytes(src)), weights_only=True)
-    except MigrationError:
-        raise
+        meta = torch.load(io.BytesIO(manifest), weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any decoding failure is a protocol error
         raise MigrationError(f"state transfer: undecodable manifest: {exc}", phase="switch") from exc
     have: list[torch.Tensor] = []
@@ -213,16 +206,50 @@ def recv_state(xfer, *, src: int = 0, like: dict | None = None, chan=None) -> tu
                 or t.device.type != device):
             t = torch.empty(shape, dtype=dt, device="cuda" if device == "cuda" else "cpu")
         into.append(t)
-    t1 = time.perf_counter()
-    with torch.no_grad():
-        chan.recv_tensors(into, src)
-    copy_s = getattr(chan, "group_s", 0.0) or time.perf_counter() - t1
+    return meta, into
+
+
+def assemble(meta: dict, into: list[torch.Tensor]) -> tuple[dict, str]:
+    """The state from a decoded manifest and its filled tensors, once their checksum matches."""
     got = digest_tensors(into)
     if got != meta["digest"]:
         raise ChecksumMismatch(f"state transfer: checksum mismatch (sent {meta['digest'][:12]}, "
                                f"received {got[:12]})", phase="switch")
+    return _unflatten(meta["skeleton"], into), got
+
+
+def host_copy(state: dict) -> dict:
+    """A deep copy of `state` with every tensor copied into host memory: what a snapshot or a
+    checkpoint keeps, unaffected by the training steps that follow."""
+    tensors: list[torch.Tensor] = []
+    skeleton = _flatten(state, tensors, [])
+    return _unflatten(skeleton, [t.detach().to("cpu", copy=True) for t in tensors])
+
+
+def send_state(state: dict, xfer, *, dst: int = 1, corrupt: bool = False, chan=None) -> TransferStats:
+    t0 = time.perf_counter()
+    chan = chan or channel_for(xfer)
+    manifest, tensors, digest = pack(state)
+    chan.send_bytes(manifest, dst)
+    t1 = time.perf_counter()
+    chan.send_tensors(tensors, dst, corrupt=corrupt)
+    t2 = time.perf_counter()
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return TransferStats(nbytes, t2 - t0, len(tensors), digest, getattr(chan, "group_s", 0.0) or t2 - t1)
+
+
+def recv_state(xfer, *, src: int = 0, like: dict | None = None, chan=None) -> tuple[dict, TransferStats]:
+    """Receive a state; tensors land in `like`'s tensors when key, shape and dtype match."""
+    t0 = time.perf_counter()
+    chan = chan or channel_for(xfer)
+    meta, into = unpack(chan.recv_bytes(src), like)
+    t1 = time.perf_counter()
+    with torch.no_grad():
+        chan.recv_tensors(into, src)
+    copy_s = getattr(chan, "group_s", 0.0) or time.perf_counter() - t1
+    state, got = assemble(meta, into)
     nbytes = sum(t.numel() * t.element_size() for t in into)
-    return _unflatten(meta["skeleton"], into), TransferStats(nbytes, time.perf_counter() - t0, len(into), got, copy_s)
+    return state, TransferStats(nbytes, time.perf_counter() - t0, len(into), got, copy_s)
 
 
 # --- verified transfer: checksum, retry, refuse non-finite state -------------------------

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from trainmover.control import channel
 from trainmover.control.messages import make
 from trainmover.errors import DeadlineExceeded, MigrationError, TrainMoverError
-from trainmover.runtime import boundary, phase1, recovery, rng, transfer
+from trainmover.runtime import boundary, checkpoint, phase1, recovery, rng, snapshot, transfer
 from trainmover.runtime.link import Link
 from trainmover.runtime.groups import Revoked, SandboxBackend, SwappableGroup, gloo_group
 from trainmover.runtime.plan import GroupSpec, delta
@@ -37,6 +37,7 @@ log = logging.getLogger("trainmover.worker")
 
 
 CONTROL = "tm-control"
+SNAPSHOT = "tm-snapshot"  # the snapshot tier's exchange (runtime/snapshot.py): gloo, host memory
 RESEND_STEPS = 2048  # step reports kept for a restarted controller (its metrics rows of the gap)
 RESEND_KINDS = ("recorded", "ready", "prepared", "prepare_failed", "switched", "stalled", "finished")
 RETIRE_AFTER = 3  # steps between a switch and the release of the replaced communicators
@@ -87,6 +88,10 @@ class Agent:
             self.specs.append(GroupSpec("world", tuple(range(spec.world_size))))
         # The per-step agreement runs on its own CPU group: 8 bytes over gloo cost no GPU sync.
         self.specs.append(GroupSpec(CONTROL, tuple(range(spec.world_size))))
+        if spec.snapshot_every:  # a group of its own: exchanges run beside the step's collectives
+            self.specs.append(GroupSpec(SNAPSHOT, tuple(range(spec.world_size))))
+        self.snapshots: snapshot.Snapshots | None = None  # made once the rank is known (see protect)
+        self.checkpoints: checkpoint.Writer | None = None
         self.groups: dict[str, SwappableGroup] = {}
         self.reported: set[tuple[int, str]] = set()
         self.retired: list = []  # old backends: released off the critical path (see retire)
@@ -134,10 +139,11 @@ class Agent:
         return out
 
     def _revoke(self, msg: dict) -> None:
-        failed = set(msg["failed"])
+        # Every group, not only those holding a failed rank: this rank stalls at its next step
+        # boundary and every group is rebuilt (recovery.rebuild), so a collective it leaves in
+        # flight anywhere must end now rather than make its peers wait for the group timeout.
         for g in list(self.groups.values()):
-            if failed & set(g.global_ranks):
-                g.revoke(msg["reason"])
+            g.revoke(msg["reason"])
 
     def _die_at(self) -> int | None:
         """The step at which an injected failure kills this process (workers launched for
@@ -196,7 +202,7 @@ class Agent:
         NCCL through trainmover.nccl on GPU nodes. `store`: the rendezvous client to use
         (default: the agent's own)."""
         store = self.store if store is None else store
-        if self.backend == "nccl" and name != CONTROL:
+        if self.backend == "nccl" and name not in (CONTROL, SNAPSHOT):
             from trainmover.nccl.backend import nccl_group
             backend = nccl_group(store, prefix, grank, size, timeout_s=self.spec.group_timeout_s, name=name)
             backend.preconnect(p2p=name == "xfer")
@@ -292,6 +298,46 @@ class Agent:
         sd = self.workload.state_dict()
         return {"workload": {"model": sd["model"], "optimizer": sd.get("optimizer", {}), **{
             k: v for k, v in sd.items() if k not in ("model", "optimizer")}}, "step": step}
+
+    # --- snapshot and checkpoint tiers ----------------------------------------------------
+    def snapshot_keeper(self) -> snapshot.Snapshots:
+        if self.snapshots is None or self.snapshots.rank != self.rank:
+            self.snapshots = snapshot.Snapshots(self.rank, self.spec.world_size, self.spec.ranks_per_node,
+                                                self.spec.group_timeout_s, corrupt="corrupt-snapshot" in self.spec.inject)
+        return self.snapshots
+
+    def protect(self, step: int) -> None:
+        """At the boundary after `step` steps: a snapshot and/or a checkpoint when due. Only the
+        copy into host memory happens here; exchanges and writes run in background threads."""
+        every_s, every_c = self.spec.snapshot_every, self.spec.checkpoint_every
+        due_s, due_c = every_s and step % every_s == 0, every_c and step % every_c == 0
+        if step >= self.spec.steps or not (due_s or due_c):
+            return
+        copy = None
+        if due_s:
+            copy = self.snapshot_keeper().take(step, self.full_state(step), self.groups[SNAPSHOT].inner)
+        if due_c:
+            if self.checkpoints is None or self.checkpoints.rank != self.rank:
+                self.checkpoints = checkpoint.Writer(Path(self.spec.checkpoint_dir), self.rank, self._checkpointed)
+            state = copy if copy is not None else transfer.host_copy(self.full_state(step))
+            self.checkpoints.submit(step, state, self.spec.group_timeout_s)
+
+    def _checkpointed(self, result: dict) -> None:
+        self.send("checkpointed", rank=self.rank, step=result["step"], digest=result["digest"],
+                  bytes=result["bytes"], seconds=result["seconds"])
+
+    def holds(self) -> dict:
+        """What the recovery tiers can use from this rank (the `holds` of a `stalled` report)."""
+        name = self.workload.replica_group()
+        replicas = next((list(g.ranks) for g in self.specs if g.name == name and self.rank in g.ranks), [])
+        return {"replicas": replicas, **(self.snapshots.report() if self.snapshots else {"own": [], "held": {}})}
+
+    def load_full(self, state: dict) -> None:
+        """Load a full state (snapshot, checkpoint) kept elsewhere: from a copy, since an
+        optimizer's load_state_dict may keep the very tensors it is given."""
+        state = transfer.host_copy(state)
+        self.workload.load_state_dict(state["workload"])
+        rng.restore(state["rng"])
 
     def digest(self) -> str:
         sd = self.workload.state_dict()
@@ -547,7 +593,8 @@ class Agent:
             state, stats = transfer.recv_verified(prep.xfer, src=0, like=self.full_state(0))
         except (MigrationError, RuntimeError) as exc:  # the leaver died mid-copy: a replica will send it
             self.rank = rank
-            self.send("stalled", rank=rank, step=0, digest="", error=str(exc)[:500], role="joiner")
+            self.send("stalled", rank=rank, step=0, digest="", error=str(exc)[:500], role="joiner",
+                      holds={"replicas": [], "own": [], "held": {}})
             return self.take_failed_rank(self._wait_recover(exc), rebind=False)
         self.workload.load_state_dict(state["workload"])
         rng.restore(state["rng"])
@@ -624,6 +671,7 @@ class Agent:
         self.completed = step  # from here on a failure finds this step complete in our state
         self.send("step", rank=self.rank, step=step, loss=loss, step_s=time.perf_counter() - t0,
                   compute_s=compute_s, t=time.time())
+        self.protect(step)
         self._release_retired(step)
         self._poll_inbox()
         prep = self.pending
@@ -672,7 +720,7 @@ class Agent:
             self._on_abort({"epoch": self.pending.epoch, "reason": "unexpected failure"})
         self.state = "stalled"
         self.send("stalled", rank=self.rank, step=completed, digest=self.digest(), error=str(exc)[:500],
-                  role="stayer")
+                  role="stayer", holds=self.holds())
         msg = self._wait_recover(exc)
         self.state = "training"
         if completed < msg["step"] and self.rank not in msg["needers"]:
@@ -681,6 +729,8 @@ class Agent:
         backends, report = recovery.rebuild(self, msg, "stayer")
         for name, backend in backends.items():
             self.retire(self.groups[name].swap(backend), msg["step"])
+        # a rollback redoes the steps after msg["step"]: their old reports must not reach a restarted controller
+        self.step_reports = deque((r for r in self.step_reports if r["step"] <= msg["step"]), maxlen=RESEND_STEPS)
         self.switched_epoch = msg["epoch"]
         self.send("switched", epoch=msg["epoch"], rank=self.rank, role="stayer", step=msg["step"], t=time.time(),
                   detail={**report, "redo_from": completed})

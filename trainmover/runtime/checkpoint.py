@@ -1,0 +1,196 @@
+"""Checkpoints on the job's shared directory: the last tier of recovery.
+
+Every `TM_CHECKPOINT_EVERY` steps each rank copies its full state into host memory at the
+step boundary (the only part on the training thread) and a background thread writes it:
+
+    <run dir>/checkpoints/step-000000200/rank-00001.h5    one per rank (temp file + rename)
+    <run dir>/checkpoints/step-000000200/manifest.json    step, ranks, per-rank checksums
+
+Each rank reports its file to the controller (`checkpointed`: step, checksum); once every rank
+has, the controller writes the manifest (temp + rename, last) and prunes all but the newest
+KEEP complete checkpoints. A checkpoint counts only with its manifest: a rank file without one
+(a write cut by a failure) is never read.
+
+File layout (HDF5): dataset `manifest` holds `transfer.pack`'s manifest (the same format a
+state transfer sends: skeleton, per-tensor key path/shape/dtype, checksum), datasets
+`t/<index>` each tensor's bytes. Reading recomputes the checksum and compares it with both the
+file's and the manifest's; NaN or Inf is refused, as on the replica path.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trainmover.errors import MigrationError
+from trainmover.runtime import transfer
+
+log = logging.getLogger("trainmover.checkpoint")
+
+KEEP = 2
+MANIFEST = "manifest.json"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step-{step:09d}"
+
+
+def rank_file(root: Path, step: int, rank: int) -> Path:
+    return step_dir(root, step) / f"rank-{rank:05d}.h5"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_rank(root: Path, step: int, rank: int, state: dict) -> dict:
+    """Write one rank's state of `step` atomically. Returns {path, digest, bytes, seconds}."""
+    import h5py
+    t0 = time.perf_counter()
+    path = rank_file(root, step, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    manifest, tensors, digest = transfer.pack(state)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with h5py.File(tmp, "w") as f:
+        f.create_dataset("manifest", data=np.frombuffer(manifest, dtype=np.uint8))
+        for i, t in enumerate(tensors):
+            f.create_dataset(f"t/{i:06d}", data=t.cpu().reshape(-1).view(torch.uint8).numpy())
+        f.attrs.update(step=step, rank=rank, digest=digest)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)  # readers never see a half-written file
+    _fsync_dir(path.parent)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return {"path": str(path), "digest": digest, "bytes": nbytes, "seconds": time.perf_counter() - t0}
+
+
+def write_manifest(root: Path, step: int, digests: dict[int, str]) -> Path:
+    """The manifest of a checkpoint every rank wrote: written last, atomically."""
+    path = step_dir(root, step) / MANIFEST
+    tmp = path.with_name(f".{MANIFEST}.tmp")
+    tmp.write_text(json.dumps({"step": step, "ranks": len(digests),
+                               "digests": {str(r): d for r, d in sorted(digests.items())}}, sort_keys=True))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return path
+
+
+def read_manifest(root: Path, step: int) -> dict:
+    path = step_dir(root, step) / MANIFEST
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise MigrationError(f"checkpoint of step {step}: no readable manifest at {path}: {exc}",
+                             phase="recover") from exc
+    if meta.get("step") != step or not isinstance(meta.get("digests"), dict):
+        raise MigrationError(f"checkpoint of step {step}: manifest {path} names step {meta.get('step')}",
+                             phase="recover")
+    return meta
+
+
+def complete(root: Path) -> list[int]:
+    """Steps of the checkpoints under `root` that have a valid manifest, oldest first."""
+    steps = []
+    for d in Path(root).glob("step-*"):
+        try:
+            step = int(d.name.removeprefix("step-"))
+            read_manifest(root, step)
+        except (ValueError, MigrationError):
+            continue
+        steps.append(step)
+    return sorted(steps)
+
+
+def prune(root: Path, keep: list[int]) -> list[Path]:
+    """Delete every checkpoint directory older than the newest of `keep` and not in it."""
+    newest = max(keep, default=-1)
+    gone = []
+    for d in Path(root).glob("step-*"):
+        try:
+            step = int(d.name.removeprefix("step-"))
+        except ValueError:
+            continue
+        if step < newest and step not in keep:
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d)
+    return gone
+
+
+def read_rank(root: Path, step: int, rank: int, like: dict | None = None) -> dict:
+    """Rank `rank`'s state of the complete checkpoint `step`, verified against the file's and the
+    manifest's checksum; NaN or Inf refused. Every failure is a MigrationError naming the file."""
+    import h5py
+    expected = read_manifest(root, step)["digests"].get(str(rank))
+    path = rank_file(root, step, rank)
+    if expected is None:
+        raise MigrationError(f"checkpoint of step {step} has no file of rank {rank}", phase="recover", rank=rank)
+    try:
+        with h5py.File(path, "r") as f:
+            meta, into = transfer.unpack(f["manifest"][()].tobytes(), like)
+            with torch.no_grad():
+                for i, t in enumerate(into):
+                    data = torch.from_numpy(f[f"t/{i:06d}"][()])
+                    if data.numel() != t.numel() * t.element_size():
+                        raise MigrationError(f"{path}: tensor {i} holds {data.numel()} bytes, expected "
+                                             f"{t.numel() * t.element_size()}", phase="recover", rank=rank)
+                    t.view(-1).view(torch.uint8).copy_(data)
+    except (OSError, KeyError) as exc:
+        raise MigrationError(f"checkpoint file {path} unreadable: {exc}", phase="recover", rank=rank) from exc
+    state, got = transfer.assemble(meta, into)
+    if got != expected:
+        raise transfer.ChecksumMismatch(f"{path}: checksum {got[:12]} differs from the manifest's {expected[:12]}",
+                                        phase="recover", rank=rank)
+    bad = transfer.nonfinite(transfer.tensors_of(state))
+    if bad:
+        raise MigrationError(f"{path}: refused: {bad} tensor(s) hold NaN or Inf", phase="recover", rank=rank)
+    return state
+
+
+class Writer:
+    """Writes a rank's checkpoints in a background thread, one at a time; `report(result)` is
+    called (in that thread) after each file is in place. A checkpoint submitted while the
+    previous one is still being written waits for it (bounded: the deadline of `submit`)."""
+
+    def __init__(self, root: Path, rank: int, report):
+        self.root, self.rank, self.report = Path(root), rank, report
+        self.jobs: queue.Queue = queue.Queue(maxsize=1)
+        self.idle = threading.Event()
+        self.idle.set()
+        self.thread = threading.Thread(target=self._run, name="tm-checkpoint", daemon=True)
+        self.thread.start()
+
+    def submit(self, step: int, state: dict, timeout_s: float) -> None:
+        """`state` must be a host copy the caller no longer changes (transfer.host_copy)."""
+        if not self.idle.wait(timeout_s):
+            raise MigrationError(f"checkpoint writer still busy after {timeout_s:.0f}s", phase="checkpoint",
+                                 rank=self.rank)
+        self.idle.clear()
+        self.jobs.put((step, state))
+
+    def wait(self, timeout_s: float) -> bool:
+        return self.idle.wait(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            step, state = self.jobs.get()
+            try:
+                result = write_rank(self.root, step, self.rank, state)
+                self.report({"step": step, **result})
+            except Exception as exc:  # noqa: BLE001 - a failed write leaves this checkpoint incomplete
+                log.error("checkpoint of step %d, rank %d failed: %s", step, self.rank, exc)
+            finally:
+                self.idle.set()
