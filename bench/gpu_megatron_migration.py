@@ -222,7 +222,8 @@ def standby_warmup(raw: dict) -> dict:
             "standby_roles": [(r.get("role"), r.get("rank")) for r in shadow.get("roles", [])],
             "standby_loss_equal": shadow.get("loss_equal"), "standby_sends_equal": shadow.get("sends_equal"),
             "standby_sends_checked": sum(r.get("sends_checked", 0) for r in shadow.get("roles", [])),
-            "standby_kept_bytes": shadow.get("kept_bytes"), "standby_role_peak_bytes": shadow.get("role_peak_bytes")}
+            "standby_kept_bytes": shadow.get("kept_bytes"), "standby_kept_reserved_bytes": shadow.get("kept_reserved_bytes"),
+            "standby_role_peak_bytes": shadow.get("role_peak_bytes"), "standby_kept_below_peak": shadow.get("kept_below_peak")}
 
 
 def _version(dist_name: str) -> str | None:

@@ -59,9 +59,9 @@ def combine(roles: list[dict], memory: dict) -> dict:
            "loss_equal": None if any(r["loss_equal"] is None for r in roles) else all(r["loss_equal"] for r in roles),
            "sends_equal": None if all(r["sends_equal"] is None for r in roles) else
            all(r["sends_equal"] is not False for r in roles)}
-    if peaks and memory:
-        out.update(kept_bytes=memory.get("reserved_bytes"), role_peak_bytes=max(peaks),
-                   kept_below_peak=memory.get("reserved_bytes", 0) < max(peaks))
+    if peaks and memory:  # allocator bytes against allocator bytes; reserved (with its rounding) beside
+        out.update(kept_bytes=memory.get("alloc_bytes"), kept_reserved_bytes=memory.get("reserved_bytes"),
+                   role_peak_bytes=max(peaks), kept_below_peak=memory.get("alloc_bytes", 0) < max(peaks))
     return out
 
 
