@@ -54,7 +54,10 @@ class Recorder:
                  from_step: int = 0, max_versions: int = 4, steady_steps: int = STEADY_STEPS):
         if iterations < 1:
             raise MigrationError("a recording needs at least one iteration", phase="record")
-        self.groups = {n: g for n, g in groups.items() if n != skip}
+        # A group of one rank never leaves the node and its answer is the rank's own data
+        # (what a sandbox gives locally): not recorded. With Megatron and DP=1 its gradient
+        # "all-reduce" alone would be most of a recording.
+        self.groups = {n: g for n, g in groups.items() if n != skip and g.size() > 1}
         self.base, self.rank, self.iterations = Path(base), rank, iterations
         self.from_step, self.max_versions, self.steady_steps = from_step, max_versions, steady_steps
         self.state = State.WAITING

@@ -94,7 +94,8 @@ def replay(specs, base: Path, timeout_s: float, local_only: str,
     for g in specs:
         if rank in g.ranks:
             grank = g.ranks.index(rank)
-            answers = None if g.name == local_only or not rec.has_init else rec.for_group(g.name)
+            answers = None if not _recorded(g.name, len(g.ranks), local_only) or not rec.has_init \
+                else rec.for_group(g.name)
             groups[g.name] = SwappableGroup(g.name, grank, len(g.ranks), list(g.ranks),
                                             SandboxBackend(grank, len(g.ranks), answers=answers))
     if rec.has_init:
@@ -146,9 +147,15 @@ def rewarm(groups: dict[str, SwappableGroup], path: Path, local_only: str, step:
     return _report(rec, steps, compared=False)
 
 
+def _recorded(name: str, size: int, local_only: str) -> bool:
+    """Whether a group's collectives are in the recording (see live.Recorder: not the
+    runtime's own group, not groups of one rank, which a sandbox answers exactly)."""
+    return name != local_only and size > 1
+
+
 def _answer_from(groups: dict[str, SwappableGroup], rec: recording.Replay, local_only: str) -> None:
     for name, g in groups.items():
-        if name != local_only:
+        if _recorded(name, g.size(), local_only):
             g.swap(SandboxBackend(g.rank(), g.size(), answers=rec.for_group(name)))
 
 
