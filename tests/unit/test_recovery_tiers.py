@@ -147,3 +147,13 @@ def test_rewinding_the_metrics_keeps_each_step_once_and_appends_after(tmp_path):
     files.close()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 1.0), (3, 1.0), (4, 1.0), (5, 2.0)]
+
+
+def test_snapshots_are_taken_only_where_they_could_be_used():
+    from trainmover.controller.tiers import snapshots_needed
+    default = ("replica", "snapshot", "checkpoint")
+    assert not snapshots_needed(default, (0, 1, 2, 3), 4)       # plain DDP: every rank has a live replica
+    assert snapshots_needed(default, (0, 2), 4)                  # replicas of part of the job only
+    assert snapshots_needed(default, None, 4)                    # no replica group (Megatron without DP)
+    assert snapshots_needed(("snapshot", "replica"), (0, 1, 2, 3), 4)  # snapshot preferred
+    assert not snapshots_needed(("replica", "checkpoint"), None, 4)    # snapshot tier not allowed

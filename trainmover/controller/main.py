@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from trainmover.config import Config
+from trainmover.config import Config, parse_tiers
 from trainmover.control import channel
 from trainmover.control.messages import make
-from trainmover.controller import journal, records
+from trainmover.controller import journal, records, tiers
 from trainmover.controller.actions import (AcquireStandby, CheckpointDone, Finish, LaunchStandby, Record, ReleaseNode,
                                           Rewind, Send)
 from trainmover.controller.policy import JobView, Policy
@@ -102,8 +102,14 @@ class Controller:
             self.view = JobView(job_id, len(nodes) * k, k, self.batch_host,
                                 {i * k + j: n for i, n in enumerate(nodes) for j in range(k)})
         # A layout that cannot fit the job (TP x PP x DP != ranks) fails here, before any launch.
-        workloads.load(cfg.workload, cfg.workload_kwargs()).group_specs(self.view.world_size)
+        workload = workloads.load(cfg.workload, cfg.workload_kwargs())
+        specs = workload.group_specs(self.view.world_size)
+        replica = next((g.ranks for g in specs if g.name == workload.replica_group()),
+                       tuple(range(self.view.world_size)) if workload.replica_group() == "world" else None)
+        self.snapshot_every = cfg.snapshot_every if tiers.snapshots_needed(
+            parse_tiers(cfg.recovery_tiers), replica, self.view.world_size) else 0
         self.policy = Policy(cfg, self.view)
+        self.policy.snapshot_every = self.snapshot_every
         self.files = records.RunFiles(root)
         self.checkpoint_root = self.files.root / "checkpoints"
         self.policy.checkpoint_steps = checkpoint.complete(self.checkpoint_root)[-KEEP_CHECKPOINTS:]
@@ -156,7 +162,7 @@ class Controller:
                           switch_timeout_s=self.cfg.switch_timeout_s, recovery_timeout_s=self.cfg.recovery_timeout_s,
                           reconnect_timeout_s=self.cfg.reconnect_timeout_s,
                           shadow_steps=self.cfg.shadow_steps,
-                          snapshot_every=self.cfg.snapshot_every, checkpoint_every=self.cfg.checkpoint_every,
+                          snapshot_every=self.snapshot_every, checkpoint_every=self.cfg.checkpoint_every,
                           checkpoint_dir=str(self.checkpoint_root), ranks_per_node=self.view.ranks_per_node,
                           inject=self._injections(role))
 

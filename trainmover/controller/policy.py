@@ -66,6 +66,7 @@ class Policy(Recovering, Resuming, StandbyLoss):
         self.rows: dict[int, dict[int, dict]] = {}              # step -> rank -> report
         self.finished: dict[int, dict] = {}
         self.recordings: dict[str, dict] = {}  # by recording rank (one per standby role)
+        self.snapshot_every = cfg.snapshot_every  # the executor sets 0 where no snapshot could be used
         self.samples: dict[int, list[float]] = {}             # rank -> compute times of this window
         self.windows: list[dict[int, float]] = []             # oldest first: rank -> median compute time
         self.straggler: dict = {"mode": cfg.straggler, "verdict": "", "target": None, "windows": 0, "evicted": []}
@@ -443,6 +444,6 @@ class Policy(Recovering, Resuming, StandbyLoss):
             "straggler": self.straggler,
             "finished": self.done,
             "controller": {"restarts": self.restarts, "resuming": self.resuming is not None},
-            "protection": {"tiers": self.cfg.recovery_tiers, "snapshot_every": self.cfg.snapshot_every,
+            "protection": {"tiers": self.cfg.recovery_tiers, "snapshot_every": self.snapshot_every,
                            "checkpoint_every": self.cfg.checkpoint_every, "checkpoints": list(self.checkpoint_steps)},
         }

@@ -107,3 +107,14 @@ def choose(tiers: tuple[str, ...], lost: tuple[int, ...], reports: dict[int, dic
     return Stop(f"no recovery tier can restore rank(s) {list(lost)}: "
                 + "; ".join(f"{t}: {w}" for t, w in why.items())
                 + (f"; not tried (TM_RECOVERY_TIERS): {', '.join(left_out)}" if left_out else ""))
+
+
+def snapshots_needed(tiers: tuple[str, ...], replica_ranks: tuple[int, ...] | None, world_size: int) -> bool:
+    """Whether periodic snapshots can ever be used: not when the replica tier comes first and
+    the workload's replica group spans the job (plain DDP), since then every lost rank has a
+    live replica and a snapshot would only cost host memory and step time. `replica_ranks`:
+    the ranks of the workload's replica group (None: it has none)."""
+    if "snapshot" not in tiers:
+        return False
+    return not (tiers[0] == "replica" and replica_ranks is not None and len(replica_ranks) == world_size)
+
