@@ -69,7 +69,8 @@ class Workload(abc.ABC):
         """The distinct roles a standby may be asked to take, each by a rank that plays it:
         those ranks record their collectives and a standby rehearses every role in turn,
         since it does not know which rank it will replace. Default: every rank does the
-        same work (data parallel), one role."""
+        same work (data parallel), one role. A workload with several roles must also drop its
+        model in `release` and build it in `rebind` (a standby moves from role to role)."""
         return {"any": 0}
 
     def release(self) -> None:
