@@ -383,17 +383,9 @@ class Agent:
             return {"replay": "unavailable: recording disabled"}
         from trainmover.sandbox import shadow
 
-        def build(rank, groups):
-            if self.groups:
-                self.workload.release()
-                _free_device_memory(self.device)
-            self.groups = groups
-            (self.workload.rebind if self.rehearsed is not None else self.workload.build)(self._context(rank))
-            self.rehearsed = rank
-
         # The live ranks may record later than the job start (TM_RECORD_FROM_STEP): wait longer.
         done, failed = shadow.replay_roles(
-            self.specs, Path(self.spec.recording_dir), roles, 3 * self.spec.group_timeout_s, CONTROL, build,
+            self.specs, Path(self.spec.recording_dir), roles, 3 * self.spec.group_timeout_s, CONTROL, self._rehearse,
             self.workload.train_step, settle=lambda: self.shadow_until_steady(self.spec.shadow_steps),
             reset_peak=lambda: _reset_peak_memory(self.device), peak=lambda: _peak_memory(self.device))
         for report in done:
@@ -402,6 +394,16 @@ class Agent:
             return {**failed, "roles": done}
         _free_device_memory(self.device)  # keeps the last role's model and optimizer, not its activations
         return shadow.combine(done, self.memory())
+
+    def _rehearse(self, rank: int, groups: dict[str, SwappableGroup]) -> None:
+        """A standby: build the workload for `rank`'s role on `groups` (sandboxed), first
+        dropping the role it holds, so that it never holds two ranks' state."""
+        if self.rehearsed is not None:
+            self.workload.release()
+            _free_device_memory(self.device)
+        self.groups = groups
+        (self.workload.rebind if self.rehearsed is not None else self.workload.build)(self._context(rank))
+        self.rehearsed = rank
 
     @contextlib.contextmanager
     def _warm_stance(self):
@@ -432,11 +434,7 @@ class Agent:
             return
         self.send("warming", node=self.spec.node, version=version, rank=rank)
         if rank != self.rehearsed:
-            self.workload.release()
-            _free_device_memory(self.device)
-            self.groups = self._make_groups(rank, sandbox=True)
-            self.workload.rebind(self._context(rank))
-            self.rehearsed = rank
+            self._rehearse(rank, self._make_groups(rank, sandbox=True))
         report = shadow.rewarm(self.groups, recording.version_path(recording.base_of(self.spec.recording_dir, rank),
                                                                    version), CONTROL, self.workload.train_step)
         self.replayed[rank], self.shadow_step = version, report["last_step"]
@@ -455,9 +453,7 @@ class Agent:
             log.warning("shadow iterations without a recording: %s", shadow["replay"])
             if self.rehearsed is None:  # else: a role before the missing one was rehearsed and stays built
                 rehearse = self.local % self.spec.world_size  # any valid rank: a join rebinds to the leaver's
-                self.groups = self._make_groups(rehearse, sandbox=True)
-                self.workload.build(self._context(rehearse))
-                self.rehearsed = rehearse
+                self._rehearse(rehearse, self._make_groups(rehearse, sandbox=True))
         with self._warm_stance():
             steps = self.shadow_until_steady(self.spec.shadow_steps)
         self.send("ready", node=self.spec.node, local=self.local, warmup_s=time.perf_counter() - t0,
