@@ -21,17 +21,17 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from trainmover import faults
 from trainmover.config import Config, parse_tiers
-from trainmover.control import channel
+from trainmover.control import channel, checkpoints
 from trainmover.control.messages import make
 from trainmover.controller import journal, records, tiers
 from trainmover.controller.actions import (AcquireStandby, CheckpointDone, Finish, LaunchStandby, Record, ReleaseNode,
                                           Rewind, Send)
-from trainmover.controller.policy import JobView, Policy
-from trainmover.controller.recovery import KEEP_CHECKPOINTS
+from trainmover.controller.policy import Policy
+from trainmover.controller.view import JobView
 from trainmover.errors import ConfigError, SlurmError, TrainMoverError
-from trainmover.runtime import checkpoint
-from trainmover.runtime.spec import ENV as SPEC_ENV, WorkerSpec
+from trainmover.control.spec import ENV as SPEC_ENV, WorkerSpec
 from trainmover.slurm.client import CliSlurm
 from trainmover.slurm.model import BatchHostRelease, NoStandbyAvailable
 from trainmover.workloads import base as workloads
@@ -77,6 +77,7 @@ class Controller:
         outlive this controller (None: its own, for one-process uses such as the benches).
         `resume`: take over a job whose controller died, from its journal."""
         self.cfg, self.job_id, self.attempt = cfg, job_id, attempt
+        self.faults = faults.Injector(cfg.inject, "controller", first_controller=attempt == 0)
         self.slurm = slurm or CliSlurm()
         self.environ = dict(environ)
         job = self.slurm.job(job_id)
@@ -112,7 +113,7 @@ class Controller:
         self.policy.snapshot_every = self.snapshot_every
         self.files = records.RunFiles(root)
         self.checkpoint_root = self.files.root / "checkpoints"
-        self.policy.checkpoint_steps = checkpoint.complete(self.checkpoint_root)[-KEEP_CHECKPOINTS:]
+        self.policy.checkpoint_steps = checkpoints.complete(self.checkpoint_root)[-checkpoints.KEEP:]
         if resume:
             self.key = channel.read_secret(str(self.files.secret))  # the ranks hold it: same job, same key
         else:
@@ -164,17 +165,8 @@ class Controller:
                           shadow_steps=self.cfg.shadow_steps,
                           snapshot_every=self.snapshot_every, checkpoint_every=self.cfg.checkpoint_every,
                           checkpoint_dir=str(self.checkpoint_root), ranks_per_node=self.view.ranks_per_node,
-                          inject=self._injections(role))
-
-    def _injections(self, role: str) -> tuple[str, ...]:
-        """TM_INJECT as one process sees it: die-in-warmup:<n> becomes die-in-warmup for the
-        n-th standby this (first) controller launches, and nothing for the others."""
-        from trainmover.config import parse_die_in_warmup
-        out = tuple(i for i in self.cfg.inject if not i.startswith("die-in-warmup:"))
-        chosen = {parse_die_in_warmup(i) for i in self.cfg.inject if i.startswith("die-in-warmup:")}
-        if role == "standby" and self.attempt == 0 and self.standby_launches in chosen:
-            out += ("die-in-warmup",)
-        return out
+                          inject=faults.for_launch(self.cfg.inject, role, self.standby_launches,
+                                                           first_controller=self.attempt == 0))
 
     def _launch(self, role: str, node: str, ranks: tuple[int, ...]) -> None:
         if role == "standby":
@@ -228,11 +220,6 @@ class Controller:
         self.journal.write(time.time(), journal.diff(self.durable, now_durable))
         self.durable = now_durable
 
-    def _inject(self, point: str) -> None:
-        if f"controller-die:{point}" in self.cfg.inject and self.attempt == 0:
-            log.error("injected: controller dies (SIGKILL) at %s", point)
-            os.kill(os.getpid(), signal.SIGKILL)
-
     def apply(self, actions: list) -> None:
         self._journal_decisions()
         for a in actions:
@@ -242,7 +229,7 @@ class Controller:
                 self._launch("standby", a.node, ())
             elif isinstance(a, Send):
                 if a.msg["type"] == "prepare":
-                    self._inject("preparing")
+                    self.faults.at("controller", at="preparing")
                 for node in a.nodes:
                     for conn in self.conns.get(node, []):
                         try:
@@ -250,7 +237,7 @@ class Controller:
                         except OSError as exc:
                             log.warning("cannot send %s to %s: %s", a.msg["type"], node, exc)
                 if a.msg["type"] == "prepare" and a.msg["assign"]:  # the joiner's: the last of a prepare
-                    self._inject("prepare")
+                    self.faults.at("controller", at="prepare")
             elif isinstance(a, ReleaseNode):
                 self._background("release", lambda n=a.node: self._release(n))
             elif isinstance(a, Record):
@@ -263,8 +250,8 @@ class Controller:
                 log.info("rolled back to step %d: %d metrics rows of later steps dropped (they are redone)",
                          a.step, dropped)
             elif isinstance(a, CheckpointDone):
-                checkpoint.write_manifest(self.checkpoint_root, a.step, a.digests)
-                gone = checkpoint.prune(self.checkpoint_root, list(a.keep))
+                checkpoints.write_manifest(self.checkpoint_root, a.step, a.digests)
+                gone = checkpoints.prune(self.checkpoint_root, list(a.keep))
                 log.info("checkpoint of step %d complete; pruned %s", a.step, [d.name for d in gone])
             elif isinstance(a, Finish):
                 self.outcome = (a.ok, a.message)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-from dataclasses import dataclass, field
 
 from trainmover.config import Config
 from trainmover.control.messages import make
@@ -16,42 +15,12 @@ from trainmover.controller.migration import Migration, Phase
 from trainmover.controller.recovery import Recovering
 from trainmover.controller.resume import Resuming
 from trainmover.controller.standby_loss import StandbyLoss
+from trainmover.controller.view import JobView, Standby
 from trainmover.policy import straggler
 
 log = logging.getLogger("trainmover.policy")
 
 MAX_ATTEMPTS = 3
-
-
-@dataclass
-class Standby:
-    node: str
-    state: str = "starting"       # starting -> ready -> joining; back to ready if a migration aborts;
-                                  # ready -> warming -> ready when it re-warms on a newer recording
-    since: float = 0.0
-    warmup_s: float | None = None
-    shadow_steps: int | None = None
-    shadow: dict = field(default_factory=dict)   # replay of recorded collectives: losses, equality
-    warm: set = field(default_factory=set)       # local indices of its processes that reported 'ready'
-
-
-@dataclass
-class JobView:
-    """What the controller believes about its job."""
-    job_id: int
-    world_size: int
-    ranks_per_node: int
-    batch_host: str
-    rank_node: dict[int, str]
-    standbys: dict[str, Standby] = field(default_factory=dict)
-    released: list[str] = field(default_factory=list)
-    node_state: dict[str, str] = field(default_factory=dict)   # Slurm's word for each node
-
-    def train_nodes(self) -> list[str]:
-        return sorted(set(self.rank_node.values()), key=lambda n: min(r for r, m in self.rank_node.items() if m == n))
-
-    def ranks_of(self, node: str) -> tuple[int, ...]:
-        return tuple(sorted(r for r, n in self.rank_node.items() if n == node))
 
 
 class Policy(Recovering, Resuming, StandbyLoss):

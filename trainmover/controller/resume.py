@@ -23,6 +23,7 @@ import logging
 from trainmover.controller.actions import Finish, Record, ReleaseNode
 from trainmover.controller.journal import Replayed
 from trainmover.controller.migration import Migration, Phase
+from trainmover.controller.view import Standby
 
 log = logging.getLogger("trainmover.policy")
 
@@ -40,7 +41,6 @@ class Resuming:
                 "migrations": {m.id: m.to_record() for m in self.migrations}}
 
     def resume(self, now: float, j: Replayed, metrics_through: int) -> list:
-        from trainmover.controller.policy import Standby  # noqa: PLC0415 - policy imports this module
         v = self.view
         v.rank_node = dict(j.rank_node)
         v.released = list(j.released)

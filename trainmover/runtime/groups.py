@@ -26,6 +26,10 @@ from torch._C import _distributed_c10d as _c10d
 
 from trainmover.errors import MigrationError
 
+# The runtime's own groups, beside the workload's (every rank is a member of both):
+CONTROL = "tm-control"    # the per-step agreement (boundary.py): 8 bytes over gloo, no GPU sync
+SNAPSHOT = "tm-snapshot"  # the snapshot tier's exchange (snapshot.py): gloo, host memory, beside the step's collectives
+
 
 class FutureWork(dist.Work):
     """A Work that is its future. Why not torch's own future-wrapping Work: its `wait()`
@@ -47,7 +51,7 @@ class FutureWork(dist.Work):
         return self.fut
 
 
-def _done(result) -> dist.Work:
+def completed_work(result) -> dist.Work:
     fut = torch.futures.Future()
     fut.set_result(result)
     return FutureWork(fut)
@@ -96,7 +100,7 @@ class SandboxBackend:
         self.calls.append((op, tuple(tuple(t.shape) for t in flat)))
         if self.answers is not None:
             self.answers(op, tensors)
-        return _done(tensors)
+        return completed_work(tensors)
 
     def allreduce(self, tensors, opts=None):
         return self._answer("allreduce", tensors)
@@ -106,7 +110,7 @@ class SandboxBackend:
             # this rank is the source: its own data is the answer, to be checked, not replaced
             self.calls.append(("broadcast", tuple(tuple(t.shape) for t in tensors)))
             self.answers("broadcast-source", tensors)
-            return _done(tensors)
+            return completed_work(tensors)
         return self._answer("broadcast", tensors)
 
     def allgather(self, output_lists, input_tensors, opts=None):
@@ -282,13 +286,13 @@ def _coalesced(single: str, options):
                 one = dist.AllreduceOptions()
                 one.reduceOp = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
                 getattr(self, single)([t], one).wait()
-            return _done(tensors)
+            return completed_work(tensors)
         for out, inp in zip(outputs, inputs):
             one = options()
             if opts is not None and hasattr(opts, "reduceOp"):
                 one.reduceOp = opts.reduceOp
             getattr(self, single)(out, inp, one).wait()
-        return _done(outputs)
+        return completed_work(outputs)
     run.__name__ = f"{single}_coalesced"
     return run
 
