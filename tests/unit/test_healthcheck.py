@@ -93,6 +93,20 @@ def test_each_fatal_gpu_sign_is_a_fault_and_throttling_only_a_warning():
     assert warn.ok and warn.detail == "GPU 3: warning: throttled: HW slowdown"
 
 
+def test_nvml_recovery_action_field():
+    from types import SimpleNamespace
+
+    class WithField(FakeNvml):
+        NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = 230
+
+        def nvmlDeviceGetFieldValues(self, h, ids):
+            assert ids == [230]
+            return [SimpleNamespace(nvmlReturn=0, value=SimpleNamespace(uiVal=h.get("action", 0)))]
+    r = nvml.read(WithField([{"action": 1}, {}]), xid_window_ms=0)
+    assert [g.recovery_action for g in r.gpus] == [1, 0]
+    assert [f.detail for f in _judge_one(r).findings if not f.ok] == ["GPU 0: driver asks for a recovery action: GPU reset"]
+
+
 def test_no_nvml_is_a_skip_with_a_note():
     lib, why = nvml.load()
     if lib is None:

@@ -173,7 +173,8 @@ def test_fatal_signs_fail_at_once_even_on_a_first_run():
     for gpu0, text in [({"ecc_uncorrected": 1}, "uncorrectable ECC errors: 1"),
                        ({"remap_failed": True}, "row remapping failed"),
                        ({"retire_pending": True}, "page retirement or row remap pending (GPU reset needed)"),
-                       ({"lost": True}, "fallen off the bus (NVML: GPU is lost)")]:
+                       ({"lost": True}, "fallen off the bus (NVML: GPU is lost)"),
+                       ({"recovery_action": 2}, "driver asks for a recovery action: node reboot")]:
         (v,) = replay([(0, node({"nvlink1": {"replay": 1}}, **gpu0))])
         assert faults(v) == [f"GPU 0: {text}"], gpu0
 
@@ -230,3 +231,8 @@ def test_recorded_healthy_gpu_sequences_replay_healthy(sequence):
     from trainmover.healthcheck.readings import reading_from_dict
     runs = replay([(r["time"] - T0, reading_from_dict(r["reading"])) for r in sequence])
     assert [faults(v) for v in runs] == [[] for _ in runs]
+
+
+def test_drain_p2p_recovery_action_is_only_a_warning():
+    (v,) = replay([(0, node({}, recovery_action=3))])
+    assert faults(v) == [] and any("driver recovery action 3" in f.detail for f in v.findings if f.warning)

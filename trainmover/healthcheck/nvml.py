@@ -2,7 +2,8 @@
 object with the same functions (tests pass a fake).
 
 Per GPU: UUID and PCI address; volatile uncorrected ECC errors; pending page retirement;
-row remapping pending/failed; hardware slowdowns active now; per active NVLink the
+row remapping pending/failed; the driver's recovery action (reset/reboot needed, where the
+driver reports one); hardware slowdowns active now; per active NVLink the
 data-link-layer counters (replay, recovery, CRC flit, CRC data) and the PCIe replay counter.
 A query that raises NVML_ERROR_GPU_IS_LOST marks the GPU lost (fallen off the bus); one the
 GPU does not support is left out. Critical XIDs that NVML reports while it listens (a short
@@ -98,11 +99,26 @@ def read_gpu(nvml: Any, i: int) -> tuple[GpuReading, Any]:
             getattr(nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
         reasons = (_query(nvml, lambda: reasons_fn(h)) if reasons_fn else 0) or 0
         throttle = tuple(name for name, attr, bit in HW_SLOWDOWNS if reasons & getattr(nvml, attr, bit))
+        action = _recovery_action(nvml, h)
         counters = _link_counters(nvml, h)
     except GpuLost:
         return GpuReading(index=i, uuid=uuid, pci=pci, lost=True), None
     return GpuReading(index=i, uuid=uuid, pci=pci, ecc_uncorrected=int(ecc), remap_failed=remap_failed,
-                      retire_pending=retire or remap_pending, throttle=throttle, counters=counters), h
+                      retire_pending=retire or remap_pending, recovery_action=action, throttle=throttle,
+                      counters=counters), h
+
+
+def _recovery_action(nvml: Any, h: Any) -> int:
+    """NVML_FI_DEV_GET_GPU_RECOVERY_ACTION where the driver has it (0 elsewhere)."""
+    fid = getattr(nvml, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", None)
+    if fid is None or not hasattr(nvml, "nvmlDeviceGetFieldValues"):
+        return 0
+    values = _query(nvml, lambda: nvml.nvmlDeviceGetFieldValues(h, [fid]))
+    try:
+        v = values[0]
+        return int(v.value.uiVal) if getattr(v, "nvmlReturn", 1) == 0 else 0
+    except (TypeError, IndexError, AttributeError, ValueError):
+        return 0
 
 
 def _link_counters(nvml: Any, h: Any) -> dict[str, dict[str, int]]:

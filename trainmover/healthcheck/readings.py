@@ -45,6 +45,7 @@ class GpuReading:
     ecc_uncorrected: int = 0        # volatile uncorrected ECC errors (since the driver loaded)
     remap_failed: bool = False      # row remapping failed (no spare row left)
     retire_pending: bool = False    # a page retirement or row remap waits for a GPU reset
+    recovery_action: int = 0        # NVML's GPU recovery action: 0 none, 1 reset, 2 reboot, 3 drain P2P, 4 drain+reset
     throttle: tuple[str, ...] = ()  # hardware slowdowns active right now
     counters: Counters = field(default_factory=dict)
     incidents: tuple[Incident, ...] = ()
@@ -92,7 +93,8 @@ def reading_to_dict(r: NodeReading) -> dict:
             "xids": [{"xid": x.xid, "where": x.where, "seq": x.seq, "source": x.source} for x in r.xids],
             "gpus": [{"index": g.index, "uuid": g.uuid, "pci": g.pci, "lost": g.lost,
                       "ecc_uncorrected": g.ecc_uncorrected, "remap_failed": g.remap_failed,
-                      "retire_pending": g.retire_pending, "throttle": list(g.throttle),
+                      "retire_pending": g.retire_pending, "recovery_action": g.recovery_action,
+                      "throttle": list(g.throttle),
                       "counters": {link: dict(kinds) for link, kinds in g.counters.items()},
                       "incidents": [vars(i) for i in g.incidents]} for g in r.gpus]}
 
@@ -104,6 +106,7 @@ def reading_from_dict(d: Mapping[str, Any], source: Optional[str] = None) -> Nod
             index=int(g["index"]), uuid=str(g.get("uuid") or f"GPU-{g['index']}"), pci=str(g.get("pci", "")),
             lost=bool(g.get("lost", False)), ecc_uncorrected=int(g.get("ecc_uncorrected", 0)),
             remap_failed=bool(g.get("remap_failed", False)), retire_pending=bool(g.get("retire_pending", False)),
+            recovery_action=int(g.get("recovery_action", 0)),
             throttle=tuple(g.get("throttle", ())),
             counters={str(link): {str(k): int(v) for k, v in kinds.items()}
                       for link, kinds in (g.get("counters") or {}).items()},

@@ -3,7 +3,8 @@ Pure: the clock is an argument and nothing is read or written here.
 
 Two kinds of evidence, kept apart as DCGM's health watches keep them:
   * fatal signs fail at once: uncorrectable ECC errors, failed row remapping, a pending page
-    retirement or row remap (reset needed), a GPU fallen off the bus (NVML says it is lost,
+    retirement or row remap (reset needed), a recovery action the driver asks for (reset,
+    reboot), a GPU fallen off the bus (NVML says it is lost,
     or fewer GPUs answer than at the last run), a DCGM health-watch failure outside NVLink,
     and critical XIDs logged since the last run;
   * link error counters are judged by rate (rates.py): above the threshold of their kind
@@ -29,6 +30,9 @@ from trainmover.healthcheck.state import GpuState, NodeState
 # 48 DBE ECC, 63/64 row remapping pending/failed, 74 NVLink, 79 fallen off the bus,
 # 92 high single-bit ECC rate, 94/95 contained/uncontained ECC, 119/120 GSP errors.
 CRITICAL_XIDS = frozenset({48, 63, 64, 74, 79, 92, 94, 95, 119, 120})
+# NVML_FI_DEV_GET_GPU_RECOVERY_ACTION values that need the GPU out of service (3, "drain
+# peer-to-peer traffic then ask again", is transient: a warning).
+RECOVERY_ACTIONS_FATAL = {1: "GPU reset", 2: "node reboot", 4: "drain and GPU reset"}
 # DCGM fails a link on any replay or recovery in its window (the false drain this check
 # exists to avoid): its NVLink incidents are warnings here, our rate logic judges the links.
 DCGM_SYSTEMS_AS_WARNINGS = ("NVLINK",)
@@ -85,6 +89,10 @@ def _judge_gpu(g: GpuReading, kept: Optional[GpuState], now: float, policy: Poli
         faults.append("row remapping failed")
     if g.retire_pending:
         faults.append("page retirement or row remap pending (GPU reset needed)")
+    if g.recovery_action in RECOVERY_ACTIONS_FATAL:
+        faults.append(f"driver asks for a recovery action: {RECOVERY_ACTIONS_FATAL[g.recovery_action]}")
+    elif g.recovery_action:
+        warnings.append(f"driver recovery action {g.recovery_action} (drain peer-to-peer traffic)")
     for inc in g.incidents:
         text = f"DCGM {inc.system}: {inc.health}: {inc.message}"
         fatal = inc.health.lower().startswith("fail") and not inc.system.upper().startswith(DCGM_SYSTEMS_AS_WARNINGS)
