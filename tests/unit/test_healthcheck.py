@@ -4,7 +4,6 @@ from __future__ import annotations
 import time
 from collections import namedtuple
 from dataclasses import replace
-from pathlib import Path
 
 from trainmover.healthcheck import Finding, Options, decide, run
 from trainmover.healthcheck import checks, inject, kmsg, nvml, verdict
