@@ -242,6 +242,15 @@ def recorded(state_file: Path) -> dict:
     return {"time": st["time"], "reading": {"boot_id": st["boot_id"], "gpus": gpus}}
 
 
+def prune_zero_links(readings: list[dict]) -> list[dict]:
+    """Drop the links whose counters read 0 in every run: replaying them judges nothing."""
+    moving = {(g["uuid"], link) for r in readings for g in r["reading"]["gpus"]
+              for link, kinds in g["counters"].items() if any(kinds.values())}
+    return [{**r, "reading": {**r["reading"], "gpus": [
+        {**g, "counters": {k: v for k, v in g["counters"].items() if (g["uuid"], k) in moving}}
+        for g in r["reading"]["gpus"]]}} for r in readings]
+
+
 def compact(run: dict) -> dict:
     r = run["report"]
     return {"rc": run["rc"], "wall_s": run["wall_s"], "action": r.get("action"), "gpu_source": r.get("gpu_source"),
@@ -374,7 +383,7 @@ def main() -> int:
     }
     result["runs"] = {"healthy": [compact(r) for r in healthy], "faults": faults, "controls": controls,
                       "healthy_again": compact(again)}
-    result["recorded_readings"] = readings
+    result["recorded_readings"] = prune_zero_links(readings) if not dry else "not kept in a dry run"
     result["complete"] = not result["errors"]
     results_io.write(out, result)
     shutil.rmtree(scratch, ignore_errors=True)

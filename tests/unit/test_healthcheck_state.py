@@ -154,7 +154,8 @@ def test_each_injected_fault_kind_fails_and_drains_with_its_evidence(sdir, fault
 def test_injected_counter_jump_on_a_first_run_is_judged_too(sdir):
     inject.hook_path(sdir, "n1").write_text('{"kind": "counter_jump", "gpu": 0, "link": "nvlink1"}')
     report = check(sdir)
-    assert not report.healthy and "NVLink 1 crc_flit: +1000000" in report.findings[-2].detail
+    assert [f.detail for f in report.findings if not f.ok] == [
+        "GPU 0: NVLink 1 crc_flit: +1000000 in 60s = 1.67e+04/s (threshold 100/s)"]
 
 
 @pytest.mark.parametrize("control", [{"kind": "counter_reset", "gpu": 0}, {"kind": "xid", "xid": 13}])
