@@ -236,3 +236,14 @@ def test_recorded_healthy_gpu_sequences_replay_healthy(sequence):
 def test_drain_p2p_recovery_action_is_only_a_warning():
     (v,) = replay([(0, node({}, recovery_action=3))])
     assert faults(v) == [] and any("driver recovery action 3" in f.detail for f in v.findings if f.warning)
+
+
+def test_a_link_that_goes_inactive_keeps_its_base_and_is_judged_when_back():
+    bases = {"nvlink2": {"crc_flit": Base(0, T0, 0)}, "nvlink3": {"crc_flit": Base(0, T0, 0)}}
+    cv = judge_counters(bases, {"nvlink3": {"crc_flit": 0}}, T0 + 10, RatePolicy())
+    assert cv.gone == ("nvlink2",) and cv.bases["nvlink2"] == bases["nvlink2"]
+    back = judge_counters(cv.bases, {"nvlink2": {"crc_flit": 9000}, "nvlink3": {"crc_flit": 0}}, T0 + 20, RatePolicy())
+    assert [r.link for r in back.faults] == ["nvlink2"]
+    (v,) = replay([(0, node({"nvlink2": {"replay": 1}}))])
+    (w,) = replay([(10, node({}))], prev=v.state)
+    assert [f.detail for f in w.findings if f.warning] == ["GPU 0: warning: NVLink 2 is not active now (it was at an earlier run)"]

@@ -127,7 +127,7 @@ def _link_counters(nvml: Any, h: Any) -> dict[str, dict[str, int]]:
         state = _query(nvml, lambda: nvml.nvmlDeviceGetNvLinkState(h, link))
         if state is None and link == 0:
             break  # no NVLink on this GPU
-        if state != 1:
+        if not state:  # 0: inactive (1 active; 2, where drivers report it, asleep: counters still count)
             continue
         kinds = {}
         for kind, const in NVLINK_COUNTERS:

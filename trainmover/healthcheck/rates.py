@@ -86,7 +86,7 @@ class Rate:
 class CounterVerdict:
     rates: tuple[Rate, ...]           # every counter that rose since its base (exceeded ones fail)
     bases: dict[str, dict[str, Base]]  # what to keep for the next run
-    gone: tuple[str, ...]             # links with a base that this reading lacks (went inactive)
+    gone: tuple[str, ...]             # links with a base that this reading lacks (inactive now; bases kept)
     notes: tuple[str, ...]
 
     @property
@@ -125,4 +125,6 @@ def judge_counters(bases: Optional[LinkBases], counters: Counters, now: float, p
         notes.append(f"{who}: counter reset (driver reload?): new baseline for " + ", ".join(resets[:6])
                      + (f" (+{len(resets) - 6} more)" if len(resets) > 6 else ""))
     gone = tuple(sorted(set(bases or {}) - set(counters)))
+    for link in gone:  # an inactive (or sleeping) link keeps its base: judged again when it is back
+        new[link] = dict(bases[link])
     return CounterVerdict(tuple(rates), new, gone, tuple(notes))

@@ -108,7 +108,7 @@ def _judge_gpu(g: GpuReading, kept: Optional[GpuState], now: float, policy: Poli
         for r in cv.rates:
             (faults if r.exceeded else warnings).append(r.text())
             evidence.append({"gpu": g.index, "uuid": g.uuid, **r.evidence(), "fault": r.exceeded})
-        warnings += [f"{link_label(link)} was active at the last run and is not now"
+        warnings += [f"{link_label(link)} is not active now (it was at an earlier run)"
                      for link in cv.gone if link.startswith("nvlink")]
         state = GpuState(g.index, g.pci, cv.bases)
     if faults:
