@@ -35,7 +35,7 @@ from trainmover.control import channel
 from trainmover.control.messages import make
 from trainmover.control.spec import WorkerSpec
 from trainmover.errors import DeadlineExceeded, MigrationError, TrainMoverError
-from trainmover.runtime import checkpoint, phase1, rng, snapshot, transfer
+from trainmover.runtime import checkpoint, heartbeat, phase1, rng, snapshot, transfer
 from trainmover.runtime.groups import CONTROL, SNAPSHOT, Revoked, SandboxBackend, SwappableGroup, gloo_group
 from trainmover.runtime.link import Link
 from trainmover.runtime.plan import GroupSpec
@@ -51,6 +51,7 @@ log = logging.getLogger("trainmover.worker")
 RESEND_STEPS = 2048  # step reports kept for a restarted controller (its metrics rows of the gap)
 RESEND_KINDS = ("recorded", "ready", "prepared", "prepare_failed", "switched", "stalled", "finished")
 RETIRE_AFTER = 3  # steps between a switch and the release of the replaced communicators
+FENCED = 75  # exit code of a process the controller judged dead (EX_TEMPFAIL: its node was at fault)
 
 
 class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
@@ -74,9 +75,12 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
         self.step_reports: deque = deque(maxlen=RESEND_STEPS)
         self.pending: phase1.Prepared | None = None
         self.completed = 0     # steps whose updates this rank's state holds
+        # From this node's address, as every connection of the node: a node is its address.
         self.link = Link(tuple(spec.controller), channel.read_secret(spec.secret_file), self._hello,
                          self.resync_messages, self._on_control, connect_timeout=spec.group_timeout_s,
-                         reconnect_timeout=spec.reconnect_timeout_s, on_gone=self._controller_gone)
+                         reconnect_timeout=spec.reconnect_timeout_s, on_gone=self._controller_gone,
+                         source=spec.node_addr)
+        self.train_thread = threading.get_native_id()  # the heartbeat reports its CPU time
         self.inbox: queue.Queue = self.link.inbox
         self.workload = workloads.load(spec.workload, spec.workload_options)
         self.specs = self.workload.group_specs(spec.world_size)
@@ -107,6 +111,15 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
     def _on_control(self, msg: dict) -> None:
         if msg["type"] == "revoke":  # now, not at the next step: the main thread may be stuck
             self._revoke(msg)
+        elif msg["type"] == "fenced":  # judged dead and replaced (a frozen process resumed, a healed partition)
+            log.error("fenced by the controller: %s; exiting at once, writing nothing", msg["reason"])
+            _exit_now(FENCED)
+
+    def _beat(self, now: float) -> dict:
+        """What the heartbeat thread says of this process (runtime/heartbeat.py)."""
+        worker = self.role == "worker" and self.rank is not None
+        return heartbeat.beat([self.rank] if worker else [], self.completed, dict(self.groups) if worker else {},
+                              self.train_thread, now)
 
     def _controller_gone(self) -> None:
         if self.role == "standby":  # nobody can call on an idle standby any more: free the node now
@@ -257,6 +270,8 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
         return transfer.digest_tensors(transfer.tensors_of({"model": sd["model"], "optimizer": sd.get("optimizer", {})}))
 
     def run(self) -> int:
+        if self.spec.heartbeat_s > 0:
+            heartbeat.Heartbeat(self.link.send, self._beat, self.spec.heartbeat_s).start()
         if self.role == "worker":
             self.groups = self._make_groups(self.rank, sandbox=False)
             if self.rank in self._roles().values():
