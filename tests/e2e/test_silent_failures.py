@@ -130,7 +130,7 @@ def test_a_partitioned_node_is_cut_out_and_replaced(demo, reference, slurm_clien
 
 
 def test_a_hung_training_thread_is_found_by_who_waits_on_whom(demo, reference, slurm_client):
-    """TM_INJECT=hang:1:200: rank 1's training thread blocks for good as it begins step 200 while
+    """TM_INJECT=hang:1:200: rank 1's training thread blocks for good, 200 steps complete, while
     its process, heartbeat included, lives on (a hung kernel). The others wait on it: it is
     judged stuck, killed and replaced."""
     run = demo("hang", TM_INJECT="hang:1:200")
@@ -142,9 +142,9 @@ def test_a_hung_training_thread_is_found_by_who_waits_on_whom(demo, reference, s
         assert_exact(run, reference, m)
         (f,) = fenced(run)
         assert f["ranks"] == [1] and "stuck" in f["why"] and "group" in f["why"], f
-        assert m["switch_step"] == 199
-        hung_at = max(x["t"] for x in run.metrics() if x["step"] == 199)  # rank 1 hangs right after it
-        first_after = min(x["t"] for x in run.metrics() if x["step"] == 200)
+        assert m["switch_step"] == 200
+        hung_at = max(x["t"] for x in run.metrics() if x["step"] == 200)  # rank 1 hangs right after it
+        first_after = min(x["t"] for x in run.metrics() if x["step"] == 201)
         print(f"\nhung rank 1: last step before {hung_at:.2f}, first after {first_after - hung_at:.2f}s later")
         assert first_after - hung_at <= BOUND_S
     finally:

@@ -28,25 +28,26 @@ CLASSID_BASE = 0x00100000  # major 0x10: ours; the minor is the node's index + 1
 
 
 def node_pids(info, node: str) -> list[int]:
-    """The node's slurmd and all its descendants (slurmstepd, the job's processes)."""
+    """Every process of the node: its slurmd and all that share its UTS namespace (each slurmd
+    of the embedded cluster runs in one of its own, with the node's hostname; slurmstepd and the
+    job's processes inherit it, though slurmstepd is not slurmd's child once it daemonizes)."""
     root = read_pid(Path(info.state_dir) / "run" / f"slurmd-{node}.pid")
     if root is None:
         raise ClusterError(f"no slurmd of {node} is running")
-    children: dict[int, list[int]] = {}
+    try:
+        uts = os.readlink(f"/proc/{root}/ns/uts")
+    except OSError as exc:
+        raise ClusterError(f"cannot read the namespace of {node}'s slurmd ({root}): {exc}") from exc
+    if uts == os.readlink("/proc/self/ns/uts"):
+        raise ClusterError(f"{node}'s slurmd shares the machine's UTS namespace: its processes cannot be told apart")
+    out = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += children.get(pid, [])
+        if entry.isdigit():
+            try:
+                if os.readlink(f"/proc/{entry}/ns/uts") == uts:
+                    out.append(int(entry))
+            except OSError:
+                continue
     return out
 
 

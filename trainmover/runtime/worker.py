@@ -75,12 +75,17 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
         self.step_reports: deque = deque(maxlen=RESEND_STEPS)
         self.pending: phase1.Prepared | None = None
         self.completed = 0     # steps whose updates this rank's state holds
+        self.groups: dict[str, SwappableGroup] = {}
+        self.train_thread = threading.get_native_id()  # the heartbeat reports its CPU time
         # From this node's address, as every connection of the node: a node is its address.
         self.link = Link(tuple(spec.controller), channel.read_secret(spec.secret_file), self._hello,
                          self.resync_messages, self._on_control, connect_timeout=spec.group_timeout_s,
                          reconnect_timeout=spec.reconnect_timeout_s, on_gone=self._controller_gone,
                          source=spec.node_addr)
-        self.train_thread = threading.get_native_id()  # the heartbeat reports its CPU time
+        # Beats from the moment the controller knows this process: building the workload
+        # (imports, a model) may take longer than the silence that would judge it dead.
+        if spec.heartbeat_s > 0:
+            heartbeat.Heartbeat(self.link.send, self._beat, spec.heartbeat_s).start()
         self.inbox: queue.Queue = self.link.inbox
         self.workload = workloads.load(spec.workload, spec.workload_options)
         self.specs = self.workload.group_specs(spec.world_size)
@@ -93,7 +98,6 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
             self.specs.append(GroupSpec(SNAPSHOT, tuple(range(spec.world_size))))
         self.snapshots: snapshot.Snapshots | None = None  # made once the rank is known (see protect)
         self.checkpoints: checkpoint.Writer | None = None
-        self.groups: dict[str, SwappableGroup] = {}
         self.reported: set[tuple[int, str]] = set()
         self.retired: list = []  # old backends: released off the critical path (see retire)
         self.trace_steps = 0
@@ -270,8 +274,6 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
         return transfer.digest_tensors(transfer.tensors_of({"model": sd["model"], "optimizer": sd.get("optimizer", {})}))
 
     def run(self) -> int:
-        if self.spec.heartbeat_s > 0:
-            heartbeat.Heartbeat(self.link.send, self._beat, self.spec.heartbeat_s).start()
         if self.role == "worker":
             self.groups = self._make_groups(self.rank, sandbox=False)
             if self.rank in self._roles().values():
