@@ -68,7 +68,9 @@ def protection_cost(rows: list[dict], every: int, upto: int, span: int = 3) -> d
 
 FAULTS = {"kill": "SIGKILL of rank 1's worker process",
           "freeze": "SIGSTOP of rank 1's worker process (sockets stay open)",
-          "partition": "every packet from and to rank 1's node dropped (nftables, net_cls cgroup)"}
+          "partition": "every packet from and to rank 1's node dropped (nftables, net_cls cgroup)",
+          "hang": "rank 1's training thread blocks for good after step 450 (TM_INJECT=hang:1:450), its process alive"}
+HANG_STEP = 450
 
 
 @contextlib.contextmanager
@@ -76,6 +78,9 @@ def fault(kind: str, info, pid: int, node: str):
     """Inflict `kind` on rank 1 (process `pid` on `node`) for the body of the context; undone
     after it (a frozen process killed, a partition healed, a fenced node resumed)."""
     try:
+        if kind == "hang":  # injected at submission (see one): nothing to do from outside
+            yield
+            return
         if kind == "partition":
             with netfault.partition(info, node):
                 yield
@@ -84,7 +89,8 @@ def fault(kind: str, info, pid: int, node: str):
         yield
     finally:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+            if kind != "hang":
+                os.kill(pid, signal.SIGKILL)
         if kind != "kill":
             slurm = CliSlurm(slurm_conf=str(info.slurm_conf))
             with contextlib.suppress(Exception):
@@ -97,6 +103,8 @@ def one(env, workdir: Path, nodes: int = 3, at_step: int = 100, tier: str = "rep
     """One failure: submit the demo on `nodes` nodes, inflict `kind` on rank 1 once step
     `at_step` is done and a standby is warm, and return the recovery's timings."""
     env = {**env, **TIER_ENV[tier]}
+    if kind == "hang":
+        env["TM_INJECT"] = f"hang:1:{HANG_STEP}"
     if tier == "snapshot":
         env["TM_SNAPSHOT_EVERY"] = str(every)
     if tier == "checkpoint":
@@ -117,6 +125,10 @@ def _measure(run: Path, at_step: int, tier: str, every: int, job: int, kind: str
     with fault(kind, info, pid, victim):
         t_kill = time.time()
         killed_after = last(run / "metrics.jsonl")["step"]  # the last step logged before the fault
+        if kind == "hang":  # the fault: rank 1 stops right after completing HANG_STEP
+            row = wait(f"step {HANG_STEP}", lambda: next((r for r in map(json.loads, (run / "metrics.jsonl").read_text(
+                ).splitlines()) if r["step"] == HANG_STEP), None), 120)
+            t_kill, killed_after = row["t"], HANG_STEP
         status = wait("the recovery", lambda: (s := json.loads((run / "status.json").read_text()))
                       and s["migrations"] and s["migrations"][0]["state"] == "done"
                       and s["migrations"][0]["downtime_s"] is not None and s, 120)
