@@ -96,6 +96,23 @@ def _source(src: dict) -> str:
     return text + (f" (rolled back {back} steps)" if back else "")
 
 
+def _controller() -> int:
+    """The batch script's process: the keeper on a keeper node, else the supervisor itself."""
+    import logging
+    import os
+    from trainmover.controller import keeper, supervisor
+    node, job = os.environ.get("SLURMD_NODENAME", ""), os.environ.get("SLURM_JOB_ID", "")
+    if node and job.isdigit():
+        from trainmover.config import Config
+        from trainmover.slurm.client import CliSlurm
+        slurm = CliSlurm()
+        if keeper.is_keeper(slurm, node):
+            logging.basicConfig(level=os.environ.get("TM_LOG_LEVEL", "INFO"),
+                                format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+            return keeper.main(Config.from_env(), slurm, int(job), node)
+    return supervisor.main([])
+
+
 def _migrate(args) -> int:
     from trainmover.control import channel
     from trainmover.control.messages import make
@@ -139,8 +156,7 @@ def main(argv=None) -> int:
             from trainmover.cluster.__main__ import main as cluster_main
             return cluster_main(args.rest)
         if args.command == "controller":
-            from trainmover.controller.supervisor import main as supervisor_main
-            return supervisor_main()
+            return _controller()
         if args.command == "status":
             return _status(args)
         if args.command == "migrate":

@@ -44,6 +44,12 @@ SCHEMA: dict[str, dict[str, object]] = {
     # `waiting` the age in seconds of the oldest collective in flight per group (gloo only);
     # `cpu_s` the CPU time of the training thread (a rank computing is slow, not dead)
     "beat": {"ranks": _LIST, "step": _INT, "issued": _DICT, "waiting": _DICT, "cpu_s": _FLOAT},
+    # the job's keeper (controller/keeper.py) -> controller: after its hello, the steps it runs
+    # (node -> role); then each step's end
+    "steps": {"running": _DICT},
+    "step_exit": {"node": _STR, "role": _STR, "code": _INT},
+    # controller -> keeper: run one step (`argv` of its srun, its environment, its log file)
+    "launch": {"node": _STR, "role": _STR, "argv": _LIST, "env": _DICT, "log": _STR},
     # controller -> worker / agent
     "prepare": {"epoch": _INT, "leavers": _LIST, "joiner_node": _STR, "assign": _DICT, "options": _DICT},
     "abort": {"epoch": _INT, "reason": _STR},
@@ -97,6 +103,9 @@ def validate(msg: object) -> dict:
     for name in ("leavers", "failed", "needers"):
         if name in msg and not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in msg[name]):
             raise ProtocolError(f"{kind}.{name}: must be non-negative integers")
+    if kind == "launch" and not (all(isinstance(a, str) for a in msg["argv"]) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in msg["env"].items())):
+        raise ProtocolError("launch: argv and env must hold strings only")
     if kind == "beat":
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in msg["issued"].values()):
             raise ProtocolError("beat.issued: counts must be non-negative integers")

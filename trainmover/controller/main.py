@@ -11,9 +11,7 @@ import json
 import logging
 import os
 import queue
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -23,12 +21,13 @@ import torch.distributed as dist
 
 from trainmover import faults
 from trainmover.config import Config, parse_tiers
-from trainmover.control import channel, checkpoints
+from trainmover.control import channel, checkpoints, endpoint
 from trainmover.control.messages import make
 from trainmover.controller import journal, records, tiers
 from trainmover.controller.actions import (AcquireStandby, CheckpointDone, Fence, Finish, LaunchStandby, Record,
                                           ReleaseNode, Rewind, Send)
 from trainmover.controller.policy import Policy
+from trainmover.controller.steps import KeeperSteps, LocalSteps
 from trainmover.controller.view import JobView
 from trainmover.errors import ConfigError, SlurmError, TrainMoverError
 from trainmover.control.spec import ENV as SPEC_ENV, WorkerSpec
@@ -39,54 +38,32 @@ from trainmover.workloads import base as workloads
 log = logging.getLogger("trainmover.controller")
 
 
-class Adopted:
-    """A Slurm step started by a controller that died: not our child, so watched by pid
-    (srun runs on this node). Its exit code is unknown; a lost rank is detected by its
-    channel (resume.py), so an exit reads as 0 here."""
-
-    def __init__(self, pid: int):
-        self.pid = pid
-
-    def poll(self) -> int | None:
-        try:
-            with open(f"/proc/{self.pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return 0
-        return 0 if state in ("Z", "X") else None
-
-    def wait(self, timeout: float) -> int:
-        deadline = time.monotonic() + timeout
-        while self.poll() is None:
-            if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
-            time.sleep(0.1)
-        return 0
-
-    def terminate(self) -> None:
-        try:
-            os.kill(self.pid, signal.SIGTERM)
-        except OSError:
-            pass
-
-
 class Controller:
     def __init__(self, cfg: Config, job_id: int, slurm=None, environ=os.environ, *, listen: socket.socket | None = None,
-                 store: tuple[str, int] | None = None, resume: bool = False, attempt: int = 0):
+                 store: tuple[str, int] | None = None, resume: bool = False, attempt: int = 0,
+                 keeper: str | None = None):
         """`listen` and `store`: the supervisor's control socket and rendezvous store, which
         outlive this controller (None: its own, for one-process uses such as the benches).
-        `resume`: take over a job whose controller died, from its journal."""
+        `resume`: take over a job whose controller died, from its journal. `keeper`: the job's
+        keeper node (controller/keeper.py), which runs the steps; no rank runs there."""
         self.cfg, self.job_id, self.attempt = cfg, job_id, attempt
         self.faults = faults.Injector(cfg.inject, "controller", first_controller=attempt == 0)
         self.slurm = slurm or CliSlurm()
         self.environ = dict(environ)
         job = self.slurm.job(job_id)
         self.job = job
-        nodes = list(job.nodes)
-        infos = self.slurm.nodes(nodes)
-        self.addr = {n: infos[n].addr for n in nodes}
+        infos = self.slurm.nodes(list(job.nodes))
+        self.addr = {n: infos[n].addr for n in job.nodes}
+        nodes = [n for n in job.nodes if n != keeper]  # the training nodes, to begin with
         self.batch_host = job.batch_host or nodes[0]
-        self.host = self.addr[self.batch_host]  # bind to our node's own address, from Slurm
+        self.keeper = keeper
+        # Our node (a keeper runs us as a step on a training node; without one, the batch host):
+        # bind to its own address, from Slurm.
+        self.home = os.environ.get("SLURMD_NODENAME") if keeper else self.batch_host
+        if self.home not in self.addr:
+            self.home = self.batch_host
+        self.host = self.addr[self.home]
+        self.launcher = KeeperSteps() if keeper else LocalSteps()
         root = Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id))
         self.replayed: journal.Replayed | None = None
         self.metrics_through = 0
@@ -128,13 +105,12 @@ class Controller:
         self.journal = journal.Journal(self.files.root / "journal.jsonl",
                                        seq=self.replayed.seq if self.replayed else 0)
         self.durable: dict = {}
-        self.files.write("controller", {"host": self.server.address[0], "port": self.server.address[1],
-                                        "job_id": job_id, "batch_host": self.batch_host, "pid": os.getpid(),
-                                        "attempt": attempt})
+        endpoint.write(self.files.root, endpoint.Endpoint(self.server.address[0], self.server.address[1],
+                                                          self.store_host, self.store_port, self.home, attempt),
+                       job_id=job_id, batch_host=self.batch_host, keeper=keeper or "", pid=os.getpid())
         self.events: queue.Queue = queue.Queue()   # results of background Slurm work
         self.conns: dict[str, list] = {}           # node -> authenticated worker connections
         self.conn_ranks: dict = {}                 # connection -> the ranks its process runs (from its messages)
-        self.steps: dict[str, subprocess.Popen] = {}
         self.standby_launches = 0                  # for TM_INJECT die-in-warmup:<n>
         self.outcome: tuple[bool, str] | None = None
 
@@ -153,6 +129,7 @@ class Controller:
         return WorkerSpec(role=role, ranks=ranks, world_size=self.view.world_size, node=node,
                           node_addr=self.addr[node], controller=tuple(self.server.address),
                           store=(self.store_host, self.store_port), secret_file=str(self.files.secret),
+                          controller_file=str(self.files.root / endpoint.NAME),
                           workload=self.cfg.workload, workload_options=self.cfg.workload_kwargs(),
                           device=self.cfg.device, backend=self.cfg.backend,
                           record_iterations=self.cfg.record_iterations,
@@ -177,11 +154,9 @@ class Controller:
         env = self.slurm.step_env(self.slurm.job(self.job_id), self.environ)
         env[SPEC_ENV] = spec.to_env()
         log_path = self.files.root / f"{role}-{node}.log"
-        with open(log_path, "ab") as out:
-            self.steps[node] = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                                stdin=subprocess.DEVNULL)
+        pid = self.launcher.launch(node, role, argv, env, log_path)
         self.journal.write(time.time(), [{"kind": "launch", "node": node, "role": role, "ranks": list(ranks),
-                                          "pid": self.steps[node].pid}])
+                                          "pid": pid}])
         log.info("launched %s on %s (ranks %s), log %s", role, node, list(ranks), log_path)
 
     # --- background Slurm work -------------------------------------------------------------
@@ -238,6 +213,10 @@ class Controller:
                             log.warning("cannot send %s to %s: %s", a.msg["type"], node, exc)
                 if a.msg["type"] == "prepare" and a.msg["assign"]:  # the joiner's: the last of a prepare
                     self.faults.at("controller", at="prepare")
+            elif isinstance(a, ReleaseNode) and a.node == self.home and self.keeper:
+                # Our own node leaves: a successor elsewhere releases it (it resumes from the
+                # journal, where this release is due); releasing it now would end us mid-way.
+                self.outcome = (None, f"{a.node}, this controller's node, leaves the job")
             elif isinstance(a, ReleaseNode):
                 self._background("release", lambda n=a.node: self._release(n))
             elif isinstance(a, Record):
@@ -277,7 +256,7 @@ class Controller:
 
     def _kill_and_drain(self, a: Fence):
         errors = []
-        proc = self.steps.get(a.node)
+        proc = self.launcher.get(a.node)
         try:
             if hasattr(self.slurm, "kill_steps"):
                 killed = self.slurm.kill_steps(self.job_id, a.node)
@@ -299,6 +278,8 @@ class Controller:
             log.warning("refused %s from fenced process %s on %s", kind, ident.get("pid"), ident.get("node"))
             self._refuse(conn, "this process was judged dead and replaced")
             return []
+        if ident.get("role") == "keeper" and kind != "status":
+            return self._from_keeper(conn, msg)
         if kind == "hello":
             self.conns.setdefault(msg["node"], []).append(conn)
             self.conn_ranks[conn] = tuple(msg["ranks"])  # () for a standby, until it joins
@@ -326,6 +307,18 @@ class Controller:
             log.error("rank %d on %s failed in %s: %s", msg["rank"], node, msg["phase"], msg["error"])
         return self.policy.on_message(now, node, msg)
 
+    def _from_keeper(self, conn, msg: dict) -> list:
+        """The keeper runs our steps (controller/steps.py): what runs after it (re)connects, then
+        each step's end (handled with the other step ends in the loop)."""
+        if not isinstance(self.launcher, KeeperSteps):
+            log.warning("a keeper on %s connected, but this job runs its steps itself", msg.get("node"))
+            return []
+        if msg["type"] == "steps":
+            self.launcher.connected(conn, msg["running"])
+        elif msg["type"] == "step_exit":
+            self.launcher.on_exit(msg["node"], msg["code"])
+        return []
+
     def handle_gone(self, conn, now: float) -> list:
         """A peer's connection closed. For a rank's agent that has not finished or handed its
         state over, this is the fastest sign that it died (the kernel closes a killed
@@ -334,6 +327,10 @@ class Controller:
         node = hello.get("node")
         if hello.get("type") != "hello" or node is None:
             return []  # a CLI request, or a peer that never authenticated
+        if hello.get("role") == "keeper":
+            if isinstance(self.launcher, KeeperSteps) and self.launcher.conn is conn:
+                self.launcher.gone()
+            return []
         if conn in self.conns.get(node, []):
             self.conns[node].remove(conn)
         self.policy.forget(node, hello.get("pid", 0))
@@ -359,10 +356,13 @@ class Controller:
         self.journal.write(t0, [{"kind": "restart", "attempt": self.attempt}])
         actions = self.policy.resume(t0, j, self.metrics_through)
         self.durable = self.policy.durable()
-        known = set(self.view.rank_node.values()) | set(self.view.standbys) | set(self.view.released)
+        # every node the journal accounts for: ranks, standbys, released, a leaver whose release is
+        # due (the node a moving controller left), and the keeper, which never trains
+        known = (set(self.view.rank_node.values()) | set(self.view.standbys) | set(self.view.released)
+                 | {m.leaver for m in self.policy.migrations if m.active} | {self.keeper})
         for node, rec in j.steps.items():
             if node in known and node not in self.view.released:
-                self.steps[node] = Adopted(rec["pid"])
+                self.launcher.adopt(node, rec["pid"])
         for node in self.slurm.job(self.job_id).nodes:
             if node not in known:
                 log.warning("%s joined the job but is not in the journal (taken while the controller died): "
@@ -390,11 +390,8 @@ class Controller:
                 except SlurmError as exc:  # slurmctld slow or down: keep training, try again
                     log.warning("node poll failed: %s", exc)
                 actions += self.policy.on_tick(now, self._arrivals())
-            for node, proc in list(self.steps.items()):
-                code = proc.poll()
-                if code is not None:
-                    del self.steps[node]
-                    actions += self.policy.on_step_exit(now, node, code)
+            for node, code in self.launcher.exited():
+                actions += self.policy.on_step_exit(now, node, code)
             while True:
                 try:
                     ev = self.events.get_nowait()
@@ -449,6 +446,8 @@ class Controller:
 
     def shutdown(self) -> int:
         ok, message = self.outcome
+        if ok is None:  # moving: nothing ends, the successor resumes from the journal
+            return self._hand_over(message)
         status = self.policy.status()
         status["outcome"] = {"ok": ok, "message": message}
         self.files.write("status", status)
@@ -467,20 +466,28 @@ class Controller:
                 except OSError:
                     pass
                 conn.close()
-        deadline = time.time() + 30
-        for node, proc in self.steps.items():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                log.warning("step on %s did not end; terminating it", node)
-                proc.terminate()
+        self.launcher.stop(30)
         self.server.close()
         self.files.close()
         self.journal.close()
         return 0 if ok else 1
 
+    def _hand_over(self, why: str) -> int:
+        """Leave the job to a successor on another node (the keeper starts it): everything it needs
+        is in the journal, and the ranks find it through controller.json. No `bye`: they wait for it."""
+        log.info("controller on %s hands over: %s", self.home, why)
+        self.files.write("status", self.policy.status())
+        for conns in self.conns.values():
+            for conn in conns:
+                conn.close()
+        self.server.close()
+        self.files.close()
+        self.journal.close()
+        return MOVED
+
 
 CRASHED = 70  # an unexpected exception (EX_SOFTWARE): the supervisor restarts the controller
+MOVED = 3     # its node leaves the job: the keeper resumes the controller elsewhere (controller/keeper.py)
 
 
 def main(argv=None) -> int:
@@ -493,6 +500,7 @@ def main(argv=None) -> int:
     p.add_argument("--resume", action="store_true", help="take over from the journal of a controller that died")
     p.add_argument("--spare-fd", type=int, help="a pre-started spare: wait for the attempt number on this pipe "
                                                 "(EOF: not needed), then resume")
+    p.add_argument("--keeper", help="the job's keeper node, which runs the steps (controller/keeper.py)")
     args = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("TM_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
@@ -513,7 +521,8 @@ def main(argv=None) -> int:
         host, _, port = args.store.rpartition(":")
         store = (host, int(port))
     try:
-        return Controller(cfg, job_id, listen=listen, store=store, resume=args.resume, attempt=args.attempt).run()
+        return Controller(cfg, job_id, listen=listen, store=store, resume=args.resume, attempt=args.attempt,
+                          keeper=args.keeper).run()
     except TrainMoverError as exc:  # a clear error (config, corrupt journal): restarting cannot help
         log.error("controller: %s", exc)
         return 2

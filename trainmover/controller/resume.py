@@ -62,6 +62,8 @@ class Resuming:
                  if flight else "none")
         actions = [Record("timeline", {"t": now, "event": "controller_resumed", "attempt": j.restarts + 1,
                                        "in_flight": flight.id if flight else None, "migration": None})]
+        # a release its predecessor left due (it moved off that very node, or died before)
+        actions += [ReleaseNode(m.leaver) for m in self.migrations if m.phase is Phase.RELEASING and m.leaver_exited]
         r = self.recovery()
         if r is not None:
             r.to(Phase.FAILED, now, "the controller restarted during this recovery")
@@ -91,22 +93,43 @@ class Resuming:
         m = self.in_flight()
         joiner_known = m is None or not m.joiner or m.joiner in res["nodes"] or any(
             s["node"] == m.joiner for s in seen.values())
-        late = now - res["since"] > self.cfg.reconnect_timeout_s
+        waited = now - res["since"]
+        lost = sorted({self.view.rank_node[r] for r in missing})
+        # One node's ranks missing past the short window: the node that died with the controller
+        # (its home); more than one node: wait the full TM_RECONNECT_TIMEOUT_S, then stop.
+        late = waited > (self.reconnect_window() if len(lost) <= 1 else self.cfg.reconnect_timeout_s)
         if (missing or not joiner_known) and not late:
             return []
         self.resuming = None
-        waited = round(now - res["since"], 6)
+        waited = round(waited, 6)
         committed = m is not None and any(s["switched"] == m.epoch for s in seen.values())
-        if missing:
+        if len(lost) > 1:
             return [Finish(False, f"ranks {missing} did not reconnect within {self.cfg.reconnect_timeout_s:.0f}s "
                                   "after the controller restarted; the job stops")]
+        if missing:
+            why = f"its ranks {missing} did not reconnect within {waited:.1f}s after the controller moved or restarted"
+            # A failure like any other, recovered once the rest is resolved as if they had reported.
+            actions = self._resolve_in_flight(now, m, committed, waited, seen, res["nodes"]) if m is not None else []
+            return actions + self._fault(now, lost[0], why)
         if m is None:
             return [Record("timeline", {"t": now, "event": "controller_resynced", "migration": None,
                                         "waited_s": waited})] + self._dispatch(now)
+        return self._resolve_in_flight(now, m, committed, waited, seen, res["nodes"])
+
+    def reconnect_window(self) -> float:
+        """How long a resumed controller waits for one node's ranks: a live rank reconnects within
+        its backoff (at most 2 s between attempts) once the successor is up; one that has not after
+        twice the heartbeat timeout and that backoff is taken for lost (bounded by
+        TM_RECONNECT_TIMEOUT_S)."""
+        return min(self.cfg.reconnect_timeout_s, 2 * self.cfg.heartbeat_timeout_s + 2.0)
+
+    def _resolve_in_flight(self, now: float, m: Migration, committed: bool, waited: float, seen: dict,
+                           standbys_seen: dict) -> list:
+        """The migration the dead controller left in flight: completed, resumed or aborted."""
         if committed:
             return self._complete(now, m, waited)
         holders = {r for r, s in seen.items() if s["pending"] == m.epoch}
-        joiner = res["nodes"].get(m.joiner)
+        joiner = standbys_seen.get(m.joiner)
         if holders >= set(range(self.view.world_size)) and joiner is not None and joiner["pending"] == m.epoch:
             log.info("migration %d epoch %d resumed: every rank still holds it", m.id, m.epoch)
             return [self._timeline(m, now, "resumed", resolution="resumed", waited_s=waited)]

@@ -1,5 +1,6 @@
-"""`trainmover controller`: the batch step's process. It keeps what must outlive a
-controller and restarts the controller when it dies.
+"""The controller's supervisor: the batch step's process (a job without a keeper node), or the
+step the keeper runs on the controller's home node (controller/keeper.py). It keeps what must
+outlive a controller on its node and restarts the controller there when it dies.
 
 It holds, for the whole job:
   * the control socket the ranks connect to (passed to each controller as a file
@@ -14,7 +15,8 @@ over to a new one with `--resume`, which rebuilds the job's view from the journa
 `TM_CONTROLLER_RESTARTS` times. The next controller is pre-started as an idle spare (its
 imports, seconds on a busy node, are done before it is needed) and told to take over through
 a pipe. An ordinary end (0: training finished; 1: the job stopped
-with a reported error; 2: a configuration or journal error) is final.
+with a reported error; 2: a configuration or journal error) is final, and so is MOVED (3: its
+node leaves the job; the keeper starts the controller on another node, resuming).
 """
 from __future__ import annotations
 
@@ -34,7 +36,9 @@ from trainmover.errors import ConfigError
 
 log = logging.getLogger("trainmover.supervisor")
 
-FINAL = {0: "training finished", 1: "the job stopped with an error", 2: "a configuration or journal error"}
+MOVED = 3
+FINAL = {0: "training finished", 1: "the job stopped with an error", 2: "a configuration or journal error",
+         MOVED: "its node leaves the job: the controller moves to another node"}
 
 
 def restart_decision(code: int, restarts_done: int, limit: int, stopping: bool) -> tuple[bool, str]:
@@ -54,7 +58,15 @@ def _bind(host: str) -> socket.socket:
     return socket.create_server((host, 0), backlog=1024)
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    """`python -m trainmover.controller.supervisor [--keeper NODE] [--resume --attempt N]`: as a
+    step the keeper runs (a successor resumes from the journal), or from `trainmover controller`."""
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m trainmover.controller.supervisor")
+    p.add_argument("--keeper", help="the job's keeper node (it runs no rank)")
+    p.add_argument("--resume", action="store_true", help="take the job over from the journal")
+    p.add_argument("--attempt", type=int, default=0, help="controllers of this job before this one")
+    args = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("TM_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     try:
@@ -71,8 +83,8 @@ def main() -> int:
     if done:
         log.warning("%s", done)
         return 0
-    batch_host = job.batch_host or job.nodes[0]
-    host = slurm.nodes([batch_host])[batch_host].addr  # our node's own address, from Slurm
+    me = os.environ.get("SLURMD_NODENAME") or job.batch_host or job.nodes[0]
+    host = slurm.nodes([me])[me].addr  # our node's own address, from Slurm
     listen = _bind(host)
     store_sock = _bind(host)
     store_port = store_sock.getsockname()[1]
@@ -91,7 +103,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     base = [sys.executable, "-m", "trainmover.controller.main", "--listen-fd", str(listen.fileno()),
-            "--store", f"{host}:{store_port}"]
+            "--store", f"{host}:{store_port}"] + (["--keeper", args.keeper] if args.keeper else [])
 
     def start_spare():
         if cfg.controller_restarts == 0:
@@ -101,8 +113,9 @@ def main() -> int:
         os.close(r)
         return proc, w
 
-    restarts = 0
-    child = subprocess.Popen(base + ["--attempt", "0"], pass_fds=(listen.fileno(),))
+    restarts = args.attempt
+    child = subprocess.Popen(base + ["--attempt", str(restarts)] + (["--resume"] if args.resume else []),
+                             pass_fds=(listen.fileno(),))
     spare = start_spare()
     try:
         while True:
@@ -130,3 +143,7 @@ def main() -> int:
                 spare[0].wait(timeout=30)
             except subprocess.TimeoutExpired:
                 spare[0].kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

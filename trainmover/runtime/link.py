@@ -31,8 +31,11 @@ class Link:
     def __init__(self, address: tuple[str, int], key: bytes, hello: Callable[[], dict],
                  resync_messages: Callable[[], list[dict]], on_message: Callable[[dict], None],
                  *, connect_timeout: float, reconnect_timeout: float, on_gone: Callable[[], None] = lambda: None,
-                 source: str | None = None):
+                 source: str | None = None, where: Callable[[], tuple[str, int]] | None = None):
+        """`where()`: the controller's address now, asked before each reconnection attempt
+        (a successor may run on another node: control/endpoint.py)."""
         self.address, self.key, self.source = address, key, source
+        self.where = where or (lambda: self.address)
         self.hello, self.resync_messages, self.on_message = hello, resync_messages, on_message
         self.reconnect_timeout, self.on_gone = reconnect_timeout, on_gone
         self.inbox: queue.Queue = queue.Queue()
@@ -93,7 +96,7 @@ class Link:
     def _reconnect(self) -> bool:
         t0 = time.monotonic()
         deadline = t0 + self.reconnect_timeout
-        log.warning("controller lost: trying to reach its successor at %s:%d for %.0fs", *self.address,
+        log.warning("controller lost: trying to reach its successor (last at %s:%d) for %.0fs", *self.address,
                     self.reconnect_timeout)
         attempt = 0
         while not self.closed:
@@ -102,8 +105,10 @@ class Link:
                 log.error("no controller at %s:%d within %.0fs: going on without one", *self.address,
                           self.reconnect_timeout)
                 return False
+            self.address = self.where()
             try:
-                conn = channel.connect(self.address, self.key, self.hello(), timeout=min(left, 10.0),
+                # short attempts: a successor elsewhere is looked for again soon
+                conn = channel.connect(self.address, self.key, self.hello(), timeout=min(left, 2.0),
                                        source=self.source)
             except TrainMoverError as exc:
                 log.info("reconnect attempt %d: %s", attempt + 1, exc)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from trainmover import faults
-from trainmover.control import channel
+from trainmover.control import channel, endpoint
 from trainmover.control.messages import make
 from trainmover.control.spec import WorkerSpec
 from trainmover.errors import DeadlineExceeded, MigrationError, TrainMoverError
@@ -65,6 +65,7 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
         self.device, self.backend = spec.resolved()
         if self.device == "cuda":
             torch.cuda.set_device(local_index % torch.cuda.device_count())
+        self.store_addr = tuple(spec.store)  # moves with the controller (see _controller_address)
         self.store = dist.TCPStore(spec.store[0], spec.store[1], is_master=False,
                                    timeout=self.timeout, wait_for_workers=False)
         # what a restarted controller is told (see resync_messages)
@@ -81,7 +82,7 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
         self.link = Link(tuple(spec.controller), channel.read_secret(spec.secret_file), self._hello,
                          self.resync_messages, self._on_control, connect_timeout=spec.group_timeout_s,
                          reconnect_timeout=spec.reconnect_timeout_s, on_gone=self._controller_gone,
-                         source=spec.node_addr)
+                         source=spec.node_addr, where=self._controller_address)
         # Beats from the moment the controller knows this process: building the workload
         # (imports, a model) may take longer than the silence that would judge it dead.
         if spec.heartbeat_s > 0:
@@ -118,6 +119,23 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
         elif msg["type"] == "fenced":  # judged dead and replaced (a frozen process resumed, a healed partition)
             log.error("fenced by the controller: %s; exiting at once, writing nothing", msg["reason"])
             _exit_now(FENCED)
+
+    def _controller_address(self) -> tuple[str, int]:
+        """Where the controller is now (asked by the link before each reconnection attempt):
+        controller.json names a successor on another node together with its rendezvous store,
+        to which this process's store client then moves (groups already built need no store)."""
+        ep = endpoint.read(self.spec.controller_file) if self.spec.controller_file else None
+        if ep is None:
+            return self.link.address
+        if ep.store != self.store_addr:
+            try:
+                self.store = dist.TCPStore(ep.store_host, ep.store_port, is_master=False, timeout=self.timeout,
+                                           wait_for_workers=False)
+                self.store_addr = ep.store
+                log.info("rendezvous store moved to %s:%d", *ep.store)
+            except (RuntimeError, dist.DistStoreError) as exc:  # not listening yet: next attempt
+                log.info("rendezvous store at %s:%d not reachable yet: %s", *ep.store, exc)
+        return ep.address
 
     def _beat(self, now: float) -> dict:
         """What the heartbeat thread says of this process (runtime/heartbeat.py)."""
@@ -209,7 +227,7 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
 
         def build(name: str, prefix: str, grank: int, size: int):
             if not clients:  # made in the Phase 1 thread: a connect is off the training path
-                clients.append(dist.TCPStore(self.spec.store[0], self.spec.store[1], is_master=False,
+                clients.append(dist.TCPStore(self.store_addr[0], self.store_addr[1], is_master=False,
                                              timeout=self.timeout, wait_for_workers=False))
             return self.build_backend(name, prefix, grank, size, store=clients[0])
         return build

@@ -40,6 +40,7 @@ class NodeInfo:
     addr: str
     state: str
     reason: str = ""
+    features: tuple[str, ...] = ()   # ActiveFeatures (e.g. tm_keeper: see controller/keeper.py)
 
     @property
     def base_state(self) -> str:

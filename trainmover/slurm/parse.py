@@ -64,6 +64,7 @@ def parse_nodes_text(text: str) -> dict[str, NodeInfo]:
         out[name] = NodeInfo(
             name=name, addr=_null(kv.get("NodeAddr")) or name, state=kv.get("State", "UNKNOWN").upper(),
             reason=_reason(kv.get("Reason")),
+            features=tuple(f for f in (_null(kv.get("ActiveFeatures")) or "").split(",") if f),
         )
     return out
 
