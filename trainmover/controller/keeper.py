@@ -38,6 +38,7 @@ from trainmover.errors import ProtocolError, TrainMoverError
 
 log = logging.getLogger("trainmover.keeper")
 
+CONTROLLER_STEP = "tm-controller"  # the controller's step name (kill_steps picks it by name)
 MOVED = 3            # the controller's exit code when its home leaves the job (controller/main.py)
 PROBE_S = 1.0        # the keeper asks the controller for its status this often
 LOST_AFTER = 3       # unanswered probes in a row: the controller is lost
@@ -76,7 +77,7 @@ class Keeper:
         if resume:
             argv += ["--resume", "--attempt", str(self.attempt)]
         env = self.slurm.step_env(self.slurm.job(self.job_id), self.environ)
-        srun = self.slurm.step_argv(self.job_id, home, argv, ntasks=1)
+        srun = self.slurm.step_argv(self.job_id, home, argv, ntasks=1, name=CONTROLLER_STEP)
         proc = start_srun(srun, env, self.root / f"controller-{home}.log")
         self.controller = (home, proc)
         self.started_at, self.misses, self.conn, self.lost_at = time.monotonic(), 0, None, None
@@ -84,7 +85,7 @@ class Keeper:
 
     def _fence(self, node: str) -> None:
         try:
-            self.slurm.kill_steps(self.job_id, node)
+            self.slurm.kill_steps(self.job_id, node, names=(CONTROLLER_STEP,))
         except TrainMoverError as exc:
             log.warning("could not kill the lost controller's step on %s: %s", node, exc)
 

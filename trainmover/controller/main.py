@@ -150,7 +150,7 @@ class Controller:
             self.standby_launches += 1
         spec = self._spec(role, node, ranks)
         argv = self.slurm.step_argv(self.job_id, node, [sys.executable, "-m", "trainmover.runtime.worker"],
-                                    ntasks=self.cfg.ranks_per_node)
+                                    ntasks=self.cfg.ranks_per_node, name=f"tm-{role}")
         env = self.slurm.step_env(self.slurm.job(self.job_id), self.environ)
         env[SPEC_ENV] = spec.to_env()
         log_path = self.files.root / f"{role}-{node}.log"
@@ -259,7 +259,7 @@ class Controller:
         proc = self.launcher.get(a.node)
         try:
             if hasattr(self.slurm, "kill_steps"):
-                killed = self.slurm.kill_steps(self.job_id, a.node)
+                killed = self.slurm.kill_steps(self.job_id, a.node, names=RANK_STEPS)
                 log.info("fenced %s: killed step(s) %s", a.node, killed)
             elif proc is not None:  # no Slurm (single host): the step is the process itself
                 proc.kill()
@@ -486,6 +486,7 @@ class Controller:
         return MOVED
 
 
+RANK_STEPS = ("tm-worker", "tm-standby")  # the steps a fence kills: never the controller's own
 CRASHED = 70  # an unexpected exception (EX_SOFTWARE): the supervisor restarts the controller
 MOVED = 3     # its node leaves the job: the keeper resumes the controller elsewhere (controller/keeper.py)
 

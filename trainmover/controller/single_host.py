@@ -53,7 +53,7 @@ class SingleHostAllocation:
         self.drained.add(node)
 
     def step_argv(self, job_id: int, node: str, argv: Sequence[str], *, ntasks: int = 1,
-                  env_overrides: Mapping[str, str] | None = None) -> list[str]:
+                  env_overrides: Mapping[str, str] | None = None, name: str = "") -> list[str]:
         if ntasks != 1:
             raise ValueError("single-host allocation: one rank per GPU node")
         gpu = node.removeprefix("gpu")

@@ -88,8 +88,8 @@ def scancel(job_ids: Sequence[int]) -> list[str]:
 
 
 def steps_of(job_id: int) -> list[str]:
-    """The job's steps: 'job.step|node list' lines (batch and extern steps included)."""
-    return ["squeue", "-h", "-s", f"--jobs={int(job_id)}", "-o", "%i|%N"]
+    """The job's steps: 'job.step|node list|step name' lines (batch and extern steps included)."""
+    return ["squeue", "-h", "-s", f"--jobs={int(job_id)}", "-o", "%i|%N|%j"]
 
 
 def kill_step(step_id: str) -> list[str]:

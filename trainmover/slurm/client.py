@@ -50,7 +50,7 @@ class SlurmClient(Protocol):
     def free_standbys(self, reservation: str) -> list[str]: ...
 
     def step_argv(self, job_id: int, node: str, argv: Sequence[str], *, ntasks: int = 1,
-                  env_overrides: Optional[Mapping[str, str]] = None) -> list[str]: ...
+                  env_overrides: Optional[Mapping[str, str]] = None, name: str = "") -> list[str]: ...
 
     def step_env(self, job: JobInfo, base: Optional[Mapping[str, str]] = None) -> dict[str, str]: ...
 
@@ -151,14 +151,15 @@ class CliSlurm:
         if "DRAIN" in info.flags or info.base_state == "DOWN":
             raise SlurmError(f"scontrol could not resume {node} ({info.state}): {proc.stderr.strip()}")
 
-    def kill_steps(self, job_id: int, node: str) -> list[str]:
-        """SIGKILL the job's numbered steps that run on `node` alone (a rank judged dead: see
-        controller/liveness.py). Returns the step ids. The batch and extern steps are left."""
+    def kill_steps(self, job_id: int, node: str, names: Sequence[str] = ()) -> list[str]:
+        """SIGKILL the job's numbered steps that run on `node` alone, only those named one of
+        `names` if given (a rank judged dead: controller/liveness.py; a lost controller:
+        controller/keeper.py). Returns the step ids. The batch and extern steps are left."""
         out = self._run(build.steps_of(job_id)).stdout
         ids = []
         for line in out.splitlines():
-            step, _, nodes = line.strip().partition("|")
-            if nodes == node and step.partition(".")[2].isdigit():
+            step, on, name = (line.strip().split("|") + ["", ""])[:3]
+            if on == node and step.partition(".")[2].isdigit() and (not names or name in names):
                 ids.append(step)
         for step in ids:
             self._run(build.kill_step(step), check=False)  # a step ending meanwhile is no error
@@ -251,8 +252,10 @@ class CliSlurm:
 
     # --- steps -------------------------------------------------------------------------
     def step_argv(self, job_id: int, node: str, argv: Sequence[str], *, ntasks: int = 1,
-                  env_overrides: Optional[Mapping[str, str]] = None) -> list[str]:
-        return build.step(job_id, node, argv, ntasks=ntasks, env_overrides=env_overrides)
+                  env_overrides: Optional[Mapping[str, str]] = None, name: str = "") -> list[str]:
+        """`name`: the step's name (squeue -s), by which kill_steps picks steps."""
+        return build.step(job_id, node, argv, ntasks=ntasks, env_overrides=env_overrides,
+                          srun_args=[f"--job-name={name}"] if name else [])
 
     def step_env(self, job: JobInfo, base: Optional[Mapping[str, str]] = None) -> dict[str, str]:
         """Environment for launching step_argv(): `base` (default: this process's
