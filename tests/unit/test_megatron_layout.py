@@ -97,10 +97,12 @@ def test_bad_workload_options(options, message):
 def test_config_layout_variables():
     cfg = Config.from_env({"TM_TP": "2", "TM_PP": "2", "TM_DP": "2", "TM_DISTRIBUTED_OPTIMIZER": "1",
                            "TM_WORKLOAD": "megatron_gpt"})
-    assert cfg.workload_kwargs() == {"preset": "tiny", "tp": 2, "pp": 2, "dp": 2, "distributed_optimizer": True}
-    assert Config.from_env({}).workload_kwargs() == {"preset": "tiny"}  # gpt_demo gets no layout
+    assert cfg.workload_kwargs() == {"tp": 2, "pp": 2, "dp": 2, "distributed_optimizer": True}
+    # only what the user set: no layout for gpt_demo, no preset unless TM_MODEL is set
+    assert Config.from_env({}).workload_kwargs() == {}
+    assert Config.from_env({"TM_MODEL": "small"}).workload_kwargs() == {"preset": "small"}
     assert Config.from_env({"TM_TP": "1", "TM_PP": "1", "TM_DP": "1", "TM_WORKLOAD_OPTIONS": "lr=0.01"}).workload_kwargs() == {
-        "preset": "tiny", "tp": 1, "pp": 1, "dp": 1, "distributed_optimizer": False, "lr": 0.01}
+        "tp": 1, "pp": 1, "dp": 1, "distributed_optimizer": False, "lr": 0.01}
     with pytest.raises(ConfigError, match="set all three"):
         Config.from_env({"TM_TP": "2"})
     with pytest.raises(ConfigError, match="needs a Megatron layout"):
