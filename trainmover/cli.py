@@ -7,6 +7,7 @@
     trainmover config                      (every TM_* variable, its default and meaning)
     trainmover demo [--steps N]            (cluster up, submit, drain, show the migration)
     trainmover healthcheck [--node N] ...  (node health; drains with a 'trainmover:' reason)
+    trainmover check-workload MODULE:CLASS [--steps N]  (would a migration be exact? one machine)
 """
 from __future__ import annotations
 
@@ -127,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=1500)
     from trainmover.healthcheck.cli import add_arguments as healthcheck_arguments
     healthcheck_arguments(sub.add_parser("healthcheck", help="check this node (GPU, disk); drain it on a fault"))
+    from trainmover.check.cli import add_arguments as check_arguments
+    check_arguments(sub.add_parser("check-workload", help="would a migration of this workload be exact? "
+                                   "(one machine, gloo; exit 0 only if so)"))
     from trainmover.simulate.cli import add_arguments as simulate_arguments
     simulate_arguments(sub.add_parser("simulate", help="Monte-Carlo ETTR of checkpoint-restart, elastic and TrainMover"))
     return p
@@ -153,6 +157,9 @@ def main(argv=None) -> int:
         if args.command == "healthcheck":
             from trainmover.healthcheck.cli import main as healthcheck_main
             return healthcheck_main(args)
+        if args.command == "check-workload":
+            from trainmover.check.cli import main as check_main
+            return check_main(args)
         if args.command == "simulate":
             from trainmover.simulate.cli import main as simulate_main
             return simulate_main(args)
