@@ -1,19 +1,21 @@
 """How long the check trains and where it migrates: pure arithmetic.
 
 State left out of `state_dict` shows only once the runs' histories make it differ and a step
-depends on it. The joiner's history before it loads the state is its shadow steps; the
-reference's is the steps before the switch. So:
-  * the switch comes after AT steps, a prime >= the compared steps: an omitted counter whose
-    effect repeats every P steps (StepLR's step_size, an epoch) looks the same in both runs
-    only when P divides the difference of the histories, and we make that difference prime;
-  * AT >= the compared steps also means that an epoch of up to that many steps has ended
-    before the switch, so a data-order generator omitted from the state has drawn more in the
-    reference than in the joiner, and the next epoch within the compared steps shows it.
+depends on it. The joiner's history before it loads the state is its shadow steps (S); the
+reference's is the steps before the switch (AT). An omitted counter whose effect repeats every
+P steps (StepLR's step_size, a reshuffle every epoch) looks the same in both runs only when P
+divides AT - S. So the joiner pads its shadow steps until AT - S is a prime larger than the
+compared steps: then no period that fits in the compared steps divides it. AT is large enough
+for that (at least the compared steps plus the most shadow steps a joiner may need), which also
+means that an epoch of up to that many steps has ended before the switch: a data-order
+generator left out of the state has drawn more in the reference than in the joiner, and the
+next epoch within the compared steps shows it.
+
 A second history comes free: at the end each reference rank restores the state it kept after
-ROLLBACK steps (about two thirds of AT, a prime) and replays up to the end, as the snapshot and
-checkpoint tiers redo steps. Its history differs from the saved state's by END - ROLLBACK
-steps, another distance than the joiner's, so a period that hides in one shows in the other;
-its first replayed step is a step run twice from the same (seed, rank, state).
+ROLLBACK steps and replays up to the end, as the snapshot and checkpoint tiers redo steps. Its
+distance END - ROLLBACK is another prime larger than the compared steps, so a counter that
+moves once per epoch (whose distance in epochs is not under our control) gets a second chance;
+the first replayed step is a step run twice from the same (seed, rank, state).
 Limits (documented with --steps): an effect whose period exceeds the compared steps, or that
 first appears later than that, is not seen.
 """
@@ -21,7 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MIN_AT = 11  # at least a few epochs of a tiny data set before the switch
+MIN_AT = 11      # at least a few epochs of a tiny data set before the switch
+MAX_STEADY = 12  # most shadow steps before a joiner is steady: twice (build, rebind) TM_SHADOW_STEPS' default
 
 
 def is_prime(n: int) -> bool:
@@ -49,16 +52,17 @@ class Plan:
 def plan(steps: int) -> Plan:
     if steps < 1:
         raise ValueError(f"--steps must be >= 1, got {steps}")
-    at = next_prime(max(steps, MIN_AT))
-    rollback = max(p for p in range(2, 2 * at // 3 + 1) if is_prime(p))
+    at = next_prime(max(steps, MIN_AT) + MAX_STEADY + 2)
+    end = at + steps
+    rollback = max(r for r in range(1, 2 * at // 3 + 1) if is_prime(end - r) or r == 1)
     return Plan(at=at, compare=steps, rollback=rollback)
 
 
-def shadow_total(at: int, steady: int) -> int:
+def shadow_total(at: int, steady: int, compare: int) -> int:
     """How many shadow steps a joiner runs in all, given that it was steady after `steady`:
-    the fewest >= steady that leave a prime difference `at - total` (see the module doc), or
-    `steady` when none below `at` does."""
-    for total in range(steady, at - 1):
+    the fewest >= steady that leave a prime difference `at - total` larger than `compare` (see
+    the module doc), or `steady` when there is none."""
+    for total in range(steady, at - compare):
         if is_prime(at - total):
             return total
     return steady
