@@ -8,6 +8,7 @@ take stops the job at start with its name."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -118,6 +119,15 @@ def test_an_option_the_example_does_not_take_stops_the_job_at_start(cnn, slurm_c
            "preset from TM_MODEL); it accepts: batch, clip, dropout, gamma, lr, samples, step_size, width" in out, out
 
 
-def test_more_nodes_than_the_partition_has_are_refused_at_submit(cnn):
-    out = cnn("cnn-toobig", "--nodes=40", check=False)
+def test_requests_that_could_never_start_are_refused_at_submit(cnn, slurm_cluster):
+    """8 nodes (the Megatron template's old default) on the 6-node partition: sbatch refuses it
+    (EnforcePartLimits=ALL). 5 fit the partition only with the reserved standbys: plain sbatch
+    would keep the job pending for ever; `trainmover submit` refuses it with what to change."""
+    out = cnn("cnn-toobig", "--nodes=8", check=False)
     assert out.returncode != 0 and "Node count specification invalid" in out.stderr, out.stderr
+    env = {**os.environ, "SLURM_CONF": str(slurm_cluster.slurm_conf)}
+    sub = subprocess.run([sys.executable, "-m", "trainmover.cli", "submit", "--nodes=5",
+                          f"--job-name={TEST_JOB_PREFIX}cnn-five", str(TEMPLATE)],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert sub.returncode == 1 and "Requested node configuration is not available" in sub.stderr, sub.stderr
+    assert "at most 4 training nodes: submit with --nodes=4 or fewer" in sub.stderr
