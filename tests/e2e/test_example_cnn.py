@@ -119,6 +119,18 @@ def test_an_option_the_example_does_not_take_stops_the_job_at_start(cnn, slurm_c
            "preset from TM_MODEL); it accepts: batch, clip, dropout, gamma, lr, samples, step_size, width" in out, out
 
 
+def test_the_check_at_job_start_stops_a_workload_that_would_not_migrate_exactly(cnn, slurm_client):
+    """TM_CHECK_WORKLOAD=1: the batch step runs check-workload before any rank starts; the CNN
+    that leaves its LR scheduler out of the state never trains, and the job's output says why."""
+    run = cnn("cnn-check", TM_WORKLOAD="tests.unit.check_workloads:NoScheduler", TM_CHECK_WORKLOAD=1,
+              TM_CHECK_STEPS=12)
+    assert run.wait_done(slurm_client, timeout=400) == "FAILED"
+    out = run.slurm_out()
+    assert "TM_CHECK_WORKLOAD=1: a migration of this workload would not be exact; not starting" in out, out[-3000:]
+    assert "first difference at step 30" in out and "optimizer param group 0 'lr'" in out, out[-3000:]
+    assert run.metrics() == []  # no step trained
+
+
 def test_requests_that_could_never_start_are_refused_at_submit(cnn, slurm_cluster):
     """8 nodes (the Megatron template's old default) on the 6-node partition: sbatch refuses it
     (EnforcePartLimits=ALL). 5 fit the partition only with the reserved standbys: plain sbatch

@@ -10,15 +10,15 @@ import argparse
 import json
 import os
 
-from trainmover.check.plan import MIN_AT
+from trainmover.check.plan import MAX_STEADY, MIN_AT
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("workload", help="package.module:Class (a trainmover Workload) or gpt_demo, megatron_gpt")
     p.add_argument("--steps", type=int, default=24,
-                   help="steps compared after the migration (default 24); the state is taken after the first "
-                        f"prime >= max(N, {MIN_AT}) steps. An omission shows only when its effect repeats within N "
-                        "steps: use at least your epoch length and LR-schedule period, in steps")
+                   help="steps compared after the migration (default 24); the switch comes after a prime number "
+                        f"of steps >= max(N, {MIN_AT}) + {MAX_STEADY + 2}. State left out shows only when its effect "
+                        "repeats within N steps: use at least your epoch length and LR-schedule period, in steps")
     p.add_argument("--ranks", type=int, help="world size (default: 2, or the first the workload's layout accepts)")
     p.add_argument("--timeout", type=float, default=300.0, help="deadline of the whole check in seconds (300)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -2,11 +2,12 @@
 
     python -m trainmover.check.proc '<ProcSpec as JSON>'     (started by trainmover.check.run)
 
-Each writes JSON lines to its own file: `phase` (where it is, for the deadline's message),
-`loss` per step, `state` (a fingerprint of the full state at the switch and after every
-compared step), `encoding`, `digest`, `repeat`, and `error` if it fails. What it does is what
-the runtime does to a rank (runtime/worker.py): the same groups, the same sandbox warm-up,
-the same state encoding, transfer and RNG capture.
+Each writes JSON lines to its own file, read by the orchestrator as they come: `phase` (where
+it is, for the deadline's message), `loss` per step, `state` (a fingerprint of the full state
+after each step from the rollback point on), `encoding`, `sent`, `shadow`, `digest`, the
+reference's `replayloss`/`replaystate`/`replaydigest` (its rollback), and `error` if it fails.
+What it does is what the runtime does to a rank (runtime/worker.py): the same groups, the same
+sandbox warm-up, the same state encoding, transfer and RNG capture.
 """
 from __future__ import annotations
 
@@ -192,6 +193,7 @@ def joiner(spec: ProcSpec, store, out: Emitter, timeout: datetime.timedelta) -> 
     out.phase("build on sandboxed groups")
     sandboxed = make_groups(specs, spec.rank, lambda g, grank: SandboxBackend(grank, len(g.ranks)))
     wl.build(_context(spec, sandboxed))
+    out.phase("shadow steps on sandboxed groups")
     first = shadow_until_steady(wl, sandboxed, spec.max_shadow)
     groups = make_groups(specs, spec.rank, lambda g, grank: SandboxBackend(grank, len(g.ranks)))
     out.phase("rebind")

@@ -32,7 +32,14 @@ class BuildContext:
 
 class Workload(abc.ABC):
     """Subclasses must be deterministic given (seed, rank, state): a migration is proven
-    lossless by comparing digests with an uninterrupted run."""
+    lossless by comparing digests with an uninterrupted run. docs/workloads.md says how to
+    write one (examples/cnn/cnn.py is complete); `trainmover check-workload module:Class`
+    tells whether a migration of it would be exact.
+
+    Options: the constructor's keyword arguments are the options the workload accepts. It gets
+    only those the user set (TM_WORKLOAD_OPTIONS; TM_MODEL as `preset`; TM_TP/TM_PP/TM_DP as
+    `tp`/`pp`/`dp`); any other is an error at start naming it. Build nothing in the constructor:
+    a standby constructs before it knows its rank."""
 
     def group_specs(self, world_size: int) -> list[GroupSpec]:
         return [GroupSpec("world", tuple(range(world_size)))]
@@ -52,11 +59,18 @@ class Workload(abc.ABC):
 
     @abc.abstractmethod
     def state_dict(self) -> dict:
-        """Everything that decides future steps except RNG (the runtime adds RNG and step):
-        model, optimizer and data position. Keys `model` and `optimizer` are expected."""
+        """Everything that decides future steps except the global RNGs and the step number,
+        which the runtime adds (runtime/rng.py: torch, CUDA, Python `random`, NumPy's global):
+        model (buffers such as BatchNorm statistics included), optimizer, LR scheduler, data
+        position and epoch order, the state of any generator object of the workload's own
+        (`torch.Generator.get_state()`), counters. Key `model` is required, `optimizer`
+        expected. Only tensors, numbers, strings, None and dicts/lists/tuples of them: the
+        transfer decodes with torch.load(weights_only=True)."""
 
     @abc.abstractmethod
-    def load_state_dict(self, state: dict) -> None: ...
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`'s output. Copy model tensors in place (DDP holds them); the
+        tensors of `state` may already be this workload's own (received in place)."""
 
     def replica_group(self) -> str | None:
         """The group whose members hold identical model and optimizer state (data parallel
