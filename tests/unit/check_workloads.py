@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import torch.nn.functional as F
 from cnn import CNN
 
 
@@ -33,6 +34,34 @@ class NoGenerator(CNN):
     def load_state_dict(self, state: dict) -> None:
         data = {**state["data"], "generator": self.gen.get_state()}
         super().load_state_dict({**state, "data": data})
+
+
+class PerEpochSchedule(CNN):
+    """StepLR stepped once per epoch (epochs of 4 steps, every `step_size` epochs) and left out
+    of the state: its effect repeats every 4 x step_size steps only, and which runs it tells
+    apart depends on their epoch counts."""
+
+    def __init__(self, step_size: int = 2, **kw):
+        super().__init__(samples=64, step_size=step_size, **kw)
+
+    def train_step(self, step: int) -> float:
+        epoch = self.epoch
+        x, y = self._next_batch()
+        if self.epoch != epoch:
+            self.sched.step()
+        loss = F.cross_entropy(self.ddp(x), y)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        return loss.item()
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        del sd["scheduler"]
+        return sd
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict({**state, "scheduler": self.sched.state_dict()})
 
 
 class Unseeded(CNN):

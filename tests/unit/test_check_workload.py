@@ -22,12 +22,14 @@ TIMEOUT_S = 300
 
 # --- pure ----------------------------------------------------------------------------------
 def test_plan_leaves_prime_distances_longer_than_the_compared_steps():
-    assert plan(24) == Plan(at=41, compare=24, rollback=24)
-    assert plan(1) == Plan(at=29, compare=1, rollback=19)
+    assert plan(24) == Plan(at=41, compare=24, rollback=24, restarts=(2, 3, 5, 8, 13, 21, 34))
+    assert plan(1) == Plan(at=29, compare=1, rollback=19, restarts=(2, 3, 5, 8, 13, 21))
     for n in range(1, 80):
         p = plan(n)
         assert is_prime(p.at) and p.at >= n + 12 and p.end == p.at + n and p.rollback < p.at
         assert is_prime(p.end - p.rollback) and p.end - p.rollback > n  # no period <= n divides it
+        # every epoch length E <= at has a restart point in [E, 2E): one epoch from a fresh count
+        assert all(any(e <= r < 2 * e for r in p.restarts) for e in range(2, p.restarts[-1] + 1))
     with pytest.raises(ValueError):
         plan(0)
 
@@ -118,7 +120,7 @@ def test_the_example_cnn_would_migrate_exactly(on_path):
     report = check("cnn:CNN", steps=24)
     assert report.exact, report.text()
     assert report.world == 2 and report.plan.at == 41 and [f.check for f in report.findings] == [
-        "encoding", "migration", "determinism", "rollback"]
+        "encoding", "migration", "determinism", "rollback", "restart"]
 
 
 def test_the_built_in_gpt_would_migrate_exactly(on_path):
@@ -144,6 +146,15 @@ def test_a_data_generator_left_out_fails_at_the_next_epoch(on_path):
     # (whose generator drew only at its build) the one of epoch 1 again
     assert not m.ok and m.step == 37 and "loss of rank 0" in m.message, report.text()
     assert not report.exact
+
+
+@pytest.mark.parametrize("step_size", [2, 3])
+def test_a_per_epoch_schedule_left_out_fails_where_a_fresh_instance_restarts(on_path, step_size):
+    # epochs of 4 steps: the state after step 5 holds one epoch, a fresh instance counted none
+    report = check("tests.unit.check_workloads:PerEpochSchedule", step_size=step_size)
+    r = finding(report, "restart")
+    assert not r.ok and "given the state after step 5: first difference at step" in r.message, report.text()
+    assert "optimizer param group 0 'lr'" in r.message and not report.exact
 
 
 def test_an_unseeded_generator_fails_the_determinism_check(on_path):

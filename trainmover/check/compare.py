@@ -19,7 +19,7 @@ OUTSIDE_STATE_HINT = (
     "step counter, or a cache. Put it into state_dict() and restore it in load_state_dict().")
 NONDETERMINISM_HINT = (
     "train_step is not a function of (seed, rank, state): an unseeded or time-seeded generator, "
-    "a nondeterministic kernel, or state outside state_dict() that the step changes.")
+    "a nondeterministic kernel, or data state (position, order, generator) outside state_dict().")
 
 
 @dataclass
@@ -32,6 +32,7 @@ class Record:
     encoding: dict | None = None
     digest: str = ""
     replay_digest: str = ""
+    restarts: dict[int, tuple[dict, dict]] = field(default_factory=dict)  # point -> (losses, states)
     shadow: int | None = None
     sent: dict | None = None
     phase: str = "starting"
@@ -46,6 +47,12 @@ class Record:
             (self.losses if kind == "loss" else self.replay_losses)[line["step"]] = line["loss"]
         elif kind in ("state", "replaystate"):
             (self.states if kind == "state" else self.replay_states)[line["step"]] = line["fp"]
+        elif kind in ("restartloss", "restartstate"):
+            losses, states = self.restarts.setdefault(line["r"], ({}, {}))
+            if kind == "restartloss":
+                losses[line["step"]] = line["loss"]
+            else:
+                states[line["step"]] = line["fp"]
         elif kind in ("encoding", "sent"):
             setattr(self, kind, line)
         elif kind in ("digest", "replaydigest"):
@@ -60,7 +67,7 @@ class Record:
 
 @dataclass(frozen=True)
 class Finding:
-    check: str       # encoding, migration, determinism, rollback
+    check: str       # encoding, migration, determinism, rollback, restart
     ok: bool
     message: str
     step: int | None = None  # the first differing step (1-based, as in metrics.jsonl)
@@ -157,9 +164,12 @@ def replay_findings(plan: Plan, refs: list[Record]) -> list[Finding]:
             f"load_state_dict() does not restore {explain(d, 'given', 'after load')}"))
         return [Finding("determinism", False, step=start + 1, message="not checked: " + bad.message), bad]
     if diff is not None and diff.step == start + 1:
+        hint = NONDETERMINISM_HINT if diff.losses else (
+            "The loss was the same, the state after the step was not: state outside state_dict() moved on when "
+            "the step first ran (an LR scheduler, a counter), or the update is not deterministic.")
         return [Finding("determinism", False, step=diff.step, message=(
             f"step {diff.step} run twice from the same state gave {_describe(diff, 'first run', 'second run')}. "
-            f"{NONDETERMINISM_HINT}")),
+            f"{hint}")),
             Finding("rollback", False, step=diff.step, message=f"{rolled}: differs from step {diff.step} on (above)")]
     same_step = Finding("determinism", True, f"step {start + 1} run twice from the same state gave the same loss and "
                                              "state on every rank")
@@ -174,5 +184,28 @@ def replay_findings(plan: Plan, refs: list[Record]) -> list[Finding]:
     return [same_step, Finding("rollback", True, f"{rolled}: steps {start + 1}-{plan.end} equal the first run's")]
 
 
+def restart_finding(plan: Plan, refs: list[Record]) -> Finding:
+    """Fresh instances given the state after each restart point, against the first run."""
+    what = "a fresh instance (as a restart from a checkpoint builds one) given the state after step"
+    for r in plan.restarts:
+        last = min(r + plan.compare, plan.end)
+        diff = first_difference(r, last, [(ref.losses, ref.states) for ref in refs],
+                                [ref.restarts.get(r, ({}, {})) for ref in refs])
+        if diff is None:
+            continue
+        if diff.step == r:
+            rank, d = diff.state[0]
+            return Finding("restart", False, step=r, message=(
+                f"{what} {r}: right after load_state_dict() rank {rank} holds another state than the one it was "
+                f"given: load_state_dict() does not restore {explain(d, 'given', 'after load')}"))
+        return Finding("restart", False, step=diff.step, message=(
+            f"{what} {r}: first difference at step {diff.step}: {_describe(diff, 'first run', 'restarted')}. "
+            f"{OUTSIDE_STATE_HINT.replace('loaded at the switch', 'loaded at the restart')} (A fresh instance has "
+            f"counted no epoch: a per-epoch counter left out shows here.)"))
+    points = ", ".join(map(str, plan.restarts))
+    return Finding("restart", True, f"{what} {points}: each equal to the first run for up to {plan.compare} steps")
+
+
 def findings(plan: Plan, refs: list[Record], joins: list[Record]) -> list[Finding]:
-    return [encoding_finding(refs), migration_finding(plan, refs, joins), *replay_findings(plan, refs)]
+    return [encoding_finding(refs), migration_finding(plan, refs, joins), *replay_findings(plan, refs),
+            restart_finding(plan, refs)]

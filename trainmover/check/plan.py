@@ -16,6 +16,12 @@ ROLLBACK steps and replays up to the end, as the snapshot and checkpoint tiers r
 distance END - ROLLBACK is another prime larger than the compared steps, so a counter that
 moves once per epoch (whose distance in epochs is not under our control) gets a second chance;
 the first replayed step is a step run twice from the same (seed, rank, state).
+A third: fresh instances in the reference processes, each given the state after one of a few
+early steps R (2, 3, 5, 8, 13, ...: consecutive ones less than twice apart), as a restart from a
+checkpoint builds them, each compared for the next compared steps. A fresh instance has counted
+no epoch; the state after R steps holds floor(R / E) epochs of an E-step epoch, and some R falls
+in [E, 2E): a distance of one epoch, which no period divides. That catches a counter that moves
+once per epoch (a per-epoch StepLR), whose distance in the other two checks we cannot choose.
 Limits (documented with --steps): an effect whose period exceeds the compared steps, or that
 first appears later than that, is not seen.
 """
@@ -43,6 +49,8 @@ class Plan:
     compare: int     # steps compared after it
     rollback: int    # the reference's replay restores the state after this many steps
 
+    restarts: tuple[int, ...] = ()  # fresh instances get the state after these many steps
+
     @property
     def end(self) -> int:
         """Steps of the uninterrupted run."""
@@ -55,7 +63,17 @@ def plan(steps: int) -> Plan:
     at = next_prime(max(steps, MIN_AT) + MAX_STEADY + 2)
     end = at + steps
     rollback = max(r for r in range(1, 2 * at // 3 + 1) if is_prime(end - r) or r == 1)
-    return Plan(at=at, compare=steps, rollback=rollback)
+    return Plan(at=at, compare=steps, rollback=rollback, restarts=restart_points(at))
+
+
+def restart_points(at: int) -> tuple[int, ...]:
+    """2, 3, 5, 8, 13, ... up to `at`: each less than twice the one before, so every epoch
+    length E <= at has a point in [E, 2E)."""
+    points, a, b = [], 2, 3
+    while a <= at:
+        points.append(a)
+        a, b = b, a + b
+    return tuple(points)
 
 
 def shadow_total(at: int, steady: int, compare: int) -> int:

@@ -48,6 +48,7 @@ class ProcSpec:
     out: str             # this process's JSON-lines file
     timeout_s: float     # every collective and rendezvous
     max_shadow: int = 6  # as TM_SHADOW_STEPS: most shadow steps to reach a steady collective sequence
+    restarts: tuple = ()  # fresh instances in the reference get the state after these many steps
 
 
 class Emitter:
@@ -141,15 +142,23 @@ def _context(spec: ProcSpec, groups) -> workloads.BuildContext:
                                   options={**spec.options, "device": "cpu"}, before_update=lambda: None)
 
 
-def _train(wl, out: Emitter, first: int, last: int, states_from: int, kind: str = "") -> None:
+def _train(wl, out: Emitter, first: int, last: int, states_from: int, kind: str = "", **extra) -> None:
     """Steps first+1..last (train_step(first)..train_step(last - 1)); a state fingerprint after
-    each step from `states_from` on. `kind` prefixes the lines' kinds (the replay's)."""
+    each step from `states_from` on. `kind` prefixes the lines' kinds (a replay's, a restart's);
+    `extra` goes into every line (a restart's point)."""
     for step in range(first, last):
         out.phase(f"{kind + ' ' if kind else ''}step {step + 1}")
         loss = float(wl.train_step(step))
-        out.emit(f"{kind}loss", step=step + 1, loss=loss)
+        out.emit(f"{kind}loss", step=step + 1, loss=loss, **extra)
         if step + 1 >= states_from:
-            out.emit(f"{kind}state", step=step + 1, fp=fingerprint(full_state(wl, step + 1)))
+            out.emit(f"{kind}state", step=step + 1, fp=fingerprint(full_state(wl, step + 1)), **extra)
+
+
+def _restore(wl, saved: dict) -> None:
+    """As the snapshot and checkpoint tiers restore (runtime/worker.py Agent.load_full): a copy
+    through load_state_dict, then the RNG."""
+    wl.load_state_dict(transfer.host_copy(saved)["workload"])
+    rng.restore(saved["rng"])
 
 
 def reference(spec: ProcSpec, store, out: Emitter, timeout: datetime.timedelta) -> None:
@@ -158,10 +167,14 @@ def reference(spec: ProcSpec, store, out: Emitter, timeout: datetime.timedelta) 
         store, f"ref/{g.name}/", grank, len(g.ranks), host=HOST, timeout=timeout))
     out.phase("build")
     wl.build(_context(spec, groups))
-    _train(wl, out, 0, spec.rollback, states_from=spec.rollback)
-    # kept as a snapshot keeps it (runtime/snapshot.py): a host copy, unaffected by later steps
-    saved = transfer.host_copy(full_state(wl, spec.rollback))
-    _train(wl, out, spec.rollback, spec.at, states_from=spec.rollback)
+    # Host copies, as a snapshot keeps them (runtime/snapshot.py): unaffected by later steps.
+    keep = sorted({spec.rollback, *spec.restarts})
+    saved: dict[int, dict] = {}
+    first = min(keep)
+    _train(wl, out, 0, first, states_from=first)
+    for a, b in zip(keep, keep[1:] + [spec.at]):
+        saved[a] = transfer.host_copy(full_state(wl, a))
+        _train(wl, out, a, max(a, b), states_from=first)
     state = full_state(wl, spec.at)
     out.phase("encoding")
     enc = encoding(state)
@@ -172,17 +185,30 @@ def reference(spec: ProcSpec, store, out: Emitter, timeout: datetime.timedelta) 
     xfer = gloo_group(store, f"xfer/{spec.rank}/", 0, 2, host=HOST, timeout=timeout)
     stats = transfer.send_verified(state, xfer, dst=1)
     out.emit("sent", bytes=stats.bytes, tensors=stats.tensors, seconds=stats.seconds)
-    _train(wl, out, spec.at, spec.at + spec.compare, states_from=spec.at)
+    end = spec.at + spec.compare
+    _train(wl, out, spec.at, end, states_from=spec.at)
     out.emit("digest", digest=digest(wl))
-    # Roll back as the snapshot and checkpoint tiers do (runtime/worker.py Agent.load_full: a
-    # copy through load_state_dict, then the RNG) and replay: the first replayed step is a
-    # step run twice from the same (seed, rank, state).
+    # Roll back and replay: the first replayed step is a step run twice from the same
+    # (seed, rank, state).
     out.phase(f"rollback to step {spec.rollback}")
-    wl.load_state_dict(transfer.host_copy(saved)["workload"])
-    rng.restore(saved["rng"])
+    _restore(wl, saved[spec.rollback])
     out.emit("replaystate", step=spec.rollback, fp=fingerprint(full_state(wl, spec.rollback)))
-    _train(wl, out, spec.rollback, spec.at + spec.compare, states_from=spec.rollback, kind="replay")
+    _train(wl, out, spec.rollback, end, states_from=spec.rollback, kind="replay")
     out.emit("replaydigest", digest=digest(wl))
+    # Restarts: a fresh instance (as one rebuilt from a checkpoint) given an early state. It
+    # shares the reference's groups: both ranks build in the same order, so DDP's construction
+    # collectives match. Instances are kept, never destroyed: tearing down a DDP reducer while
+    # its group lives on aborted the process ("Resource deadlock avoided"); the process ends
+    # with os._exit.
+    alive = [wl]
+    for r in spec.restarts:
+        out.phase(f"restart from step {r}: build")
+        fresh = workloads.load(spec.workload, spec.options)
+        fresh.build(_context(spec, groups))
+        _restore(fresh, saved[r])
+        out.emit("restartstate", step=r, fp=fingerprint(full_state(fresh, r)), r=r)
+        _train(fresh, out, r, min(r + spec.compare, end), states_from=r, kind="restart", r=r)
+        alive.append(fresh)
 
 
 def joiner(spec: ProcSpec, store, out: Emitter, timeout: datetime.timedelta) -> None:

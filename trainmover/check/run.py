@@ -144,6 +144,7 @@ def run_check(workload: str, options: dict, *, steps: int = 24, ranks: int | Non
                 base = Path(tmp.name) / f"{role}-{rank}"
                 spec = ProcSpec(role=role, rank=rank, world=world, workload=workload, options=options, seed=seed,
                                 at=the_plan.at, compare=the_plan.compare, rollback=the_plan.rollback,
+                                restarts=the_plan.restarts,
                                 store=(HOST, store.port),
                                 out=f"{base}.jsonl", timeout_s=timeout_s)
                 procs.append(_Proc(spec, Path(f"{base}.log"), env))

@@ -24,7 +24,8 @@ def preflight(cfg: Config, run_check=None) -> None:
              cfg.workload, cfg.check_steps)
     report = run_check(cfg.workload, cfg.workload_kwargs(), steps=cfg.check_steps, seed=cfg.seed,
                        timeout_s=max(cfg.group_timeout_s, 300.0))
-    log.info("%s", report.text())
-    if not report.exact:
+    if report.exact:
+        log.info("%s", report.text())
+    else:  # the report goes out once, in the error
         raise ConfigError("TM_CHECK_WORKLOAD=1: a migration of this workload would not be exact; not starting.\n"
                           + report.text())
