@@ -6,8 +6,8 @@ Each writes JSON lines to its own file, read by the orchestrator as they come: `
 it is, for the deadline's message), `loss` per step, `state` (a fingerprint of the full state
 after each step from the rollback point on), `encoding`, `sent`, `shadow`, `digest`, the
 reference's `replayloss`/`replaystate`/`replaydigest` (its rollback), and `error` if it fails.
-What it does is what the runtime does to a rank (runtime/worker.py): the same groups, the same
-sandbox warm-up, the same state encoding, transfer and RNG capture.
+What it does is what the runtime does to a rank (runtime/worker.py, standby.py, switch.py): the
+same groups, the same sandbox warm-up, the same state encoding, transfer and RNG capture.
 """
 from __future__ import annotations
 
@@ -100,8 +100,8 @@ def make_groups(specs, rank: int, backend) -> dict[str, SwappableGroup]:
 
 
 def shadow_until_steady(wl: workloads.Workload, groups: dict[str, SwappableGroup], max_steps: int) -> int:
-    """Shadow steps until one issues the same collectives as the one before (runtime/worker.py
-    Agent.shadow_until_steady): a joiner's wrappers do their one-time collectives here."""
+    """Shadow steps until one issues the same collectives as the one before (as the standby's
+    shadow_until_steady, runtime/standby.py): a joiner's wrappers do their one-time collectives here."""
     sandboxes = [g.inner for g in groups.values()]
     previous, steps = None, 0
     while steps < max_steps:
