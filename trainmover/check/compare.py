@@ -147,7 +147,8 @@ def migration_finding(plan: Plan, refs: list[Record], joins: list[Record]) -> Fi
                 f"{join.digest[:12]} migrated) though every compared state was equal"))
     return Finding("migration", True, (
         f"a fresh joiner process, warmed up on the sandbox, given the state after step {plan.at}: losses and states "
-        f"of steps {plan.at + 1}-{plan.end} and the final digest equal the uninterrupted run's on every rank ({len(refs)})"))
+        f"of steps {plan.at + 1}-{plan.end} and the final digest equal the uninterrupted run's on every rank "
+        f"({len(refs)})"))
 
 
 def replay_findings(plan: Plan, refs: list[Record]) -> list[Finding]:

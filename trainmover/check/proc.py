@@ -71,8 +71,9 @@ def full_state(wl: workloads.Workload, step: int) -> dict:
     """What a leaver sends (runtime/worker.py Agent.full_state): workload state, RNG, step."""
     sd = wl.state_dict()
     if not isinstance(sd, dict) or "model" not in sd:
+        keys = f" with keys {sorted(sd)}" if isinstance(sd, dict) else ""
         raise TypeError(f"state_dict() must return a dict with a 'model' entry (the runtime digests model and "
-                        f"optimizer); got {type(sd).__name__}{' with keys ' + str(sorted(sd)) if isinstance(sd, dict) else ''}")
+                        f"optimizer); got {type(sd).__name__}{keys}")
     return {"workload": sd, "rng": rng.capture(), "step": step}
 
 
