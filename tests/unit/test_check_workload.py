@@ -64,8 +64,10 @@ def test_differences_put_settings_before_parameters_and_name_missing_keys():
 
 
 def test_values_the_transfer_cannot_decode_are_named():
-    assert unplain({"data": {"gen": torch.Generator(), "pos": 3, "order": torch.arange(4)}}) == [
-        "/data/gen (torch._C.Generator)"]
+    import numpy as np
+    assert unplain({"data": {"gen": torch.Generator(), "pos": 3, "order": torch.arange(4), "w": np.float64(1.5),
+                             "ok": [1.5, "a", None, True, torch.float32]}}) == [
+        "/data/gen (torch._C.Generator)", "/data/w (numpy.float64)"]
 
 
 def _record(losses: dict, states: dict) -> compare.Record:

@@ -8,8 +8,10 @@ import hashlib
 import torch
 
 # What torch.load(weights_only=True), the transfer's decoder, accepts besides tensors and
-# containers (a state holding anything else cannot be migrated).
-PLAIN = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.Size, torch.device)
+# containers (a state holding anything else cannot be migrated). Exact types for the scalars:
+# a NumPy float64 is a float, but pickles as a NumPy object the decoder refuses.
+SCALARS = (int, float, bool, str, bytes, complex, type(None))
+OBJECTS = (torch.dtype, torch.device)
 
 
 def leaves(obj, path: str = ""):
@@ -54,7 +56,7 @@ def fingerprint(state) -> dict[str, list[str]]:
 def unplain(state) -> list[str]:
     """Paths (and types) of leaves the transfer's decoder would refuse."""
     return [f"{path} ({type(v).__module__}.{type(v).__name__})" for path, v in leaves(state)
-            if not isinstance(v, (torch.Tensor, *PLAIN))]
+            if type(v) not in SCALARS and not isinstance(v, (torch.Tensor, *OBJECTS))]
 
 
 def describe(path: str) -> str:
