@@ -98,3 +98,13 @@ class LoadForgetsBatchNorm(CNN):
         model = {k: (own[k].clone() if "running" in k or "num_batches" in k else v) for k, v in state["model"].items()}
         super().load_state_dict({**state, "model": model})
 
+
+
+class HangsOnRank1(CNN):
+    """Rank 1 stops answering in its 6th step (a deadlock, a stuck data loader)."""
+
+    def train_step(self, step: int) -> float:
+        if self.rank == 1 and step == 5:
+            import time
+            time.sleep(3600)
+        return super().train_step(step)

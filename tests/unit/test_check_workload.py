@@ -185,3 +185,10 @@ def test_options_are_checked_before_any_process_starts(on_path):
     with pytest.raises(ConfigError, match=r"does not accept options \['preset'\] \(preset from TM_MODEL\); it accepts: "
                                           r"batch, clip, dropout, gamma, lr, samples, step_size, width"):
         check("cnn:CNN", preset="tiny")
+
+
+def test_a_process_that_hangs_is_named_with_where_it_was_at_the_deadline(on_path):
+    from trainmover.check.run import run_check
+    report = run_check("tests.unit.check_workloads:HangsOnRank1", {}, steps=4, timeout_s=90)
+    assert not report.exact and report.failure.startswith("timed out after 90s; still running: "), report.text()
+    assert "reference rank 1 in 'step 6'" in report.failure, report.failure
