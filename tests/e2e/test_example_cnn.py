@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slurm
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "sbatch_templates" / "torch_ddp.sbatch"
-STEPS = 1500
+STEPS = 4000  # about a minute: the leaver's node is released (seconds after the switch) before the end
 DRAIN_REASON = "tm-e2e cnn maintenance"
 JOB = {"TM_WORKLOAD": "cnn:CNN", "TM_STEPS": str(STEPS)}
 
@@ -82,6 +82,9 @@ def test_the_example_moves_to_a_standby_bit_exactly(cnn, reference, slurm_client
     t0 = time.monotonic()
     wait_for("rank 1 to run on a standby", lambda: run.metrics()[-1]["nodes"][1] != leaver, timeout=30, interval=0.1)
     moved_after = time.monotonic() - t0
+    wait_for(f"{leaver} to leave the job and reach 'drained'",
+             lambda: leaver not in slurm_client.job(run.job_id).nodes and slurm_client.nodes([leaver])[leaver].drained,
+             timeout=60)
     assert run.wait_done(slurm_client, timeout=300) == "COMPLETED", run.slurm_out()[-3000:]
     (m,) = run.status()["migrations"]
     assert (m["leaver"], m["trigger"], m["state"]) == (leaver, "drain", "done"), m
