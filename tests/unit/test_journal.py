@@ -199,3 +199,36 @@ def test_a_requeued_job_whose_training_ended_has_nothing_left_to_do(tmp_path):
     assert completed_before(tmp_path, 7, 1000) is None                     # more steps asked for now
     (tmp_path / "status.json").write_text(json.dumps({"outcome": {"ok": False, "message": "failed"}}))
     assert completed_before(tmp_path, 7, 500) is None                      # it did not end well
+
+
+def test_one_nodes_ranks_that_never_come_back_after_a_move_are_recovered_not_the_job_stopped():
+    """The controller's home died with the controller (and its rank): the successor waits the
+    short window for that node, then treats it as a lost node (revoke, recover) instead of
+    stopping the job after TM_RECONNECT_TIMEOUT_S."""
+    p = new_policy()
+    w = Writer(p)
+    w(ready_standby(p))
+    q, _ = restarted(w, now=20.0, reconnect_timeout_s=60.0)
+    q.on_message(20.5, "spare1", resync("spare1", [], role="standby", state="ready"))
+    for rank, node in ((1, "train2"), (2, "train3")):
+        q.on_message(21.0, node, resync(node, [rank]))
+    assert q.reconnect_window() == 8.0
+    assert q.on_tick(27.0) == []
+    acts = q.on_tick(28.5)
+    (revoke,) = sends(acts, "revoke")
+    assert revoke.msg["failed"] == [0] and "did not reconnect" in revoke.msg["reason"]
+    assert q.recovery() is not None and q.recovery().leaver == "train1"
+    assert not [a for a in acts if isinstance(a, Finish)]
+
+
+def test_a_release_its_predecessor_left_due_is_done_by_the_successor():
+    """A controller whose own node leaves hands over right before releasing it (it would end
+    itself): its successor finds the migration RELEASING with the leaver gone and releases."""
+    p, w = preparing()
+    m = p.migrations[0]
+    m.to(Phase.SWITCHING, 12.0)
+    m.to(Phase.RELEASING, 12.5)
+    m.leaver_exited = True
+    w()
+    q, acts = restarted(w)
+    assert ReleaseNode("train2") in acts

@@ -1,0 +1,67 @@
+"""The keeper and the steps it runs for the controller (controller/keeper.py, controller/steps.py)."""
+import json
+
+from trainmover.controller.keeper import Keeper, choose_home
+from trainmover.controller.steps import KeeperSteps
+
+
+class Conn:
+    def __init__(self, fail=False):
+        self.sent, self.fail = [], fail
+
+    def send(self, msg):
+        if self.fail:
+            raise OSError("gone")
+        self.sent.append(msg)
+
+
+def test_the_next_home_is_the_first_node_neither_left_nor_draining_nor_down():
+    nodes = ["train1", "train2", "train3", "spare1"]
+    states = {"train1": "ALLOCATED", "train2": "ALLOCATED+DRAIN", "train3": "DOWN+NOT_RESPONDING",
+              "spare1": "ALLOCATED"}
+    assert choose_home(nodes, {"train1"}, states) == "spare1"
+    assert choose_home(nodes, set(), states) == "train1"
+    assert choose_home(["train2", "train3"], set(), states) is None
+
+
+def test_launches_wait_in_order_for_the_keeper_and_its_report_of_what_runs():
+    steps = KeeperSteps()
+    steps.launch("train1", "worker", ["srun", "x"], {"A": "1"}, "/tmp/w1.log")
+    steps.launch("spare1", "standby", ["srun", "y"], {}, "/tmp/s1.log")
+    conn = Conn()
+    steps.connected(conn, {})
+    assert [m["node"] for m in conn.sent] == ["train1", "spare1"] and conn.sent[0]["argv"] == ["srun", "x"]
+    assert steps.exited() == []
+    steps.on_exit("train1", 0)
+    assert steps.exited() == [("train1", 0)] and steps.exited() == []
+
+
+def test_a_successor_learns_which_steps_ended_while_no_controller_ran():
+    steps = KeeperSteps()
+    steps.running = {"train1": "worker", "train2": "worker"}  # what a resumed controller expects
+    steps.connected(Conn(), {"train2": "worker"})
+    assert steps.exited() == [("train1", 0)]
+    steps.on_exit("train3", 1)  # an end the keeper kept for it
+    assert steps.exited() == [("train3", 1)]
+
+
+def test_a_keeper_that_cannot_be_reached_keeps_the_launches():
+    steps = KeeperSteps()
+    steps.connected(Conn(fail=True), {})
+    steps.launch("train1", "worker", ["srun"], {}, "/tmp/x")
+    assert steps.conn is None and len(steps.queued) == 1
+    ok = Conn()
+    steps.connected(ok, {})
+    assert len(ok.sent) == 1 and steps.queued == []
+
+
+def test_the_jobs_outcome_is_read_from_status_only_when_a_controller_ended_it(tmp_path):
+    k = Keeper.__new__(Keeper)
+    k.root = tmp_path
+    assert k._outcome() is None
+    (tmp_path / "status.json").write_text(json.dumps({"job_id": 1}))  # running, or moved away
+    assert k._outcome() is None
+    (tmp_path / "status.json").write_text(json.dumps({"outcome": {"ok": True, "message": "training finished"}}))
+    assert k._outcome() == 0
+    (tmp_path / "status.json").write_text(json.dumps({"outcome": {"ok": False, "message": "x"}}))
+    assert k._outcome() == 1
