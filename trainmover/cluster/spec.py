@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainmover.cluster.releases import RELEASES, Release
+
 PARTITION = "train"
 RESERVATION = "trainmover_standby"
 CLUSTER_NAME = "trainmover"
@@ -36,7 +38,9 @@ class Ports:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """One embedded cluster: `nodes` training nodes and `standby` spare nodes."""
+    """One embedded cluster: `nodes` training nodes and `standby` spare nodes, running
+    Slurm release `slurm` (full version `slurm_version`) from the host, or from the Debian
+    root filesystem `root` (trainmover/cluster/rootfs.py) when that is set."""
 
     state_dir: Path
     nodes: int
@@ -45,12 +49,30 @@ class ClusterSpec:
     db_password: str
     cpus: int = CPUS_PER_NODE
     memory_mb: int = MEMORY_PER_NODE_MB
+    slurm: str = "22.05"     # clusters started before releases were recorded ran Debian 12's
+    slurm_version: str = ""
+    root: str = ""
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.standby < 0:
             raise ValueError(f"need nodes >= 1 and standby >= 0, got nodes={self.nodes} standby={self.standby}")
         if self.nodes + self.standby > MAX_NODES:
             raise ValueError(f"at most {MAX_NODES} nodes in all, got {self.nodes + self.standby}")
+        if self.slurm not in RELEASES:
+            raise ValueError(f"unsupported Slurm release {self.slurm!r} (supported: {', '.join(RELEASES)})")
+
+    @property
+    def release(self) -> Release:
+        return RELEASES[self.slurm]
+
+    @property
+    def accounting(self) -> bool:
+        return self.release.accounting
+
+    def describe_slurm(self) -> str:
+        """'Slurm 24.11.5 (Debian trixie root filesystem /var/cache/...)' or 'Slurm 22.05.8 (host)'."""
+        where = f"Debian {self.release.suite} root filesystem {self.root}" if self.root else "host"
+        return f"Slurm {self.slurm_version or self.slurm} ({where})"
 
     # --- names and addresses -------------------------------------------------
     @property
@@ -111,6 +133,20 @@ class ClusterSpec:
         return self.state_dir / "healthcheck"
 
     @property
+    def cgroup_conf(self) -> Path:
+        return self.etc / "cgroup.conf"
+
+    @property
+    def exec_file(self) -> Path:
+        """How to run this cluster's Slurm programs (trainmover/slurm/commands.py reads it)."""
+        return self.etc / "slurm-exec.json"
+
+    @property
+    def bin(self) -> Path:
+        """Wrappers that run the root filesystem's Slurm commands from a shell (`cluster env`)."""
+        return self.state_dir / "bin"
+
+    @property
     def slurmdbd_conf(self) -> Path:
         return self.etc / "slurmdbd.conf"
 
@@ -158,8 +194,9 @@ class ClusterSpec:
         return cls(**d)
 
     def layout_key(self) -> tuple:
-        """What slurmctld's saved state depends on: a change means a fresh state."""
-        return (self.nodes, self.standby, self.cpus, self.memory_mb)
+        """What slurmctld's saved state depends on: a change means a fresh state (a
+        different Slurm release may not read another's state files)."""
+        return (self.nodes, self.standby, self.cpus, self.memory_mb, self.slurm)
 
 
 def render_slurm_conf(spec: ClusterSpec) -> str:
@@ -210,13 +247,7 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         "SchedulerType=sched/backfill",
         "SchedulerParameters=permit_job_expansion,batch_sched_delay=0,sched_min_interval=0,"
         "default_queue_depth=100",
-        "# Accounting through slurmdbd: without it a job can be resized only once",
-        "# (later updates fail with 'DB index is being set').",
-        "AccountingStorageType=accounting_storage/slurmdbd",
-        "AccountingStorageHost=127.0.0.1",
-        f"AccountingStoragePort={s.ports.slurmdbd}",
-        "# the munge socket for talking to slurmdbd (AuthInfo does not apply to it)",
-        f"AccountingStoragePass={s.munge_socket}",
+        *_accounting_lines(s),
         "JobCompType=jobcomp/none",
         "# The health check, with the lines docs/admin.md gives admins (slurm_plugin/healthcheck.sh",
         "# copied next to its healthcheck.env), but on IDLE nodes only: with every slurmd on one",
@@ -244,6 +275,32 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _accounting_lines(s: ClusterSpec) -> list[str]:
+    if not s.accounting:
+        return [
+            f"# No accounting: Slurm {s.slurm} grows and shrinks a job repeatedly without slurmdbd.",
+            "AccountingStorageType=accounting_storage/none",
+        ]
+    return [
+        f"# Accounting through slurmdbd: without it Slurm {s.slurm} resizes a job only once",
+        "# (later updates fail with 'DB index is being set').",
+        "AccountingStorageType=accounting_storage/slurmdbd",
+        "AccountingStorageHost=127.0.0.1",
+        f"AccountingStoragePort={s.ports.slurmdbd}",
+        "# the munge socket for talking to slurmdbd (AuthInfo does not apply to it)",
+        f"AccountingStoragePass={s.munge_socket}",
+    ]
+
+
+def render_cgroup_conf(spec: ClusterSpec) -> str | None:
+    """cgroup.conf for releases whose slurmd needs one (see Release.cgroup_disabled); None otherwise."""
+    if not spec.release.cgroup_disabled:
+        return None
+    return ("# Generated by trainmover.cluster. Every node runs on this one host: no cgroup\n"
+            "# confinement (proctrack/linuxproc, task/none), and slurmd starts without a cgroup plugin.\n"
+            "CgroupPlugin=disabled\n")
 
 
 def render_slurmdbd_conf(spec: ClusterSpec) -> str:
