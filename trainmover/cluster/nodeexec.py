@@ -11,7 +11,10 @@ fresh mount (and UTS) namespace it
   could descend into);
 * with --hosts: bind-mounts FILE over /etc/hosts (R/etc/hosts with --root);
 * with --hostname: sets the hostname, so that `hostname` in a job step prints the node;
-* chroots into R, changes to --chdir when that exists there (else /), and execs argv.
+* chroots into R, changes to --chdir (default: the directory it was started in) when
+  that exists there (else /), and execs argv; a bare program name is looked for in R's
+  /usr/sbin, /usr/bin, /sbin and /bin before PATH (whose first entries may be another
+  cluster's wrapper scripts).
 
 Standard library only: it runs by path (`python -I -S`), without importing trainmover.
 """
@@ -43,13 +46,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--bind", action="append", default=[], help="host path to show at the same path under --root")
     p.add_argument("--hostname")
     p.add_argument("--hosts", help="file to bind-mount over /etc/hosts")
-    p.add_argument("--chdir", help="working directory inside (when it exists there)")
+    p.add_argument("--chdir", help="working directory inside (when it exists there; default: the current one)")
     p.add_argument("command", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:
         p.error("no command given")
     root = args.root or "/"
+    cwd = args.chdir or os.getcwd()
     mounts = [(path, _inside(root, path)) for path in args.bind]
     if args.hosts:
         mounts.append((args.hosts, _inside(root, "/etc/hosts")))
@@ -63,7 +67,10 @@ def main(argv: list[str]) -> int:
         socket.sethostname(args.hostname)
     if args.root:
         os.chroot(root)
-        os.chdir(args.chdir if args.chdir and os.path.isdir(args.chdir) else "/")
+        os.chdir(cwd if os.path.isdir(cwd) else "/")
+        if "/" not in cmd[0]:
+            found = [f"{d}/{cmd[0]}" for d in ("/usr/sbin", "/usr/bin", "/sbin", "/bin") if os.path.isfile(f"{d}/{cmd[0]}")]
+            cmd = [found[0], *cmd[1:]] if found else cmd
     os.execvp(cmd[0], cmd)
     return 127  # not reached
 

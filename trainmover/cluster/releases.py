@@ -24,12 +24,17 @@ class Release:
     start against Debian 13's MariaDB 11.8), so they run without it.
     `cgroup_disabled`: slurmd needs `cgroup.conf` with `CgroupPlugin=disabled` (24.11 and
     later stop at start otherwise: "Unable to initialize cgroup plugin"; 22.05 has no such
-    value and runs without a cgroup.conf)."""
+    value and runs without a cgroup.conf).
+    `first_job_id`: where the cluster's job ids start. Demos of several releases run from
+    one checkout, each job writing runs/<job id> there; a controller refuses a run
+    directory another job's controller used, so each release counts from its own
+    number (24.11: 24110001, ...; 22.05 from 1, as always)."""
 
     version: str
     suite: str
     accounting: bool
     cgroup_disabled: bool
+    first_job_id: int = 1
 
     @property
     def packages(self) -> list[str]:
@@ -53,8 +58,8 @@ class Release:
 
 RELEASES = {
     "22.05": Release("22.05", "bookworm", accounting=True, cgroup_disabled=False),
-    "24.11": Release("24.11", "trixie", accounting=False, cgroup_disabled=True),
-    "26.05": Release("26.05", "sid", accounting=False, cgroup_disabled=True),
+    "24.11": Release("24.11", "trixie", accounting=False, cgroup_disabled=True, first_job_id=24110001),
+    "26.05": Release("26.05", "sid", accounting=False, cgroup_disabled=True, first_job_id=26050001),
 }
 
 _VERSION = re.compile(r"\b(\d+\.\d+)(\.\d+)?\b")

@@ -241,6 +241,8 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         "# a job was resized), and 22.05 then requeued healthy TrainMover jobs. A job lost for real",
         "# still ends: its node goes DOWN, or its steps end.",
         f"BatchStartTimeout={BATCH_START_TIMEOUT_S}",
+        *([f"# job ids apart from other releases' clusters (runs/<job id> of demos in one checkout)",
+           f"FirstJobId={s.release.first_job_id}"] if s.release.first_job_id != 1 else []),
         "InactiveLimit=0",
         "KillWait=5",
         "MinJobAge=300",

@@ -11,7 +11,9 @@ says otherwise. An embedded cluster whose Slurm lives in a Debian root filesyste
 `slurm-exec.json` beside its slurm.conf: the argv prefix that runs a program in
 that root (`{"slurm": "24.11.5", "prefix": [...], "root_id": [dev, inode]}`).
 `run()` puts that prefix before the command, except in a process that already
-runs inside that root (a job step: its "/" is the root's top directory).
+runs inside that root (a job step: its "/" is the root's top directory);
+`CliSlurm.step_argv()` puts it before the srun it returns, since its callers start
+that themselves (`run()` leaves such an argv as it is).
 """
 
 from __future__ import annotations
@@ -132,15 +134,18 @@ def run(
     if timeout is None or timeout <= 0:
         raise ValueError(f"run({argv[0]!r}) needs a positive timeout, got {timeout!r}")
     argv = [str(a) for a in argv]
-    name = _name(argv)
     full_env = build_env(env)
+    prefix = exec_prefix(full_env)
+    if prefix and argv[:len(prefix)] == prefix:  # already prefixed (CliSlurm.step_argv)
+        argv = argv[len(prefix):]
+    name = _name(argv)
     with _lock:
         _calls[name] += 1
         hook = _hook
     started = time.monotonic()
     try:
         # An intercepting runner stands in for Slurm itself: it gets the command as written.
-        proc = hook(argv, timeout, full_env) if hook else _execute(exec_prefix(full_env) + argv, timeout, full_env)
+        proc = hook(argv, timeout, full_env) if hook else _execute(prefix + argv, timeout, full_env)
     except subprocess.TimeoutExpired as exc:
         raise SlurmError(
             f"{name} timed out after {timeout:g}s: {' '.join(argv)}"
