@@ -1,4 +1,5 @@
-"""`python -m trainmover.cluster {up,down,status,env} [--nodes N] [--standby S] [--dir D] [--slurm V]`."""
+"""`python -m trainmover.cluster {up,down,status,env} [--nodes N] [--standby S] [--dir D] [--slurm V]`;
+`python -m trainmover.cluster releases [--besides-host]`: the supported Slurm releases, one a line."""
 
 from __future__ import annotations
 
@@ -6,14 +7,14 @@ import argparse
 import json
 import sys
 
-from trainmover.cluster import lifecycle
+from trainmover.cluster import lifecycle, rootfs
 from trainmover.cluster.releases import RELEASES
 from trainmover.errors import TrainMoverError
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trainmover cluster", description="Embedded local Slurm cluster")
-    p.add_argument("action", choices=["up", "down", "status", "env"])
+    p.add_argument("action", choices=["up", "down", "status", "env", "releases"])
     p.add_argument("--nodes", type=int, default=4, help="training nodes train[1-N] (default 4)")
     p.add_argument("--standby", type=int, default=2, help="standby nodes spare[1-S] (default 2)")
     p.add_argument("--dir", default=None,
@@ -24,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "root filesystem built once (default: the host's, or what the cluster in --dir ran)")
     p.add_argument("--rootfs", action="store_true",
                    help="run --slurm V from its Debian root filesystem even when the host has V")
+    p.add_argument("--besides-host", action="store_true",
+                   help="releases: leave out the host's (the one a cluster without --slurm runs)")
     p.add_argument("--rootfs-cache", default=None, metavar="DIR",
                    help="where root filesystems are built and kept (default $TM_ROOTFS_CACHE or "
                         "/var/cache/trainmover/rootfs)")
@@ -35,7 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.rootfs and not args.slurm:
             raise TrainMoverError("--rootfs needs --slurm V")
-        if args.action == "up":
+        if args.action == "releases":
+            host = rootfs.host_release() if args.besides_host else None
+            print("\n".join(v for v in RELEASES if v != host))
+        elif args.action == "up":
             info = lifecycle.up(nodes=args.nodes, standby=args.standby, state_dir=args.dir, slurm=args.slurm,
                                 rootfs_cache=args.rootfs_cache, force_root=args.rootfs)
             what = "already running" if info.already_running else f"up in {info.seconds:.1f}s"

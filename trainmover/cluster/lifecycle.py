@@ -281,6 +281,12 @@ def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = 
             _log(f"already running in {state_dir} ({old.nodes} training + {old.standby} standby nodes, "
                  f"{old.describe_slurm()})")
             return _info(old, already=True, installed=False, t0=t0)
+        taken = _ports_taken(old, running) if live else []
+        if taken:
+            _log(f"ports {taken} of its stopped daemons are in use by other processes now; "
+                 "stopping the rest and starting the whole cluster on free ports")
+            _stop(old)
+            running, live = {}, {}
         if live:
             spec = old  # partly running: keep its ports and Slurm, start what is missing
             if spec.root:
@@ -411,30 +417,44 @@ def down(state_dir=None, slurm: Optional[str] = None) -> dict:
     if spec is None:
         return {}
     with _locked(state_dir):
-        marker = str(spec.state_dir)
-        running = daemons.running(spec)
-        stopped: dict[str, int] = {}
-        if running.get("slurmctld") and daemons.ctld_up(spec):
-            _cancel_jobs(spec)
-        progs = {n: p for n, p, _ in daemons.table(spec)}
-        slurmds = [(n, pid) for n, pid in running.items() if n.startswith("slurmd:") and pid]
-        terminate([p for _, p in slurmds], "slurmd", marker, root=spec.root)
-        stopped.update(dict(slurmds))
-        # slurmd processes not in a pid file (a crashed start) and leftover step daemons
-        for prog in ("slurmd", "slurmstepd"):
-            extra = find_pids(prog, marker, spec.root)
-            if extra:
-                terminate(extra, prog, marker, root=spec.root)
-                stopped.update({f"{prog}:{p}": p for p in extra})
-        for name in ("slurmctld", "slurmdbd", "mariadbd", "munged"):
-            pid = running.get(name)
-            if pid:
-                terminate([pid], progs[name], marker, timeout=30, root=spec.root)
-                stopped[name] = pid
-        for name, _, pid_file in daemons.table(spec):
-            if pid_file.exists() and running_pid(pid_file, progs[name], marker, spec.root) is None:
-                pid_file.unlink(missing_ok=True)
-        return stopped
+        return _stop(spec)
+
+
+def _ports_taken(spec: ClusterSpec, running: dict[str, Optional[int]]) -> list[int]:
+    """Ports of `spec`'s stopped daemons that another process listens on now (a cluster
+    started while these were down may have taken them)."""
+    ports = {"slurmctld": spec.ports.slurmctld, "slurmdbd": spec.ports.slurmdbd, "mariadbd": spec.ports.mariadb,
+             **{f"slurmd:{n}": spec.slurmd_port(n) for n in spec.all_nodes}}
+    return [ports[name] for name, pid in running.items() if pid is None and name in ports
+            and not _port_free(ports[name])]
+
+
+def _stop(spec: ClusterSpec) -> dict:
+    """down() with the state directory's lock held."""
+    marker = str(spec.state_dir)
+    running = daemons.running(spec)
+    stopped: dict[str, int] = {}
+    if running.get("slurmctld") and daemons.ctld_up(spec):
+        _cancel_jobs(spec)
+    progs = {n: p for n, p, _ in daemons.table(spec)}
+    slurmds = [(n, pid) for n, pid in running.items() if n.startswith("slurmd:") and pid]
+    terminate([p for _, p in slurmds], "slurmd", marker, root=spec.root)
+    stopped.update(dict(slurmds))
+    # slurmd processes not in a pid file (a crashed start) and leftover step daemons
+    for prog in ("slurmd", "slurmstepd"):
+        extra = find_pids(prog, marker, spec.root)
+        if extra:
+            terminate(extra, prog, marker, root=spec.root)
+            stopped.update({f"{prog}:{p}": p for p in extra})
+    for name in ("slurmctld", "slurmdbd", "mariadbd", "munged"):
+        pid = running.get(name)
+        if pid:
+            terminate([pid], progs[name], marker, timeout=30, root=spec.root)
+            stopped[name] = pid
+    for name, _, pid_file in daemons.table(spec):
+        if pid_file.exists() and running_pid(pid_file, progs[name], marker, spec.root) is None:
+            pid_file.unlink(missing_ok=True)
+    return stopped
 
 
 # --- inspecting ----------------------------------------------------------------------

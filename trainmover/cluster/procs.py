@@ -5,6 +5,7 @@ files that are trusted only when the process they name is ours, bounded waits.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -92,8 +93,9 @@ def _exe_names(program: str, root: str = "") -> set[str]:
 
 def owned(pid: int, program: str, marker: str, root: str = "") -> bool:
     """True when `pid` runs `program` (from the root filesystem `root` when given) and
-    mentions `marker` (our state dir) in its command line or environment: a stale pid
-    file never makes us signal a stranger."""
+    mentions `marker` (our state dir, as a whole path) in its command line or environment:
+    a stale pid file never makes us signal a stranger, nor a cluster whose state directory
+    merely starts with ours."""
     if pid <= 1:
         return False
     try:
@@ -104,7 +106,9 @@ def owned(pid: int, program: str, marker: str, root: str = "") -> bool:
         return False
     if _proc_text(pid, "stat").split(" ")[2:3] == ["Z"]:
         return False
-    return marker in _proc_text(pid, "cmdline") or marker in _proc_text(pid, "environ")
+    # the state directory as a whole path: /var/tmp/c must not match /var/tmp/c-24.11/...
+    mentions = re.compile(re.escape(marker.rstrip("/")) + r"(?=/|\s|$)")
+    return bool(mentions.search(_proc_text(pid, "cmdline")) or mentions.search(_proc_text(pid, "environ")))
 
 
 def running_pid(pid_file: Path, program: str, marker: str, root: str = "") -> Optional[int]:

@@ -250,6 +250,18 @@ def _build(rel: Release, root: Path, *, log: Callable[[str], None], mirror: str)
         f"debootstrap {t1 - t0:.0f}s, packages {time.monotonic() - t1:.0f}s)")
 
 
+def host_release() -> Optional[str]:
+    """The release a cluster without --slurm runs here: the host's Slurm, else the one the
+    host's Debian release ships (installed at the first `up`); None when neither is supported."""
+    host = host_version()
+    if host is not None:
+        try:
+            return release(host).version
+        except ClusterError:
+            return None
+    return next((r.version for r in RELEASES.values() if r.suite == host_suite()), None)
+
+
 # --- choosing ----------------------------------------------------------------------------
 
 def locate(requested: Optional[str], *, cache: Path, log: Callable[[str], None],
