@@ -101,6 +101,8 @@ def test_owned_matches_the_state_directory_as_a_whole_path():
     """`down` of /var/tmp/c must not stop the daemons of /var/tmp/c-24.11."""
     p = subprocess.Popen(["sleep", "30"], env={"TM_CLUSTER_DIR": "/var/tmp/c-24.11", "PATH": "/usr/bin:/bin"})
     try:
+        # (once seen not yet visible in /proc right after Popen returned, on a loaded machine)
+        procs.wait_until("sleep to run", lambda: procs.owned(p.pid, "sleep", "/var/tmp/c-24.11"), timeout=10)
         assert procs.owned(p.pid, "sleep", "/var/tmp/c-24.11")
         assert not procs.owned(p.pid, "sleep", "/var/tmp/c")
         assert not procs.owned(p.pid, "sleep", "/var/tmp/c-24")
