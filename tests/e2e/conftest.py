@@ -11,8 +11,7 @@ about 0.1 s. The tests use their own cluster, state in $TM_E2E_CLUSTER_DIR or
 $TM_E2E_SLURM names a Slurm release for these clusters (`make test` runs the
 Slurm contract, the drain migration and the SPANK tests once more on each
 release the host does not have; the clusters then run from Debian root
-filesystems, state in /var/tmp/trainmover-cluster-e2e-<release>). Unset: the
-host's Slurm.
+filesystems, state in <the directory above>-<release>). Unset: the host's Slurm.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from trainmover.slurm import CliSlurm, JobInfo, commands
 TEST_JOB_PREFIX = "tm-e2e-"
 E2E_SLURM = os.environ.get("TM_E2E_SLURM") or None
 _SUFFIX = f"-{E2E_SLURM}" if E2E_SLURM else ""
-E2E_DIR = os.environ.get("TM_E2E_CLUSTER_DIR") or f"/var/tmp/trainmover-cluster-e2e{_SUFFIX}"
+E2E_DIR = (os.environ.get("TM_E2E_CLUSTER_DIR") or "/var/tmp/trainmover-cluster-e2e") + _SUFFIX
 DRAIN_PREFIX = "tm-e2e"
 
 
