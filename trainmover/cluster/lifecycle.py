@@ -52,7 +52,7 @@ class ClusterInfo:
 
     @property
     def slurm(self) -> str:
-        """'Slurm 24.11.5 (Debian root filesystem /var/cache/trainmover/rootfs/24.11)' or 'Slurm 22.05.8 (host)'."""
+        """'Slurm 24.11.5 (root filesystem /var/cache/trainmover/rootfs/24.11)' or 'Slurm 22.05.8 (host)'."""
         return f"Slurm {self.slurm_version} ({'root filesystem ' + str(self.slurm_root) if self.slurm_root else 'host'})"
 
     def env(self) -> dict[str, str]:
@@ -261,9 +261,11 @@ def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = 
     if slurm is not None:
         release(slurm)  # an unsupported version fails before anything else
     state_dir = resolve_dir(state_dir, slurm)
-    cache = rootfs.resolve_cache(rootfs_cache)
     with _locked(state_dir):
         old = _load_spec(state_dir)
+        if rootfs_cache is None and slurm is None and old is not None and old.root:
+            rootfs_cache = Path(old.root).parent  # the cluster's own, unless told otherwise
+        cache = rootfs.resolve_cache(rootfs_cache)
         running = daemons.running(old) if old else {}
         live = {k: v for k, v in running.items() if v is not None}
         if old and live and (old.nodes, old.standby) != (nodes, standby):
@@ -289,8 +291,6 @@ def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = 
             running, live = {}, {}
         if live:
             spec = old  # partly running: keep its ports and Slurm, start what is missing
-            if spec.root:
-                rootfs.ensure_built(spec.release, Path(spec.root).parent, log=_log)
             installed = False
         else:
             wanted = slurm if slurm is not None else (old.slurm if old else None)

@@ -1,10 +1,10 @@
 """Which Slurm an embedded cluster runs, and the Debian root filesystems that provide
 a Slurm the host does not have.
 
-    rel = release("24.11")                 # Release(version, suite, accounting)
     host_version()                         # "22.05.8", or None without a host Slurm
-    root = ensure_built(rel, cache)        # /var/cache/trainmover/rootfs/24.11 (built once)
-    prefix = launcher(root, binds)         # argv prefix that runs a program inside it
+    locate("24.11", cache=..., log=...)    # ("24.11", "24.11.5", "/var/cache/trainmover/rootfs/24.11", False)
+    root = ensure_built(release("24.11"), cache, log=...)   # built once, then reused
+    prefix = launcher(root, binds(state_dir))                # argv prefix that runs a program inside it
 
 A root filesystem is `debootstrap --variant=minbase <suite>` from Debian's archive plus
 Slurm, munge, gcc and the shared libraries the host's Python interpreter and its
