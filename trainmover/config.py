@@ -9,70 +9,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 
+from trainmover import faults
 from trainmover.errors import ConfigError
-
-INJECTIONS = {
-    "skip-optimizer-state": "the leaver leaves its optimizer state out of the copy (negative control)",
-    "corrupt-transfer": "the leaver flips bytes of one tensor on the wire (checksum test)",
-    "slow:<rank>:<fraction>": "the worker launched for <rank> sleeps <fraction> of its compute time each step (a straggling node)",
-    "die-in-copy": "the leaver of a planned migration kills itself (SIGKILL) as the joiner starts to wait for its state",
-    "die:<rank>:<step>": "the worker launched for <rank> kills itself (SIGKILL) as it begins step <step>: an unexpected failure mid-run",
-    "die-in-phase1:<rank>:<epoch>": "the worker process holding <rank> kills itself (SIGKILL) as it starts Phase 1 of migration epoch <epoch> (a stayer or the leaver lost while the replacement groups are built)",
-    "die-in-phase1:joiner:<epoch>": "the standby joining migration epoch <epoch> kills itself (SIGKILL) as it starts Phase 1",
-    "die-in-warmup:<n>": "the <n>-th standby agent the controller launches (1 = the first) kills itself (SIGKILL) as its warm-up begins",
-    "controller-die:preparing": "the first controller kills itself (SIGKILL) once a migration's prepare is journaled, before it is sent",
-    "controller-die:prepare": "the first controller kills itself (SIGKILL) right after it sent a migration's prepare",
-    "corrupt-snapshot": "each rank flips bytes of its first snapshot copy on the wire (checksum test: it is sent again)",
-    "no-rollback": "in a snapshot or checkpoint recovery the live ranks keep their state instead of loading that of the step rolled back to (negative control)",
-}
+from trainmover.faults import INJECTIONS
 
 TIERS = ("replica", "snapshot", "checkpoint")  # where a vanished rank's state may come from
-
-
-def _rank_and(item: str, what: str, convert, valid, rule: str):
-    """`<kind>:<rank>:<value>` -> (rank, value), or a ConfigError that quotes the item."""
-    try:
-        kind, rank, value = item.split(":")
-        rank_i, v = int(rank), convert(value)
-    except ValueError:
-        raise ConfigError(f"TM_INJECT: {item!r} is not {item.split(':')[0]}:<rank>:<{what}>") from None
-    if rank_i < 0 or not valid(v):
-        raise ConfigError(f"TM_INJECT: {item!r}: rank must be >= 0 and {rule}")
-    return rank_i, v
-
-
-def parse_die(item: str) -> tuple[int, int]:
-    """`die:<rank>:<step>` -> (rank, step)."""
-    return _rank_and(item, "step", int, lambda v: v >= 0, "step >= 0")
-
-
-def parse_die_in_phase1(item: str) -> tuple[int | str, int]:
-    """`die-in-phase1:<rank>:<epoch>` or `die-in-phase1:joiner:<epoch>` -> (rank or "joiner", epoch)."""
-    try:
-        kind, who, epoch = item.split(":")
-        who_v: int | str = who if who == "joiner" else int(who)
-        epoch_i = int(epoch)
-    except ValueError:
-        raise ConfigError(f"TM_INJECT: {item!r} is not die-in-phase1:<rank or joiner>:<epoch>") from None
-    if (isinstance(who_v, int) and who_v < 0) or epoch_i < 1:
-        raise ConfigError(f"TM_INJECT: {item!r}: rank must be >= 0 and epoch >= 1")
-    return who_v, epoch_i
-
-
-def parse_die_in_warmup(item: str) -> int:
-    """`die-in-warmup:<n>` -> n (1-based count of standby launches)."""
-    try:
-        n = int(item.split(":", 1)[1])
-    except (ValueError, IndexError):
-        raise ConfigError(f"TM_INJECT: {item!r} is not die-in-warmup:<n>") from None
-    if n < 1:
-        raise ConfigError(f"TM_INJECT: {item!r}: n must be >= 1 (the first standby launched is 1)")
-    return n
-
-
-def parse_slow(item: str) -> tuple[int, float]:
-    """`slow:<rank>:<fraction>` -> (rank, fraction)."""
-    return _rank_and(item, "fraction", float, lambda v: 0 < v < 10, "fraction in (0, 10)")
 
 
 def parse_tiers(raw: str) -> tuple[str, ...]:
@@ -155,6 +96,10 @@ class Config:
     recovery_tiers: str = field(default="replica,snapshot,checkpoint", metadata={"env": "TM_RECOVERY_TIERS", "doc": "where a vanished rank's state may come from, in order of preference: replica, snapshot, checkpoint (comma-separated subset)"})
     controller_restarts: int = field(default=3, metadata={"env": "TM_CONTROLLER_RESTARTS", "doc": "times the controller is restarted from its journal after it died (0: never)"})
     reconnect_timeout_s: float = field(default=60.0, metadata={"env": "TM_RECONNECT_TIMEOUT_S", "doc": "after the controller died: how long ranks try to reach its successor, and it waits for them"})
+    heartbeat_s: float = field(default=0.5, metadata={"env": "TM_HEARTBEAT_S", "doc": "every process sends a heartbeat this often, from a thread of its own (runtime/heartbeat.py)"})
+    heartbeat_timeout_s: float = field(default=3.0, metadata={"env": "TM_HEARTBEAT_TIMEOUT_S", "doc": "a process not heard from for this long is judged dead (frozen, cut off), fenced and replaced; see docs/recovery.md for the trade-off"})
+    progress_timeout_s: float = field(default=5.0, metadata={"env": "TM_PROGRESS_TIMEOUT_S", "doc": "no step completed for max(this, TM_PROGRESS_STEPS x the median step): a rank the others wait on whose training thread idles is judged stuck"})
+    progress_steps: float = field(default=10.0, metadata={"env": "TM_PROGRESS_STEPS", "doc": "see TM_PROGRESS_TIMEOUT_S: the stuck deadline in typical steps"})
     inject: tuple[str, ...] = field(default=(), metadata={"env": "TM_INJECT", "doc": "comma-separated fault injections: " + ", ".join(INJECTIONS)})
     run_dir: str = field(default="", metadata={"env": "TM_RUN_DIR", "doc": "output directory (default: <submit dir>/runs/<job id>)"})
 
@@ -169,6 +114,9 @@ class Config:
             (min(self.reconnect_timeout_s, self.phase1_timeout_s, self.group_timeout_s, self.switch_timeout_s, self.standby_wait_s, self.recovery_timeout_s,
                  self.standby_retry_s, self.release_timeout_s) > 0, "timeouts must be > 0"),
             (self.record_iterations >= 0, "TM_RECORD_ITERATIONS must be >= 0"),
+            (0 < self.heartbeat_s and 2 * self.heartbeat_s <= self.heartbeat_timeout_s,
+             "TM_HEARTBEAT_S must be > 0 and at most half of TM_HEARTBEAT_TIMEOUT_S (one late beat is no silence)"),
+            (self.progress_timeout_s > 0 and self.progress_steps > 0, "TM_PROGRESS_TIMEOUT_S and TM_PROGRESS_STEPS must be > 0"),
             (self.shadow_steps >= 2, "TM_SHADOW_STEPS must be >= 2 (steadiness needs two steps to compare)"),
             (bool(self.reservation), "TM_RESERVATION must not be empty"),
             (self.device in ("auto", "cpu", "cuda"), f"TM_DEVICE={self.device!r}: expected auto, cpu or cuda"),
@@ -200,19 +148,7 @@ class Config:
         if not (0 < self.straggler_threshold < 10 and self.straggler_windows >= 1 and self.straggler_window_steps >= 1):
             raise ConfigError("TM_STRAGGLER_THRESHOLD must be in (0, 10); TM_STRAGGLER_WINDOWS and "
                               "TM_STRAGGLER_WINDOW_STEPS >= 1")
-        for item in self.inject:
-            if item.startswith("slow:"):
-                parse_slow(item)
-            elif item.startswith("die:"):
-                parse_die(item)
-            elif item.startswith("die-in-phase1:"):
-                parse_die_in_phase1(item)
-            elif item.startswith("die-in-warmup:"):
-                parse_die_in_warmup(item)
-        unknown = {i for i in self.inject if not i.startswith(("slow:", "die:", "die-in-phase1:", "die-in-warmup:"))
-                   } - set(INJECTIONS)
-        if unknown:
-            raise ConfigError(f"TM_INJECT: unknown injection(s) {sorted(unknown)}; known: {sorted(INJECTIONS)}")
+        faults.parse(self.inject)  # ConfigError naming a malformed or unknown item
 
     def workload_kwargs(self) -> dict:
         """What the workload's constructor gets: the model preset, the parallel layout when

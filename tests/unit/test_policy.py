@@ -5,7 +5,8 @@ from trainmover.config import Config
 from trainmover.control.messages import make
 from trainmover.controller.actions import AcquireStandby, Finish, LaunchStandby, Record, ReleaseNode, Send
 from trainmover.controller.migration import Phase
-from trainmover.controller.policy import JobView, Policy
+from trainmover.controller.policy import Policy
+from trainmover.controller.view import JobView
 
 
 @dataclass

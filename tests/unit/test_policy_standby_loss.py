@@ -2,7 +2,8 @@
 Driven with a fake clock, as the controller's executor would (see standby_loss.py)."""
 import pytest
 
-from trainmover.config import Config, parse_die_in_phase1, parse_die_in_warmup
+from trainmover.config import Config
+from trainmover.faults import Fault, parse_one
 from trainmover.controller.actions import AcquireStandby, Finish, LaunchStandby, Record, ReleaseNode
 from trainmover.controller.migration import Phase
 from trainmover.errors import ConfigError
@@ -108,9 +109,9 @@ def test_a_recovery_whose_standby_dies_after_the_plan_stops_the_job_clearly():
 
 
 def test_phase1_and_warmup_injections_parse_and_reject_bad_items():
-    assert parse_die_in_phase1("die-in-phase1:2:1") == (2, 1)
-    assert parse_die_in_phase1("die-in-phase1:joiner:3") == ("joiner", 3)
-    assert parse_die_in_warmup("die-in-warmup:2") == 2
+    assert parse_one("die-in-phase1:2:1") == Fault("die-in-phase1", who=2, at=1, text="die-in-phase1:2:1")
+    assert parse_one("die-in-phase1:joiner:3") == Fault("die-in-phase1", who="joiner", at=3, text="die-in-phase1:joiner:3")
+    assert parse_one("die-in-warmup:2") == Fault("die-in-warmup", at=2, text="die-in-warmup:2")
     cfg = Config.from_env({"TM_INJECT": "die-in-phase1:joiner:1,die-in-warmup:1", "TM_STANDBY_LOSSES": "1"})
     assert cfg.inject == ("die-in-phase1:joiner:1", "die-in-warmup:1") and cfg.standby_losses == 1
     for bad in ("die-in-phase1:joiner:0", "die-in-phase1:x:1", "die-in-phase1:1", "die-in-warmup:0",

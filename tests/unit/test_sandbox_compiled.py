@@ -103,7 +103,7 @@ def test_cold_standby_keeps_the_compiled_bucket_layout_and_compiles_its_first_re
     eagerly: DDP fixes its bucket layout from its first step's gradient order, and an eager
     backward orders gradients unlike a compiled one, so an eager-rehearsed joiner would reduce
     other parameters than the stayers at the same offsets. It compiles, then forgets the code."""
-    from trainmover.runtime import worker
+    from trainmover.runtime import standby
     from trainmover.runtime.groups import SandboxBackend
 
     def rehearsed(compile):
@@ -118,7 +118,7 @@ def test_cold_standby_keeps_the_compiled_bucket_layout_and_compiles_its_first_re
     assert "params" in layout and layout != eager.collective_layout()  # what a joiner checks
     for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # restored after the test
         monkeypatch.setenv(var, str(tmp_path / var))
-    worker._forget_compiled("test")
+    standby.forget_compiled("test")
     before = graphs()
     compiled.train_step(3)
     assert graphs() > before  # compiled again: the cold joiner's first real step pays it

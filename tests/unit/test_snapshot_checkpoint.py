@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from trainmover.control import checkpoints as layout
 from trainmover.errors import MigrationError
 from trainmover.runtime import checkpoint, transfer
 from trainmover.runtime.groups import gloo_group
@@ -113,10 +114,10 @@ def test_a_checkpoint_is_written_atomically_read_back_verified_and_pruned(tmp_pa
             out = checkpoint.write_rank(root, step, rank, s)
             digests[rank] = out["digest"]
             assert out["bytes"] > 0 and not list(root.glob("**/.*.tmp"))
-        assert checkpoint.complete(root) == [x for x in (100, 200) if x < step]
-        checkpoint.write_manifest(root, step, digests)
-        checkpoint.prune(root, checkpoint.complete(root)[-2:])
-    assert checkpoint.complete(root) == [200, 300] and not checkpoint.step_dir(root, 100).exists()
+        assert layout.complete(root) == [x for x in (100, 200) if x < step]
+        layout.write_manifest(root, step, digests)
+        layout.prune(root, layout.complete(root)[-2:])
+    assert layout.complete(root) == [200, 300] and not layout.step_dir(root, 100).exists()
     got = checkpoint.read_rank(root, 300, 1)
     assert same(got, {**state(1, 300), "workload": {**state(1, 300)["workload"],
                                                      "half": torch.arange(6, dtype=torch.bfloat16)}})
@@ -127,7 +128,7 @@ def test_a_corrupted_or_missing_checkpoint_file_and_nan_are_refused(tmp_path):
     import h5py
     root = tmp_path / "checkpoints"
     out = checkpoint.write_rank(root, 100, 0, state(0, 100))
-    checkpoint.write_manifest(root, 100, {0: out["digest"], 1: "x"})
+    layout.write_manifest(root, 100, {0: out["digest"], 1: "x"})
     with h5py.File(out["path"], "r+") as f:  # one flipped byte in one tensor
         f["t/000000"][0] ^= 0xFF
     with pytest.raises(transfer.ChecksumMismatch):
@@ -139,7 +140,7 @@ def test_a_corrupted_or_missing_checkpoint_file_and_nan_are_refused(tmp_path):
     bad = state(0, 300)
     bad["workload"]["model"]["bias"][0] = float("inf")
     out = checkpoint.write_rank(root, 300, 0, bad)
-    checkpoint.write_manifest(root, 300, {0: out["digest"]})
+    layout.write_manifest(root, 300, {0: out["digest"]})
     with pytest.raises(MigrationError, match="NaN or Inf"):
         checkpoint.read_rank(root, 300, 0)
 

@@ -21,17 +21,17 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from trainmover import faults
 from trainmover.config import Config, parse_tiers
-from trainmover.control import channel
+from trainmover.control import channel, checkpoints
 from trainmover.control.messages import make
 from trainmover.controller import journal, records, tiers
-from trainmover.controller.actions import (AcquireStandby, CheckpointDone, Finish, LaunchStandby, Record, ReleaseNode,
-                                          Rewind, Send)
-from trainmover.controller.policy import JobView, Policy
-from trainmover.controller.recovery import KEEP_CHECKPOINTS
+from trainmover.controller.actions import (AcquireStandby, CheckpointDone, Fence, Finish, LaunchStandby, Record,
+                                          ReleaseNode, Rewind, Send)
+from trainmover.controller.policy import Policy
+from trainmover.controller.view import JobView
 from trainmover.errors import ConfigError, SlurmError, TrainMoverError
-from trainmover.runtime import checkpoint
-from trainmover.runtime.spec import ENV as SPEC_ENV, WorkerSpec
+from trainmover.control.spec import ENV as SPEC_ENV, WorkerSpec
 from trainmover.slurm.client import CliSlurm
 from trainmover.slurm.model import BatchHostRelease, NoStandbyAvailable
 from trainmover.workloads import base as workloads
@@ -77,6 +77,7 @@ class Controller:
         outlive this controller (None: its own, for one-process uses such as the benches).
         `resume`: take over a job whose controller died, from its journal."""
         self.cfg, self.job_id, self.attempt = cfg, job_id, attempt
+        self.faults = faults.Injector(cfg.inject, "controller", first_controller=attempt == 0)
         self.slurm = slurm or CliSlurm()
         self.environ = dict(environ)
         job = self.slurm.job(job_id)
@@ -112,7 +113,7 @@ class Controller:
         self.policy.snapshot_every = self.snapshot_every
         self.files = records.RunFiles(root)
         self.checkpoint_root = self.files.root / "checkpoints"
-        self.policy.checkpoint_steps = checkpoint.complete(self.checkpoint_root)[-KEEP_CHECKPOINTS:]
+        self.policy.checkpoint_steps = checkpoints.complete(self.checkpoint_root)[-checkpoints.KEEP:]
         if resume:
             self.key = channel.read_secret(str(self.files.secret))  # the ranks hold it: same job, same key
         else:
@@ -160,21 +161,12 @@ class Controller:
                           standby_warmup=self.cfg.standby_warmup,
                           seed=self.cfg.seed, steps=self.cfg.steps, group_timeout_s=self.cfg.group_timeout_s,
                           switch_timeout_s=self.cfg.switch_timeout_s, recovery_timeout_s=self.cfg.recovery_timeout_s,
-                          reconnect_timeout_s=self.cfg.reconnect_timeout_s,
+                          reconnect_timeout_s=self.cfg.reconnect_timeout_s, heartbeat_s=self.cfg.heartbeat_s,
                           shadow_steps=self.cfg.shadow_steps,
                           snapshot_every=self.snapshot_every, checkpoint_every=self.cfg.checkpoint_every,
                           checkpoint_dir=str(self.checkpoint_root), ranks_per_node=self.view.ranks_per_node,
-                          inject=self._injections(role))
-
-    def _injections(self, role: str) -> tuple[str, ...]:
-        """TM_INJECT as one process sees it: die-in-warmup:<n> becomes die-in-warmup for the
-        n-th standby this (first) controller launches, and nothing for the others."""
-        from trainmover.config import parse_die_in_warmup
-        out = tuple(i for i in self.cfg.inject if not i.startswith("die-in-warmup:"))
-        chosen = {parse_die_in_warmup(i) for i in self.cfg.inject if i.startswith("die-in-warmup:")}
-        if role == "standby" and self.attempt == 0 and self.standby_launches in chosen:
-            out += ("die-in-warmup",)
-        return out
+                          inject=faults.for_launch(self.cfg.inject, role, self.standby_launches,
+                                                           first_controller=self.attempt == 0))
 
     def _launch(self, role: str, node: str, ranks: tuple[int, ...]) -> None:
         if role == "standby":
@@ -228,11 +220,6 @@ class Controller:
         self.journal.write(time.time(), journal.diff(self.durable, now_durable))
         self.durable = now_durable
 
-    def _inject(self, point: str) -> None:
-        if f"controller-die:{point}" in self.cfg.inject and self.attempt == 0:
-            log.error("injected: controller dies (SIGKILL) at %s", point)
-            os.kill(os.getpid(), signal.SIGKILL)
-
     def apply(self, actions: list) -> None:
         self._journal_decisions()
         for a in actions:
@@ -242,7 +229,7 @@ class Controller:
                 self._launch("standby", a.node, ())
             elif isinstance(a, Send):
                 if a.msg["type"] == "prepare":
-                    self._inject("preparing")
+                    self.faults.at("controller", at="preparing")
                 for node in a.nodes:
                     for conn in self.conns.get(node, []):
                         try:
@@ -250,7 +237,7 @@ class Controller:
                         except OSError as exc:
                             log.warning("cannot send %s to %s: %s", a.msg["type"], node, exc)
                 if a.msg["type"] == "prepare" and a.msg["assign"]:  # the joiner's: the last of a prepare
-                    self._inject("prepare")
+                    self.faults.at("controller", at="prepare")
             elif isinstance(a, ReleaseNode):
                 self._background("release", lambda n=a.node: self._release(n))
             elif isinstance(a, Record):
@@ -263,17 +250,59 @@ class Controller:
                 log.info("rolled back to step %d: %d metrics rows of later steps dropped (they are redone)",
                          a.step, dropped)
             elif isinstance(a, CheckpointDone):
-                checkpoint.write_manifest(self.checkpoint_root, a.step, a.digests)
-                gone = checkpoint.prune(self.checkpoint_root, list(a.keep))
+                checkpoints.write_manifest(self.checkpoint_root, a.step, a.digests)
+                gone = checkpoints.prune(self.checkpoint_root, list(a.keep))
                 log.info("checkpoint of step %d complete; pruned %s", a.step, [d.name for d in gone])
+            elif isinstance(a, Fence):
+                self._fence(a)
             elif isinstance(a, Finish):
                 self.outcome = (a.ok, a.message)
 
+    # --- fencing (controller/liveness.py) ------------------------------------------------
+    def _refuse(self, conn, reason: str) -> None:
+        try:
+            conn.send(make("fenced", reason=reason[:500]))
+        except OSError:
+            pass  # cut off, or frozen with a full buffer: its step is being killed anyway
+        conn.close()
+
+    def _fence(self, a: Fence) -> None:
+        """A process judged dead never acts again: its connection is refused now and whenever it
+        comes back (policy.fenced_pids, journaled), its Slurm step killed, its node drained."""
+        for conn in list(self.conns.get(a.node, [])):
+            if (conn.identity or {}).get("pid") == a.pid:
+                self.conns[a.node].remove(conn)
+                self._refuse(conn, a.reason)
+        self._background("fence", lambda: self._kill_and_drain(a))
+
+    def _kill_and_drain(self, a: Fence):
+        errors = []
+        proc = self.steps.get(a.node)
+        try:
+            if hasattr(self.slurm, "kill_steps"):
+                killed = self.slurm.kill_steps(self.job_id, a.node)
+                log.info("fenced %s: killed step(s) %s", a.node, killed)
+            elif proc is not None:  # no Slurm (single host): the step is the process itself
+                proc.kill()
+        except (SlurmError, OSError) as exc:  # a partitioned node: its slurmd cannot be reached
+            errors.append(f"kill: {exc}")
+        try:
+            self.slurm.drain(a.node, f"trainmover: {a.reason}"[:200])
+        except SlurmError as exc:
+            errors.append(f"drain: {exc}")
+        return ("fenced", a.node, "; ".join(errors))
+
     def handle_peer(self, conn, msg, now: float) -> list:
         kind = msg["type"]
+        ident = conn.identity or {}
+        if (ident.get("node"), ident.get("pid")) in self.policy.fenced_pids:
+            log.warning("refused %s from fenced process %s on %s", kind, ident.get("pid"), ident.get("node"))
+            self._refuse(conn, "this process was judged dead and replaced")
+            return []
         if kind == "hello":
             self.conns.setdefault(msg["node"], []).append(conn)
             self.conn_ranks[conn] = tuple(msg["ranks"])  # () for a standby, until it joins
+            self.policy.heard(now, msg["node"], msg["pid"], msg)
             return []
         if kind in ("migrate", "status"):  # CLI requests: one reply, then the CLI hangs up
             if kind == "migrate":
@@ -290,6 +319,9 @@ class Controller:
             return []
         if "rank" in msg and kind in ("step", "switched", "finished"):  # a joiner's rank is learnt here
             self.conn_ranks[conn] = (msg["rank"],)
+        self.policy.heard(now, node, ident.get("pid", 0), msg)
+        if kind == "beat":
+            return []
         if kind == "failed":
             log.error("rank %d on %s failed in %s: %s", msg["rank"], node, msg["phase"], msg["error"])
         return self.policy.on_message(now, node, msg)
@@ -304,6 +336,10 @@ class Controller:
             return []  # a CLI request, or a peer that never authenticated
         if conn in self.conns.get(node, []):
             self.conns[node].remove(conn)
+        self.policy.forget(node, hello.get("pid", 0))
+        if (node, hello.get("pid")) in self.policy.fenced_pids:  # judged dead already: its end is no news
+            self.conn_ranks.pop(conn, None)
+            return []
         return self.policy.on_peer_gone(now, node, self.conn_ranks.pop(conn, ()))
 
     def _begin(self) -> None:
@@ -353,7 +389,7 @@ class Controller:
                     actions += self.policy.on_nodes(now, self.slurm.nodes(watched))
                 except SlurmError as exc:  # slurmctld slow or down: keep training, try again
                     log.warning("node poll failed: %s", exc)
-                actions += self.policy.on_tick(now)
+                actions += self.policy.on_tick(now, self._arrivals())
             for node, proc in list(self.steps.items()):
                 code = proc.poll()
                 if code is not None:
@@ -387,8 +423,18 @@ class Controller:
                 last_status = status
         return self.shutdown()
 
+    def _arrivals(self) -> dict:
+        """(node, pid) -> when its connection's reader last received a frame: a message still
+        queued for the policy proves its sender alive (controller/liveness.py)."""
+        return {(node, (c.identity or {}).get("pid", 0)): c.last_frame_at
+                for node, conns in self.conns.items() for c in conns}
+
     def _on_event(self, now: float, ev) -> list:
         kind = ev[0]
+        if kind == "fenced":
+            if ev[2]:
+                log.warning("fencing %s incomplete: %s", ev[1], ev[2])
+            return []
         if kind == "acquired":
             log.info("standby %s joined the allocation", ev[1])
             return self.policy.on_standby_acquired(now, ev[1])

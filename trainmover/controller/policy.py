@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import logging
 import statistics
-from dataclasses import dataclass, field
 
 from trainmover.config import Config
 from trainmover.control.messages import make
 from trainmover.controller.actions import AcquireStandby, Finish, LaunchStandby, Record, ReleaseNode, Send
+from trainmover.controller.liveness import Liveness
 from trainmover.controller.migration import Migration, Phase
 from trainmover.controller.recovery import Recovering
 from trainmover.controller.resume import Resuming
 from trainmover.controller.standby_loss import StandbyLoss
+from trainmover.controller.view import JobView, Standby
 from trainmover.policy import straggler
 
 log = logging.getLogger("trainmover.policy")
@@ -23,38 +24,7 @@ log = logging.getLogger("trainmover.policy")
 MAX_ATTEMPTS = 3
 
 
-@dataclass
-class Standby:
-    node: str
-    state: str = "starting"       # starting -> ready -> joining; back to ready if a migration aborts;
-                                  # ready -> warming -> ready when it re-warms on a newer recording
-    since: float = 0.0
-    warmup_s: float | None = None
-    shadow_steps: int | None = None
-    shadow: dict = field(default_factory=dict)   # replay of recorded collectives: losses, equality
-    warm: set = field(default_factory=set)       # local indices of its processes that reported 'ready'
-
-
-@dataclass
-class JobView:
-    """What the controller believes about its job."""
-    job_id: int
-    world_size: int
-    ranks_per_node: int
-    batch_host: str
-    rank_node: dict[int, str]
-    standbys: dict[str, Standby] = field(default_factory=dict)
-    released: list[str] = field(default_factory=list)
-    node_state: dict[str, str] = field(default_factory=dict)   # Slurm's word for each node
-
-    def train_nodes(self) -> list[str]:
-        return sorted(set(self.rank_node.values()), key=lambda n: min(r for r, m in self.rank_node.items() if m == n))
-
-    def ranks_of(self, node: str) -> tuple[int, ...]:
-        return tuple(sorted(r for r, n in self.rank_node.items() if n == node))
-
-
-class Policy(Recovering, Resuming, StandbyLoss):
+class Policy(Recovering, Resuming, StandbyLoss, Liveness):
     def __init__(self, cfg: Config, view: JobView):
         self.cfg, self.view = cfg, view
         self.migrations: list[Migration] = []
@@ -79,6 +49,11 @@ class Policy(Recovering, Resuming, StandbyLoss):
         self.metrics_through = 0     # last step in metrics.jsonl (a resumed controller skips older reports)
         self.restarts = 0            # controllers that took over from a dead one
         self.resuming: dict | None = None  # while a restarted controller waits for every rank (see resume.py)
+        self.processes: dict = {}            # (node, pid) -> what was last heard from it (see liveness.py)
+        self.fenced_pids: set = set()        # (node, pid) judged dead: never heard again
+        self.fenced: list[dict] = []         # their verdicts, for status
+        self.last_progress_at: float | None = None  # when any rank last completed a step (controller's clock)
+        self.last_tick: float | None = None
 
     # --- helpers -----------------------------------------------------------------------
     def active(self) -> Migration | None:
@@ -277,6 +252,7 @@ class Policy(Recovering, Resuming, StandbyLoss):
 
     def _on_step(self, now: float, node: str, msg: dict) -> list:
         rank, step = msg["rank"], msg["step"]
+        self.progressed(now)
         straggler_actions = self._on_compute(now, rank, msg["compute_s"])
         hist = self.steps.setdefault(rank, [])
         hist.append((step, msg["t"]))
@@ -406,10 +382,11 @@ class Policy(Recovering, Resuming, StandbyLoss):
         m.to(Phase.DONE, now, "" if ok else message)
         return [self._timeline(m, now, "released" if ok else "kept", note=message, downtime_s=m.downtime_s)] + self._dispatch(now)
 
-    def on_tick(self, now: float) -> list:
+    def on_tick(self, now: float, arrivals: dict | None = None) -> list:
+        """`arrivals`: (node, pid) -> when a frame of that process last arrived (liveness.py)."""
         if self.resuming is not None:  # nothing is decided before every rank has said where it is
             return self._resume_tick(now)
-        actions = self._recovery_tick(now)
+        actions = self._liveness_tick(now, arrivals or {}) + self._recovery_tick(now)
         m = self.active()
         if m and m.phase is Phase.PREPARING and now - m.times["preparing"] > self.cfg.phase1_timeout_s:
             actions += self._abort(now, m, f"phase 1 not done within {self.cfg.phase1_timeout_s:.0f}s")
@@ -442,6 +419,9 @@ class Policy(Recovering, Resuming, StandbyLoss):
             "standbys_lost": list(self.standbys_lost),
             "migrations": [m.to_json() for m in self.migrations],
             "straggler": self.straggler,
+            "liveness": {"heartbeat_timeout_s": self.cfg.heartbeat_timeout_s, "stuck_deadline_s": round(self._stuck_deadline(), 3),
+                         "max_beat_gap_s": round(max((h.max_gap for h in self.processes.values()), default=0.0), 3),
+                         "fenced": list(self.fenced)},
             "finished": self.done,
             "controller": {"restarts": self.restarts, "resuming": self.resuming is not None},
             "protection": {"tiers": self.cfg.recovery_tiers, "snapshot_every": self.snapshot_every,

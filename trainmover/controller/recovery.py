@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 
 from trainmover.config import parse_tiers
+from trainmover.control.checkpoints import KEEP as KEEP_CHECKPOINTS  # complete checkpoints kept
 from trainmover.control.messages import make
 from trainmover.controller import tiers
 from trainmover.controller.actions import CheckpointDone, Finish, Rewind, Send
@@ -27,7 +28,6 @@ from trainmover.controller.migration import Migration, Phase
 log = logging.getLogger("trainmover.policy")
 
 DETECT_WINDOW_S = 15.0  # ranks stalled but nobody found lost: how long before the job stops
-KEEP_CHECKPOINTS = 2    # complete checkpoints kept on the shared directory
 
 
 class Recovering:

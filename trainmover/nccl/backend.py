@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from trainmover.errors import MigrationError
 from trainmover.nccl import lib
-from trainmover.runtime.groups import _done
-from trainmover.runtime.transfer import _by_dtype
+from trainmover.runtime.groups import completed_work
+from trainmover.runtime.transfer import by_dtype
 
 WARM_SIZES = (256, 1 << 16, 1 << 20, 1 << 23)  # float32 elements: LL, LL128 and Simple ranges
 
@@ -60,18 +60,18 @@ class NcclBackend:
         for t in tensors:
             with _on_device(t) as d:
                 self.comm.allreduce(d, d, op)
-        return _done(tensors)
+        return completed_work(tensors)
 
     def broadcast(self, tensors, opts=None):
         root = getattr(opts, "rootRank", 0)
         for t in tensors:
             with _on_device(t) as d:
                 self.comm.broadcast(d, d, root)
-        return _done(tensors)
+        return completed_work(tensors)
 
     def _allgather_base(self, output, input, opts=None):
         self.comm.allgather(input, output)
-        return _done([output])
+        return completed_work([output])
 
     def allgather(self, output_lists, input_tensors, opts=None):
         for outs, inp in zip(output_lists, input_tensors):
@@ -80,35 +80,35 @@ class NcclBackend:
             self.comm.allgather(inp.contiguous().to(dev), flat)
             for i, out in enumerate(outs):
                 out.copy_(flat[i])
-        return _done(output_lists)
+        return completed_work(output_lists)
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         op = _op(opts)
         for out, ins in zip(outputs, input_lists):
             flat = torch.cat([t.reshape(-1) for t in ins])
             self.comm.reduce_scatter(flat, out, op)
-        return _done(outputs)
+        return completed_work(outputs)
 
     def _reduce_scatter_base(self, output, input, opts=None):
         """Tensor reduce-scatter (Megatron's distributed optimizer: gradient buckets)."""
         self.comm.reduce_scatter(input, output, _op(opts))
-        return _done([output])
+        return completed_work([output])
 
     def barrier(self, opts=None):
         t = torch.zeros(1, device=torch.cuda.current_device())
         self.comm.allreduce(t, t, "sum")
         torch.cuda.current_stream().synchronize()
-        return _done([])
+        return completed_work([])
 
     def send(self, tensors, dst, tag=0):
         for t in tensors:
             self.comm.send(t, dst)
-        return _done(tensors)
+        return completed_work(tensors)
 
     def recv(self, tensors, src, tag=0):
         for t in tensors:
             self.comm.recv(t, src)
-        return _done(tensors)
+        return completed_work(tensors)
 
     def preconnect(self, p2p: bool) -> None:
         """Make NCCL set up its connections now (Phase 1), not at the first real use (the
@@ -176,7 +176,7 @@ class NcclChannel:
         buf = io.BytesIO()
         torch.save([t for t in tensors if t.device.type != "cuda"], buf)
         self.b.store.set(self._key("cpu-tensors"), buf.getvalue())
-        packed = [torch.cat([t.reshape(-1) for t in ts]) for _, ts in _by_dtype(small)]
+        packed = [torch.cat([t.reshape(-1) for t in ts]) for _, ts in by_dtype(small)]
         torch.cuda.current_stream().synchronize()
         t0 = time.perf_counter()
         with lib.group():
@@ -193,7 +193,7 @@ class NcclChannel:
         for t, g in zip(cpu, got):
             t.copy_(g)
         big, small = _split([t for t in tensors if t.device.type == "cuda"])
-        groups = _by_dtype(small)
+        groups = by_dtype(small)
         packed = [torch.empty(sum(t.numel() for t in ts), dtype=dt, device=ts[0].device) for dt, ts in groups]
         torch.cuda.current_stream().synchronize()
         t0 = time.perf_counter()

@@ -6,7 +6,7 @@ step boundary (the only part on the training thread) and a background thread wri
     <run dir>/checkpoints/step-000000200/rank-00001.h5    one per rank (temp file + rename)
     <run dir>/checkpoints/step-000000200/manifest.json    step, ranks, per-rank checksums
 
-Each rank reports its file to the controller (`checkpointed`: step, checksum); once every rank
+(the layout and the manifest: control/checkpoints.py, which the controller imports too). Each rank reports its file to the controller (`checkpointed`: step, checksum); once every rank
 has, the controller writes the manifest (temp + rename, last) and prunes all but the newest
 KEEP complete checkpoints. A checkpoint counts only with its manifest: a rank file without one
 (a write cut by a failure) is never read.
@@ -18,11 +18,9 @@ file's and the manifest's; NaN or Inf is refused, as on the replica path.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -31,29 +29,10 @@ import numpy as np
 import torch
 
 from trainmover.errors import MigrationError
+from trainmover.control.checkpoints import fsync_dir, rank_file, read_manifest
 from trainmover.runtime import transfer
 
 log = logging.getLogger("trainmover.checkpoint")
-
-KEEP = 2
-MANIFEST = "manifest.json"
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return Path(root) / f"step-{step:09d}"
-
-
-def rank_file(root: Path, step: int, rank: int) -> Path:
-    return step_dir(root, step) / f"rank-{rank:05d}.h5"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 def write_rank(root: Path, step: int, rank: int, state: dict) -> dict:
     """Write one rank's state of `step` atomically. Returns {path, digest, bytes, seconds}."""
@@ -71,63 +50,9 @@ def write_rank(root: Path, step: int, rank: int, state: dict) -> dict:
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)  # readers never see a half-written file
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     return {"path": str(path), "digest": digest, "bytes": nbytes, "seconds": time.perf_counter() - t0}
-
-
-def write_manifest(root: Path, step: int, digests: dict[int, str]) -> Path:
-    """The manifest of a checkpoint every rank wrote: written last, atomically."""
-    path = step_dir(root, step) / MANIFEST
-    tmp = path.with_name(f".{MANIFEST}.tmp")
-    tmp.write_text(json.dumps({"step": step, "ranks": len(digests),
-                               "digests": {str(r): d for r, d in sorted(digests.items())}}, sort_keys=True))
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-    return path
-
-
-def read_manifest(root: Path, step: int) -> dict:
-    path = step_dir(root, step) / MANIFEST
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise MigrationError(f"checkpoint of step {step}: no readable manifest at {path}: {exc}",
-                             phase="recover") from exc
-    if meta.get("step") != step or not isinstance(meta.get("digests"), dict):
-        raise MigrationError(f"checkpoint of step {step}: manifest {path} names step {meta.get('step')}",
-                             phase="recover")
-    return meta
-
-
-def complete(root: Path) -> list[int]:
-    """Steps of the checkpoints under `root` that have a valid manifest, oldest first."""
-    steps = []
-    for d in Path(root).glob("step-*"):
-        try:
-            step = int(d.name.removeprefix("step-"))
-            read_manifest(root, step)
-        except (ValueError, MigrationError):
-            continue
-        steps.append(step)
-    return sorted(steps)
-
-
-def prune(root: Path, keep: list[int]) -> list[Path]:
-    """Delete every checkpoint directory older than the newest of `keep` and not in it."""
-    newest = max(keep, default=-1)
-    gone = []
-    for d in Path(root).glob("step-*"):
-        try:
-            step = int(d.name.removeprefix("step-"))
-        except ValueError:
-            continue
-        if step < newest and step not in keep:
-            shutil.rmtree(d, ignore_errors=True)
-            gone.append(d)
-    return gone
 
 
 def read_rank(root: Path, step: int, rank: int, like: dict | None = None) -> dict:

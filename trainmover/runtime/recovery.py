@@ -1,4 +1,5 @@
-"""Recovery from an unexpected failure, on the ranks that survived and on the standby.
+"""Recovery from an unexpected failure, on the ranks that survived and on the standby
+(`Recovery`, mixed into the agent, stalls and resumes; `rebuild` does the work).
 
 The controller revokes the groups of a vanished rank (every collective with it fails at once),
 collects each live rank's `stalled` report (steps complete, state digest, what it holds) and
@@ -19,7 +20,9 @@ identical on the members of the workload's `replica_group`. No step is applied t
 from __future__ import annotations
 
 import logging
+import queue
 import time
+from collections import deque
 from pathlib import Path
 
 from trainmover.errors import MigrationError
@@ -27,6 +30,8 @@ from trainmover.runtime import checkpoint, phase1, transfer
 from trainmover.runtime.plan import delta
 
 log = logging.getLogger("trainmover.recovery")
+
+RECOVERY_GRACE_S = 10.0  # a stalled rank outwaits the controller's recovery deadline by this much
 
 
 def rebuild(agent, msg: dict, role: str) -> tuple[dict, dict]:
@@ -56,7 +61,7 @@ def rebuild(agent, msg: dict, role: str) -> tuple[dict, dict]:
 def _send(agent, state: dict, epoch: int, needer: int, step: int) -> dict:
     """Send `state` to `needer` over a new verified transfer pair (this rank is its member 0)."""
     pair = agent.build_backend("xfer", phase1.xfer_prefix(epoch, needer), 0, 2)
-    stats = transfer.send_verified(state, pair, dst=1, corrupt="corrupt-transfer" in agent.spec.inject)
+    stats = transfer.send_verified(state, pair, dst=1, corrupt=agent.faults.at("transfer-send"))
     agent.retire(pair, step)
     return {"to": needer, "bytes": stats.bytes, "seconds": stats.seconds, "attempts": stats.attempts}
 
@@ -85,7 +90,7 @@ def _from_replica(agent, msg: dict, role: str) -> dict:
 def _roll_back(agent, role: str, load) -> dict:
     """A live rank loads its own state of the step rolled back to (`load()`), unless the
     negative control `no-rollback` keeps its state (it then redoes steps it already applied)."""
-    if role == "stayer" and "no-rollback" in agent.spec.inject:
+    if role == "stayer" and agent.faults.at("rollback"):
         log.warning("injected: no-rollback: rank %d keeps its state", agent.rank)
         return {"rolled_back": False}
     t0 = time.perf_counter()
@@ -117,3 +122,75 @@ def _from_checkpoint(agent, msg: dict, role: str) -> dict:
 
 
 STATE_FROM = {"replica": _from_replica, "snapshot": _from_snapshot, "checkpoint": _from_checkpoint}
+
+
+class Recovery:
+    """Mixed into `Agent` (worker.py): a live rank stalls and resumes; a standby takes a
+    vanished rank's slot."""
+
+    def stall(self, completed: int, exc: Exception) -> int:
+        """A collective failed: report how far this rank got and wait (bounded) for the
+        controller's recovery plan. Returns the step to resume from."""
+        log.warning("rank %d stalled after %d steps: %s", self.rank, completed, str(exc)[:300])
+        if self.pending is not None:  # a planned migration in flight is void: its groups hold the lost rank
+            self._on_abort({"epoch": self.pending.epoch, "reason": "unexpected failure"})
+        self.state = "stalled"
+        self.send("stalled", rank=self.rank, step=completed, digest=self.digest(), error=str(exc)[:500],
+                  role="stayer", holds=self.holds())
+        msg = self._wait_recover(exc)
+        self.state = "training"
+        if completed < msg["step"] and self.rank not in msg["needers"]:
+            raise MigrationError(f"recovery plan resumes at step {msg['step']} but this rank has completed "
+                                 f"{completed} and gets no state", phase="recover", rank=self.rank)
+        backends, report = rebuild(self, msg, "stayer")
+        for name, backend in backends.items():
+            self.retire(self.groups[name].swap(backend), msg["step"])
+        # a rollback redoes the steps after msg["step"]: their old reports must not reach a restarted controller
+        self.step_reports = deque((r for r in self.step_reports if r["step"] <= msg["step"]), maxlen=self.step_reports.maxlen)
+        self.switched_epoch = msg["epoch"]
+        self.send("switched", epoch=msg["epoch"], rank=self.rank, role="stayer", step=msg["step"], t=time.time(),
+                  detail={**report, "redo_from": completed})
+        self._trace_next_steps()
+        return int(msg["step"])
+
+    def _wait_recover(self, exc: Exception) -> dict:
+        """The controller's `recover` plan, within the recovery deadline. The controller's
+        deadline decides (its message names what it waited for); a rank gives up only
+        RECOVERY_GRACE_S later, when that decision never came."""
+        deadline = time.monotonic() + self.spec.recovery_timeout_s + RECOVERY_GRACE_S
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise MigrationError(f"no recovery plan within {self.spec.recovery_timeout_s:.0f}s after: {exc}",
+                                     phase="recover", rank=self.rank, host=self.spec.node)
+            try:
+                msg = self.inbox.get(timeout=left)
+            except queue.Empty:
+                continue
+            if msg is None:
+                raise MigrationError(f"controller gone while stalled after: {exc}", phase="recover", rank=self.rank)
+            if msg["type"] == "recover":
+                return msg
+            # revoke (already applied), or a planned epoch's prepare/abort: void now
+
+    def take_failed_rank(self, msg: dict, rebind: bool = True) -> int:
+        """Unexpected failure: take a vanished rank's slot. Unlike a planned join, the job is
+        paused while this runs, so only what must happen is done: rebind to the rank (its new
+        wrappers' one-time collectives in the sandbox), build the groups, receive a replica's state."""
+        t0 = time.perf_counter()
+        rank = int(msg["assign"][str(self.local)])
+        self.rank = rank
+        if rebind:
+            self.groups = self._make_groups(rank, sandbox=True)
+            self.workload.rebind(self._context(rank))
+            self.shadow_until_steady(self.spec.shadow_steps)
+        rebind_s = time.perf_counter() - t0
+        backends, report = rebuild(self, msg, "joiner")
+        for name, backend in backends.items():
+            self.retire(self.groups[name].swap(backend), msg["step"])
+        self.role, self.state, self.switched_epoch = "worker", "training", msg["epoch"]
+        self.send("switched", epoch=msg["epoch"], rank=rank, role="joiner", step=msg["step"], t=time.time(),
+                  detail={**report, "rebind_s": rebind_s, "seconds": time.perf_counter() - t0, **self.memory()})
+        log.info("took failed rank %d at step %d in %.3fs", rank, msg["step"], time.perf_counter() - t0)
+        self._trace_next_steps()
+        return int(msg["step"])

@@ -99,7 +99,7 @@ def _wait(work, what: str):
         raise MigrationError(f"state transfer: {what} failed: {exc}", phase="switch") from exc
 
 
-def _by_dtype(tensors: list[torch.Tensor]) -> list[tuple[torch.dtype, list[torch.Tensor]]]:
+def by_dtype(tensors: list[torch.Tensor]) -> list[tuple[torch.dtype, list[torch.Tensor]]]:
     """Tensors grouped by dtype, in first-seen order: the same on sender and receiver."""
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
@@ -128,7 +128,7 @@ class GlooChannel:
         return payload.numpy().tobytes()
 
     def send_tensors(self, tensors: list[torch.Tensor], dst: int, corrupt: bool = False) -> None:
-        for tag, (dtype, members) in enumerate(_by_dtype(tensors), start=2):
+        for tag, (dtype, members) in enumerate(by_dtype(tensors), start=2):
             flat = torch.cat([t.reshape(-1) for t in members])
             if corrupt and tag == 2 and flat.numel():  # fault injection: flip bytes on the wire
                 flat.view(torch.uint8)[0] ^= 0xFF
@@ -146,7 +146,7 @@ class GlooChannel:
         pass  # tags are matched in order: a resend needs no new names
 
     def recv_tensors(self, tensors: list[torch.Tensor], src: int) -> None:
-        for tag, (dtype, members) in enumerate(_by_dtype(tensors), start=2):
+        for tag, (dtype, members) in enumerate(by_dtype(tensors), start=2):
             flat = torch.empty(sum(t.numel() for t in members), dtype=dtype)
             _wait(self.pg.recv([flat], src, tag), f"{dtype} buffer")
             with torch.no_grad():

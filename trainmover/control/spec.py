@@ -1,4 +1,5 @@
-"""What the controller tells a worker or standby agent at launch (env `TM_WORKER_SPEC`)."""
+"""What the controller tells a worker or standby agent at launch (env `TM_WORKER_SPEC`): part of
+the contract between controller and runtime (this package)."""
 from __future__ import annotations
 
 import json
@@ -28,8 +29,9 @@ class WorkerSpec:
     switch_timeout_s: float = 60.0  # joiner: longest wait for the leaver's state
     recovery_timeout_s: float = 120.0  # a stalled rank's longest wait for the controller's recovery plan
     reconnect_timeout_s: float = 60.0  # controller lost: how long to try reaching its successor
+    heartbeat_s: float = 0.5        # a beat to the controller this often (runtime/heartbeat.py; 0: none)
     shadow_steps: int = 6          # most shadow steps to reach a steady collective sequence
-    inject: tuple[str, ...] = ()    # fault injection, see trainmover.config.INJECTIONS
+    inject: tuple[str, ...] = ()    # fault injection, see trainmover.faults (as this process sees it: faults.for_launch)
     record_iterations: int = 3      # iterations whose collectives the role ranks record (0: none)
     recording_dir: str = ""         # the job's HDF5 recordings, on its shared directory (see Workload.standby_roles)
     record_from_step: int = 0       # first recorded step (0: from the workload's construction on)

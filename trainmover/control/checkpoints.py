@@ -1,0 +1,93 @@
+"""The on-disk layout of checkpoints and their manifest: what the runtime writes and the
+controller completes, in one place both import (runtime/checkpoint.py writes and reads the
+rank files; the controller writes the manifest once every rank reported its file).
+
+    <run dir>/checkpoints/step-000000200/rank-00001.h5    one per rank (temp file + rename)
+    <run dir>/checkpoints/step-000000200/manifest.json    step, ranks, per-rank checksums
+
+A checkpoint counts only with its manifest, written last: a rank file without one (a write
+cut by a failure) is never read.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from trainmover.errors import MigrationError
+
+KEEP = 2  # complete checkpoints kept on the shared directory (the controller prunes older ones)
+MANIFEST = "manifest.json"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step-{step:09d}"
+
+
+def rank_file(root: Path, step: int, rank: int) -> Path:
+    return step_dir(root, step) / f"rank-{rank:05d}.h5"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(root: Path, step: int, digests: dict[int, str]) -> Path:
+    """The manifest of a checkpoint every rank wrote: written last, atomically."""
+    path = step_dir(root, step) / MANIFEST
+    tmp = path.with_name(f".{MANIFEST}.tmp")
+    tmp.write_text(json.dumps({"step": step, "ranks": len(digests),
+                               "digests": {str(r): d for r, d in sorted(digests.items())}}, sort_keys=True))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return path
+
+
+def read_manifest(root: Path, step: int) -> dict:
+    path = step_dir(root, step) / MANIFEST
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise MigrationError(f"checkpoint of step {step}: no readable manifest at {path}: {exc}",
+                             phase="recover") from exc
+    if meta.get("step") != step or not isinstance(meta.get("digests"), dict):
+        raise MigrationError(f"checkpoint of step {step}: manifest {path} names step {meta.get('step')}",
+                             phase="recover")
+    return meta
+
+
+def complete(root: Path) -> list[int]:
+    """Steps of the checkpoints under `root` that have a valid manifest, oldest first."""
+    steps = []
+    for d in Path(root).glob("step-*"):
+        try:
+            step = int(d.name.removeprefix("step-"))
+            read_manifest(root, step)
+        except (ValueError, MigrationError):
+            continue
+        steps.append(step)
+    return sorted(steps)
+
+
+def prune(root: Path, keep: list[int]) -> list[Path]:
+    """Delete every checkpoint directory older than the newest of `keep` and not in it."""
+    newest = max(keep, default=-1)
+    gone = []
+    for d in Path(root).glob("step-*"):
+        try:
+            step = int(d.name.removeprefix("step-"))
+        except ValueError:
+            continue
+        if step < newest and step not in keep:
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d)
+    return gone
+
+

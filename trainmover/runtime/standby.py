@@ -1,0 +1,190 @@
+"""A standby's part of the agent: rehearse every role a standby may take, stay warm, re-warm.
+
+A standby builds the workload against sandboxed groups (every collective answered from the
+live job's recordings, trainmover.sandbox), rehearses each role in turn (each pipeline stage
+kind; one role without pipeline parallelism), runs shadow steps until its collectives are
+steady, reports `ready` and waits. When a role's live rank records a new version it re-warms.
+A `prepare` makes it a joiner (switch.py), a `recover` takes a vanished rank (recovery.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import time
+from pathlib import Path
+
+import torch
+
+from trainmover.errors import MigrationError
+from trainmover.runtime.groups import CONTROL, SwappableGroup
+
+log = logging.getLogger("trainmover.worker")
+
+REWARM_POLL_S = 1.0  # an idle standby looks for a newer recording version this often
+
+
+class StandbyRole:
+    """Mixed into `Agent` (worker.py): uses its spec, workload, groups, inbox and send."""
+
+    def standby(self) -> int:
+        t0 = time.perf_counter()
+        self.faults.at("warmup")  # die-in-warmup: the controller gives it to the chosen launch only
+        shadow = self._replay()
+        if shadow["replay"] != "done":
+            log.warning("shadow iterations without a recording: %s", shadow["replay"])
+            if self.rehearsed is None:  # else: a role before the missing one was rehearsed and stays built
+                rehearse = self.local % self.spec.world_size  # any valid rank: a join rebinds to the leaver's
+                self._rehearse(rehearse, self._make_groups(rehearse, sandbox=True))
+        with self._warm_stance():
+            steps = self.shadow_until_steady(self.spec.shadow_steps)
+        self.send("ready", node=self.spec.node, local=self.local, warmup_s=time.perf_counter() - t0,
+                  shadow_steps=steps, detail=shadow)
+        log.info("standby on %s warm after %.2fs", self.spec.node, time.perf_counter() - t0)
+        while True:
+            try:
+                msg = self.inbox.get(timeout=REWARM_POLL_S)
+            except queue.Empty:
+                self._rewarm_if_newer(t0)
+                continue
+            if msg is None:
+                log.info("controller closed the channel; standby exits")
+                return 0
+            if msg["type"] == "prepare":
+                start = self.join(msg)
+                if start is not None:
+                    return self.train(start)
+                self.send("ready", node=self.spec.node, local=self.local, warmup_s=time.perf_counter() - t0,
+                          shadow_steps=0, detail={})
+            elif msg["type"] == "recover" and str(self.local) in msg["assign"]:
+                return self.train(self.take_failed_rank(msg))
+
+    def _roles(self) -> dict[str, int]:
+        """The roles a standby rehearses and the ranks that record them ({} if not recording)."""
+        if not self.spec.recording_dir or not self.spec.record_iterations:
+            return {}
+        return self.workload.standby_roles(self.spec.world_size)
+
+    def _replay(self) -> dict:
+        """Shadow iterations on the live job's recordings: the standby rehearses every role
+        (each pipeline stage kind; one role without pipeline parallelism) and must compute the
+        very losses and sends its rank computed. Between roles it drops the previous role's
+        model and optimizer, so that it never holds more than one rank's state; the last
+        role stays built (a join rebinds it to the leaver's rank)."""
+        if self.spec.standby_warmup == "cold":
+            return {"replay": "skipped: cold standby (TM_STANDBY_WARMUP=cold)"}
+        roles = self._roles()
+        if not roles:
+            return {"replay": "unavailable: recording disabled"}
+        from trainmover.sandbox import shadow
+
+        # The live ranks may record later than the job start (TM_RECORD_FROM_STEP): wait longer.
+        done, failed = shadow.replay_roles(
+            self.specs, Path(self.spec.recording_dir), roles, 3 * self.spec.group_timeout_s, CONTROL, self._rehearse,
+            self.workload.train_step, settle=lambda: self.shadow_until_steady(self.spec.shadow_steps),
+            reset_peak=lambda: reset_peak_memory(self.device), peak=lambda: peak_memory(self.device))
+        for report in done:
+            self.replayed[report["rank"]], self.shadow_step = report["version"], report["last_step"]
+        if failed is not None:
+            return {**failed, "roles": done}
+        free_device_memory(self.device)  # keeps the last role's model and optimizer, not its activations
+        return shadow.combine(done, self.memory())
+
+    def _rehearse(self, rank: int, groups: dict[str, SwappableGroup]) -> None:
+        """A standby: build the workload for `rank`'s role on `groups` (sandboxed), first
+        dropping the role it holds, so that it never holds two ranks' state."""
+        if self.rehearsed is not None:
+            self.workload.release()
+            free_device_memory(self.device)
+        self.groups = groups
+        (self.workload.rebind if self.rehearsed is not None else self.workload.build)(self._context(rank))
+        self.rehearsed = rank
+
+    @contextlib.contextmanager
+    def _warm_stance(self):
+        """Around the shadow steps. A cold standby (a benchmark's baseline) forgets afterwards
+        everything it compiled, so that its first real step compiles as in a fresh process.
+
+        Why not skip compiling in its shadow steps (force_eager): DDP fixes its bucket layout
+        from the gradient order of its first step, and eager and compiled backward passes
+        order gradients differently; a joiner whose buckets differ from the job's reduces
+        other parameters at the same offsets (silently wrong) or buckets of other sizes (NCCL
+        hangs). So the layout comes from a compiled step, as the job's did, and only the
+        compiled code is thrown away. (Every joiner's layout is checked: _layout_mismatch.)"""
+        yield
+        if self.spec.standby_warmup == "cold":
+            forget_compiled(self.spec.node)
+
+    def _rewarm_if_newer(self, t0: float) -> None:
+        """A warm standby re-warms when a role's live rank recorded a new version (its
+        collectives changed shape): it rebinds to that role if it holds another, replays the
+        version, then reports ready again with the new version's report."""
+        if self.spec.standby_warmup == "cold" or not self.replayed:
+            return
+        from trainmover.sandbox import recording, shadow
+        found = {rank: shadow.newer(recording.base_of(self.spec.recording_dir, rank), version)
+                 for rank, version in self.replayed.items()}
+        rank, version = next(((r, v) for r, v in found.items() if v is not None), (None, None))
+        if version is None:
+            return
+        self.send("warming", node=self.spec.node, version=version, rank=rank)
+        if rank != self.rehearsed:
+            self._rehearse(rank, self._make_groups(rank, sandbox=True))
+        report = shadow.rewarm(self.groups, recording.version_path(recording.base_of(self.spec.recording_dir, rank),
+                                                                   version), CONTROL, self.workload.train_step)
+        self.replayed[rank], self.shadow_step = version, report["last_step"]
+        steps = self.shadow_until_steady(self.spec.shadow_steps)
+        self.send("ready", node=self.spec.node, local=self.local, warmup_s=time.perf_counter() - t0,
+                  shadow_steps=steps, detail=report)
+
+    def shadow_until_steady(self, max_steps: int) -> int:
+        """Run shadow steps until a step issues the same collectives as the one before.
+
+        Wrappers do one-time collectives in their first iterations (DDP broadcasts its
+        rebuilt bucket layout in the second forward). A joiner must have done those in the
+        sandbox: issuing them against the live job would mismatch the stayers' sequence."""
+        sandboxes = [g.inner for g in self.groups.values()]
+        previous, steps = None, 0
+        while steps < max_steps:
+            marks = [len(b.calls) for b in sandboxes]
+            self.workload.train_step(self.workload.shadow_data_step() if self.shadow_step is None else self.shadow_step)
+            steps += 1
+            signature = [tuple(b.calls[m:]) for b, m in zip(sandboxes, marks)]
+            if signature == previous:
+                return steps
+            previous = signature
+        raise MigrationError(f"collectives still changing after {max_steps} shadow steps", phase="warmup",
+                             host=self.spec.node)
+
+
+def reset_peak_memory(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory(device: str) -> int | None:
+    """Most bytes torch's allocator held since the last reset (None on CPU nodes)."""
+    return torch.cuda.max_memory_allocated() if device == "cuda" else None
+
+
+def free_device_memory(device: str) -> None:
+    """Give cached device memory back (a standby between roles, and once warm): what it keeps
+    is then what it holds, not the peak of the role it rehearsed last."""
+    import gc
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def forget_compiled(node: str) -> None:
+    """Drop compiled code and point the compile caches at empty folders (torch's own
+    recipe, torch._inductor.runtime.cache_dir_utils.temporary_cache_dir): the next compiled
+    step traces, generates and builds its kernels again."""
+    import tempfile
+    from torch._inductor.utils import clear_caches
+    fresh = tempfile.mkdtemp(prefix=f"tm-cold-{node}-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = fresh
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(fresh, "triton")
+    torch.compiler.reset()
+    clear_caches()

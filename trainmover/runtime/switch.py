@@ -1,0 +1,213 @@
+"""The switch of a planned migration, on each side: stayer, leaver and joiner.
+
+    prepare (controller) ──> Phase 1 in a background thread (phase1.py): stayers build the
+    groups that held the leaver with the joiner in its slot; leaver and joiner a transfer pair
+    ──> `prepared` ──> at the next step boundary every rank votes the epoch it is ready for
+    (training.py, boundary.py) ──> stayers swap their groups' backends, the leaver sends its
+    state and leaves, the joiner loads it and trains from that step.
+
+The leaver is the authority for the joiner: it either sends its state (`go`) or cancels, so a
+late abort can never leave the joiner waiting for a state that will not come.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import queue
+import time
+
+import torch.distributed as dist
+
+from trainmover.errors import MigrationError
+from trainmover.runtime import phase1, rng, transfer
+from trainmover.runtime.plan import delta
+
+log = logging.getLogger("trainmover.worker")
+
+
+def go_key(epoch: int, leaver: int) -> str:
+    return f"tm/e{epoch}/xfer/r{leaver}/go"
+
+
+def cancel_key(epoch: int, leaver: int) -> str:
+    return f"tm/e{epoch}/xfer/r{leaver}/cancel"
+
+
+def layout_key(epoch: int, leaver: int) -> str:
+    return f"tm/e{epoch}/xfer/r{leaver}/layout"
+
+
+class Switch:
+    """Mixed into `Agent` (worker.py): uses its store, groups, workload, inbox and send."""
+
+    def _poll_inbox(self):
+        while True:
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if msg is None:
+                continue  # controller gone: keep training without migrations
+            if msg["type"] == "prepare":
+                self._on_prepare(msg)
+            elif msg["type"] == "abort":
+                self._on_abort(msg)
+        prep = self.pending
+        if prep and prep.done.is_set():
+            what = "failed" if prep.error else "prepared"
+            if (prep.epoch, what) not in self.reported:
+                self.reported.add((prep.epoch, what))
+                if prep.error:
+                    self.send("prepare_failed", epoch=prep.epoch, rank=self.rank, error=prep.error)
+                else:  # memory measured at step boundaries, where a steady step's usage repeats
+                    self.send("prepared", epoch=prep.epoch, rank=self.rank, groups=sorted(prep.backends),
+                              seconds=prep.seconds, detail={"role": prep.role, "before": prep.memory_before,
+                                                            "after": self.memory()})
+
+    def _on_prepare(self, msg: dict):
+        epoch = msg["epoch"]
+        d = delta(self.specs, msg["leavers"], epoch)
+        role = "leaver" if self.rank in d.leavers else "stayer"
+        if role == "stayer" and not d.groups_to_build(self.rank):
+            return  # no group of ours contains the leaver: nothing to do (never the case for world)
+        if role == "leaver":  # for the joiner to check its own against (Workload.collective_layout)
+            self.store.set(layout_key(epoch, self.rank), self.workload.collective_layout())
+        self.pending = phase1.Prepared(epoch, d, role, self.rank)
+        self.pending.memory_before, self.pending.comms_before = self.memory(), self.comms_created()
+        phase1.start(self.pending, self.phase1_builder())
+        log.info("phase 1 epoch %d as %s: %s", epoch, role, [g.name for g in d.groups_to_build(self.rank)])
+        if self.role == "worker":
+            self.faults.at("phase1", who=self.rank, epoch=epoch)
+
+    def _on_abort(self, msg: dict):
+        prep = self.pending
+        if prep and prep.epoch == msg["epoch"]:
+            self.pending = None
+            if prep.role == "leaver":
+                # Once the leaver stops offering this epoch the MIN can never equal it again:
+                # tell the joiner, which waits on exactly this key.
+                self.store.set(cancel_key(prep.epoch, self.rank), "1")
+            log.info("epoch %d aborted: %s", prep.epoch, msg["reason"])
+
+    def leave(self, prep: phase1.Prepared, step: int):
+        state = self.full_state(step)
+        if self.faults.at("leaver-state"):  # skip-optimizer-state: negative control for the digest tests
+            state["workload"].pop("optimizer", None)
+        self.store.set(go_key(prep.epoch, self.rank), "1")
+        self.faults.at("copy")  # die-in-copy: the state must then come from a replica
+        stats = transfer.send_verified(state, prep.xfer, dst=1, corrupt=self.faults.at("transfer-send"))
+        self.pending, self.state, self.switched_epoch = None, "left", prep.epoch
+        self.send("switched", epoch=prep.epoch, rank=self.rank, role="leaver", step=step, t=time.time(),
+                  detail={"send_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
+                          "tensors": stats.tensors})
+        log.info("left at step %d: sent %d bytes in %.3fs", step, stats.bytes, stats.seconds)
+
+    def join(self, msg: dict) -> int | None:
+        """Take a leaver's slot. Returns the step to continue from, or None if the
+        migration was cancelled (the agent then stays a standby)."""
+        epoch = msg["epoch"]
+        self.joining, self.state = epoch, "joining"
+        try:
+            return self._join(msg, epoch)
+        finally:
+            self.joining = 0
+
+    def _join(self, msg: dict, epoch: int) -> int | None:
+        rank = int(msg["assign"][str(self.local)])
+        leaver = rank
+        # Off the critical path: rebuild groups with the rank we now know, rebind the workload,
+        # and run shadow steps so that the new wrappers' one-time work happens in the sandbox.
+        self.groups = self._make_groups(rank, sandbox=True)
+        self.workload.rebind(self._context(rank))
+        with self._warm_stance():
+            self.shadow_until_steady(self.spec.shadow_steps)
+        prep = phase1.Prepared(epoch, delta(self.specs, msg["leavers"], epoch), "joiner", rank)
+        phase1.start(prep, self.phase1_builder())
+        self.faults.at("phase1", who="joiner", epoch=epoch)
+        # Bounded, and abortable: a peer lost meanwhile leaves the builds waiting until the
+        # group timeout, but the controller's abort frees this standby at once (the Phase 1
+        # thread ends by its own deadline, on its own store client, and is discarded).
+        deadline = time.monotonic() + self.spec.group_timeout_s + 5
+        while not prep.done.wait(0.05):
+            if self._aborted(epoch):
+                log.info("epoch %d aborted during phase 1; back to standby", epoch)
+                return None
+            if time.monotonic() > deadline:
+                break
+        if not prep.done.is_set() or prep.error:
+            self.send("prepare_failed", epoch=epoch, rank=rank, error=prep.error or "phase 1 deadline")
+            return None
+        mismatch = self._layout_mismatch(epoch, leaver)
+        if mismatch is None:
+            log.info("epoch %d aborted during phase 1; back to standby", epoch)
+            return None
+        if mismatch:
+            self.send("prepare_failed", epoch=epoch, rank=rank, error=mismatch)
+            return None
+        self.send("prepared", epoch=epoch, rank=rank, groups=sorted(prep.backends), seconds=prep.seconds,
+                  detail={"role": "joiner"})
+        # Wait for the leaver's verdict: it either starts sending (go) or cancels.
+        deadline = time.monotonic() + self.spec.switch_timeout_s
+        while True:
+            if self.store.check([cancel_key(epoch, leaver)]) or self._aborted(epoch):
+                log.info("epoch %d cancelled; back to standby", epoch)
+                return None
+            try:
+                self.store.wait([go_key(epoch, leaver)], datetime.timedelta(milliseconds=50))
+                break
+            except (RuntimeError, dist.DistStoreError):
+                pass
+            if time.monotonic() > deadline:
+                self.send("prepare_failed", epoch=epoch, rank=rank, error="leaver never sent its state")
+                return None
+        t_switch = time.perf_counter()
+        try:
+            state, stats = transfer.recv_verified(prep.xfer, src=0, like=self.full_state(0))
+        except (MigrationError, RuntimeError) as exc:  # the leaver died mid-copy: a replica will send it
+            self.rank = rank
+            self.send("stalled", rank=rank, step=0, digest="", error=str(exc)[:500], role="joiner",
+                      holds={"replicas": [], "own": [], "held": {}})
+            return self.take_failed_rank(self._wait_recover(exc), rebind=False)
+        self.workload.load_state_dict(state["workload"])
+        rng.restore(state["rng"])
+        for name, backend in prep.backends.items():
+            self.retire(self.groups[name].swap(backend), int(state["step"]))
+        # The transfer pair is done too; dropping its last reference here would abort the
+        # communicator synchronously, inside the pause (measured: 0.5 s on an H200).
+        self.retire(prep.xfer, int(state["step"]))
+        self.rank, self.role, self.state, self.switched_epoch = rank, "worker", "training", epoch
+        self.send("switched", epoch=epoch, rank=rank, role="joiner", step=int(state["step"]), t=time.time(),
+                  detail={"recv_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
+                          "apply_s": time.perf_counter() - t_switch, "prepare_s": prep.seconds,
+                          "attempts": stats.attempts,
+                          "comms_created": self.comms_created(), **self.memory()})
+        log.info("joined as rank %d at step %d (%d bytes in %.3fs)", rank, state["step"], stats.bytes, stats.seconds)
+        self._trace_next_steps()
+        return int(state["step"])
+
+    def _layout_mismatch(self, epoch: int, leaver: int) -> str | None:
+        """Why this joiner's collective layout cannot replace the leaver's ('' if it can; None
+        if the controller aborted the epoch meanwhile). The leaver publishes its layout when it
+        gets `prepare`; the wait is bounded and abortable."""
+        key, deadline = layout_key(epoch, leaver), time.monotonic() + self.spec.group_timeout_s
+        while not self.store.check([key]):
+            if self._aborted(epoch):
+                return None
+            if time.monotonic() > deadline:
+                return f"the leaver never published its collective layout ({self.spec.group_timeout_s:g}s)"
+            time.sleep(0.05)
+        ours, theirs = self.workload.collective_layout(), self.store.get(key).decode()
+        if ours != theirs:
+            return (f"the joiner's collective layout differs from the leaver's (its collectives would not match "
+                    f"the stayers'): joiner {ours[:200]!r}, leaver {theirs[:200]!r}")
+        return ""
+
+    def _aborted(self, epoch: int) -> bool:
+        """Whether the controller aborted `epoch` (other messages are not for a joining standby)."""
+        while True:
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                return False
+            if msg is not None and msg["type"] == "abort" and msg["epoch"] == epoch:
+                return True

@@ -1,0 +1,118 @@
+"""The training loop and its step boundary: one step, its report, protection, the agreement.
+
+After every step each rank reports it (`step`), takes a snapshot or checkpoint when due
+(protection.py), looks at its control messages, and joins the boundary agreement
+(boundary.py): a prepared migration switches here, on every rank at the same step, or on none.
+A collective that fails (a peer vanished, or the controller revoked the groups) makes the rank
+stall and wait for the controller's recovery plan (recovery.py).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from trainmover.errors import TrainMoverError
+from trainmover.runtime import boundary
+from trainmover.runtime.groups import CONTROL
+
+log = logging.getLogger("trainmover.worker")
+
+TRACE_STEPS = 2 if os.environ.get("TM_TRACE_SWITCH") else 0  # log timings of the steps after a switch
+
+
+class TrainingLoop:
+    """Mixed into `Agent` (worker.py): uses its spec, workload, groups, send and the switch."""
+
+    def train(self, step: int) -> int:
+        self.pure_s = 0.0
+        loss = 0.0
+        self._trace("train loop entered")
+        while step < self.spec.steps:
+            self.completed = step
+            try:
+                loss, step = self._iteration(step)
+            except (RuntimeError, TrainMoverError) as exc:
+                # a collective failed or was revoked (a peer is gone); an error of our own
+                # communicator library counts only if the controller revoked a group meanwhile
+                if not isinstance(exc, RuntimeError) and not any(g.revoked for g in self.groups.values()):
+                    raise
+                step = self.stall(self.completed, exc)
+                continue
+            if step < 0:
+                return 0  # this rank left the job (planned migration)
+        self.state = "finished"
+        self.send("finished", rank=self.rank, step=step, digest=self.digest(), loss=loss)
+        return 0
+
+    def _iteration(self, step: int) -> tuple[float, int]:
+        """One training step, its report and the boundary agreement. Returns (loss, steps
+        completed), steps -1 when this rank handed its state over and leaves."""
+        control, world = self.groups[CONTROL], self.groups["world"]
+        world.first_call_at = None
+        t0, c0 = time.perf_counter(), time.process_time()
+        # injected faults of this step: die, freeze or hang now, or compute longer (a straggler)
+        self.faults.at("step", rank=self.rank, step=step, pure_s=self.pure_s, cpu=self.device == "cpu")
+        t1, c1 = time.perf_counter(), time.process_time()
+        if self.recorder:
+            self.recorder.before(step)
+        if self.trace_steps:
+            self.trace_steps -= 1
+            self._trace(f"step {step + 1} begins")
+            self.workload.trace = self._trace
+        elif getattr(self.workload, "trace", None):
+            self.workload.trace = None
+        loss = self.workload.train_step(step)
+        # a rank's own compute: until its first collective (after that it may wait for peers)
+        # On CPU nodes: CPU time, which co-located processes cannot inflate; on GPUs: wall time.
+        if self.device == "cpu":
+            first = world.first_call_cpu if world.first_call_at is not None else time.process_time()
+            compute_s, self.pure_s = first - c0, first - c1
+        else:
+            first = world.first_call_at or time.perf_counter()
+            compute_s, self.pure_s = first - t0, first - t1
+        if self.recorder:
+            report = self.recorder.after(step, loss, time.perf_counter() - t0)
+            if report:  # the recorder stays: it records again if the collectives change shape
+                self.send("recorded", **report)
+        step += 1
+        self.completed = step  # from here on a failure finds this step complete in our state
+        self.send("step", rank=self.rank, step=step, loss=loss, step_s=time.perf_counter() - t0,
+                  compute_s=compute_s, t=time.time())
+        self.protect(step)
+        self._release_retired(step)
+        self._poll_inbox()
+        prep = self.pending
+        ready = prep.epoch if prep and prep.done.is_set() and not prep.error else 0
+        if boundary.agree(control, ready) == ready and ready:
+            if prep.role == "leaver":
+                self.leave(prep, step)
+                return loss, -1
+            for name, backend in prep.backends.items():
+                self.retire(self.groups[name].swap(backend), step)
+            self.pending = None
+            self.switched_epoch = prep.epoch
+            self._trace_next_steps()
+            self._trace("stayer swapped")
+            self.send("switched", epoch=prep.epoch, rank=self.rank, role="stayer", step=step, t=time.time(),
+                      detail={"prepare_s": prep.seconds, "comms_created": self.comms_created(),
+                              "comms_created_before": prep.comms_before})
+        return loss, step
+
+    def _start_recording(self) -> None:
+        from trainmover.sandbox import live, recording
+        ok, why = recording.available()
+        if not ok:
+            log.warning("not recording collectives: %s", why)
+            return
+        self.recorder = live.Recorder(self.groups, recording.base_of(self.spec.recording_dir, self.rank), self.rank,
+                                      self.spec.record_iterations, skip=CONTROL,
+                                      from_step=self.spec.record_from_step, max_versions=self.spec.record_versions)
+
+    def _trace(self, what: str) -> None:
+        if TRACE_STEPS:
+            log.info("trace %.6f %s", time.time(), what)
+
+    def _trace_next_steps(self) -> None:
+        """After a switch: log the timings of the next TRACE_STEPS steps (TM_TRACE_SWITCH)."""
+        self.trace_steps = TRACE_STEPS
