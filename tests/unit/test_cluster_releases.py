@@ -125,3 +125,33 @@ def test_default_state_dir_per_release(monkeypatch):
     assert resolve_dir("/d", slurm="24.11") == Path("/d")
     with pytest.raises(ClusterError, match="supported versions"):
         resolve_dir(slurm="23.02")
+
+
+def test_address_blocks_one_per_cluster(tmp_path):
+    """Each cluster claims its own 127.0.N.0/24; a claim whose cluster is gone or moved is reused."""
+    import json
+
+    from trainmover.cluster import netblock
+    reg = tmp_path / "nets"
+
+    def cluster(name, net=None):
+        d = tmp_path / name
+        d.mkdir(exist_ok=True)
+        n = netblock.claim(d, preferred=net, registry=reg)
+        (d / "cluster.json").write_text(json.dumps({"net": n}))
+        return d, n
+
+    a, na = cluster("a")
+    b, nb = cluster("b")
+    assert (na, nb) == (1, 2)
+    assert netblock.claim(a, preferred=na, registry=reg) == 1          # its own again (down/up)
+    assert cluster("c", net=2)[1] == 3                                  # b holds 2
+    (b / "cluster.json").unlink()                                       # b removed: its block is free
+    assert cluster("d")[1] == 2
+    s = _spec()
+    moved = ClusterSpec.from_json(s.to_json().replace('"net": 1', '"net": 7'))
+    assert [moved.addr(n) for n in moved.all_nodes][:2] == ["127.0.7.11", "127.0.7.12"]
+    assert moved.layout_key() != s.layout_key()  # another block: slurmctld starts from a fresh state
+    assert "NodeName=train1 NodeAddr=127.0.7.11" in specmod.render_slurm_conf(moved)
+    with pytest.raises(ValueError, match="net must be 1..254"):
+        ClusterSpec.from_json(s.to_json().replace('"net": 1', '"net": 255'))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
-from trainmover.cluster import daemons, install, plugin, rootfs, spec as specmod
+from trainmover.cluster import daemons, install, netblock, plugin, rootfs, spec as specmod
 from trainmover.cluster.daemons import STEP_TIMEOUT
 from trainmover.cluster.procs import ClusterError, find_pids, running_pid, tail, terminate, wait_until
 from trainmover.cluster.releases import release
@@ -154,8 +154,9 @@ def _write_files(spec: ClusterSpec, old: Optional[ClusterSpec]) -> None:
     os.chmod(spec.state_dir, 0o755)
     os.chmod(spec.run / "munge", 0o755)
     if old is not None and old.layout_key() != spec.layout_key():
-        _log(f"node layout or Slurm release changed ({old.nodes}+{old.standby} nodes, Slurm {old.slurm} -> "
-             f"{spec.nodes}+{spec.standby}, Slurm {spec.slurm}); clearing slurmctld and slurmd state")
+        _log(f"node layout, Slurm release or address block changed ({old.nodes}+{old.standby} nodes, Slurm "
+             f"{old.slurm}, 127.0.{old.net}.0/24 -> {spec.nodes}+{spec.standby}, Slurm {spec.slurm}, "
+             f"127.0.{spec.net}.0/24); clearing slurmctld and slurmd state")
         shutil.rmtree(spec.ctld_state, ignore_errors=True)
         for p in spec.spool.glob("slurmd-*"):
             shutil.rmtree(p, ignore_errors=True)
@@ -301,6 +302,7 @@ def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = 
                 ports=_pick_ports(nodes + standby, old.ports if old else None),
                 db_password=old.db_password if old else secrets.token_hex(16),
                 slurm=rel, slurm_version=full, root=root,
+                net=netblock.claim(state_dir, preferred=old.net if old else None),
             )
         _log(f"{spec.describe_slurm()}")
         _write_files(spec, old)

@@ -15,8 +15,8 @@ from trainmover.cluster.releases import RELEASES, Release
 PARTITION = "train"
 RESERVATION = "trainmover_standby"
 CLUSTER_NAME = "trainmover"
-# First host byte of the node addresses in 127.0.1.0/24. Debian maps the machine's
-# own hostname to 127.0.1.1, so the nodes start further up.
+# First host byte of the node addresses in the cluster's 127.0.N.0/24 (netblock.py). Debian
+# maps the machine's own hostname to 127.0.1.1, so the nodes start further up.
 FIRST_ADDR = 11
 MAX_NODES = 240
 # Preferred ports, away from a real site's Slurm (6817-6819) and MariaDB (3306);
@@ -52,12 +52,15 @@ class ClusterSpec:
     slurm: str = "22.05"     # clusters started before releases were recorded ran Debian 12's
     slurm_version: str = ""
     root: str = ""
+    net: int = 1             # node addresses in 127.0.<net>.0/24 (netblock.py)
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.standby < 0:
             raise ValueError(f"need nodes >= 1 and standby >= 0, got nodes={self.nodes} standby={self.standby}")
         if self.nodes + self.standby > MAX_NODES:
             raise ValueError(f"at most {MAX_NODES} nodes in all, got {self.nodes + self.standby}")
+        if not 1 <= self.net <= 254:
+            raise ValueError(f"net must be 1..254 (127.0.<net>.0/24), got {self.net}")
         if self.slurm not in RELEASES:
             raise ValueError(f"unsupported Slurm release {self.slurm!r} (supported: {', '.join(RELEASES)})")
 
@@ -88,7 +91,7 @@ class ClusterSpec:
         return self.train_nodes + self.spare_nodes
 
     def addr(self, node: str) -> str:
-        return f"127.0.1.{FIRST_ADDR + self.all_nodes.index(node)}"
+        return f"127.0.{self.net}.{FIRST_ADDR + self.all_nodes.index(node)}"
 
     def slurmd_port(self, node: str) -> int:
         return self.ports.slurmd_base + self.all_nodes.index(node)
@@ -196,7 +199,7 @@ class ClusterSpec:
     def layout_key(self) -> tuple:
         """What slurmctld's saved state depends on: a change means a fresh state (a
         different Slurm release may not read another's state files)."""
-        return (self.nodes, self.standby, self.cpus, self.memory_mb, self.slurm)
+        return (self.nodes, self.standby, self.cpus, self.memory_mb, self.slurm, self.net)
 
 
 def render_slurm_conf(spec: ClusterSpec) -> str:
@@ -211,7 +214,7 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         "SlurmdUser=root",
         "# slurmctld binds the address its hostname resolves to: 'localhost' in its own UTS",
         "# namespace, so 127.0.0.1. Not NoInAddrAny: slurmd and srun would bind their node's",
-        "# 127.0.1.x while loopback connections leave from 127.0.0.1, and a step launched from",
+        "# 127.0.N.x while loopback connections leave from 127.0.0.1, and a step launched from",
         "# inside a job fails ('connect io: Connection refused').",
         "CommunicationParameters=NoCtldInAddrAny",
         "AuthType=auth/munge",
