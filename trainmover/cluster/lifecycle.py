@@ -453,6 +453,12 @@ def _stop(spec: ClusterSpec) -> dict:
         if pid:
             terminate([pid], progs[name], marker, timeout=30, root=spec.root)
             stopped[name] = pid
+        # and any of ours that no pid file names (a start that failed half way, a pid file
+        # overwritten by a later start)
+        extra = find_pids(name, marker, spec.root)
+        if extra:
+            terminate(extra, name, marker, timeout=30, root=spec.root)
+            stopped.update({f"{name}:{p}": p for p in extra})
     for name, _, pid_file in daemons.table(spec):
         if pid_file.exists() and running_pid(pid_file, progs[name], marker, spec.root) is None:
             pid_file.unlink(missing_ok=True)

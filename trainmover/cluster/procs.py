@@ -83,7 +83,7 @@ def _realpath_in(root: str, path: str, hops: int = 16) -> str:
 def _exe_names(program: str, root: str = "") -> set[str]:
     """Basenames the kernel may report for `program` (Debian installs slurmd as an
     alternatives link to slurmd-wlm), on the host or in the root filesystem `root`."""
-    names = {program}
+    names = {program, f"{program}-wlm"}  # also when `root` is gone (removed under a running cluster)
     for d in ("/usr/sbin", "/usr/bin", "/sbin", "/bin"):
         path = os.path.join(d, program)
         if os.path.lexists(os.path.join(root or "/", path.lstrip("/"))):
