@@ -52,7 +52,8 @@ def _scalar(value: str):
 
 
 # Variables that belong to the runtime or tools, not to the job's configuration.
-_NOT_CONFIG = {"TM_WORKER_SPEC", "TM_LOG_LEVEL", "TM_TRACE_COLLECTIVES", "TM_CLUSTER_DIR", "TM_PYTHON", "TM_E2E_CLUSTER_DIR"}
+_NOT_CONFIG = {"TM_WORKER_SPEC", "TM_LOG_LEVEL", "TM_TRACE_COLLECTIVES", "TM_CLUSTER_DIR", "TM_PYTHON", "TM_E2E_CLUSTER_DIR",
+               "TM_E2E_SLURM", "TM_ROOTFS_CACHE"}
 
 
 @dataclass(frozen=True)
