@@ -22,6 +22,8 @@ from trainmover.controller.actions import Send
 
 log = logging.getLogger("trainmover.policy")
 
+TAKEN_KEPT = 8  # `snapshot_taken` reports kept per rank for status (the newest)
+
 
 class SnapshotHolder:
     """Mixed into `Policy`: uses its view, snapshot_every and status."""
@@ -42,6 +44,8 @@ class SnapshotHolder:
             actions.append(Send(nodes, make("hold", holder="", wards=[], prefix="")))
         if self.holder is not None or not self.snapshot_every or not self._one_node():
             return actions
+        if not all(r in self.steps for r in self.view.ranks_of(nodes[0])):
+            return actions  # its ranks have not reported a step yet: a message now could reach nobody
         ready = sorted(s.node for s in self.view.standbys.values() if s.state == "ready")
         if not ready:
             return actions
@@ -62,7 +66,9 @@ class SnapshotHolder:
     def on_snapshot_taken(self, msg: dict) -> list:
         if not hasattr(self, "snapshot_stats"):
             self.snapshot_stats = {}
-        self.snapshot_stats[str(msg["rank"])] = {"step": msg["step"], **msg["detail"]}
+        kept = self.snapshot_stats.setdefault(str(msg["rank"]), [])
+        kept.append({"step": msg["step"], **msg["detail"]})
+        del kept[:-TAKEN_KEPT]
         return []
 
     def joiner_order(self, ready: list[str]) -> list[str]:
@@ -73,4 +79,4 @@ class SnapshotHolder:
         s = self.view.standbys.get(self.holder) if self.holder else None
         return {"holder": self.holder, "held": {str(r): v for r, v in (s.held if s else {}).items()},
                 "held_detail": getattr(s, "held_detail", {}) if s else {},
-                "taken": dict(getattr(self, "snapshot_stats", {}))}
+                "taken": {r: list(v) for r, v in getattr(self, "snapshot_stats", {}).items()}}

@@ -138,9 +138,8 @@ class Recovering:
             self.rows = {s: row for s, row in self.rows.items() if s <= step}
             self.metrics_through = min(self.metrics_through, step)
             actions.append(Rewind(step))
-        return actions + [
-                self._timeline(m, now, "recover", **m.source),
-                Send(stayer_nodes, make("recover", assign={}, **common)),
+        to_stayers = [Send(stayer_nodes, make("recover", assign={}, **common))] if stayer_nodes else []  # none: one worker
+        return actions + [self._timeline(m, now, "recover", **m.source)] + to_stayers + [
                 Send((m.joiner,), make("recover", assign={str(i): r for i, r in enumerate(m.leaver_ranks)}, **common))]
 
     # --- checkpoints -------------------------------------------------------------------------

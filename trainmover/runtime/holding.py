@@ -222,7 +222,9 @@ class Holding:
                 return
             try:
                 self._receive(store, pair, key)
-            except Exception as exc:  # noqa: BLE001 - the worker died mid-copy, or gave up: the versions before stay
+            except MigrationError as exc:  # refused (NaN/Inf) or spoilt every time: the next version may do
+                log.warning("holding rank %d: version %d: %s", self.ward, n, exc)
+            except Exception as exc:  # noqa: BLE001 - the worker died mid-copy: the versions before stay
                 self.error = f"holding rank {self.ward}: version {n}: {exc}"
                 log.warning("%s", self.error)
                 return
