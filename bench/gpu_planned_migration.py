@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import results_io  # noqa: E402
 from bench import single_host_jobs as jobs  # noqa: E402
+from bench.cpu_planned_migration import gantt  # noqa: E402
 
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
            "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
@@ -193,6 +194,7 @@ def summarize(ref: dict, mig: dict, p2p: float | None) -> dict:
         "steady_step_s": steady_step_s,
         "step_s_per_rank_around_switch": around,
         **exactness(ref, mig, skip_missing=False),
+        "gantt": gantt(m, rows, mig["trigger"]["t"]) if mig["trigger"].get("t") else None,
     }
 
 

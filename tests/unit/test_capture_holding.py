@@ -171,3 +171,20 @@ def test_cuda_capture_is_pinned_off_the_training_stream_and_gated_before_the_upd
     restored, placed = capture.restore_into(c.state(), like={"workload": {"model": model.state_dict(),
                                                                          "optimizer": opt.state_dict()}, "step": 0})
     assert digest(restored) == digest(expect) and placed == c.slab.bytes - 0
+
+
+def test_a_snapshot_due_while_its_host_buffers_are_being_allocated_is_skipped():
+    snaps = Snapshots(0, 1, 1, timeout_s=TIMEOUT_S)
+    s1, _, _ = state(1)
+    release = threading.Event()
+    snaps.capture.allocating = threading.Thread(target=release.wait, args=(TIMEOUT_S,), daemon=True)
+    snaps.capture.allocating.start()
+    assert snaps.take(20, s1, None) is None and snaps.skipped == 1  # never waits for pinning
+    release.set()
+    snaps.capture.allocating.join(TIMEOUT_S)
+    snaps.capture.allocating = None
+    snaps.capture.prepare(s1)  # the real one: slabs of this layout, ready once the thread is done
+    snaps.capture.allocating.join(TIMEOUT_S)
+    slab = snaps.capture.slabs[0]
+    cap = snaps.take(40, s1, None)
+    assert cap is not None and cap.slab is slab and snaps.last["alloc_s"] is not None

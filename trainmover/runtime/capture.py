@@ -28,6 +28,7 @@ CPU nodes (tests, the CPU demo): the same interface, plain memory, copies made a
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -198,9 +199,30 @@ class Capture:
         self.slabs: list[Slab] = []
         self.keep = slabs
         self.turn = 0
+        self.allocating: threading.Thread | None = None  # `prepare`'s allocation, while it runs
         self.pending: Captured | None = None   # a version whose copies the next optimizer step must wait for
         self.gate_wait_s: list[float] = []     # device time the training stream waited, per gated version
         self._gate_events = None
+
+    def prepare(self, state: dict) -> None:
+        """Allocate the slabs for `state`'s layout in a background thread, ahead of the first
+        version: pinning gigabytes takes seconds, which must not fall on a protected step."""
+        _, paths, tensors = flatten(state)
+        specs = specs_of(paths, tensors)
+
+        def allocate():
+            t0 = time.perf_counter()
+            slabs = [Slab(specs, pin=self.cuda) for _ in range(self.keep)]
+            self.slabs, self.turn = slabs, 0
+            self.prepare_s = time.perf_counter() - t0
+        self.allocating = threading.Thread(target=allocate, name="tm-snap-alloc", daemon=True)
+        self.allocating.start()
+
+    def ready(self) -> bool:
+        """Whether the slabs are in place (False while `prepare` allocates them)."""
+        return self.allocating is None or not self.allocating.is_alive()
+
+    prepare_s: float | None = None
 
     def slab_for(self, specs) -> Slab:
         """The next slab in rotation, (re)allocated when the state's layout is new to it."""

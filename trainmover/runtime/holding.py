@@ -156,7 +156,7 @@ class Holding:
     own, keeps the newest 2 complete ones and reports each (`report(ward, steps, detail)`)."""
 
     def __init__(self, store_addr, prefix: str, ward: int, host: str, timeout_s: float, report,
-                 verify_on: str | None = None):
+                 verify_on: str | None = None, layout: list | None = None):
         self.prefix, self.ward, self.timeout_s, self.report = ward_prefix(prefix, ward), ward, timeout_s, report
         self.verify_on = verify_on if verify_on == "cuda" and torch.cuda.is_available() else None
         self.pin = self.verify_on is not None
@@ -166,6 +166,8 @@ class Holding:
         self.stop = threading.Event()
         self.error = ""
         self.last: dict = {}
+        self.layout = layout  # the expected layout: both slabs allocated before the first version
+        self.alloc_s: float | None = None
         self.thread = threading.Thread(target=self._run, args=(store_addr, host), name=f"tm-holding-r{ward}",
                                        daemon=True)
         self.thread.start()
@@ -214,6 +216,12 @@ class Holding:
             self.error = f"holding rank {self.ward}: link not built: {exc}"
             log.warning("%s", self.error)
             return
+        if self.layout:
+            t0 = time.perf_counter()
+            slabs = [capture.Slab(self.layout, pin=self.pin) for _ in range(2)]
+            with self.lock:
+                self.slabs = slabs
+            self.alloc_s = time.perf_counter() - t0
         n = 0
         while not self.stop.is_set():
             n += 1
@@ -257,7 +265,8 @@ class Holding:
                 self.held[int(meta["step"])] = Held(int(meta["step"]), meta["skeleton"], specs, slab)
                 steps = sorted(self.held)
             store.set(f"{key}verdict{attempt}", str(OK))
-            self.last = {"step": int(meta["step"]), "bytes": slab.bytes, "recv_s": round(t2 - t1, 4),
+            self.last = {"step": int(meta["step"]), "bytes": slab.bytes, "alloc_s": self.alloc_s,
+                         "recv_s": round(t2 - t1, 4),
                          "verify_s": round(time.perf_counter() - t2, 4), "seconds": round(time.perf_counter() - t0, 4),
                          "attempts": attempt, "pinned": slab.pinned}
             self.report(self.ward, steps, dict(self.last))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from trainmover.runtime import checkpoint, holding, snapshot, transfer
+from trainmover.runtime import capture, checkpoint, holding, snapshot, transfer
 from trainmover.runtime.groups import SNAPSHOT
 
 log = logging.getLogger("trainmover.worker")
@@ -36,6 +36,12 @@ class Protection:
         copy into host memory is issued here; exchanges and writes run in background threads."""
         self._report_snapshots()
         every_s, every_c = self.spec.snapshot_every, self.spec.checkpoint_every
+        if every_s and self.device == "cuda":
+            cap = self.snapshot_keeper().capture
+            if not cap.slabs and cap.allocating is None:
+                # pinned host buffers for the first snapshot, allocated now in the background (the
+                # layout is known once the optimizer has its state, after a first step)
+                cap.prepare(self.full_state(step))
         due_s, due_c = every_s and step % every_s == 0, every_c and step % every_c == 0
         if step >= self.spec.steps or not (due_s or due_c):
             return
@@ -93,8 +99,11 @@ class Protection:
 
         def report(rank: int, steps: list[int], detail: dict) -> None:
             self.send("snapshot_held", node=self.spec.node, rank=rank, steps=steps, detail=detail)
+        # the worker's state has this standby's own layout (same rank, same model): slabs allocated now
+        _, paths, tensors = capture.flatten(self.full_state(0))
         self.holding = holding.Holding(tuple(self.spec.store), msg["prefix"], ward, self.spec.node_addr,
-                                       self.spec.group_timeout_s, report, verify_on=self.device)
+                                       self.spec.group_timeout_s, report, verify_on=self.device,
+                                       layout=capture.specs_of(paths, tensors))
         log.info("holding the snapshots of rank %d", ward)
 
     def _checkpointed(self, result: dict) -> None:

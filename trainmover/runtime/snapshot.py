@@ -92,6 +92,10 @@ class Snapshots:
 
         The previous exchange is waited for first (bounded): versions go out in step order. On
         a one-node job a version still on its way means this one is skipped instead."""
+        if not self.capture.ready():  # host buffers still being pinned (capture.prepare): never wait for them
+            self.skipped += 1
+            log.warning("snapshot %d skipped: host buffers still being allocated", step)
+            return None
         if self.one_node and any(t.is_alive() for t in self.threads):
             self.skipped += 1
             log.warning("snapshot %d skipped: version %s still on its way to the standby (%d skipped so far)",
@@ -101,7 +105,8 @@ class Snapshots:
         cap = self.capture.take(step, state)
         with self.lock:
             self.own = _newest({**self.own, step: cap}, 1 if self.one_node else KEEP)
-        self.last = {"step": step, "issue_s": cap.issue_s, "bytes": cap.slab.bytes, "pinned": cap.slab.pinned}
+        self.last = {"step": step, "issue_s": cap.issue_s, "bytes": cap.slab.bytes, "pinned": cap.slab.pinned,
+                     "alloc_s": self.capture.prepare_s}
         if self.one_node:
             self.threads = [threading.Thread(target=self._to_standby, args=(cap,), name="tm-snap-standby",
                                              daemon=True)]
