@@ -41,6 +41,7 @@ if [ "$DEVICE" = cuda ]; then
 else  # the CPU dry run: tiny models, more steps (a standby warms up for seconds on a loaded CPU)
   GPT=tiny; MEG=tiny; WARM=tiny; GPT_STEPS=800; GPT_AT=100; EVERY=100; MEG_STEPS=300; MEG_AT=60
 fi
+WARM_EXTRA=(); [ "$DEVICE" = cpu ] && WARM_EXTRA=(--no-compile)  # compiling on a loaded CPU takes ~400 s
 COMMON=(--device "$DEVICE" --gpus 2 --machine "$TM_BENCH_MACHINE")
 
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
@@ -108,7 +109,8 @@ part megatron 130 bash -c '"$0" bench/gpu_megatron_migration.py "$@" --deadline-
   --work "$W/meg" --out "$W/res"
 
 part warm 200 bash -c '"$0" bench/gpu_warm_joiner.py "$@" --deadline-s "$DEADLINE"' "$PY" \
-  --preset "$WARM" --jobs warm --steady-steps 30 --after-steps 10 "${COMMON[@]}" --work "$W/warm" --out "$W/res"
+  --preset "$WARM" --jobs warm --steady-steps 30 --after-steps 10 "${WARM_EXTRA[@]}" "${COMMON[@]}" \
+  --work "$W/warm" --out "$W/res"
 
 # what comes back: the results, the summary, the logs (one tarball)
 for f in "$W"/res/*.json; do [ -f "$f" ] && cp "$f" "$OUT/"; done
