@@ -37,7 +37,7 @@ if [ -z "${TM_COMMIT:-}" ]; then
 fi
 export TM_COMMIT
 if [ "$DEVICE" = cuda ]; then
-  GPT=1b; MEG=1b; WARM=125m; GPT_STEPS=160; GPT_AT=25; EVERY=20; MEG_STEPS=80; MEG_AT=20
+  GPT=1b; MEG=1b; WARM=125m; GPT_STEPS=200; GPT_AT=25; EVERY=20; MEG_STEPS=80; MEG_AT=20
 else  # the CPU dry run: tiny models, more steps (a standby warms up for seconds on a loaded CPU)
   GPT=tiny; MEG=tiny; WARM=tiny; GPT_STEPS=800; GPT_AT=100; EVERY=100; MEG_STEPS=300; MEG_AT=60
 fi
@@ -132,7 +132,7 @@ for p in sorted(Path(sys.argv[1]).glob("*.json")):
                                                                    "issue_s", "to_standby_s", "pinned", "cost_from_rows",
                                                                    "held_detail")}))
 EOF
-tar -C "$W" --exclude='*.h5' --exclude='compile-cache' --exclude='*.so' -czf "$OUT/logs.tar.gz" \
+tar -C "$W" --exclude='*.h5' --exclude='secret' --exclude='compile-cache' --exclude='*.so' -czf "$OUT/logs.tar.gz" \
   $(cd "$W" && ls -d *.log gpt meg warm 2>/dev/null) 2>/dev/null
 if [ "$(stat -c %s "$OUT/logs.tar.gz" 2>/dev/null || echo 0)" -gt 15000000 ]; then  # the 16 MiB limit a file
   tar -C "$W" -czf "$OUT/logs.tar.gz" $(cd "$W" && ls *.log) 2>/dev/null

@@ -198,23 +198,24 @@ def summarize(ref: dict, mig: dict, p2p: float | None) -> dict:
     }
 
 
-def protection_cost(rows: list[dict], every: int, upto: int, span: int = 3) -> dict:
+def protection_cost(rows: list[dict], every: int, upto: int, taken: list[int], span: int = 3) -> dict:
     """A snapshot's cost in step time: the excess over the median interval of the `span` step
-    intervals from each protected step on (copy issue, the optimizer's wait for the copy, the
-    exchange's CPU work beside the steps), before the failure."""
+    intervals from each step whose snapshot was taken (`taken`: not those skipped while the one
+    before was on its way) on: the copies' issue, the optimizer's wait for them, the exchange's
+    CPU work beside the steps. Only steps before the failure (`upto`) are used."""
     t = {r["step"]: r["t"] for r in rows if r["step"] <= upto}
     gaps = {s: t[s + 1] - t[s] for s in t if s + 1 in t and s > 5}
     plain = [g for s, g in gaps.items() if s % every >= span]
     if not plain:
         return {}
     steady = statistics.median(plain)
-    extra = [sum(gaps[s + i] - steady for i in range(span)) for s in gaps if s % every == 0
-             and all(s + i in gaps for i in range(span))]
+    extra = [sum(gaps[s + i] - steady for i in range(span)) for s in taken if all(s + i in gaps for i in range(span))]
     if not extra:
         return {"steady_step_s": round(steady, 5)}
-    return {"protected_step_extra_s": round(statistics.median(extra), 5), "protected_step_extra_s_all": extra,
-            "steady_step_s": round(steady, 5), "amortised_overhead": round(statistics.median(extra) / every / steady, 5),
-            "protected_steps": len(extra)}
+    return {"protected_step_extra_s": round(statistics.median(extra), 5),
+            "protected_step_extra_s_all": [round(x, 5) for x in extra], "protected_steps": sorted(taken),
+            "steady_step_s": round(steady, 5), "protected_step_ratio": round(1 + statistics.median(extra) / steady, 4),
+            "amortised_overhead_at_every": round(statistics.median(extra) / every / steady, 5)}
 
 
 def summarize_failure(ref: dict, run: dict, p2p: float | None, every: int = 0) -> dict:
@@ -260,7 +261,9 @@ def summarize_failure(ref: dict, run: dict, p2p: float | None, every: int = 0) -
         copies = [x["copy_s"] for x in taken if x.get("copy_s")]
         out["snapshot"] = {
             "every": every, "held_detail": run["trigger"].get("held_detail_at_kill") or snap.get("held_detail"),
-            "cost_from_rows": protection_cost(run["metrics"], every, run["trigger"].get("step") or resume),
+            "cost_from_rows": protection_cost(run["metrics"], every, run["trigger"].get("step") or resume,
+                                              [x["step"] for x in taken if x["step"] <= (run["trigger"].get("step")
+                                                                                          or resume)]),
             "versions": taken,
             "d2h_copy_s": statistics.median(copies) if copies else None,
             "d2h_GBps": (taken[0]["bytes"] / statistics.median(copies) / 1e9) if copies else None,
