@@ -8,8 +8,15 @@ step's forward and backward *read* the same tensors; the only writer is the opti
 `gate()` makes the training stream wait for the copies right before it (a device-side wait, no
 host stall; the runtime calls it from `BuildContext.before_update`). A workload whose forward
 writes its state (BatchNorm running statistics) would race with the copy: neither gpt_demo nor
-megatron_gpt does, and a workload that never calls `before_update` is gated at the start of
-its next step instead (`gate_at_step_start`), which is safe for any workload.
+megatron_gpt does, and a workload that never calls `before_update` is gated right after the
+capture instead (protection.py), which is safe for any workload.
+
+Staging on the device: a 14.6 GB copy over PCIe takes ~0.3-0.6 s, longer than the next step's
+forward and backward, so the optimizer would still wait for part of it. Where the GPU has room
+(free memory at least twice the state plus STAGE_MARGIN_BYTES once the job's own peak is
+reserved, measured when the slabs are allocated) the side stream first copies the state into a
+device buffer of its own (HBM to HBM, ~10 ms) and the gate waits only for that; the copy to the
+host then runs from that buffer, beside the following steps.
 
 Why pinned: a "non-blocking" copy into pageable memory is a synchronous one. Pinned memory is
 allocated once per layout (`Slab`: one flat buffer per dtype, tensors are views) and reused for
@@ -37,6 +44,7 @@ import torch
 from trainmover.runtime.transfer import _flatten, _unflatten, _word_view
 
 VERIFY_CHUNK_BYTES = 256 << 20  # a receiver's GPU checksum: host bytes moved to the device this much at a time
+STAGE_MARGIN_BYTES = 8 << 30    # device memory left free beside a stage (fragmentation, a later peak)
 
 
 def flatten(state: dict) -> tuple[object, list[str], list[torch.Tensor]]:
@@ -122,15 +130,17 @@ def nonfinite_count(tensors: list[torch.Tensor], via: torch.device | str | None 
 
 class Slab:
     """Host buffers for one layout of a state: one flat buffer per dtype (pinned where a GPU
-    copies into it), each tensor a view. Allocated once, reused for every version."""
+    copies into it), each tensor a view. Allocated once, reused for every version. With
+    `device`, the same on a GPU (a stage, see the module docstring)."""
 
-    def __init__(self, specs: list[tuple[str, tuple, str]], pin: bool):
+    def __init__(self, specs: list[tuple[str, tuple, str]], pin: bool, device: str | None = None):
         self.specs = [(p, tuple(s), str(d)) for p, s, d in specs]
         self.pinned = pin
         sizes: dict[str, int] = {}
         for _, shape, dtype in self.specs:
             sizes[dtype] = sizes.get(dtype, 0) + _numel(shape)
-        self.flat = {d: torch.empty(max(n, 1), dtype=_dtype(d), pin_memory=pin) for d, n in sizes.items()}
+        self.flat = {d: torch.empty(max(n, 1), dtype=_dtype(d), device=device, pin_memory=pin and device is None)
+                     for d, n in sizes.items()}
         offsets = dict.fromkeys(sizes, 0)
         self.views: list[torch.Tensor] = []
         for _, shape, dtype in self.specs:
@@ -160,6 +170,8 @@ class Captured:
     issue_s: float                       # training thread's time to issue the copies
     done: object = None                  # CUDA event after the copies and sums (None: complete)
     start: object = None
+    staged: object = None                # CUDA event once the state is in the device stage (None: not staged)
+    stage_s: float | None = None         # device time of the copy into the stage
     sums_host: torch.Tensor | None = None
     cpu_sums: dict = field(default_factory=dict)  # index -> word sum of a host tensor, taken at once
     gpu_index: list[int] = field(default_factory=list)
@@ -180,6 +192,8 @@ class Captured:
             sums = dict(self.cpu_sums)
             if self.done is not None:
                 self.copy_s = self.start.elapsed_time(self.done) / 1000.0
+                if self.staged is not None:
+                    self.stage_s = self.start.elapsed_time(self.staged) / 1000.0
                 sums.update(zip(self.gpu_index, self.sums_host.tolist()))
             self.digest = word_digest(self.specs, [int(sums[i]) for i in range(len(self.specs))])
 
@@ -193,8 +207,10 @@ class Capture:
     on a CPU node. `slabs` versions are kept in rotation (a version's slab is reused when the
     version `slabs` captures older is dropped)."""
 
-    def __init__(self, device: str, slabs: int = 2):
+    def __init__(self, device: str, slabs: int = 2, stage: bool = True):
         self.cuda = device == "cuda" and torch.cuda.is_available()
+        self.may_stage = stage and self.cuda
+        self.stage: Slab | None = None  # device buffers of the GPU tensors (see the module docstring)
         self.stream = torch.cuda.Stream() if self.cuda else None
         self.slabs: list[Slab] = []
         self.keep = slabs
@@ -210,9 +226,14 @@ class Capture:
         _, paths, tensors = flatten(state)
         specs = specs_of(paths, tensors)
 
+        gpu_specs = [s for s, t in zip(specs, tensors) if t.device.type == "cuda"]
+        gpu_bytes = sum(t.numel() * t.element_size() for t in tensors if t.device.type == "cuda")
+
         def allocate():
             t0 = time.perf_counter()
             slabs = [Slab(specs, pin=self.cuda) for _ in range(self.keep)]
+            if self.may_stage and gpu_specs and torch.cuda.mem_get_info()[0] > 2 * gpu_bytes + STAGE_MARGIN_BYTES:
+                self.stage = Slab(gpu_specs, pin=False, device="cuda")
             self.slabs, self.turn = slabs, 0
             self.prepare_s = time.perf_counter() - t0
         self.allocating = threading.Thread(target=allocate, name="tm-snap-alloc", daemon=True)
@@ -251,14 +272,22 @@ class Capture:
                 cap.gpu_index = gpu
                 self.stream.wait_stream(torch.cuda.current_stream())  # ordered after the step's work
                 cap.start, cap.done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                stage = self.stage if self.stage is not None and self.stage.matches([specs[i] for i in gpu]) else None
                 with torch.cuda.stream(self.stream):
                     cap.start.record()
                     for i in gpu:
-                        slab.views[i].copy_(tensors[i], non_blocking=True)
                         tensors[i].record_stream(self.stream)
-                    sums = torch.stack([_word_view(tensors[i]).sum(dtype=torch.int64) if tensors[i].numel()
-                                        else torch.zeros((), dtype=torch.int64, device=tensors[i].device)
+                    if stage is not None:  # HBM to HBM first: the gate waits for this part only
+                        for k, i in enumerate(gpu):
+                            stage.views[k].copy_(tensors[i], non_blocking=True)
+                        cap.staged = torch.cuda.Event(enable_timing=True)
+                        cap.staged.record()
+                    source = {i: (stage.views[k] if stage is not None else tensors[i]) for k, i in enumerate(gpu)}
+                    sums = torch.stack([_word_view(source[i]).sum(dtype=torch.int64) if source[i].numel()
+                                        else torch.zeros((), dtype=torch.int64, device=source[i].device)
                                         for i in gpu])
+                    for i in gpu:
+                        slab.views[i].copy_(source[i], non_blocking=True)
                     cap.sums_host = torch.empty(len(gpu), dtype=torch.int64, pin_memory=True)
                     cap.sums_host.copy_(sums, non_blocking=True)
                     cap.done.record()
@@ -270,12 +299,13 @@ class Capture:
         """Before the optimizer writes the state: the training stream waits (on the device) for
         the copies of the version in flight. Once per version; nothing when none is in flight."""
         cap, self.pending = self.pending, None
-        if cap is None or cap.ready():
+        event = None if cap is None else (cap.staged or cap.done)
+        if event is None or event.query():
             return
         stream = torch.cuda.current_stream()
         before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         before.record(stream)
-        stream.wait_event(cap.done)
+        stream.wait_event(event)
         after.record(stream)
         self._gate_events = (before, after)
 

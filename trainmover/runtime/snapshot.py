@@ -126,7 +126,7 @@ class Snapshots:
         self.threads = []
 
     def _finish(self, cap: capture.Captured, **numbers) -> None:
-        self.last.update(copy_s=cap.copy_s, **numbers)
+        self.last.update(copy_s=cap.copy_s, staged=cap.staged is not None, stage_s=cap.stage_s, **numbers)
         self.reports.append(dict(self.last))
 
     def _to_standby(self, cap: capture.Captured) -> None:
