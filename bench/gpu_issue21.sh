@@ -37,7 +37,7 @@ if [ -z "${TM_COMMIT:-}" ]; then
 fi
 export TM_COMMIT
 if [ "$DEVICE" = cuda ]; then
-  GPT=1b; MEG=1b; WARM=125m; GPT_STEPS=200; GPT_AT=25; EVERY=20; MEG_STEPS=80; MEG_AT=20
+  GPT=1b; MEG=1b; WARM=125m; GPT_STEPS=260; GPT_AT=25; EVERY=20; MEG_STEPS=80; MEG_AT=20
 else  # the CPU dry run: tiny models, more steps (a standby warms up for seconds on a loaded CPU)
   GPT=tiny; MEG=tiny; WARM=tiny; GPT_STEPS=800; GPT_AT=100; EVERY=100; MEG_STEPS=300; MEG_AT=60
 fi

@@ -106,11 +106,17 @@ def run_job(spec: dict) -> int:
 
     def _kill_now(t: dict, status: dict, step: int, spec: dict) -> bool:
         """SIGKILL the leaver's worker once the state it will need exists: with one worker a
-        snapshot held by the standby, then half an interval later (a failure between two)."""
+        snapshot held by the standby, then half an interval later (a failure between two). It
+        also waits (until 70% of the steps) for a snapshot taken before the one it will resume
+        from: the cost of a protected step is measured on those (the resume step's own
+        intervals hold the recovery)."""
         if spec["workers"] == 1:
-            held = ((status.get("protection") or {}).get("snapshots") or {}).get("held", {}).get("0") or []
-            held = [s for s in held if s > 0]
+            snaps = (status.get("protection") or {}).get("snapshots") or {}
+            held = [s for s in snaps.get("held", {}).get("0") or [] if s > 0]
             if not held or step < max(held) + spec["every"] // 2:
+                return False
+            earlier = [x["step"] for x in snaps.get("taken", {}).get("0") or [] if x["step"] < max(held)]
+            if not earlier and step < 0.7 * spec["steps"]:
                 return False
             t["held_at_kill"] = held
             t["held_detail_at_kill"] = ((status.get("protection") or {}).get("snapshots") or {}).get("held_detail")
@@ -198,12 +204,14 @@ def summarize(ref: dict, mig: dict, p2p: float | None) -> dict:
     }
 
 
-def protection_cost(rows: list[dict], every: int, upto: int, taken: list[int], span: int = 3) -> dict:
+def protection_cost(rows: list[dict], every: int, before_t: float, taken: list[int], span: int = 3) -> dict:
     """A snapshot's cost in step time: the excess over the median interval of the `span` step
     intervals from each step whose snapshot was taken (`taken`: not those skipped while the one
     before was on its way) on: the copies' issue, the optimizer's wait for them, the exchange's
-    CPU work beside the steps. Only steps before the failure (`upto`) are used."""
-    t = {r["step"]: r["t"] for r in rows if r["step"] <= upto}
+    CPU work beside the steps. Only rows logged before the failure (`before_t`) are used: after
+    the rollback the rows past the resume step are the redone ones, and an interval across the
+    resume step would hold the whole recovery."""
+    t = {r["step"]: r["t"] for r in rows if r["t"] < before_t}
     gaps = {s: t[s + 1] - t[s] for s in t if s + 1 in t and s > 5}
     plain = [g for s, g in gaps.items() if s % every >= span]
     if not plain:
@@ -261,9 +269,8 @@ def summarize_failure(ref: dict, run: dict, p2p: float | None, every: int = 0) -
         copies = [x["copy_s"] for x in taken if x.get("copy_s")]
         out["snapshot"] = {
             "every": every, "held_detail": run["trigger"].get("held_detail_at_kill") or snap.get("held_detail"),
-            "cost_from_rows": protection_cost(run["metrics"], every, run["trigger"].get("step") or resume,
-                                              [x["step"] for x in taken if x["step"] <= (run["trigger"].get("step")
-                                                                                          or resume)]),
+            "cost_from_rows": protection_cost(run["metrics"], every, t_kill,
+                                              [x["step"] for x in taken if x["step"] < resume]),
             "versions": taken,
             "d2h_copy_s": statistics.median(copies) if copies else None,
             "d2h_GBps": (taken[0]["bytes"] / statistics.median(copies) / 1e9) if copies else None,

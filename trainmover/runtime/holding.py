@@ -49,7 +49,7 @@ from trainmover.runtime.groups import gloo_group
 log = logging.getLogger("trainmover.holding")
 
 OK, AGAIN, REFUSED = transfer.OK, transfer.AGAIN, transfer.REFUSED
-POLL_S = 0.5     # a holder's wait for the next version is cut into waits this long (to notice `stop`)
+POLL_S = 0.05    # a holder looks for the next version's manifest this often
 KEPT: list = []  # gloo groups never destroyed (see the module docstring)
 
 
@@ -62,16 +62,15 @@ def _client(store_addr: tuple[str, int], timeout_s: float) -> dist.TCPStore:
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def _wait_key(store, key: str, deadline: float, stop: threading.Event | None = None) -> bool:
-    """Whether `key` appeared before `deadline` (False also when `stop` was set)."""
+def _wait_key(store, key: str, deadline: float, stop: threading.Event | None = None, poll_s: float = 0.01) -> bool:
+    """Whether `key` appeared before `deadline` (False also when `stop` was set). Polled with
+    `check`: a timed `wait` that expires makes c10d log two warnings, every time."""
     while time.monotonic() < deadline:
         if stop is not None and stop.is_set():
             return False
-        try:
-            store.wait([key], datetime.timedelta(seconds=min(POLL_S, max(0.01, deadline - time.monotonic()))))
+        if store.check([key]):
             return True
-        except (RuntimeError, dist.DistStoreError):
-            pass
+        time.sleep(poll_s)
     return False
 
 
@@ -226,7 +225,7 @@ class Holding:
         while not self.stop.is_set():
             n += 1
             key = f"{self.prefix}v{n}/"
-            if not _wait_key(store, key + "manifest", float("inf"), self.stop):
+            if not _wait_key(store, key + "manifest", float("inf"), self.stop, poll_s=POLL_S):
                 return
             try:
                 self._receive(store, pair, key)
