@@ -2,8 +2,8 @@
 planned migration in the same invocation: one JSON with both, their ratio and the phases.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-    python bench/gpu_checkpoint_restart.py --preset 1b --gpus 4 --with-trainmover --out DIR
-    python bench/gpu_checkpoint_restart.py --device cpu --preset tiny --gpus 4 --with-trainmover   # dry run, no GPU
+    python bench/gpu_checkpoint_restart.py --preset 1b --gpus 2 --with-trainmover --out DIR
+    python bench/gpu_checkpoint_restart.py --device cpu --preset tiny --gpus 2 --with-trainmover   # dry run, no GPU
 
 Workers = GPUs - 1 (one rank per GPU, DDP over NCCL); the last GPU is the replacement (for
 TrainMover: the warm standby; for the baseline: where the restarted rank lands). With 2 GPUs:
