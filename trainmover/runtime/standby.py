@@ -67,13 +67,16 @@ class StandbyRole:
                 log.info("controller closed the channel; standby exits")
                 return 0
             if msg["type"] == "prepare":
+                self._full_priority(True)  # a join is on the job's critical path
                 start = self.join(msg)
                 if start is not None:
                     self._now_a_worker(start)
                     return self.train(start)
+                self._full_priority(False)
                 self.send("ready", node=self.spec.node, local=self.local, warmup_s=time.perf_counter() - t0,
                           shadow_steps=0, detail={})
             elif msg["type"] == "recover" and str(self.local) in msg["assign"]:
+                self._full_priority(True)
                 start = self.take_failed_rank(msg)
                 self._now_a_worker(start)
                 return self.train(start)
@@ -93,8 +96,8 @@ class StandbyRole:
         return take_or_build
 
     def _now_a_worker(self, step: int) -> None:
-        """This standby took a rank: it stops holding snapshots, gives back the groups built
-        ahead it did not use (retired off the critical path) and asks for its priority back."""
+        """This standby took a rank: it stops holding snapshots and gives back the groups built
+        ahead it did not use (retired off the critical path)."""
         if self.holding is not None:
             self.holding.close()
             self.holding = None
@@ -102,11 +105,17 @@ class StandbyRole:
             for backend in self.ahead.rest():
                 self.retire(backend, step)
             self.ahead = None
-        if self.spec.standby_nice:
-            try:
-                os.setpriority(os.PRIO_PROCESS, 0, 0)
-            except OSError as exc:  # lowering niceness needs CAP_SYS_NICE
-                log.info("stays at nice %d as a worker: %s", self.spec.standby_nice, exc)
+
+    def _full_priority(self, full: bool) -> None:
+        """A standby asks for its priority back as it takes a rank (join or recovery: the job's
+        critical path, then its training) and lowers it again if the join is cancelled. On Linux
+        niceness is per thread: this is the main thread, the one that joins and trains."""
+        if not self.spec.standby_nice:
+            return
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, 0 if full else self.spec.standby_nice)
+        except OSError as exc:  # lowering niceness needs CAP_SYS_NICE
+            log.info("stays at nice %d: %s", self.spec.standby_nice, exc)
 
     def _roles(self) -> dict[str, int]:
         """The roles a standby rehearses and the ranks that record them ({} if not recording)."""
