@@ -7,23 +7,90 @@
 #
 # slurmd runs it as root with SLURMD_NODENAME and nothing else: no PATH, no SLURM_CONF.
 # Site settings come from /etc/trainmover/healthcheck.env, then healthcheck.env next to
-# this script (both optional, shell syntax):
+# this script (both optional). They are *read*, never sourced: KEY=VALUE lines, the value
+# taken literally (one pair of surrounding quotes removed), for these keys only:
 #   SLURM_CONF=/etc/slurm/slurm.conf            the cluster to drain the node in
-#   TRAINMOVER_PYTHON=/opt/trainmover/.venv/bin/python
+#   TRAINMOVER_PYTHON=/opt/trainmover/.venv/bin/python   (trainmover installed in it)
 #   TRAINMOVER_HEALTHCHECK_ARGS="--state-dir /var/lib/trainmover/healthcheck --min-free-gb 5"
 # Arguments given to the script are passed on (NHC: add --no-drain, NHC drains itself).
-# Exit 0: healthy; 1: fault (node drained with a reason starting "trainmover:").
-# Never runs longer than 10 s (timeout 9 s, then SIGKILL 1 s later).
+#
+# Because it runs as root:
+#   * it works from / and reads nothing relative to the directory it was started in;
+#   * a healthcheck.env is used only when root owns it and its directory and neither is
+#     writable by group or others (else it is ignored, with a message on stderr); the same
+#     holds for the Python interpreter, which must be root's and not writable by others;
+#   * Python runs isolated (-I: no PYTHON* variables, no user site, neither the script's
+#     directory nor the working directory on sys.path) in a clean environment holding only
+#     PATH, SLURM_CONF and SLURMD_NODENAME;
+#   * the run never takes longer than 10 s (timeout 9 s, then SIGKILL 1 s later).
+# Exit 0: healthy; 1: fault (node drained with a reason starting "trainmover:" unless
+# --no-drain); 2: not run (no trusted interpreter); 124/137: killed at the time limit.
 PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 export PATH
-here=$(CDPATH= cd -- "$(dirname -- "$0")" && pwd)
+umask 077
+set -f  # no globbing when TRAINMOVER_HEALTHCHECK_ARGS is split into words
+here=$(CDPATH='' cd -- "$(dirname -- "$0")" && pwd -P) || exit 2
+cd / || exit 2
+
+say() { echo "trainmover healthcheck.sh: $*" >&2; }
+
+# trusted PATH: PATH (followed if a link) and the directory holding it belong to root and
+# are not writable by group or others.
+trusted() {
+    for p in "$1" "$(dirname -- "$1")"; do
+        info=$(stat -L -c '%u %a' -- "$p" 2>/dev/null) || return 1
+        case $info in
+            "0 "*[2367]? | "0 "*[2367]) return 1 ;;  # group- or other-writable
+            "0 "*) ;;
+            *) return 1 ;;
+        esac
+    done
+}
+
+# read_env FILE: the three keys above from FILE's KEY=VALUE lines; nothing is executed.
+read_env() {
+    n=0
+    while IFS= read -r line || [ -n "$line" ]; do
+        n=$((n + 1))
+        case $line in
+            '' | '#'*) continue ;;
+            SLURM_CONF=* | TRAINMOVER_PYTHON=* | TRAINMOVER_HEALTHCHECK_ARGS=*) ;;
+            *) say "$1:$n ignored (only SLURM_CONF, TRAINMOVER_PYTHON, TRAINMOVER_HEALTHCHECK_ARGS are read)"; continue ;;
+        esac
+        key=${line%%=*}
+        val=${line#*=}
+        case $val in
+            \"*\") val=${val#\"}; val=${val%\"} ;;
+            \'*\') val=${val#\'}; val=${val%\'} ;;
+        esac
+        case $key in
+            SLURM_CONF) SLURM_CONF=$val ;;
+            TRAINMOVER_PYTHON) TRAINMOVER_PYTHON=$val ;;
+            TRAINMOVER_HEALTHCHECK_ARGS) TRAINMOVER_HEALTHCHECK_ARGS=$val ;;
+        esac
+    done < "$1"
+}
+
+SLURM_CONF=/etc/slurm/slurm.conf
+TRAINMOVER_PYTHON=$here/../.venv/bin/python
+TRAINMOVER_HEALTHCHECK_ARGS=
 for f in /etc/trainmover/healthcheck.env "$here/healthcheck.env"; do
-    # shellcheck disable=SC1090
-    [ -r "$f" ] && . "$f"
+    [ -e "$f" ] || continue
+    if trusted "$f"; then
+        read_env "$f"
+    else
+        say "$f ignored: it or its directory is not root's, or is writable by group or others"
+    fi
 done
-SLURM_CONF=${SLURM_CONF:-/etc/slurm/slurm.conf}
-export SLURM_CONF
-python=${TRAINMOVER_PYTHON:-$here/../.venv/bin/python}
+python=$TRAINMOVER_PYTHON
+if [ ! -x "$python" ]; then
+    say "no Python interpreter at $python (set TRAINMOVER_PYTHON in healthcheck.env)"; exit 2
+fi
+if ! trusted "$python" || ! trusted "$(readlink -f -- "$python")"; then
+    say "$python not used: it, its target or their directories are not root's, or are writable by group or others"
+    exit 2
+fi
 node=${SLURMD_NODENAME:-$(hostname -s)}
 # shellcheck disable=SC2086
-exec timeout -k 1 9 "$python" -m trainmover.cli healthcheck --node "$node" ${TRAINMOVER_HEALTHCHECK_ARGS:-} "$@"
+exec env -i PATH="$PATH" SLURM_CONF="$SLURM_CONF" SLURMD_NODENAME="$node" \
+    timeout -k 1 9 "$python" -I -m trainmover.cli healthcheck --node "$node" $TRAINMOVER_HEALTHCHECK_ARGS "$@"

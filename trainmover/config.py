@@ -97,6 +97,10 @@ class Config:
     recovery_tiers: str = field(default="replica,snapshot,checkpoint", metadata={"env": "TM_RECOVERY_TIERS", "doc": "where a vanished rank's state may come from, in order of preference: replica, snapshot, checkpoint (comma-separated subset)"})
     controller_restarts: int = field(default=3, metadata={"env": "TM_CONTROLLER_RESTARTS", "doc": "times the controller is restarted from its journal after it died (0: never)"})
     reconnect_timeout_s: float = field(default=60.0, metadata={"env": "TM_RECONNECT_TIMEOUT_S", "doc": "after the controller died: how long ranks try to reach its successor, and it waits for them"})
+    heartbeat_s: float = field(default=0.5, metadata={"env": "TM_HEARTBEAT_S", "doc": "every process sends a heartbeat this often, from a thread of its own (runtime/heartbeat.py)"})
+    heartbeat_timeout_s: float = field(default=3.0, metadata={"env": "TM_HEARTBEAT_TIMEOUT_S", "doc": "a process not heard from for this long is judged dead (frozen, cut off), fenced and replaced; see docs/recovery.md for the trade-off"})
+    progress_timeout_s: float = field(default=5.0, metadata={"env": "TM_PROGRESS_TIMEOUT_S", "doc": "no step completed for max(this, TM_PROGRESS_STEPS x the median step): a rank the others wait on whose training thread idles is judged stuck"})
+    progress_steps: float = field(default=10.0, metadata={"env": "TM_PROGRESS_STEPS", "doc": "see TM_PROGRESS_TIMEOUT_S: the stuck deadline in typical steps"})
     inject: tuple[str, ...] = field(default=(), metadata={"env": "TM_INJECT", "doc": "comma-separated fault injections: " + ", ".join(INJECTIONS)})
     run_dir: str = field(default="", metadata={"env": "TM_RUN_DIR", "doc": "output directory (default: <submit dir>/runs/<job id>)"})
 
@@ -111,6 +115,9 @@ class Config:
             (min(self.reconnect_timeout_s, self.phase1_timeout_s, self.group_timeout_s, self.switch_timeout_s, self.standby_wait_s, self.recovery_timeout_s,
                  self.standby_retry_s, self.release_timeout_s) > 0, "timeouts must be > 0"),
             (self.record_iterations >= 0, "TM_RECORD_ITERATIONS must be >= 0"),
+            (0 < self.heartbeat_s and 2 * self.heartbeat_s <= self.heartbeat_timeout_s,
+             "TM_HEARTBEAT_S must be > 0 and at most half of TM_HEARTBEAT_TIMEOUT_S (one late beat is no silence)"),
+            (self.progress_timeout_s > 0 and self.progress_steps > 0, "TM_PROGRESS_TIMEOUT_S and TM_PROGRESS_STEPS must be > 0"),
             (self.shadow_steps >= 2, "TM_SHADOW_STEPS must be >= 2 (steadiness needs two steps to compare)"),
             (bool(self.reservation), "TM_RESERVATION must not be empty"),
             (self.device in ("auto", "cpu", "cuda"), f"TM_DEVICE={self.device!r}: expected auto, cpu or cuda"),

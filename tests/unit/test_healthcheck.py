@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import time
 from collections import namedtuple
-from pathlib import Path
-from types import SimpleNamespace
+from dataclasses import replace
 
 from trainmover.healthcheck import Finding, Options, decide, run
-from trainmover.healthcheck import checks, gpu
+from trainmover.healthcheck import checks, inject, kmsg, nvml, verdict
+from trainmover.healthcheck.readings import NodeReading
 from trainmover.healthcheck.decide import MAX_REASON
 from trainmover.slurm.model import NodeInfo
 
@@ -15,14 +15,24 @@ Usage = namedtuple("Usage", "total used free")
 
 
 class FakeNvml:
+    """The pynvml functions nvml.read uses; each GPU a dict of what it answers."""
     NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC = 1, 0
     NVML_NVLINK_MAX_LINKS = 2
     NVML_NVLINK_ERROR_DL_REPLAY, NVML_NVLINK_ERROR_DL_RECOVERY = 0, 1
     NVML_NVLINK_ERROR_DL_CRC_FLIT, NVML_NVLINK_ERROR_DL_CRC_DATA = 2, 3
+    NVML_ERROR_GPU_IS_LOST = 15
     nvmlClocksThrottleReasonHwSlowdown = 0x8
+
+    class Lost(Exception):
+        value = 15
 
     def __init__(self, gpus):
         self.gpus = gpus  # list of dicts
+
+    def _h(self, h):
+        if h.get("lost"):
+            raise self.Lost()
+        return h
 
     def nvmlDeviceGetCount(self):
         return len(self.gpus)
@@ -30,8 +40,11 @@ class FakeNvml:
     def nvmlDeviceGetHandleByIndex(self, i):
         return self.gpus[i]
 
+    def nvmlDeviceGetUUID(self, h):
+        return h.get("uuid", f"GPU-{self.gpus.index(h)}")
+
     def nvmlDeviceGetTotalEccErrors(self, h, kind, counter):
-        return h.get("ecc", 0)
+        return self._h(h).get("ecc", 0)
 
     def nvmlDeviceGetRetiredPagesPendingStatus(self, h):
         return h.get("pending", 0)
@@ -39,7 +52,7 @@ class FakeNvml:
     def nvmlDeviceGetRemappedRows(self, h):
         if "remap" not in h:
             raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
-        return (0, 0, 0, h["remap"])
+        return (0, 0, h.get("remap_pending", 0), h["remap"])
 
     def nvmlDeviceGetCurrentClocksThrottleReasons(self, h):
         return h.get("throttle", 0)
@@ -50,52 +63,91 @@ class FakeNvml:
     def nvmlDeviceGetNvLinkErrorCounter(self, h, link, counter):
         return h["nvlink"][link] if counter == self.NVML_NVLINK_ERROR_DL_CRC_FLIT else 0
 
-
-def test_healthy_gpus():
-    found = gpu.check_gpus(FakeNvml([{"remap": 0, "nvlink": [0, 3]}, {}]))
-    assert [f.ok for f in found] == [True, True]
+    def nvmlDeviceGetPcieReplayCounter(self, h):
+        return h.get("pcie", 0)
 
 
-def test_each_gpu_fault_is_reported():
-    nvml = FakeNvml([{"ecc": 2}, {"pending": 1}, {"remap": 1}, {"throttle": 0x8}, {"nvlink": [0, 500]}])
-    details = [f.detail for f in gpu.check_gpus(nvml) if not f.ok]
-    assert details == ["GPU 0: 2 uncorrected ECC errors", "GPU 1: retired pages pending (reset needed)",
-                       "GPU 2: row remapping failed", "GPU 3: throttled: HW slowdown", "GPU 4: NVLink 1: 500 errors"]
+def _judge_one(reading, prev=None, now=1000.0):
+    return verdict.judge(prev, reading, now)
+
+
+def test_nvml_reading_of_healthy_gpus():
+    r = nvml.read(FakeNvml([{"remap": 0, "nvlink": [0, 3]}, {}]), xid_window_ms=0)
+    assert [g.uuid for g in r.gpus] == ["GPU-0", "GPU-1"] and r.source == "nvml"
+    assert r.gpus[0].counters["nvlink1"] == {"replay": 0, "recovery": 0, "crc_flit": 3, "crc_data": 0}
+    assert r.gpus[0].counters["pcie"] == {"pcie_replay": 0} and "nvlink0" in r.gpus[0].counters
+    assert [f.ok for f in _judge_one(r).findings] == [True, True]
+
+
+def test_each_fatal_gpu_sign_is_a_fault_and_throttling_only_a_warning():
+    r = nvml.read(FakeNvml([{"ecc": 2}, {"pending": 1}, {"remap": 1}, {"throttle": 0x8}, {"lost": True},
+                            {"remap": 0, "remap_pending": 1}]), xid_window_ms=0)
+    found = _judge_one(r).findings
+    faults = [f.detail for f in found if not f.ok]
+    assert faults == ["GPU 0: uncorrectable ECC errors: 2",
+                      "GPU 1: page retirement or row remap pending (GPU reset needed)",
+                      "GPU 2: row remapping failed", "GPU 4: fallen off the bus (NVML: GPU is lost)",
+                      "GPU 5: page retirement or row remap pending (GPU reset needed)"]
+    (warn,) = [f for f in found if f.warning]
+    assert warn.ok and warn.detail == "GPU 3: warning: throttled: HW slowdown"
+
+
+def test_nvml_recovery_action_field():
+    from types import SimpleNamespace
+
+    class WithField(FakeNvml):
+        NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = 230
+
+        def nvmlDeviceGetFieldValues(self, h, ids):
+            assert ids == [230]
+            return [SimpleNamespace(nvmlReturn=0, value=SimpleNamespace(uiVal=h.get("action", 0)))]
+    r = nvml.read(WithField([{"action": 1}, {}]), xid_window_ms=0)
+    assert [g.recovery_action for g in r.gpus] == [1, 0]
+    assert [f.detail for f in _judge_one(r).findings if not f.ok] == ["GPU 0: driver asks for a recovery action: GPU reset"]
 
 
 def test_no_nvml_is_a_skip_with_a_note():
-    nvml, why = gpu.load_nvml()
-    if nvml is None:
-        assert "no GPU checks" in why or "no GPU" in why
+    lib, why = nvml.load()
+    if lib is None:
+        assert "no GPU checks" in why
 
 
-def test_kernel_xids_since_the_cursor(tmp_path):
+def test_kernel_xids_since_the_last_run_and_not_before_the_first():
     records = ["6,100,1,-;NVRM: Xid (PCI:0000:3b:00): 79, pid=1, GPU has fallen off the bus.",
                "6,101,2,-;usb 1-1: new device",
                "6,102,3,-;NVRM: Xid (PCI:0000:5e:00): 13, Graphics Engine Exception",
                "6,103,4,-;NVRM: Xid (PCI:0000:5e:00): 48, DBE"]
-    cursor = tmp_path / "kmsg-cursor"
-    first = gpu.check_kernel_xids(records, cursor)
-    assert [f.detail for f in first] == ["XID 79 on PCI 0000:3b:00 (kernel log)", "XID 48 on PCI 0000:5e:00 (kernel log)"]
-    assert cursor.read_text() == "103"
-    assert gpu.check_kernel_xids(records, cursor) == [], "seen XIDs are not reported twice"
+    xids = tuple(kmsg.parse_xids(records))
+    first = _judge_one(NodeReading("nvml", xids=xids, boot_id="b1"))
+    assert not first.findings and first.state.kmsg_seq == 103
+    assert any("first run: critical XIDs already in the kernel log" in n for n in first.notes)
+    prev = replace(first.state, kmsg_seq=99)  # as if the last run had seen up to 99
+    found = _judge_one(NodeReading("nvml", xids=xids, boot_id="b1"), prev).findings
+    assert [f.detail for f in found if not f.ok] == ["XID 79 on PCI 0000:3b:00 (kernel log)",
+                                                     "XID 48 on PCI 0000:5e:00 (kernel log)"]
+    assert [f.detail for f in found if f.warning] == ["warning: XID 13 on PCI 0000:5e:00 (kernel log) (not a critical XID)"]
+    again = _judge_one(NodeReading("nvml", xids=xids, boot_id="b1"), first.state)
+    assert again.findings == (), "seen XIDs are not reported twice"
+    rebooted = _judge_one(NodeReading("nvml", xids=xids[:1], boot_id="b2"), first.state)
+    assert [f.detail for f in rebooted.findings] == ["XID 79 on PCI 0000:3b:00 (kernel log)"], \
+        "after a reboot the sequence numbers restart: all of this boot's XIDs are new"
 
 
 def test_disk_and_injection(tmp_path):
     found = checks.check_disk(["/a", "/b"], 5, usage=lambda p: Usage(100e9, 0, 10e9 if p == "/a" else 1e9))
     assert [f.ok for f in found] == [True, False] and "1.0 GB free (minimum 5 GB)" in found[1].detail
-    assert checks.check_injected(tmp_path, "n1") == []
+    assert checks.check_injected(inject.read_hook(tmp_path, "n1"), True) == []
     (tmp_path / "inject-fault-n1").write_text("XID 79\n")
-    (f,) = checks.check_injected(tmp_path, "n1")
+    (f,) = checks.check_injected(inject.read_hook(tmp_path, "n1"), True)
     assert not f.ok and f.detail.startswith("XID 79 (fault injected by")
 
 
 def test_decide():
-    bad = [Finding("gpu", False, "GPU 0: 2 uncorrected ECC errors"), Finding("disk", False, "/: full")]
+    bad = [Finding("gpu", False, "GPU 0: uncorrectable ECC errors: 2"), Finding("disk", False, "/: full")]
     ok = [Finding("disk", True, "fine"), Finding("gpu", True, "no NVML", skipped=True)]
     assert not decide(ok, drained=False).drain
     a = decide(bad, drained=False)
-    assert a.drain and a.reason == "trainmover: healthcheck gpu: GPU 0: 2 uncorrected ECC errors (+1 more)"
+    assert a.drain and a.reason == "trainmover: healthcheck gpu: GPU 0: uncorrectable ECC errors: 2 (+1 more)"
     assert not decide(bad, drained=True, current_reason="trainmover: x").drain
     assert "someone else" in decide(bad, drained=True, current_reason="admin").reason
     report_only = decide(bad, drained=False, may_drain=False)  # NHC drains itself, with this text

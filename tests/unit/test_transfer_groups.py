@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from trainmover.errors import MigrationError
-from trainmover.runtime import transfer
+from trainmover.runtime import heartbeat, transfer
 from trainmover.runtime.groups import SandboxBackend, SwappableGroup, gloo_group
 
 pytestmark = pytest.mark.gloo_threads  # see tests/unit/conftest.py
@@ -193,6 +193,11 @@ def test_revoke_frees_ranks_waiting_on_a_peer_that_never_comes(store):
     threads = [threading.Thread(target=reduce, args=(r,)) for r in (0, 1)]
     [t.start() for t in threads]
     time.sleep(0.5)
+    # what their heartbeats say meanwhile (runtime/heartbeat.py): the others wait on rank 2
+    seen = [heartbeat.beat([r], 4, {"world": groups[r]}, threading.get_native_id(), time.monotonic())
+            for r in range(3)]
+    assert [b["issued"]["world"] for b in seen] == [1, 1, 0]
+    assert seen[0]["waiting"]["world"] >= 0.4 and seen[1]["waiting"]["world"] >= 0.4 and seen[2]["waiting"] == {}
     for g in groups[:2]:
         g.revoke("rank 2 lost")
     [t.join(10) for t in threads]
@@ -205,6 +210,7 @@ def test_revoke_frees_ranks_waiting_on_a_peer_that_never_comes(store):
     with pytest.raises(RuntimeError, match="revoked"):
         groups[0].allreduce([torch.ones(4)]).wait()
     groups[0].swap(SandboxBackend(0, 3))
+    assert groups[0].issued == 0 and groups[0].waiting_s(time.monotonic()) == 0.0  # counted afresh
     t = torch.ones(2)
     groups[0].allreduce([t]).wait()  # usable again with its new backend
     assert torch.equal(t, torch.ones(2))

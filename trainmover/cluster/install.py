@@ -70,3 +70,22 @@ def ensure_installed(*, log=lambda msg: print(f"trainmover cluster: {msg}", file
     if still:
         raise ClusterError(f"after installing {' '.join(PACKAGES)} these programs are still missing: {still}")
     return True
+
+
+def ensure_program(program: str, package: str) -> str:
+    """The path of `program`, installing Debian's `package` first when it is missing (tools the
+    tests use beside the cluster, e.g. nft for a partition)."""
+    found = which(program)
+    if found:
+        return found
+    if which("apt-get") is None or os.geteuid() != 0:
+        raise ClusterError(f"{program} is missing; install the {package} package")
+    env = _apt_env()
+    install = ["apt-get", "install", "-y", "--no-install-recommends", package]
+    if run_cmd(install, timeout=300, env=env, what=f"apt-get install {package}", check=False).returncode != 0:
+        run_cmd(["apt-get", "update"], timeout=300, env=env, what="apt-get update")
+        run_cmd(install, timeout=300, env=env, what=f"apt-get install {package}")
+    found = which(program)
+    if not found:
+        raise ClusterError(f"{program} still missing after installing {package}")
+    return found

@@ -91,6 +91,18 @@ class _Framer:
             raise ProtocolError(f"malformed JSON: {exc}") from exc
 
 
+SEND_TIMEOUT_S = 5  # a send to a peer that reads nothing (frozen, cut off) fails instead of blocking
+
+
+def _bounded_sends(sock: socket.socket) -> None:
+    """Sends fail after SEND_TIMEOUT_S instead of blocking for good; receives still wait (an
+    idle standby may say nothing for hours). A frozen or cut-off peer stops reading: without
+    this a full socket buffer would block the sender (the controller's loop, a rank's step)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_TIMEOUT_S, 0))
+    if hasattr(socket, "TCP_USER_TIMEOUT"):  # unacknowledged data: the connection is dead after this
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, SEND_TIMEOUT_S * 1000)
+
+
 def _read_exact(sock: socket.socket, n: int) -> bytes | None:
     buf = bytearray()
     while len(buf) < n:
@@ -108,6 +120,7 @@ class Connection:
         self.framer, self.peer = framer, peer
         self.closed = False
         self.identity: dict | None = None  # the peer's hello
+        self.last_frame_at = time.time()   # when the reader last received a frame (liveness)
 
     def send(self, msg: dict) -> None:
         self.framer.send(msg)
@@ -157,11 +170,13 @@ class Server:
                 return conn.close()
             sock.settimeout(None)  # authenticated peers may stay idle (standbys wait for hours)
             conn.identity = first
+            _bounded_sends(sock)
             self.inbox.put((conn, first))
             while True:
                 msg = conn.framer.recv()
                 if msg is None:
                     break
+                conn.last_frame_at = time.time()
                 self.inbox.put((conn, msg))
         except (ProtocolError, OSError, socket.timeout) as exc:
             self.rejected += 1
@@ -189,6 +204,7 @@ def connect(address: tuple[str, int], key: bytes, hello: dict, *, timeout: float
             if challenge is None or len(challenge) != _CHALLENGE:
                 raise ProtocolError("controller closed the connection during the handshake")
             sock.settimeout(None)
+            _bounded_sends(sock)
             conn = Connection(_Framer(sock, key, challenge, is_server=False), f"{address[0]}:{address[1]}")
             conn.send(hello)
             return conn

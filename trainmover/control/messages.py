@@ -42,12 +42,20 @@ SCHEMA: dict[str, dict[str, object]] = {
     # (worker) or starting, ready, warming, joining (standby)
     "resync": {"node": _STR, "ranks": _LIST, "role": _STR, "step": _INT, "pending": _INT, "switched": _INT,
                "state": _STR},
+    # every TM_HEARTBEAT_S from a thread of its own (runtime/heartbeat.py), so that a frozen or
+    # cut-off process is found by its silence, and a stuck one by what it and its peers report:
+    # `step` steps complete; `issued` collectives issued per group since the group's last swap;
+    # `waiting` the age in seconds of the oldest collective in flight per group (gloo only);
+    # `cpu_s` the CPU time of the training thread (a rank computing is slow, not dead)
+    "beat": {"ranks": _LIST, "step": _INT, "issued": _DICT, "waiting": _DICT, "cpu_s": _FLOAT},
     # controller -> worker / agent
     # a one-node job's snapshots of `wards` (its ranks) go to standby `holder` ("": to nobody),
     # over links built under the store prefix `prefix` (controller/holder.py)
     "hold": {"holder": _STR, "wards": _LIST, "prefix": _STR},
     "prepare": {"epoch": _INT, "leavers": _LIST, "joiner_node": _STR, "assign": _DICT, "options": _DICT},
     "abort": {"epoch": _INT, "reason": _STR},
+    # this process was judged dead and replaced: it must exit at once, writing nothing
+    "fenced": {"reason": _STR},
     # the controller ends on purpose: do not wait for it to come back
     "bye": {"reason": _STR},
     # unexpected failure: fail every collective of groups holding `failed` ranks, now
@@ -98,6 +106,11 @@ def validate(msg: object) -> dict:
     for name in ("leavers", "failed", "needers"):
         if name in msg and not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in msg[name]):
             raise ProtocolError(f"{kind}.{name}: must be non-negative integers")
+    if kind == "beat":
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in msg["issued"].values()):
+            raise ProtocolError("beat.issued: counts must be non-negative integers")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in msg["waiting"].values()):
+            raise ProtocolError("beat.waiting: ages must be non-negative numbers")
     return msg
 
 

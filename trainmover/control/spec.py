@@ -29,6 +29,7 @@ class WorkerSpec:
     switch_timeout_s: float = 60.0  # joiner: longest wait for the leaver's state
     recovery_timeout_s: float = 120.0  # a stalled rank's longest wait for the controller's recovery plan
     reconnect_timeout_s: float = 60.0  # controller lost: how long to try reaching its successor
+    heartbeat_s: float = 0.5        # a beat to the controller this often (runtime/heartbeat.py; 0: none)
     shadow_steps: int = 6          # most shadow steps to reach a steady collective sequence
     inject: tuple[str, ...] = ()    # fault injection, see trainmover.faults (as this process sees it: faults.for_launch)
     record_iterations: int = 3      # iterations whose collectives the role ranks record (0: none)

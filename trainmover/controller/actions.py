@@ -51,3 +51,12 @@ class CheckpointDone:
     step: int
     digests: dict
     keep: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Fence:
+    """A process judged dead (controller/liveness.py) can never come back and act: kill its
+    Slurm step, refuse its connection from now on, drain its node with `reason`."""
+    node: str
+    pid: int
+    reason: str

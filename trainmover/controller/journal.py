@@ -9,7 +9,8 @@ versioned and checked on replay:
 kinds:
   start      the job's initial layout (world size, ranks per node, batch host, rank -> node)
   launch     a Slurm step the controller started (node, role, ranks, pid of its srun)
-  view       what changed of the controller's view: rank -> node, standbys, released, epoch
+  view       what changed of the controller's view: rank -> node, standbys, released, epoch,
+             fenced processes (controller/liveness.py)
   migration  a migration's record after a change (phase, epoch, leaver, joiner, times ...)
   restart    a controller took over from a dead one (attempt number)
 
@@ -56,6 +57,7 @@ class Replayed:
     rank_node: dict[int, str] = field(default_factory=dict)
     standbys: dict[str, str] = field(default_factory=dict)     # node -> state
     released: list[str] = field(default_factory=list)
+    fenced: list = field(default_factory=list)                 # [node, pid] of processes judged dead
     epoch: int = 0
     migrations: dict[int, dict] = field(default_factory=dict)  # id -> last record
     steps: dict[str, dict] = field(default_factory=dict)       # node -> last launch record
@@ -115,6 +117,8 @@ def fold(lines: list[str]) -> Replayed:
                 out.released = list(rec["released"])
             if "epoch" in rec:
                 out.epoch = int(rec["epoch"])
+            if "fenced" in rec:
+                out.fenced = [list(x) for x in rec["fenced"]]
         elif kind == "migration":
             out.migrations[rec["m"]["id"]] = rec["m"]
         elif kind == "restart":
@@ -145,8 +149,8 @@ def diff(before: dict, after: dict) -> list[dict]:
     ranks = {str(r): n for r, n in after["rank_node"].items() if before.get("rank_node", {}).get(r) != n}
     if ranks:
         view["ranks"] = ranks
-    for key in ("standbys", "released", "epoch"):
-        if before.get(key) != after[key]:
+    for key in ("standbys", "released", "epoch", "fenced"):
+        if key in after and before.get(key) != after[key]:
             view[key] = after[key]
     if view:
         out.append({"kind": "view", **view})

@@ -26,8 +26,8 @@ from trainmover.config import Config, parse_tiers
 from trainmover.control import channel, checkpoints
 from trainmover.control.messages import make
 from trainmover.controller import journal, records, tiers
-from trainmover.controller.actions import (AcquireStandby, CheckpointDone, Finish, LaunchStandby, Record, ReleaseNode,
-                                          Rewind, Send)
+from trainmover.controller.actions import (AcquireStandby, CheckpointDone, Fence, Finish, LaunchStandby, Record,
+                                          ReleaseNode, Rewind, Send)
 from trainmover.controller.policy import Policy
 from trainmover.controller.view import JobView
 from trainmover.errors import ConfigError, SlurmError, TrainMoverError
@@ -162,7 +162,7 @@ class Controller:
                           standby_compile_threads=self.cfg.standby_compile_threads,
                           seed=self.cfg.seed, steps=self.cfg.steps, group_timeout_s=self.cfg.group_timeout_s,
                           switch_timeout_s=self.cfg.switch_timeout_s, recovery_timeout_s=self.cfg.recovery_timeout_s,
-                          reconnect_timeout_s=self.cfg.reconnect_timeout_s,
+                          reconnect_timeout_s=self.cfg.reconnect_timeout_s, heartbeat_s=self.cfg.heartbeat_s,
                           shadow_steps=self.cfg.shadow_steps,
                           snapshot_every=self.snapshot_every, checkpoint_every=self.cfg.checkpoint_every,
                           checkpoint_dir=str(self.checkpoint_root), ranks_per_node=self.view.ranks_per_node,
@@ -254,14 +254,56 @@ class Controller:
                 checkpoints.write_manifest(self.checkpoint_root, a.step, a.digests)
                 gone = checkpoints.prune(self.checkpoint_root, list(a.keep))
                 log.info("checkpoint of step %d complete; pruned %s", a.step, [d.name for d in gone])
+            elif isinstance(a, Fence):
+                self._fence(a)
             elif isinstance(a, Finish):
                 self.outcome = (a.ok, a.message)
 
+    # --- fencing (controller/liveness.py) ------------------------------------------------
+    def _refuse(self, conn, reason: str) -> None:
+        try:
+            conn.send(make("fenced", reason=reason[:500]))
+        except OSError:
+            pass  # cut off, or frozen with a full buffer: its step is being killed anyway
+        conn.close()
+
+    def _fence(self, a: Fence) -> None:
+        """A process judged dead never acts again: its connection is refused now and whenever it
+        comes back (policy.fenced_pids, journaled), its Slurm step killed, its node drained."""
+        for conn in list(self.conns.get(a.node, [])):
+            if (conn.identity or {}).get("pid") == a.pid:
+                self.conns[a.node].remove(conn)
+                self._refuse(conn, a.reason)
+        self._background("fence", lambda: self._kill_and_drain(a))
+
+    def _kill_and_drain(self, a: Fence):
+        errors = []
+        proc = self.steps.get(a.node)
+        try:
+            if hasattr(self.slurm, "kill_steps"):
+                killed = self.slurm.kill_steps(self.job_id, a.node)
+                log.info("fenced %s: killed step(s) %s", a.node, killed)
+            elif proc is not None:  # no Slurm (single host): the step is the process itself
+                proc.kill()
+        except (SlurmError, OSError) as exc:  # a partitioned node: its slurmd cannot be reached
+            errors.append(f"kill: {exc}")
+        try:
+            self.slurm.drain(a.node, f"trainmover: {a.reason}"[:200])
+        except SlurmError as exc:
+            errors.append(f"drain: {exc}")
+        return ("fenced", a.node, "; ".join(errors))
+
     def handle_peer(self, conn, msg, now: float) -> list:
         kind = msg["type"]
+        ident = conn.identity or {}
+        if (ident.get("node"), ident.get("pid")) in self.policy.fenced_pids:
+            log.warning("refused %s from fenced process %s on %s", kind, ident.get("pid"), ident.get("node"))
+            self._refuse(conn, "this process was judged dead and replaced")
+            return []
         if kind == "hello":
             self.conns.setdefault(msg["node"], []).append(conn)
             self.conn_ranks[conn] = tuple(msg["ranks"])  # () for a standby, until it joins
+            self.policy.heard(now, msg["node"], msg["pid"], msg)
             return []
         if kind in ("migrate", "status"):  # CLI requests: one reply, then the CLI hangs up
             if kind == "migrate":
@@ -278,6 +320,9 @@ class Controller:
             return []
         if "rank" in msg and kind in ("step", "switched", "finished"):  # a joiner's rank is learnt here
             self.conn_ranks[conn] = (msg["rank"],)
+        self.policy.heard(now, node, ident.get("pid", 0), msg)
+        if kind == "beat":
+            return []
         if kind == "failed":
             log.error("rank %d on %s failed in %s: %s", msg["rank"], node, msg["phase"], msg["error"])
         return self.policy.on_message(now, node, msg)
@@ -292,6 +337,10 @@ class Controller:
             return []  # a CLI request, or a peer that never authenticated
         if conn in self.conns.get(node, []):
             self.conns[node].remove(conn)
+        self.policy.forget(node, hello.get("pid", 0))
+        if (node, hello.get("pid")) in self.policy.fenced_pids:  # judged dead already: its end is no news
+            self.conn_ranks.pop(conn, None)
+            return []
         return self.policy.on_peer_gone(now, node, self.conn_ranks.pop(conn, ()))
 
     def _begin(self) -> None:
@@ -341,7 +390,7 @@ class Controller:
                     actions += self.policy.on_nodes(now, self.slurm.nodes(watched))
                 except SlurmError as exc:  # slurmctld slow or down: keep training, try again
                     log.warning("node poll failed: %s", exc)
-                actions += self.policy.on_tick(now)
+                actions += self.policy.on_tick(now, self._arrivals())
             for node, proc in list(self.steps.items()):
                 code = proc.poll()
                 if code is not None:
@@ -375,8 +424,18 @@ class Controller:
                 last_status = status
         return self.shutdown()
 
+    def _arrivals(self) -> dict:
+        """(node, pid) -> when its connection's reader last received a frame: a message still
+        queued for the policy proves its sender alive (controller/liveness.py)."""
+        return {(node, (c.identity or {}).get("pid", 0)): c.last_frame_at
+                for node, conns in self.conns.items() for c in conns}
+
     def _on_event(self, now: float, ev) -> list:
         kind = ev[0]
+        if kind == "fenced":
+            if ev[2]:
+                log.warning("fencing %s incomplete: %s", ev[1], ev[2])
+            return []
         if kind == "acquired":
             log.info("standby %s joined the allocation", ev[1])
             return self.policy.on_standby_acquired(now, ev[1])

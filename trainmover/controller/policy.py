@@ -12,6 +12,7 @@ from trainmover.config import Config
 from trainmover.control.messages import make
 from trainmover.controller.actions import AcquireStandby, Finish, LaunchStandby, Record, ReleaseNode, Send
 from trainmover.controller.holder import SnapshotHolder
+from trainmover.controller.liveness import Liveness
 from trainmover.controller.migration import Migration, Phase
 from trainmover.controller.recovery import Recovering
 from trainmover.controller.resume import Resuming
@@ -24,7 +25,7 @@ log = logging.getLogger("trainmover.policy")
 MAX_ATTEMPTS = 3
 
 
-class Policy(Recovering, Resuming, StandbyLoss, SnapshotHolder):
+class Policy(Recovering, Resuming, StandbyLoss, Liveness, SnapshotHolder):
     def __init__(self, cfg: Config, view: JobView):
         self.cfg, self.view = cfg, view
         self.migrations: list[Migration] = []
@@ -49,6 +50,11 @@ class Policy(Recovering, Resuming, StandbyLoss, SnapshotHolder):
         self.metrics_through = 0     # last step in metrics.jsonl (a resumed controller skips older reports)
         self.restarts = 0            # controllers that took over from a dead one
         self.resuming: dict | None = None  # while a restarted controller waits for every rank (see resume.py)
+        self.processes: dict = {}            # (node, pid) -> what was last heard from it (see liveness.py)
+        self.fenced_pids: set = set()        # (node, pid) judged dead: never heard again
+        self.fenced: list[dict] = []         # their verdicts, for status
+        self.last_progress_at: float | None = None  # when any rank last completed a step (controller's clock)
+        self.last_tick: float | None = None
 
     # --- helpers -----------------------------------------------------------------------
     def active(self) -> Migration | None:
@@ -251,6 +257,7 @@ class Policy(Recovering, Resuming, StandbyLoss, SnapshotHolder):
 
     def _on_step(self, now: float, node: str, msg: dict) -> list:
         rank, step = msg["rank"], msg["step"]
+        self.progressed(now)
         straggler_actions = self._on_compute(now, rank, msg["compute_s"])
         hist = self.steps.setdefault(rank, [])
         hist.append((step, msg["t"]))
@@ -386,10 +393,11 @@ class Policy(Recovering, Resuming, StandbyLoss, SnapshotHolder):
         m.to(Phase.DONE, now, "" if ok else message)
         return [self._timeline(m, now, "released" if ok else "kept", note=message, downtime_s=m.downtime_s)] + self._dispatch(now)
 
-    def on_tick(self, now: float) -> list:
+    def on_tick(self, now: float, arrivals: dict | None = None) -> list:
+        """`arrivals`: (node, pid) -> when a frame of that process last arrived (liveness.py)."""
         if self.resuming is not None:  # nothing is decided before every rank has said where it is
             return self._resume_tick(now)
-        actions = self._recovery_tick(now)
+        actions = self._liveness_tick(now, arrivals or {}) + self._recovery_tick(now)
         m = self.active()
         if m and m.phase is Phase.PREPARING and now - m.times["preparing"] > self.cfg.phase1_timeout_s:
             actions += self._abort(now, m, f"phase 1 not done within {self.cfg.phase1_timeout_s:.0f}s")
@@ -423,6 +431,9 @@ class Policy(Recovering, Resuming, StandbyLoss, SnapshotHolder):
             "standbys_lost": list(self.standbys_lost),
             "migrations": [m.to_json() for m in self.migrations],
             "straggler": self.straggler,
+            "liveness": {"heartbeat_timeout_s": self.cfg.heartbeat_timeout_s, "stuck_deadline_s": round(self._stuck_deadline(), 3),
+                         "max_beat_gap_s": round(max((h.max_gap for h in self.processes.values()), default=0.0), 3),
+                         "fenced": list(self.fenced)},
             "finished": self.done,
             "controller": {"restarts": self.restarts, "resuming": self.resuming is not None},
             "protection": {"tiers": self.cfg.recovery_tiers, "snapshot_every": self.snapshot_every,

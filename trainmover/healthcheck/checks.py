@@ -1,13 +1,14 @@
-"""Node checks. Each returns a list of Findings and reads the world only through its
-arguments, so tests can hand it a fake filesystem or NVML."""
+"""Node checks other than the GPUs' (verdict.py). Each returns a list of Findings and reads
+the world only through its arguments, so tests can hand it a fake filesystem."""
 from __future__ import annotations
 
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-INJECT_PREFIX = "inject-fault-"
+if TYPE_CHECKING:
+    from trainmover.healthcheck.inject import Hook
 
 
 @dataclass(frozen=True)
@@ -16,28 +17,26 @@ class Finding:
     ok: bool
     detail: str
     skipped: bool = False
+    warning: bool = False           # ok, but worth a look (never drains)
+    evidence: tuple[dict, ...] = ()  # what the verdict rests on (GPU, link, counter, rate, threshold)
 
     def line(self) -> str:
-        status = "skipped" if self.skipped else ("ok" if self.ok else "FAULT")
+        status = "skipped" if self.skipped else ("WARN" if self.warning else "ok") if self.ok else "FAULT"
         return f"{self.check}: {status}: {self.detail}"
 
 
-def inject_path(state_dir: Path, node: str) -> Path:
-    return Path(state_dir) / f"{INJECT_PREFIX}{node}"
-
-
-def check_injected(state_dir: Path, node: str) -> list[Finding]:
-    """The test hook: a file <state dir>/inject-fault-<node> makes the check fail; its
-    first line (if any) is the fault's description."""
-    path = inject_path(state_dir, node)
-    try:
-        text = path.read_text(errors="replace").strip()
-    except FileNotFoundError:
-        return []
-    except OSError as exc:
-        return [Finding("inject", False, f"{path} exists but cannot be read ({exc})")]
-    what = text.splitlines()[0][:120] if text else "injected fault"
-    return [Finding("inject", False, f"{what} (fault injected by {path})")]
+def check_injected(hook: "Hook", gpu_checks: bool) -> list[Finding]:
+    """The test hook (inject.py). Its text form fails the check with its first line; its JSON
+    form is GPU data the GPU check applies (here only when GPU checks are off, as a fault)."""
+    if hook.problem:
+        return [Finding("inject", True, hook.problem, warning=True)]
+    if hook.invalid:
+        return [Finding("inject", False, hook.invalid)]
+    if hook.text is not None:
+        return [Finding("inject", False, f"{hook.text} (fault injected by {hook.path})")]
+    if hook.faults and not gpu_checks:
+        return [Finding("inject", False, f"GPU faults injected by {hook.path}, but the GPU checks are off")]
+    return []
 
 
 def check_disk(paths: Sequence[str], min_free_gb: float,

@@ -3,6 +3,9 @@
 Every call is bounded: each check runs in a worker thread that is abandoned when the
 deadline passes (the check is then reported as a fault: a hung NVML call is a sick GPU),
 and each Slurm command has its own timeout. Total: `deadline_s` + 2 Slurm calls.
+
+The GPU check is the only place here with effects on the GPU side: it reads the source,
+loads the state, applies an injected fault, asks verdict.judge (pure) and saves the state.
 """
 from __future__ import annotations
 
@@ -13,9 +16,11 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from trainmover.errors import TrainMoverError
-from trainmover.healthcheck import checks, gpu
+from trainmover.healthcheck import checks, inject, state
+from trainmover.healthcheck import source as sources
 from trainmover.healthcheck.checks import Finding
 from trainmover.healthcheck.decide import Action, decide
+from trainmover.healthcheck.verdict import Policy, judge
 
 DEFAULT_STATE_DIR = "/var/lib/trainmover/healthcheck"
 
@@ -31,6 +36,8 @@ class Options:
     slurm_timeout_s: float = 1.5   # each Slurm command
     gpu: bool = True
     straggler: bool = False        # ask the TrainMover jobs on the node (the CLI turns it on)
+    gpu_source: str = "auto"       # source.SPECS
+    policy: Policy = field(default_factory=Policy)  # rate thresholds and window, critical XIDs
 
 
 @dataclass
@@ -41,32 +48,61 @@ class Report:
     drained: bool = False
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    gpu_source: str = ""           # where the GPU reading came from ("" when none was read)
 
     @property
     def healthy(self) -> bool:
         return not any(not f.ok and not f.skipped for f in self.findings)
 
     def to_dict(self) -> dict:
+        def finding(f: Finding) -> dict:
+            d = {"check": f.check, "ok": f.ok, "skipped": f.skipped, "detail": f.detail}
+            if f.warning:
+                d["warning"] = True
+            if f.evidence:
+                d["evidence"] = list(f.evidence)
+            return d
         return {"node": self.node, "healthy": self.healthy, "drained": self.drained,
-                "action": self.action.reason if self.action else None,
-                "findings": [{"check": f.check, "ok": f.ok, "skipped": f.skipped, "detail": f.detail}
-                             for f in self.findings],
+                "action": self.action.reason if self.action else None, "gpu_source": self.gpu_source,
+                "findings": [finding(f) for f in self.findings],
                 "notes": self.notes, "seconds": round(self.seconds, 3)}
 
 
-def _gpu_checks(opts: Options) -> list[Finding]:
-    nvml, why = gpu.load_nvml()
-    if nvml is None:
-        return [Finding("gpu", True, why, skipped=True)]
-    try:
-        found = gpu.check_gpus(nvml)
-    finally:
+class GpuCheck:
+    """The GPU job: read -> load state -> inject -> judge -> save. `source` and `clock` are
+    for tests; `gpu_source` and `notes` tell the report what happened."""
+
+    def __init__(self, opts: Options, hook: inject.Hook, source: Optional[sources.Source] = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.opts, self.hook, self.source, self.clock = opts, hook, source, clock
+        self.gpu_source = ""
+        self.notes: list[str] = []
+
+    def __call__(self) -> list[Finding]:
+        opts, hook = self.opts, self.hook
+        src = self.source or sources.choose(opts.gpu_source)
         try:
-            nvml.nvmlShutdown()
-        except Exception:
-            pass
-    cursor = opts.state_dir / "kmsg-cursor" if opts.state_dir.is_dir() else None
-    return found + gpu.check_kernel_xids(gpu.read_kmsg(), cursor)
+            reading = src.read()
+        except sources.Unavailable as exc:
+            if hook.faults:
+                return [Finding("inject", False, f"GPU faults injected by {hook.path}, but no GPU reading: {exc}")]
+            return [Finding("gpu", True, str(exc), skipped=True)]
+        self.gpu_source = reading.source
+        prev, notes = state.load(opts.state_dir, opts.node)
+        now = self.clock()
+        if hook.faults:
+            try:
+                prev, reading = inject.apply(prev, reading, hook.faults, now)
+            except inject.InjectError as exc:
+                return [Finding("inject", False, f"{hook.path}: {exc}")]
+            notes.append(f"faults injected by {hook.path}: {', '.join(map(inject.describe, hook.faults))}; "
+                         "GPU state not saved")
+        verdict = judge(prev, reading, now, opts.policy)
+        notes += verdict.notes
+        if not hook.faults:
+            notes += state.save(opts.state_dir, opts.node, verdict.state)
+        self.notes = notes
+        return list(verdict.findings)
 
 
 def _straggler_checks(opts: Options) -> list[Finding]:
@@ -78,15 +114,17 @@ def _straggler_checks(opts: Options) -> list[Finding]:
     return checks.straggler_findings(opts.node, checks.read_statuses(jobs))
 
 
-def collect(opts: Options, extra: Sequence[tuple[str, Callable[[], list[Finding]]]] = ()) -> list[Finding]:
+def collect(opts: Options, extra: Sequence[tuple[str, Callable[[], list[Finding]]]] = (),
+            gpu_check: Optional[GpuCheck] = None) -> list[Finding]:
+    hook = gpu_check.hook if gpu_check else inject.read_hook(opts.state_dir, opts.node)
     jobs: list[tuple[str, Callable[[], list[Finding]]]] = [
-        ("inject", lambda: checks.check_injected(opts.state_dir, opts.node)),
+        ("inject", lambda: checks.check_injected(hook, opts.gpu)),
         ("disk", lambda: checks.check_disk(opts.disk_paths, opts.min_free_gb)),
     ]
     if opts.straggler:
         jobs.append(("straggler", lambda: _straggler_checks(opts)))
     if opts.gpu:
-        jobs.append(("gpu", lambda: _gpu_checks(opts)))
+        jobs.append(("gpu", gpu_check or GpuCheck(opts, hook)))
     jobs += list(extra)
     deadline = time.monotonic() + opts.deadline_s
     results: dict[str, list[Finding]] = {}
@@ -113,10 +151,13 @@ def collect(opts: Options, extra: Sequence[tuple[str, Callable[[], list[Finding]
 
 
 def run(opts: Options, client=None, *, clock: Callable[[], float] = time.monotonic,
-        extra: Sequence[tuple[str, Callable[[], list[Finding]]]] = ()) -> Report:
+        extra: Sequence[tuple[str, Callable[[], list[Finding]]]] = (),
+        gpu_source: Optional[sources.Source] = None) -> Report:
     """Check the node; drain it through `client` (a trainmover.slurm SlurmClient) on a fault."""
     t0 = clock()
-    report = Report(node=opts.node, findings=collect(opts, extra))
+    gpu = GpuCheck(opts, inject.read_hook(opts.state_dir, opts.node), source=gpu_source)
+    report = Report(node=opts.node, findings=collect(opts, extra, gpu))
+    report.gpu_source, report.notes = gpu.gpu_source, list(gpu.notes)
     drained, reason = False, ""
     if not report.healthy and opts.drain:
         if client is None:

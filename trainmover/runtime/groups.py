@@ -160,7 +160,10 @@ class SwappableGroup(dist.ProcessGroup):
         self.first_call_at: float | None = None  # perf_counter of the first collective since reset
         self.first_call_cpu: float | None = None  # process CPU time at that moment
         self.revoked = ""                  # why this generation was revoked ("" while usable)
-        self._pending: set = set()         # futures of this generation's gloo collectives in flight
+        self._pending: dict = {}           # gate -> monotonic issue time: this generation's gloo collectives in flight
+        # What a heartbeat reports (runtime/heartbeat.py), so that the controller can see which
+        # rank the others wait on: collectives issued on this group, over every generation.
+        self.issued = 0
         # observer(group, op, args, work) -> Work | None, called after each forwarded collective:
         # the recording rank's recorder (trainmover.sandbox.live), which may return a Work to
         # hand on instead. It lives on the group, not on the backend, so that a migration's
@@ -182,8 +185,18 @@ class SwappableGroup(dist.ProcessGroup):
             old, self._inner = self._inner, new_inner
             self.generation += 1
             self.revoked = ""
-            self._pending = set()
+            self._pending = {}
+            # Every member swaps at the same boundary (a joiner's sandbox counted its shadow
+            # steps): counting afresh keeps the members' counts comparable.
+            self.issued = 0
         return old
+
+    def waiting_s(self, now: float) -> float:
+        """How long the oldest collective in flight has waited (0 if none; gloo only: NCCL
+        collectives return once enqueued). Read by the heartbeat thread."""
+        with self._lock:
+            oldest = min(self._pending.values(), default=None)
+        return 0.0 if oldest is None else max(0.0, now - oldest)
 
     def revoke(self, reason: str) -> None:
         """Fail every collective in flight and every later one until the next `swap`.
@@ -197,7 +210,7 @@ class SwappableGroup(dist.ProcessGroup):
             if self.revoked:
                 return
             self.revoked = reason
-            pending, self._pending = self._pending, set()
+            pending, self._pending = self._pending, {}
         for gate in pending:  # removed from _pending under the lock: only this thread completes them
             gate.set_result(Revoked(f"group {self.group_name_} revoked: {reason}"))
         abort = getattr(self._inner, "abort", None)
@@ -208,7 +221,7 @@ class SwappableGroup(dist.ProcessGroup):
         """`work`, behind a future that `revoke` can fail before the backend gives up."""
         gate, out = _gate()
         with self._lock:
-            self._pending.add(gate)
+            self._pending[gate] = time.monotonic()
 
         def done(inner):
             try:
@@ -217,7 +230,7 @@ class SwappableGroup(dist.ProcessGroup):
                 value = exc
             with self._lock:
                 mine = gate in self._pending  # else revoke took it and completes it
-                self._pending.discard(gate)
+                self._pending.pop(gate, None)
             if mine:
                 gate.set_result(value)
 
@@ -236,6 +249,7 @@ def _forwarder(op: str):
             self.first_call_cpu = time.process_time()
         if _TRACE:
             _trace(self, op, a)
+        self.issued += 1
         if self.revoked:
             return _failed(Revoked(f"group {self.group_name_} revoked: {self.revoked}"))
         try:

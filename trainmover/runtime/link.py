@@ -37,7 +37,7 @@ class Link:
         self.reconnect_timeout, self.on_gone = reconnect_timeout, on_gone
         self.inbox: queue.Queue = queue.Queue()
         self.lock = threading.Lock()     # one writer at a time; a resync is not interleaved
-        self.conn = channel.connect(address, key, hello(), timeout=connect_timeout)
+        self.conn = channel.connect(address, key, hello(), timeout=connect_timeout, source=source)
         self.up = True
         self.closed = False
         self.settled = threading.Event()  # set while up, and once gone for good

@@ -35,7 +35,7 @@ from trainmover.control import channel
 from trainmover.control.messages import make
 from trainmover.control.spec import WorkerSpec
 from trainmover.errors import DeadlineExceeded, MigrationError, TrainMoverError
-from trainmover.runtime import checkpoint, phase1, rng, snapshot, transfer
+from trainmover.runtime import checkpoint, heartbeat, phase1, rng, snapshot, transfer
 from trainmover.runtime.groups import CONTROL, SNAPSHOT, Revoked, SandboxBackend, SwappableGroup, gloo_group
 from trainmover.runtime.link import Link
 from trainmover.runtime.plan import GroupSpec
@@ -51,6 +51,7 @@ log = logging.getLogger("trainmover.worker")
 RESEND_STEPS = 2048  # step reports kept for a restarted controller (its metrics rows of the gap)
 RESEND_KINDS = ("recorded", "ready", "prepared", "prepare_failed", "switched", "stalled", "finished")
 RETIRE_AFTER = 3  # steps between a switch and the release of the replaced communicators
+FENCED = 75  # exit code of a process the controller judged dead (EX_TEMPFAIL: its node was at fault)
 
 
 class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
@@ -74,9 +75,17 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
         self.step_reports: deque = deque(maxlen=RESEND_STEPS)
         self.pending: phase1.Prepared | None = None
         self.completed = 0     # steps whose updates this rank's state holds
+        self.groups: dict[str, SwappableGroup] = {}
+        self.train_thread = threading.get_native_id()  # the heartbeat reports its CPU time
+        # From this node's address, as every connection of the node: a node is its address.
         self.link = Link(tuple(spec.controller), channel.read_secret(spec.secret_file), self._hello,
                          self.resync_messages, self._on_control, connect_timeout=spec.group_timeout_s,
-                         reconnect_timeout=spec.reconnect_timeout_s, on_gone=self._controller_gone)
+                         reconnect_timeout=spec.reconnect_timeout_s, on_gone=self._controller_gone,
+                         source=spec.node_addr)
+        # Beats from the moment the controller knows this process: building the workload
+        # (imports, a model) may take longer than the silence that would judge it dead.
+        if spec.heartbeat_s > 0:
+            heartbeat.Heartbeat(self.link.send, self._beat, spec.heartbeat_s).start()
         self.inbox: queue.Queue = self.link.inbox
         self.workload = workloads.load(spec.workload, spec.workload_options)
         self.specs = self.workload.group_specs(spec.world_size)
@@ -89,7 +98,6 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
             self.specs.append(GroupSpec(SNAPSHOT, tuple(range(spec.world_size))))
         self.snapshots: snapshot.Snapshots | None = None  # made once the rank is known (see protect)
         self.checkpoints: checkpoint.Writer | None = None
-        self.groups: dict[str, SwappableGroup] = {}
         self.reported: set[tuple[int, str]] = set()
         self.retired: list = []  # old backends: released off the critical path (see retire)
         self.trace_steps = 0
@@ -107,6 +115,15 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
     def _on_control(self, msg: dict) -> None:
         if msg["type"] == "revoke":  # now, not at the next step: the main thread may be stuck
             self._revoke(msg)
+        elif msg["type"] == "fenced":  # judged dead and replaced (a frozen process resumed, a healed partition)
+            log.error("fenced by the controller: %s; exiting at once, writing nothing", msg["reason"])
+            _exit_now(FENCED)
+
+    def _beat(self, now: float) -> dict:
+        """What the heartbeat thread says of this process (runtime/heartbeat.py)."""
+        worker = self.role == "worker" and self.rank is not None
+        return heartbeat.beat([self.rank] if worker else [], self.completed, dict(self.groups) if worker else {},
+                              self.train_thread, now)
 
     def _controller_gone(self) -> None:
         if self.role == "standby":  # nobody can call on an idle standby any more: free the node now

@@ -87,6 +87,19 @@ def scancel(job_ids: Sequence[int]) -> list[str]:
     return ["scancel", *[str(int(j)) for j in job_ids]]
 
 
+def steps_of(job_id: int) -> list[str]:
+    """The job's steps: 'job.step|node list' lines (batch and extern steps included)."""
+    return ["squeue", "-h", "-s", f"--jobs={int(job_id)}", "-o", "%i|%N"]
+
+
+def kill_step(step_id: str) -> list[str]:
+    """SIGKILL every task of one step (`job.step`): no task can catch or delay it."""
+    job, _, step = step_id.partition(".")
+    if not (job.isdigit() and step.isdigit()):
+        raise ValueError(f"not a numbered step: {step_id!r}")
+    return ["scancel", "--signal=KILL", f"{job}.{step}"]
+
+
 def step(
     job_id: int,
     node: str,

@@ -151,6 +151,19 @@ class CliSlurm:
         if "DRAIN" in info.flags or info.base_state == "DOWN":
             raise SlurmError(f"scontrol could not resume {node} ({info.state}): {proc.stderr.strip()}")
 
+    def kill_steps(self, job_id: int, node: str) -> list[str]:
+        """SIGKILL the job's numbered steps that run on `node` alone (a rank judged dead: see
+        controller/liveness.py). Returns the step ids. The batch and extern steps are left."""
+        out = self._run(build.steps_of(job_id)).stdout
+        ids = []
+        for line in out.splitlines():
+            step, _, nodes = line.strip().partition("|")
+            if nodes == node and step.partition(".")[2].isdigit():
+                ids.append(step)
+        for step in ids:
+            self._run(build.kill_step(step), check=False)  # a step ending meanwhile is no error
+        return ids
+
     def cancel_donors(self, job_id: int) -> list[int]:
         """Withdraw every donor request for `job_id` (a controller shutting down while it takes
         a standby must not leave an allocation behind holding the spare)."""

@@ -1,0 +1,216 @@
+"""Silent failures (controller/liveness.py): a fake clock and made-up heartbeats."""
+import pytest
+
+from trainmover.config import Config
+from trainmover.controller.actions import Fence, Finish
+from trainmover.controller.policy import Policy
+from trainmover.controller.view import JobView
+from tests.unit.test_policy import ready_standby, sends
+
+PIDS = {0: 100, 1: 101, 2: 102}
+NODES = {0: "train1", 1: "train2", 2: "train3"}
+
+
+def new_policy(**cfg):
+    return Policy(Config(**cfg), JobView(7, 3, 1, "train1", dict(NODES)))
+
+
+def beat(p, now, rank, step, issued, cpu, waiting=None):
+    p.heard(now, NODES[rank], PIDS[rank], {"type": "beat", "ranks": [rank], "step": step, "issued": issued,
+                                           "waiting": waiting or {}, "cpu_s": cpu})
+
+
+def step(p, now, rank, n, t=None):
+    return p.on_message(now, NODES[rank], {"type": "step", "rank": rank, "step": n, "loss": 1.0, "step_s": 0.1,
+                                           "compute_s": 0.05, "t": now if t is None else t})
+
+
+def train(p, until, every=0.1, ranks=(0, 1, 2), cpu=None):
+    """All ranks step and beat in lockstep until `until` (the controller ticks each second).
+    Returns the time of the last beat and the steps complete."""
+    t, n, last = 1.0, 0, 1.0
+    while t < until:
+        n += 1
+        for r in ranks:
+            step(p, t, r, n)
+            beat(p, t, r, n, {"world": 3 * n}, (cpu or {}).get(r, t))
+        last = t
+        t += every
+        if int(round(t * 10)) % 10 == 0:
+            assert not [a for a in p.on_tick(t) if isinstance(a, Fence)]
+    return last, n
+
+
+def test_a_frozen_rank_is_named_by_its_silence_fenced_and_recovered():
+    p = new_policy()
+    ready_standby(p)
+    t, n = train(p, 5.0)
+    # rank 1 froze at t: the others go on beating (blocked in the collective, their threads alive)
+    for k in range(1, 8):
+        for r in (0, 2):
+            beat(p, t + k * 0.5, r, n, {"world": 3 * n + 1}, t, waiting={"world": k * 0.5})
+        acts = p.on_tick(t + k * 0.5)
+        fences = [a for a in acts if isinstance(a, Fence)]
+        if k * 0.5 <= 3.0:
+            assert not fences, f"judged before the timeout at {k * 0.5}s"
+            continue
+        (fence,) = fences
+        assert (fence.node, fence.pid) == ("train2", 101) and "no heartbeat for 3.5s" in fence.reason, fence.reason
+        assert "rank" in fence.reason and "[1]" in fence.reason
+        (revoke,) = sends(acts, "revoke")
+        assert revoke.msg["failed"] == [1] and set(revoke.nodes) == {"train1", "train3"}
+        assert p.recovery() is not None and p.recovery().leaver == "train2"
+        break
+    else:
+        raise AssertionError("never judged")
+    # once fenced, nothing it says counts, and its later silence is no second verdict
+    assert ("train2", 101) in p.fenced_pids
+    beat(p, t + 10, 1, n, {"world": 3 * n}, t)
+    assert ("train2", 101) not in p.processes
+    assert not [a for a in p.on_tick(t + 12) if isinstance(a, Fence)]
+    assert p.status()["liveness"]["fenced"][0]["ranks"] == [1]
+
+
+def test_frames_still_queued_for_the_policy_count_as_heard():
+    p = new_policy()
+    t, n = train(p, 3.0)
+    for r in (0, 1, 2):
+        beat(p, t, r, n, {"world": 3 * n}, t)
+    arrivals = {(NODES[r], PIDS[r]): t + 9.5 for r in (0, 1, 2)}  # read by the server, not yet by the policy
+    assert not [a for a in p.on_tick(t + 0.5) if isinstance(a, Fence)]
+    assert not [a for a in p.on_tick(t + 1.0, arrivals) if isinstance(a, Fence)]
+    for k in range(2, 20):
+        assert not [a for a in p.on_tick(t + k * 0.5, arrivals) if isinstance(a, Fence)]
+
+
+def test_a_controller_that_did_not_run_for_a_while_judges_nobody_at_once():
+    p = new_policy()
+    t, n = train(p, 3.0)
+    p.on_tick(t)
+    # the controller itself stalled for 20 s: every process looks silent, none is judged now
+    assert not [a for a in p.on_tick(t + 20) if isinstance(a, Fence)]
+    for r in (0, 1, 2):
+        beat(p, t + 20.2, r, n, {"world": 3 * n}, t)
+    assert not [a for a in p.on_tick(t + 20.5) if isinstance(a, Fence)]
+
+
+def test_a_rank_three_times_slower_is_slow_not_dead():
+    p = new_policy()
+    ready_standby(p)
+    t, n = train(p, 3.0)
+    # rank 1 computes 3x as long: steps take 0.3 s, every rank still beats and completes steps
+    for k in range(60):
+        t += 0.3
+        n += 1
+        for r in (0, 1, 2):
+            beat(p, t, r, n, {"world": 3 * n}, t)
+            step(p, t, r, n)
+        acts = p.on_tick(t)
+        assert not [a for a in acts if isinstance(a, Fence)] and not sends(acts, "revoke")
+    assert p.recovery() is None
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_a_stuck_rank_is_the_one_the_others_wait_on_with_an_idle_training_thread(backend):
+    """gloo: the others report how long they wait in the collective. NCCL: a collective returns
+    once enqueued, so nobody reports waiting; the issued counts alone show who is behind."""
+    p = new_policy(progress_timeout_s=5.0)
+    ready_standby(p)
+    t, n = train(p, 4.0)
+    # rank 2's training thread hangs (not in a collective, no CPU); ranks 0, 1 issued the next
+    # collectives and wait in them, their threads also idle; all three still beat
+    frozen_cpu = {0: t, 1: t, 2: t}
+    fences = []
+    for k in range(1, 30):
+        now = t + k * 0.5
+        waits = {"world": k * 0.5} if backend == "gloo" else {}
+        beat(p, now, 0, n, {"world": 3 * n + 2}, frozen_cpu[0], waiting=waits)
+        beat(p, now, 1, n, {"world": 3 * n + 2}, frozen_cpu[1], waiting=waits)
+        beat(p, now, 2, n, {"world": 3 * n}, frozen_cpu[2])
+        acts = p.on_tick(now)
+        fences = [a for a in acts if isinstance(a, Fence)]
+        if fences:
+            break
+    (fence,) = fences
+    assert fence.node == "train3" and "stuck" in fence.reason and f"it issued {3 * n}" in fence.reason
+    assert ("ranks [0, 1] wait in it" in fence.reason) == (backend == "gloo")
+    assert 5.0 < k * 0.5 <= 7.0  # the deadline (5 s) plus the CPU window
+
+
+def test_a_rank_behind_whose_thread_computes_is_not_stuck():
+    """A recompile or a very slow step: no step for long, the others wait on it, but its
+    training thread uses CPU all along."""
+    p = new_policy(progress_timeout_s=5.0)
+    t, n = train(p, 4.0)
+    for k in range(1, 40):
+        now = t + k * 0.5
+        beat(p, now, 0, n, {"world": 3 * n + 2}, t, waiting={"world": k * 0.5})
+        beat(p, now, 1, n, {"world": 3 * n + 2}, t, waiting={"world": k * 0.5})
+        beat(p, now, 2, n, {"world": 3 * n}, t + k * 0.45)  # computing
+        assert not [a for a in p.on_tick(now) if isinstance(a, Fence)]
+
+
+def test_the_stuck_deadline_scales_with_the_step_time():
+    p = new_policy(progress_timeout_s=1.0, progress_steps=10)
+    train(p, 20.0, every=0.5)
+    assert p.status()["liveness"]["stuck_deadline_s"] == 5.0
+
+
+def test_a_silent_standby_is_lost_and_fenced_not_a_rank():
+    p = new_policy()
+    ready_standby(p)
+    p.heard(2.0, "spare1", 300, {"type": "beat", "ranks": [], "step": 0, "issued": {}, "waiting": {}, "cpu_s": 0.0})
+    t, n = train(p, 3.0)
+    acts = []
+    for k in range(1, 12):  # the ranks beat on; the standby froze after its beat at 2.0
+        for r in (0, 1, 2):
+            beat(p, t + k * 0.5, r, n, {"world": 3 * n}, t)
+        acts += p.on_tick(t + k * 0.5)
+    (fence,) = [a for a in acts if isinstance(a, Fence)]
+    assert fence.node == "spare1" and "standby" in fence.reason
+    assert "spare1" not in p.view.standbys and p.standbys_lost[0]["node"] == "spare1"
+    assert p.recovery() is None and not [a for a in acts if isinstance(a, Finish)]
+
+
+def test_fenced_processes_survive_a_controller_restart_in_the_journal():
+    from trainmover.controller import journal
+    p = new_policy()
+    ready_standby(p)
+    t, n = train(p, 3.0)
+    for k in range(1, 10):
+        for r in (0, 2):
+            beat(p, t + k * 0.5, r, n, {"world": 3 * n}, t)
+        p.on_tick(t + k * 0.5)
+    assert ("train2", 101) in p.fenced_pids
+    records = journal.diff({}, p.durable())
+    text = "".join(__import__("json").dumps({"v": 1, "seq": i, "t": 0.0, **r}) + "\n"
+                   for i, r in enumerate([{"kind": "start", "job_id": 7, "world_size": 3, "ranks_per_node": 1,
+                                           "batch_host": "train1", "rank_node": {}}] + records))
+    replayed = journal.fold(text.splitlines(keepends=True))
+    q = new_policy()
+    q.resume(t + 5, replayed, 0)
+    assert ("train2", 101) in q.fenced_pids
+
+
+def test_a_threads_cpu_time_is_read_from_proc_and_grows_only_while_it_computes():
+    import threading
+    import time
+    from trainmover.runtime.heartbeat import thread_cpu_s
+    ids, done, stop = [], threading.Event(), threading.Event()
+
+    def busy():
+        ids.append(threading.get_native_id())
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+        done.set()
+        stop.wait(5)
+    th = threading.Thread(target=busy)
+    th.start()
+    assert done.wait(30)
+    first = thread_cpu_s(ids[0])
+    time.sleep(0.3)  # now it only waits
+    assert 0.25 <= first and thread_cpu_s(ids[0]) - first < 0.05
+    stop.set()
+    th.join()
+    assert thread_cpu_s(2 ** 30) == 0.0  # no such thread: unreadable, never an error
