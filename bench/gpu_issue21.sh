@@ -5,6 +5,7 @@
 #
 #   bench/gpu_issue21.sh                       # on the GPU machine ($OUT: where results go)
 #   TM_ISSUE21_DEVICE=cpu bench/gpu_issue21.sh # dry run of the same sequence on the CPU (gloo, tiny models)
+#   TM_ISSUE21_PARTS="warm" bench/gpu_issue21.sh   # only some parts (default: tests refs gpt megatron warm)
 #
 # Parts, in order of importance (a part gets min(its maximum, what is left of TM_BUDGET_S)):
 #   setup    nvidia-smi, cuda/libtmdelta.so (scripts/build_cuda.sh), megatron-core from .whl/ (carried)
@@ -44,6 +45,7 @@ fi
 WARM_EXTRA=(); [ "$DEVICE" = cpu ] && WARM_EXTRA=(--no-compile)  # compiling on a loaded CPU takes ~400 s
 COMMON=(--device "$DEVICE" --gpus 2 --machine "$TM_BENCH_MACHINE")
 
+PARTS=" ${TM_ISSUE21_PARTS:-tests refs gpt megatron warm} "
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 note() { echo "$*" | tee -a "$OUT/summary.txt"; }
 
@@ -52,6 +54,7 @@ note() { echo "$*" | tee -a "$OUT/summary.txt"; }
 part() {
   local name=$1 max=$2 l d t rc
   shift 2
+  [[ "$PARTS" == *" $name "* ]] || return 0
   l=$(left); d=$(( max < l - 15 ? max : l - 15 ))
   if (( d < 30 )); then note "[$name] SKIPPED: ${l}s of the budget left"; return 0; fi
   echo "=== [$name] deadline ${d}s ($(left)s of ${BUDGET}s left)"
