@@ -7,6 +7,8 @@
     trainmover config                      (every TM_* variable, its default and meaning)
     trainmover demo [--steps N]            (cluster up, submit, drain, show the migration)
     trainmover healthcheck [--node N] ...  (node health; drains with a 'trainmover:' reason)
+    trainmover check-workload MODULE:CLASS [--steps N]  (would a migration be exact? one machine)
+    trainmover submit [sbatch options] SCRIPT  (sbatch, refused at once if Slurm could never start it)
 """
 from __future__ import annotations
 
@@ -127,12 +129,39 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=1500)
     from trainmover.healthcheck.cli import add_arguments as healthcheck_arguments
     healthcheck_arguments(sub.add_parser("healthcheck", help="check this node (GPU, disk); drain it on a fault"))
+    u = sub.add_parser("submit", help="sbatch, after asking Slurm (sbatch --test-only) whether the job could "
+                       "ever start here; refused with the reason and what the cluster has")
+    u.add_argument("rest", nargs=argparse.REMAINDER, help="sbatch's options, the script and its arguments")
+    from trainmover.check.cli import add_arguments as check_arguments
+    check_arguments(sub.add_parser("check-workload", help="would a migration of this workload be exact? "
+                                   "(one machine, gloo; exit 0 only if so)"))
     from trainmover.simulate.cli import add_arguments as simulate_arguments
     simulate_arguments(sub.add_parser("simulate", help="Monte-Carlo ETTR of checkpoint-restart, elastic and TrainMover"))
     return p
 
 
+def _submit(rest: list[str]) -> int:
+    from trainmover.slurm.submit import submit
+    if not rest or rest[0] in ("-h", "--help"):
+        print("usage: trainmover submit [sbatch options] SCRIPT [ARGS]\n\nsbatch, after asking Slurm "
+              "(sbatch --test-only) whether the job could ever start on this cluster: a job it could not place "
+              "is refused at once with Slurm's reason and what the cluster has, instead of pending for ever.")
+        return 0 if rest else 2
+    try:
+        code, out, err = submit(rest)
+    except TrainMoverError as exc:
+        print(f"trainmover submit: {exc}", file=sys.stderr)
+        return 2
+    print(out, end="")
+    if err:
+        print(err.rstrip("\n"), file=sys.stderr)
+    return code
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["submit"]:  # everything after it is sbatch's: argparse would take its options as ours
+        return _submit(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.command == "cluster":
@@ -153,6 +182,9 @@ def main(argv=None) -> int:
         if args.command == "healthcheck":
             from trainmover.healthcheck.cli import main as healthcheck_main
             return healthcheck_main(args)
+        if args.command == "check-workload":
+            from trainmover.check.cli import main as check_main
+            return check_main(args)
         if args.command == "simulate":
             from trainmover.simulate.cli import main as simulate_main
             return simulate_main(args)

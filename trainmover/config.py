@@ -59,7 +59,7 @@ _NOT_CONFIG = {"TM_WORKER_SPEC", "TM_LOG_LEVEL", "TM_TRACE_COLLECTIVES", "TM_CLU
 class Config:
     steps: int = field(default=1500, metadata={"env": "TM_STEPS", "doc": "training steps (about a minute of the CPU demo)"})
     workload: str = field(default="gpt_demo", metadata={"env": "TM_WORKLOAD", "doc": "registry name or module:Class"})
-    model: str = field(default="tiny", metadata={"env": "TM_MODEL", "doc": "model preset of the workload"})
+    model: str = field(default="", metadata={"env": "TM_MODEL", "doc": "model preset, passed as `preset` to a workload whose constructor takes one (unset: the workload's default; tiny for gpt_demo and megatron_gpt)"})
     device: str = field(default="auto", metadata={"env": "TM_DEVICE", "doc": "cpu, cuda, or auto (cuda when the node has a GPU)"})
     backend: str = field(default="auto", metadata={"env": "TM_BACKEND", "doc": "gloo, nccl, or auto (nccl on cuda)"})
     seed: int = field(default=1234, metadata={"env": "TM_SEED", "doc": "seed of weights, data and dropout"})
@@ -86,7 +86,9 @@ class Config:
     standby_warmup: str = field(default="shadow", metadata={"env": "TM_STANDBY_WARMUP", "doc": "shadow (replay + shadow steps, compiled) or cold (a benchmark baseline: no replay; the shadow steps DDP needs, then all compiled code and caches dropped)"})
     standby_nice: int = field(default=10, metadata={"env": "TM_STANDBY_NICE", "doc": "niceness of a standby's process while it warms up and waits (0: none), so that live ranks on a shared host keep their CPU; a standby that takes a rank asks for 0 again (needs CAP_SYS_NICE; else it stays)"})
     standby_compile_threads: int = field(default=4, metadata={"env": "TM_STANDBY_COMPILE_THREADS", "doc": "torch.compile worker processes of a standby (0: torch's default, one per CPU): fewer keep a shared host's CPUs for the live ranks, at the cost of a longer warm-up"})
-    workload_options: str = field(default="", metadata={"env": "TM_WORKLOAD_OPTIONS", "doc": "key=value,... passed to the workload (gpt_demo: compile=true)"})
+    workload_options: str = field(default="", metadata={"env": "TM_WORKLOAD_OPTIONS", "doc": "key=value,... passed to the workload's constructor, checked against its keyword arguments at start (gpt_demo: compile=true, lr=...)"})
+    check_workload: int = field(default=0, metadata={"env": "TM_CHECK_WORKLOAD", "doc": "1: before any rank starts, run `trainmover check-workload` in the batch step on the batch node's CPUs (2 ranks over gloo; 4 processes, each importing torch, and about 3 x TM_CHECK_STEPS + 60 steps: docs/workloads.md); on a failure the job stops with the checker's message"})
+    check_steps: int = field(default=24, metadata={"env": "TM_CHECK_STEPS", "doc": "steps the check compares after its migration (docs/workloads.md: what it can see); raise it to at least an epoch and an LR-schedule period, in steps"})
     straggler: str = field(default="report", metadata={"env": "TM_STRAGGLER", "doc": "off, report (verdict in status) or evict (migrate the slow node)"})
     straggler_threshold: float = field(default=0.10, metadata={"env": "TM_STRAGGLER_THRESHOLD", "doc": "slow: compute time this much above the median of the nodes"})
     straggler_windows: int = field(default=3, metadata={"env": "TM_STRAGGLER_WINDOWS", "doc": "consecutive slow windows before a verdict"})
@@ -130,6 +132,8 @@ class Config:
         layout = (self.tp, self.pp, self.dp)
         if min(layout) < 0 or (any(layout) and not all(layout)):
             raise ConfigError(f"TM_TP, TM_PP, TM_DP = {layout}: set all three (>= 1) or none")
+        if self.check_workload not in (0, 1) or self.check_steps < 1:
+            raise ConfigError("TM_CHECK_WORKLOAD must be 0 or 1 and TM_CHECK_STEPS >= 1")
         if self.distributed_optimizer not in (0, 1):
             raise ConfigError("TM_DISTRIBUTED_OPTIMIZER must be 0 or 1")
         if self.distributed_optimizer and not self.tp:
@@ -154,10 +158,10 @@ class Config:
         faults.parse(self.inject)  # ConfigError naming a malformed or unknown item
 
     def workload_kwargs(self) -> dict:
-        """What the workload's constructor gets: the model preset, the parallel layout when
-        one is set (only workloads that take a layout, e.g. megatron_gpt, accept it) and
-        TM_WORKLOAD_OPTIONS."""
-        kwargs: dict = {"preset": self.model}
+        """What the workload's constructor gets: only what the user set, i.e. the model preset
+        when TM_MODEL is set, the parallel layout when one is set, and TM_WORKLOAD_OPTIONS.
+        `workloads.base.load` checks them against the constructor's keyword arguments."""
+        kwargs: dict = {"preset": self.model} if self.model else {}
         if self.tp:
             kwargs.update(tp=self.tp, pp=self.pp, dp=self.dp, distributed_optimizer=bool(self.distributed_optimizer))
         return {**kwargs, **parse_options(self.workload_options)}

@@ -58,8 +58,9 @@ def submit(cluster, tmp_path_factory):
     def _submit(name: str, **tm_env) -> Run:
         workdir = tmp_path_factory.mktemp(name)
         job_env = {**env, "TM_STEPS": str(STEPS), **{k: str(v) for k, v in tm_env.items()}}
-        out = commands.run(["sbatch", "--parsable", f"--job-name={TEST_JOB_PREFIX}{name}", f"--chdir={workdir}",
-                            str(TEMPLATE)], timeout=15, env=job_env).stdout
+        # 8 nodes of one rank: TP2 x PP2 x DP2 (the template's default TM_DP takes what the job holds)
+        out = commands.run(["sbatch", "--parsable", "--nodes=8", f"--job-name={TEST_JOB_PREFIX}{name}",
+                            f"--chdir={workdir}", str(TEMPLATE)], timeout=15, env=job_env).stdout
         run = Run(int(out.strip().split(";")[0]), workdir, job_env)
         runs.append(run)
         return run

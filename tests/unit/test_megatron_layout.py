@@ -97,10 +97,12 @@ def test_bad_workload_options(options, message):
 def test_config_layout_variables():
     cfg = Config.from_env({"TM_TP": "2", "TM_PP": "2", "TM_DP": "2", "TM_DISTRIBUTED_OPTIMIZER": "1",
                            "TM_WORKLOAD": "megatron_gpt"})
-    assert cfg.workload_kwargs() == {"preset": "tiny", "tp": 2, "pp": 2, "dp": 2, "distributed_optimizer": True}
-    assert Config.from_env({}).workload_kwargs() == {"preset": "tiny"}  # gpt_demo gets no layout
+    assert cfg.workload_kwargs() == {"tp": 2, "pp": 2, "dp": 2, "distributed_optimizer": True}
+    # only what the user set: no layout for gpt_demo, no preset unless TM_MODEL is set
+    assert Config.from_env({}).workload_kwargs() == {}
+    assert Config.from_env({"TM_MODEL": "small"}).workload_kwargs() == {"preset": "small"}
     assert Config.from_env({"TM_TP": "1", "TM_PP": "1", "TM_DP": "1", "TM_WORKLOAD_OPTIONS": "lr=0.01"}).workload_kwargs() == {
-        "preset": "tiny", "tp": 1, "pp": 1, "dp": 1, "distributed_optimizer": False, "lr": 0.01}
+        "tp": 1, "pp": 1, "dp": 1, "distributed_optimizer": False, "lr": 0.01}
     with pytest.raises(ConfigError, match="set all three"):
         Config.from_env({"TM_TP": "2"})
     with pytest.raises(ConfigError, match="needs a Megatron layout"):
@@ -121,3 +123,21 @@ def test_template_refuses_a_layout_that_does_not_fit_the_allocation(tmp_path):
     ok = subprocess.run(["bash", str(ROOT / "sbatch_templates" / "megatron_gpt.sbatch")],
                         env={**env, "TM_DP": "2"}, capture_output=True, text=True, timeout=30)
     assert ok.returncode == 0 and "started" in ok.stdout
+
+
+def test_template_data_parallel_default_takes_what_the_job_holds(tmp_path):
+    """The default fits the local cluster (4 nodes: TP2 x PP2 x DP1; with 2 ranks a node DP2);
+    a layout that cannot fit says what to change."""
+    stub = tmp_path / "python"
+    stub.write_text("#!/bin/sh\necho TM_DP=$TM_DP\n")
+    stub.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "SLURM_SUBMIT_DIR": str(tmp_path), "TM_PYTHON": str(stub)}
+    template = str(ROOT / "sbatch_templates" / "megatron_gpt.sbatch")
+
+    def render(**extra):
+        return subprocess.run(["bash", template], env={**env, **extra}, capture_output=True, text=True, timeout=30)
+    assert render(SLURM_JOB_NUM_NODES="4").stdout == "TM_DP=1\n"
+    assert render(SLURM_JOB_NUM_NODES="4", TM_RANKS_PER_NODE="2").stdout == "TM_DP=2\n"
+    bad = render(SLURM_JOB_NUM_NODES="3")
+    assert bad.returncode == 2 and "2 x 2 x 1 = 4, but the job has 3 ranks" in bad.stderr
+    assert "submit with --nodes=4" in bad.stderr and "leave TM_DP unset" in bad.stderr

@@ -43,6 +43,7 @@ def test_slurm_conf_has_the_settings_trainmover_needs():
         f"HealthCheckInterval={specmod.HEALTHCHECK_INTERVAL_S}",
         "HealthCheckNodeState=IDLE,CYCLE",
         "BatchStartTimeout=3600",  # no requeue of a job one registration left out
+        "EnforcePartLimits=ALL",  # too many nodes for the partition: refused at submit, not pending for ever
     ]:
         assert line in conf, line
 

@@ -35,6 +35,8 @@ CASES = {
     "defaults": {},
     "params": {"TM_STEPS": "300", "TM_STANDBYS": "2", "TM_MODEL": "small", "TM_RANKS_PER_NODE": "2",
                "SLURM_GPUS_ON_NODE": "4", "OMP_NUM_THREADS": "2"},
+    # inside a job of the local cluster's 4 CPU nodes, 2 ranks each (what Slurm sets)
+    "job": {"SLURM_JOB_NUM_NODES": "4", "TM_RANKS_PER_NODE": "2"},
 }
 
 

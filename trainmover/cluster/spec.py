@@ -208,6 +208,9 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         "KillWait=5",
         "MinJobAge=300",
         "SchedulerType=sched/backfill",
+        "# A job asking for more nodes than its partition has is refused at submit time (\"Node count",
+        "# specification invalid\"); 22.05's default (NO) keeps it pending for ever (PartitionNodeLimit).",
+        "EnforcePartLimits=ALL",
         "SchedulerParameters=permit_job_expansion,batch_sched_delay=0,sched_min_interval=0,"
         "default_queue_depth=100",
         "# Accounting through slurmdbd: without it a job can be resized only once",

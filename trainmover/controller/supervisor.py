@@ -62,6 +62,8 @@ def main() -> int:
     except (KeyError, ValueError):
         raise ConfigError("trainmover controller runs inside a Slurm job (SLURM_JOB_ID is not set)") from None
     cfg = Config.from_env()
+    from trainmover.controller.preflight import preflight
+    preflight(cfg)  # options the workload does not take, TM_CHECK_WORKLOAD: before anything starts
     import torch.distributed as dist
     from trainmover.slurm.client import CliSlurm
     slurm = CliSlurm()

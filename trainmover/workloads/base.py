@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -31,7 +32,14 @@ class BuildContext:
 
 class Workload(abc.ABC):
     """Subclasses must be deterministic given (seed, rank, state): a migration is proven
-    lossless by comparing digests with an uninterrupted run."""
+    lossless by comparing digests with an uninterrupted run. docs/workloads.md says how to
+    write one (examples/cnn/cnn.py is complete); `trainmover check-workload module:Class`
+    tells whether a migration of it would be exact.
+
+    Options: the constructor's keyword arguments are the options the workload accepts. It gets
+    only those the user set (TM_WORKLOAD_OPTIONS; TM_MODEL as `preset`; TM_TP/TM_PP/TM_DP as
+    `tp`/`pp`/`dp`); any other is an error at start naming it. Build nothing in the constructor:
+    a standby constructs before it knows its rank."""
 
     def group_specs(self, world_size: int) -> list[GroupSpec]:
         return [GroupSpec("world", tuple(range(world_size)))]
@@ -51,11 +59,18 @@ class Workload(abc.ABC):
 
     @abc.abstractmethod
     def state_dict(self) -> dict:
-        """Everything that decides future steps except RNG (the runtime adds RNG and step):
-        model, optimizer and data position. Keys `model` and `optimizer` are expected."""
+        """Everything that decides future steps except the global RNGs and the step number,
+        which the runtime adds (runtime/rng.py: torch, CUDA, Python `random`, NumPy's global):
+        model (buffers such as BatchNorm statistics included), optimizer, LR scheduler, data
+        position and epoch order, the state of any generator object of the workload's own
+        (`torch.Generator.get_state()`), counters. Key `model` is required, `optimizer`
+        expected. Only tensors, numbers, strings, None and dicts/lists/tuples of them: the
+        transfer decodes with torch.load(weights_only=True)."""
 
     @abc.abstractmethod
-    def load_state_dict(self, state: dict) -> None: ...
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`'s output. Copy model tensors in place (DDP holds them); the
+        tensors of `state` may already be this workload's own (received in place)."""
 
     def replica_group(self) -> str | None:
         """The group whose members hold identical model and optimizer state (data parallel
@@ -109,9 +124,13 @@ def load_optimizer_in_place(opt, state: dict) -> None:
 REGISTRY = {"gpt_demo": "trainmover.workloads.gpt_demo:GPTDemo",
             "megatron_gpt": "trainmover.workloads.megatron_gpt:MegatronGPT"}
 
+# Where each constructor option a job hands a workload comes from (the rest: TM_WORKLOAD_OPTIONS).
+OPTION_SOURCES = {"preset": "TM_MODEL", "tp": "TM_TP", "pp": "TM_PP", "dp": "TM_DP",
+                  "distributed_optimizer": "TM_DISTRIBUTED_OPTIMIZER"}
 
-def load(name: str, options: dict | None = None) -> Workload:
-    """`name` is a registry key or `package.module:Class`."""
+
+def resolve(name: str) -> type[Workload]:
+    """The class of workload `name`, a registry key or `package.module:Class` (imported)."""
     target = REGISTRY.get(name, name)
     module_name, _, cls_name = target.partition(":")
     if not cls_name:
@@ -122,7 +141,41 @@ def load(name: str, options: dict | None = None) -> Workload:
         raise ConfigError(f"workload {name!r} cannot be loaded: {exc}") from exc
     if not (isinstance(cls, type) and issubclass(cls, Workload)):
         raise ConfigError(f"workload {name!r} is not a trainmover Workload")
+    return cls
+
+
+def accepted_options(cls: type) -> tuple[dict[str, inspect.Parameter], bool]:
+    """What a workload declares it accepts: the keyword arguments of its constructor, and
+    whether it takes any keyword (**kwargs)."""
+    params = inspect.signature(cls).parameters
+    named = {n: p for n, p in params.items()
+             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    return named, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def check_options(name: str, cls: type, options: dict) -> None:
+    """Refuse, naming the key and the variable that set it, an option the workload does not
+    accept, and a required constructor argument that no option sets. Pure."""
+    named, any_key = accepted_options(cls)
+    accepts = ", ".join(sorted(named)) or "no options"
+    unknown = sorted(set(options) - set(named)) if not any_key else []
+    if unknown:
+        sources = ", ".join(f"{k} from {OPTION_SOURCES.get(k, 'TM_WORKLOAD_OPTIONS')}" for k in unknown)
+        raise ConfigError(f"workload {name!r} does not accept options {unknown} ({sources}); it accepts: "
+                          f"{accepts} (the keyword arguments of {cls.__name__}.__init__)")
+    missing = sorted(n for n, p in named.items() if p.default is inspect.Parameter.empty and n not in options)
+    if missing:
+        raise ConfigError(f"workload {name!r} needs option(s) {missing}: set them in TM_WORKLOAD_OPTIONS "
+                          f"(e.g. TM_WORKLOAD_OPTIONS={missing[0]}=...)")
+
+
+def load(name: str, options: dict | None = None) -> Workload:
+    """`name` is a registry key or `package.module:Class`; `options` are the constructor's
+    keyword arguments, checked against its signature first."""
+    cls = resolve(name)
+    options = dict(options or {})
+    check_options(name, cls, options)
     try:
-        return cls(**(options or {}))
-    except TypeError as exc:  # e.g. a parallel layout (TM_TP...) given to a workload without one
-        raise ConfigError(f"workload {name!r} does not accept options {sorted(options or {})}: {exc}") from exc
+        return cls(**options)
+    except TypeError as exc:  # raised inside the constructor: say whose
+        raise ConfigError(f"workload {name!r} refused options {sorted(options)}: {exc}") from exc

@@ -1,0 +1,194 @@
+"""`trainmover check-workload`: the pure parts (plan, fingerprints, comparison), then real checks
+of the built-in GPT, the example CNN and workloads with one mistake each
+(tests/unit/check_workloads.py), each naming the first step where a migration would differ."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainmover.check import compare
+from trainmover.check.fingerprint import describe, differences, fingerprint, unplain
+from trainmover.check.plan import Plan, is_prime, plan, shadow_total
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "cnn"
+TIMEOUT_S = 300
+
+
+# --- pure ----------------------------------------------------------------------------------
+def test_plan_leaves_prime_distances_longer_than_the_compared_steps():
+    assert plan(24) == Plan(at=41, compare=24, rollback=24, restarts=(2, 3, 5, 8, 13, 21, 34))
+    assert plan(1) == Plan(at=29, compare=1, rollback=19, restarts=(2, 3, 5, 8, 13, 21))
+    for n in range(1, 80):
+        p = plan(n)
+        assert is_prime(p.at) and p.at >= n + 12 and p.end == p.at + n and p.rollback < p.at
+        assert is_prime(p.end - p.rollback) and p.end - p.rollback > n  # no period <= n divides it
+        # every epoch length E <= at has a restart point in [E, 2E): one epoch from a fresh count
+        assert all(any(e <= r < 2 * e for r in p.restarts) for e in range(2, p.restarts[-1] + 1))
+    with pytest.raises(ValueError):
+        plan(0)
+
+
+def test_shadow_steps_are_padded_to_a_prime_distance_from_the_switch():
+    assert shadow_total(29, 10, 12) == 10  # 19 is prime and > 12
+    assert shadow_total(29, 7, 12) == 10   # 22, 21, 20 are not
+    assert shadow_total(29, 12, 12) == 12  # 17
+    assert shadow_total(13, 10, 12) == 10  # nothing fits: as steady
+    for compare in (1, 12, 24):
+        at = plan(compare).at
+        assert all(is_prime(at - shadow_total(at, s, compare)) and at - shadow_total(at, s, compare) > compare
+                   for s in range(2, 13))
+
+
+def test_state_paths_in_words():
+    assert describe("/workload/optimizer/state/3/momentum_buffer") == "optimizer state 'momentum_buffer' of param 3"
+    assert describe("/workload/optimizer/param_groups/0/lr") == "optimizer param group 0 'lr'"
+    assert describe("/workload/scheduler/last_epoch") == "state 'scheduler/last_epoch'"
+    assert describe("/workload/model/bn1.running_mean") == "model 'bn1.running_mean'"
+    assert describe("/rng/torch") == "the global torch RNG (captured by the runtime)"
+
+
+def test_differences_put_settings_before_parameters_and_name_missing_keys():
+    a = fingerprint({"workload": {"model": {"w": torch.ones(3)}, "optimizer": {"param_groups": [{"lr": 0.1}]},
+                                  "scheduler": {"last_epoch": 5}}})
+    b = fingerprint({"workload": {"model": {"w": torch.zeros(3)}, "optimizer": {"param_groups": [{"lr": 0.01}]}}})
+    paths = [p for p, _, _ in differences(a, b)]
+    assert paths == ["/workload/optimizer/param_groups/0/lr", "/workload/scheduler/last_epoch", "/workload/model/w"]
+    assert differences(a, b)[1][2] == "(missing)"
+    assert differences(a, a) == []
+
+
+def test_values_the_transfer_cannot_decode_are_named():
+    import numpy as np
+    assert unplain({"data": {"gen": torch.Generator(), "pos": 3, "order": torch.arange(4), "w": np.float64(1.5),
+                             "ok": [1.5, "a", None, True, torch.float32]}}) == [
+        "/data/gen (torch._C.Generator)", "/data/w (numpy.float64)"]
+
+
+def _record(losses: dict, states: dict) -> compare.Record:
+    return compare.Record(losses=losses, states=states, digest="d")
+
+
+def test_the_first_differing_step_and_what_differed():
+    p = Plan(at=3, compare=3, rollback=2)
+    same = {s: fingerprint({"workload": {"model": {"w": torch.tensor([float(s)])}}}) for s in range(2, 7)}
+    other = dict(same)
+    other[5] = fingerprint({"workload": {"model": {"w": torch.tensor([9.0])}}})
+    ref = _record({4: 1.0, 5: 0.5, 6: 0.25}, same)
+    ok = compare.migration_finding(p, [ref, ref], [ref, ref])
+    assert ok.ok and "steps 4-6" in ok.message
+    bad = compare.migration_finding(p, [ref, ref], [ref, _record({4: 1.0, 5: 0.75, 6: 0.25}, other)])
+    assert not bad.ok and bad.step == 5
+    assert "first difference at step 5 (the 2nd step after the switch after step 3)" in bad.message
+    assert "loss of rank 1 0.5 (uninterrupted) vs 0.75 (migrated)" in bad.message
+    assert "model 'w': [5.0] (uninterrupted) vs [9.0] (migrated)" in bad.message
+    at_switch = dict(same)
+    at_switch[3] = other[5]
+    load = compare.migration_finding(p, [ref, ref], [_record(ref.losses, at_switch), ref])
+    assert load.step == 3 and "load_state_dict() does not restore model 'w'" in load.message
+
+
+def test_bits_not_values_are_compared():
+    assert compare.same_float(float("nan"), float("nan")) and not compare.same_float(0.0, -0.0)
+    assert not compare.same_float(0.1 + 0.2, 0.3)
+
+
+# --- real checks ---------------------------------------------------------------------------
+@pytest.fixture
+def on_path(monkeypatch):
+    """The example and the mistaken workloads importable here and in the check's processes."""
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), str(EXAMPLE), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.chdir(ROOT)
+
+
+def check(name: str, steps: int = 12, **kw):
+    from trainmover.check.run import run_check
+    report = run_check(name, kw, steps=steps, timeout_s=TIMEOUT_S)
+    print(report.text())
+    return report
+
+
+def finding(report, name: str) -> compare.Finding:
+    return next(f for f in report.findings if f.check == name)
+
+
+def test_the_example_cnn_would_migrate_exactly(on_path):
+    report = check("cnn:CNN", steps=24)
+    assert report.exact, report.text()
+    assert report.world == 2 and report.plan.at == 41 and [f.check for f in report.findings] == [
+        "encoding", "migration", "determinism", "rollback", "restart"]
+
+
+def test_the_built_in_gpt_would_migrate_exactly(on_path):
+    report = check("gpt_demo", steps=8)
+    assert report.exact, report.text()
+
+
+def test_a_scheduler_left_out_of_the_state_fails_at_the_first_step_after_the_switch(on_path):
+    # through the command line: exit status 1 and the message
+    out = subprocess.run([sys.executable, "-m", "trainmover.cli", "check-workload",
+                          "tests.unit.check_workloads:NoScheduler", "--steps", "12"],
+                         capture_output=True, text=True, timeout=TIMEOUT_S + 60, env=os.environ, cwd=ROOT)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "migration    FAIL first difference at step 30 (the 1st step after the switch after step 29)" in out.stdout
+    assert "optimizer param group 0 'lr'" in out.stdout and "LR scheduler" in out.stdout
+    assert "a migration would NOT be exact" in out.stdout
+
+
+def test_a_data_generator_left_out_fails_at_the_next_epoch(on_path):
+    report = check("tests.unit.check_workloads:NoGenerator")
+    m = finding(report, "migration")
+    # 12 steps an epoch per rank: at step 37 the reference draws the order of epoch 3, the joiner
+    # (whose generator drew only at its build) the one of epoch 1 again
+    assert not m.ok and m.step == 37 and "loss of rank 0" in m.message, report.text()
+    assert not report.exact
+
+
+@pytest.mark.parametrize("step_size", [2, 3])
+def test_a_per_epoch_schedule_left_out_fails_where_a_fresh_instance_restarts(on_path, step_size):
+    # epochs of 4 steps: the state after step 5 holds one epoch, a fresh instance counted none
+    report = check("tests.unit.check_workloads:PerEpochSchedule", step_size=step_size)
+    r = finding(report, "restart")
+    assert not r.ok and "given the state after step 5: first difference at step" in r.message, report.text()
+    assert "optimizer param group 0 'lr'" in r.message and not report.exact
+
+
+def test_an_unseeded_generator_fails_the_determinism_check(on_path):
+    report = check("tests.unit.check_workloads:Unseeded", steps=4)
+    d = finding(report, "determinism")
+    assert not d.ok and d.step == report.plan.rollback + 1 and "not a function of (seed, rank, state)" in d.message
+    assert not finding(report, "migration").ok
+
+
+def test_a_load_that_forgets_batchnorm_statistics_fails_the_rollback(on_path):
+    # a migration receives tensors in place into the joiner's own buffers, which hides this
+    # mistake there; restoring a copy (snapshot and checkpoint tiers) shows it
+    report = check("tests.unit.check_workloads:LoadForgetsBatchNorm", steps=4)
+    r = finding(report, "rollback")
+    assert not r.ok and r.step == report.plan.rollback and "running_mean" in r.message, report.text()
+
+
+def test_a_state_the_transfer_cannot_carry_stops_the_check_with_the_key(on_path):
+    report = check("tests.unit.check_workloads:GeneratorObject", steps=4)
+    assert not report.exact
+    assert "/workload/data/generator (torch._C.Generator)" in report.failure, report.text()
+
+
+def test_options_are_checked_before_any_process_starts(on_path):
+    from trainmover.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"does not accept options \['preset'\] \(preset from TM_MODEL\); it accepts: "
+                                          r"batch, clip, dropout, gamma, lr, samples, step_size, width"):
+        check("cnn:CNN", preset="tiny")
+
+
+def test_a_process_that_hangs_is_named_with_where_it_was_at_the_deadline(on_path):
+    from trainmover.check.run import run_check
+    report = run_check("tests.unit.check_workloads:HangsOnRank1", {}, steps=4, timeout_s=90)
+    assert not report.exact and report.failure.startswith("timed out after 90s; still running: "), report.text()
+    assert "reference rank 1 in 'step 6'" in report.failure, report.failure
