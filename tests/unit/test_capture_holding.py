@@ -23,7 +23,10 @@ def state(step: int, seed: int = 0) -> tuple[dict, torch.nn.Module, torch.optim.
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
     opt = torch.optim.AdamW(model.parameters())
     for _ in range(2):
-        model(torch.randn(4, 6)).sum().backward()
+        # gradients set, not computed: a forked test (gloo_threads) cannot run autograd once the
+        # parent has (CUDA builds start autograd's device threads: "Autograd and Fork")
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
         opt.step()
     return ({"workload": {"model": model.state_dict(), "optimizer": opt.state_dict(), "data": {"cursor": step}},
              "rng": {"torch": torch.get_rng_state()}, "step": step}, model, opt)
@@ -175,7 +178,8 @@ def test_cuda_capture_is_pinned_off_the_training_stream_and_gated_before_the_upd
     assert c.digest == capture.word_digest(c.specs, capture.word_sums(c.slab.views))  # CPU and GPU agree
     restored, placed = capture.restore_into(c.state(), like={"workload": {"model": model.state_dict(),
                                                                          "optimizer": opt.state_dict()}, "step": 0})
-    assert digest(restored) == digest(expect) and placed == c.slab.bytes
+    # like with like: digest_tensors sums CUDA tensors' words but hashes CPU tensors' bytes
+    assert digest(transfer.host_copy(restored)) == digest(expect) and placed == c.slab.bytes
 
 
 def test_a_snapshot_due_while_its_host_buffers_are_being_allocated_is_skipped():
