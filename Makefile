@@ -1,10 +1,17 @@
 # The two commands of the README. Both set up what they need on a fresh machine.
 #   make demo   start the embedded Slurm cluster, submit the demo, drain a node, show the migration
-#   make test   every test: unit tests and end-to-end tests against the real local Slurm cluster
+#   make test   every test: unit tests and end-to-end tests against the real local Slurm cluster,
+#               then the Slurm matrix (below) on every other supported Slurm release
 VENV := .venv
 PYTEST_ARGS ?=
+# The Slurm matrix: on each supported release the host does not have (its cluster runs from a
+# Debian root filesystem, built once into /var/cache/trainmover/rootfs/<release>): the Slurm
+# contract, the embedded cluster's own tests (grow/shrink repeated, no standby, down/up), the
+# drain migration compared bit for bit with an uninterrupted run, and the SPANK plugin.
+SLURM_MATRIX_TESTS := tests/e2e/test_slurm_contract.py tests/e2e/test_cluster.py \
+	tests/e2e/test_migration.py::test_drain_moves_the_rank_to_a_standby_bit_exactly tests/e2e/test_spank.py
 
-.PHONY: demo test unit setup cluster-down clean
+.PHONY: demo test unit setup slurm-matrix cluster-down clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt scripts/setup.sh
 	scripts/setup.sh
@@ -17,6 +24,17 @@ demo: $(VENV)/.installed
 # pytest exits 5 when it collects no test: that fails this target (and CI), as it should.
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest tests -ra $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory slurm-matrix
+
+# SLURM_RELEASES: the releases to run the matrix on (default: every supported one but the host's).
+slurm-matrix: $(VENV)/.installed
+	@set -e; releases="$${SLURM_RELEASES:-$$($(VENV)/bin/python -m trainmover.cluster releases --besides-host)}"; \
+	test -n "$$releases" || { echo "slurm-matrix: no Slurm release to run" >&2; exit 1; }; \
+	for v in $$releases; do \
+	  echo "== Slurm $$v: $(SLURM_MATRIX_TESTS)"; start=$$(date +%s); \
+	  TM_E2E_SLURM=$$v $(VENV)/bin/python -m pytest $(SLURM_MATRIX_TESTS) -ra $(PYTEST_ARGS); \
+	  echo "== Slurm $$v: $$(( $$(date +%s) - start ))s"; \
+	done
 
 unit: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest tests/unit -q
@@ -25,6 +43,10 @@ cluster-down:
 	-$(VENV)/bin/trainmover cluster down
 	-$(VENV)/bin/trainmover cluster down --dir /var/tmp/trainmover-cluster-e2e
 	-$(VENV)/bin/trainmover cluster down --dir /var/tmp/trainmover-cluster-megatron
+	-for v in $$($(VENV)/bin/python -m trainmover.cluster releases); do \
+	  $(VENV)/bin/trainmover cluster down --slurm $$v; \
+	  $(VENV)/bin/trainmover cluster down --dir /var/tmp/trainmover-cluster-e2e-$$v; \
+	done
 
 clean: cluster-down
 	rm -rf $(VENV) runs slurm-*.out

@@ -2,8 +2,8 @@
 planned migration in the same invocation: one JSON with both, their ratio and the phases.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-    python bench/gpu_checkpoint_restart.py --preset 1b --gpus 4 --with-trainmover --out DIR
-    python bench/gpu_checkpoint_restart.py --device cpu --preset tiny --gpus 4 --with-trainmover   # dry run, no GPU
+    python bench/gpu_checkpoint_restart.py --preset 1b --gpus 2 --with-trainmover --out DIR
+    python bench/gpu_checkpoint_restart.py --device cpu --preset tiny --gpus 2 --with-trainmover   # dry run, no GPU
 
 Workers = GPUs - 1 (one rank per GPU, DDP over NCCL); the last GPU is the replacement (for
 TrainMover: the warm standby; for the baseline: where the restarted rank lands). With 2 GPUs:
@@ -148,38 +148,39 @@ def phase_medians(trials: list[dict]) -> dict:
 
 
 def trainmover_side(args, out: Path) -> tuple[dict, list[dict]]:
-    """TrainMover's planned migration, exactly as bench/gpu_planned_migration.py runs it."""
-    from bench import gpu_planned_migration as gpm
-    from bench.cpu_planned_migration import gantt
-    ns = argparse.Namespace(preset=args.preset, steps=args.tm_steps, migrate_at=args.tm_migrate_at, gpus=args.gpus,
-                            device=args.device, leaver="gpu1" if args.gpus > 2 else "gpu0")
-    if args.gpus == 2:
-        raise SystemExit("--with-trainmover needs >= 3 GPUs: with 2 there is one worker and no stayer, so the "
-                         "downtime TrainMover reports (the pause seen by stayers) does not exist; run the baseline "
-                         "alone on 2 GPUs (and bench/gpu_planned_migration.py --gpus 2 for the migration itself)")
-    p2p = gpm.p2p_bandwidth() if args.device == "cuda" else None
-    ref = gpm.run_job(f"ref-{args.preset}", out / "work", ns, migrate=False)
-    mig = gpm.run_job(f"mig-{args.preset}", out / "work", ns, migrate=True)
-    metrics = gpm.summarize(ref, mig, p2p)
-    m = mig["status"]["migrations"][0]
-    rows = {r["step"]: r for r in mig["metrics"]}
-    chart = gantt(m, rows, mig["trigger"]["t"])
+    """TrainMover's planned migration (and with the failure scenario its SIGKILL), exactly as
+    bench/gpu_planned_migration.py runs them (that script, in a child process: one reference
+    for both, each job with a deadline); with 2 GPUs one worker and its standby."""
+    cuda = args.device == "cuda"
+    tm_out = out / "trainmover"
+    cmd = [sys.executable, str(ROOT / "bench" / "gpu_planned_migration.py"), "--preset", args.preset,
+           "--gpus", str(args.gpus), "--steps", str(args.tm_steps), "--migrate-at", str(args.tm_migrate_at),
+           "--fault", "both" if "failure" in args.scenarios else "migrate", "--device", args.device,
+           "--machine", args.machine, "--out", str(tm_out), "--work", str(out / "work" / "trainmover")]
+    if cuda:
+        cmd.append("--p2p")
+    subprocess.run(cmd, timeout=args.start_timeout, check=False)
+    leaver = "gpu0" if args.gpus == 2 else "gpu1"
+    prefix = "gpu" if cuda else "cpu-dryrun"
+    planned = json.loads((tm_out / f"{prefix}-planned-{args.preset}-{leaver}.json").read_text())
+    if not planned["complete"]:
+        raise SystemExit(f"TrainMover's planned migration incomplete: {planned['errors']}")
+    metrics = dict(planned["metrics"])
+    chart = metrics.pop("gantt") or []
     metrics["trainmover_phases_s"] = {p["phase"]: p["seconds"] for p in chart}
-    trials = [{"downtime_s": metrics["planned_downtime_s"], "gantt": chart, "migration": m}]
+    trials = [{"downtime_s": metrics["planned_downtime_s"], "gantt": chart, "migration": planned["migrations"][0]}]
     if "failure" in args.scenarios:  # unexpected failure: SIGKILL of the same rank's worker
-        kill = gpm.run_job(f"kill-{args.preset}", out / "work", argparse.Namespace(**vars(ns), fault="kill"),
-                           migrate=True)
-        failure = gpm.summarize_failure(ref, kill, p2p)
-        metrics["unexpected_downtime_s"] = failure["unexpected_downtime_s"]
-        metrics["trainmover_failure"] = failure
-        metrics["trainmover_failure_migrations"] = kill["status"]["migrations"]
+        failure = json.loads((tm_out / f"{prefix}-failure-{args.preset}-{leaver}.json").read_text())
+        metrics["unexpected_downtime_s"] = failure["metrics"].get("unexpected_downtime_s")
+        metrics["trainmover_failure"] = failure["metrics"]
+        metrics["trainmover_failure_migrations"] = failure["migrations"]
     return metrics, trials
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="1b")
-    ap.add_argument("--gpus", type=int, default=4, help="GPUs of this host: GPUs-1 workers + 1 replacement")
+    ap.add_argument("--gpus", type=int, default=2, help="GPUs of this host: GPUs-1 workers + 1 replacement")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run of the same flow over gloo")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--scenarios", nargs="+", default=["planned", "failure"], choices=("planned", "failure"))
@@ -187,7 +188,7 @@ def main():
     ap.add_argument("--event-at", type=int, default=15, help="baseline step after which the event happens")
     ap.add_argument("--ckpt-every", type=int, default=10, help="baseline periodic checkpoint interval (failure loses the steps since)")
     ap.add_argument("--with-trainmover", action="store_true", help="also run bench/gpu_planned_migration.py's flow")
-    ap.add_argument("--tm-steps", type=int, default=60)
+    ap.add_argument("--tm-steps", type=int, default=120)
     ap.add_argument("--tm-migrate-at", type=int, default=25)
     ap.add_argument("--start-timeout", type=float, default=900)
     ap.add_argument("--stop-timeout", type=float, default=600)

@@ -1,17 +1,22 @@
 """Planned migration of a Megatron-core GPT rank on one GPU host (issue 7), in one run:
 
-    python bench/gpu_megatron_migration.py --preset 1b --layout dp --out DIR      # GPU machine
-    python bench/gpu_megatron_migration.py --device cpu --preset tiny              # dry run (gloo)
+    python bench/gpu_megatron_migration.py --preset 1b --gpus 2 --out DIR          # GPU machine, 1 + 1
+    python bench/gpu_megatron_migration.py --preset 1b --gpus 4 --layout pp ...    # 3 + 1, PP3
+    python bench/gpu_megatron_migration.py --device cpu --preset tiny --gpus 2     # dry run (gloo)
 
-GPUs-1 training "nodes" of one GPU each and 1 standby (4 GPUs: 3 + 1), megatron_gpt in bf16
-(Megatron's local layer spec, no TransformerEngine or apex) with `--layout dp` (DP3 with the
-distributed optimizer, the default) or `--layout pp` (PP3), through the real controller,
+GPUs-1 training "nodes" of one GPU each and 1 standby (2 GPUs: 1 + 1, TP=PP=DP=1; 4 GPUs: 3 + 1),
+megatron_gpt in bf16 (Megatron's local layer spec, no TransformerEngine or apex) with `--layout dp`
+(DP over the workers with the distributed optimizer, the default) or `--layout pp` (pipeline
+stages), through the real controller,
 policy and runtime (`SingleHostAllocation`, as bench/gpu_planned_migration.py). Two jobs of
 the same number of steps, each a child process with a deadline:
 
-* ref: uninterrupted;
+* ref: uninterrupted, its workers alone (`--ref-only --first-gpu 1`: only this one, beside
+  another benchmark's reference on GPU 0; `--ref RAW`: reuse it);
 * migrate: once the standby is warm and `--migrate-at` steps are done, `migrate` of the
-  leaver's GPU; the standby takes its rank (state over NCCL) and training goes on.
+  leaver's GPU; the standby takes its rank (state over NCCL) and training goes on. With one
+  worker there is no stayer: the pause is measured on the joiner's side (see
+  bench/gpu_planned_migration.py).
 
 Measured (metric names of shared/reference/bench-results.md): planned downtime from the
 controller's status (the worst stayer's pause minus a steady step), Phase 1, state bytes and
@@ -100,10 +105,13 @@ def main() -> int:
     ap.add_argument("--no-distributed-optimizer", action="store_true", help="dp: plain Megatron DDP optimizer")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run of the same flow over gloo")
-    ap.add_argument("--gpus", type=int, default=4, help="GPU 'nodes': all but one train, one is the standby")
+    ap.add_argument("--gpus", type=int, default=2, help="GPU 'nodes': all but one train, one is the standby")
     ap.add_argument("--steps", type=int, default=80, help="steps of each job (the same for both)")
     ap.add_argument("--migrate-at", type=int, default=20, help="earliest step of the migrate request")
-    ap.add_argument("--leaver", default="gpu1", help="the GPU 'node' to migrate (gpu0 runs the controller's batch step)")
+    ap.add_argument("--leaver", default=None, help="the GPU 'node' to migrate (default gpu1; with 2 GPUs gpu0)")
+    ap.add_argument("--ref-only", action="store_true", help="only the reference job, on --first-gpu (<work>/ref/raw.json)")
+    ap.add_argument("--first-gpu", type=int, default=0, help="--ref-only: the GPU it runs on")
+    ap.add_argument("--ref", default=None, help="raw.json of a reference run to reuse (same preset, layout, steps)")
     ap.add_argument("--p2p", action="store_true", help="also measure plain NCCL send/recv (needs ~20 s)")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
     ap.add_argument("--work", default=None, help="scratch directory of the jobs (default: a new one under /tmp); "
@@ -118,6 +126,7 @@ def main() -> int:
         return run_job(json.loads(args.run_job))
 
     t_begin = time.monotonic()
+    args.leaver = args.leaver or ("gpu0" if args.gpus == 2 else "gpu1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     import torch  # no CUDA context here: it would hold memory on GPU 0, next to a worker
@@ -126,7 +135,8 @@ def main() -> int:
     cuda = args.device == "cuda"
     workers = args.gpus - 1
     lay = layout(args.layout, workers)
-    dist_opt = args.layout == "dp" and not args.no_distributed_optimizer
+    # one worker: nothing to shard the optimizer over (DP=1), Megatron's plain optimizer
+    dist_opt = args.layout == "dp" and workers > 1 and not args.no_distributed_optimizer
     scenario = (f"planned-{'gpu' if cuda else 'cpu-dryrun'}-megatron-{args.preset}-"
                 f"{args.layout}{workers}{'-distopt' if dist_opt else ''}")
     path = out / f"{scenario}.json"
@@ -152,8 +162,8 @@ def main() -> int:
         result["settings"]["model_params"] = param_count(args.preset)
     except KeyError:
         result["errors"].append(f"unknown preset {args.preset!r}")
-    if workers < 2:
-        result["errors"].append(f"needs at least 3 GPUs (2 training + 1 standby), got {args.gpus}")
+    if workers < 1:
+        result["errors"].append(f"needs at least 2 GPUs (1 training + 1 standby), got {args.gpus}")
     if result["errors"]:
         save()
         return 1
@@ -163,19 +173,27 @@ def main() -> int:
               "phase1_timeout_s": 180, "release_timeout_s": 60, "shadow_steps": 6, "straggler": "off",
               # as sbatch_templates/megatron_gpt.sbatch: each pipeline stage kind records, the
               # standby rehearses all of them (0: shadow steps on locally answered groups)
-              "record_iterations": args.record_iterations, "workload_options": f"dtype={args.dtype}"}
+              "record_iterations": args.record_iterations, "workload_options": f"dtype={args.dtype}",
+              # a planned migration is measured: no snapshots (a one-worker job would take them: no replica)
+              "snapshot_every": 0}
     work = Path(args.work or f"/tmp/tm-megatron-migration-{time.strftime('%Y%m%d-%H%M%S')}")
     raws = {}
-    for name in ("ref", "migrate"):
+    if args.ref:
+        raws["ref"] = read_json(Path(args.ref))
+        result["settings"]["reference"] = args.ref
+    for name in ("ref",) if args.ref_only else ("migrate",) if args.ref else ("ref", "migrate"):
         left = args.deadline_s - (time.monotonic() - t_begin) - 5
         # The reference must leave the migrating job at least as much time as it took itself.
-        budget = left / 2 if name == "ref" else left
+        budget = left / 2 if name == "ref" and not args.ref_only else left
         if budget < 20:
             result["errors"].append(f"{name}: not run, {left:.0f}s of the deadline left")
             continue
-        spec = {"name": name, "gpus": args.gpus, "leaver": args.leaver, "migrate": name == "migrate",
+        ref = name == "ref"  # its workers alone, no standby (possibly beside another benchmark's reference)
+        spec = {"name": name, "gpus": workers if ref else args.gpus, "train": workers, "leaver": args.leaver,
+                "first_gpu": args.first_gpu if ref else 0, "host_gpus": max(args.gpus, args.first_gpu + workers),
+                "migrate": name == "migrate",
                 "migrate_at": args.migrate_at, "steps": args.steps, "min_steps_after": 5, "deadline_s": budget,
-                "workdir": str(work / name), "config": config}
+                "workdir": str(work / name), "config": {**config, **({"standbys": 0} if ref else {})}}
         raw, error = jobs.launch(__file__, spec, budget)
         raws[name] = raw
         jobs.keep_logs(Path(spec["workdir"]), out / f"{scenario}-logs" / name)
@@ -189,6 +207,8 @@ def main() -> int:
         print(f"[{name}] done: steps {rows[-1].get('step')}, errors so far {result['errors']}", flush=True)
         save()
 
+    if args.ref_only:
+        return 0 if (raws.get("ref") or {}).get("final") else 1
     p2p = None
     if cuda and args.p2p and args.deadline_s - (time.monotonic() - t_begin) > 300:  # its own waits: 180 + 60 s
         try:

@@ -1,15 +1,27 @@
-"""Planned migration (or, with --fault kill, an unexpected failure) on one GPU host: 3 data-parallel workers + 1 standby, NCCL through
-cuda/libtmdelta, the real controller, policy and runtime (no Slurm on the GPU machines:
-`SingleHostAllocation` stands in for the allocation; Slurm's own cost is measured on the
-local cluster by bench/cpu_planned_migration.py).
+"""Planned migration and unexpected failure (SIGKILL) on one GPU host: GPUs-1 data-parallel
+workers + 1 standby (2 GPUs: 1 worker + 1 standby), gpt_demo, NCCL through cuda/libtmdelta,
+the real controller, policy and runtime (`SingleHostAllocation` stands in for Slurm's
+allocation; Slurm's own cost is measured on the local cluster by bench/cpu_planned_migration.py).
 
-    python bench/gpu_planned_migration.py --preset 1b --steps 60 --migrate-at 25 --out DIR
-    python bench/gpu_planned_migration.py --preset 1b --fault kill ...   (SIGKILL of rank 1's worker)
+    python bench/gpu_planned_migration.py --preset 1b --gpus 2 --fault both --out DIR
+    python bench/gpu_planned_migration.py --preset 1b --gpus 4 --leaver gpu1 --fault migrate ...
+    python bench/gpu_planned_migration.py --device cpu --preset tiny --gpus 2 --fault both   # dry run (gloo)
 
-Runs, in one go: plain NCCL send/recv bandwidth (torch.distributed, the reference for the
-state copy), an uninterrupted run, and a run where rank 1's GPU is migrated to the standby
-by `trainmover migrate`. Writes <out>/gpu-planned-<preset>.json in the format of
-shared/reference/bench-results.md.
+Jobs, each a child process with a deadline (what it wrote is kept when it has to be killed):
+* ref: uninterrupted (`--ref-only`: only this one, e.g. on `--first-gpu 1` beside another
+  benchmark's reference; `--ref RAW`: reuse such a run instead of running one);
+* migrate: once the standby is warm and `--migrate-at` steps are done, `migrate` of the leaver;
+* kill: the leaver's worker gets SIGKILL. With stayers its state comes from a replica (plain
+  DDP); with one worker there is no replica and no other training node: the standby holds the
+  worker's snapshots (runtime/holding.py), so the kill waits until the standby holds one and
+  half a snapshot interval has passed, and the job rolls back to that snapshot.
+
+With one worker there is no stayer: the migration's pause is measured on the joiner's side
+(the end of its first step against the end of the leaver's last, minus a steady step; see
+controller/policy.py `_downtime`), and the job's own rows give the same number.
+Writes <out>/gpu-planned-<preset>-<leaver>.json and gpu-failure-<preset>-<leaver>.json
+(cpu-dryrun-... on the CPU) in the format of shared/reference/bench-results.md, `complete` and
+`errors` saying what is missing. Exit code 0 only if every JSON is complete.
 """
 from __future__ import annotations
 
@@ -28,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import results_io  # noqa: E402
-from bench.polling import read_jsonl  # noqa: E402
+from bench import single_host_jobs as jobs  # noqa: E402
+from bench.cpu_planned_migration import gantt  # noqa: E402
 
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
            "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
@@ -60,63 +73,86 @@ def p2p_bandwidth() -> float:
     return statistics.median(rates)
 
 
-def run_job(name: str, out: Path, args, migrate: bool) -> dict:
-    from trainmover.config import Config
-    from trainmover.control import channel
-    from trainmover.control.messages import make
-    from trainmover.controller.main import Controller
-    from trainmover.controller.single_host import SingleHostAllocation
+# --- one job (a child process: a hung job can be killed, its files stay) ----------------------
+def run_job(spec: dict) -> int:
+    ctl, run, raw = jobs.new_job(spec, ROOT)
 
-    workdir = out / name
-    workdir.mkdir(parents=True, exist_ok=True)
-    cfg = Config(steps=args.steps, model=args.preset, device=args.device, backend="nccl" if args.device == "cuda" else "gloo",
-                 standbys=1, poll_s=0.5,
-                 group_timeout_s=180, switch_timeout_s=180, phase1_timeout_s=180, shadow_steps=6,
-                 # Recorded collectives (issue 4) stay off here: this bench measures the switch;
-                 # bench/gpu_warm_joiner.py measures recording, replay and the joiner's first step.
-                 record_iterations=0,
-                 run_dir=str(workdir / "run"))
-    alloc = SingleHostAllocation(gpus=args.gpus, train=args.gpus - 1, work_dir=str(workdir))
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    ctl = Controller(cfg, job_id=1, slurm=alloc, environ=env)
-    run = Path(cfg.run_dir)
-    trigger = {}
-
-    def migrate_when_ready():
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline:
-            rows = read_jsonl(run / "metrics.jsonl")
-            status = json.loads((run / "status.json").read_text()) if (run / "status.json").exists() else {}
-            if rows and rows[-1]["step"] >= args.migrate_at and any(s["state"] == "ready" for s in status.get("standbys", [])):
-                where = json.loads((run / "controller.json").read_text())
-                trigger["t"] = time.time()
-                if getattr(args, "fault", "migrate") == "kill":  # `env` execs the worker: this pid is the training process
-                    ctl.steps[args.leaver].send_signal(signal.SIGKILL)
-                    trigger["reply"] = f"SIGKILL to the worker on {args.leaver}"
+    def trigger():
+        t = raw["trigger"]
+        deadline = time.monotonic() + spec["deadline_s"]
+        try:
+            while time.monotonic() < deadline:
+                rows = jobs.read_rows(run / "metrics.jsonl")
+                status = jobs.read_json(run / "status.json")
+                step = rows[-1]["step"] if rows else 0
+                lost = jobs.watch_standby(t, run, status, step)
+                if lost:
+                    t["error"] = lost
                     return
-                reply = channel.request((where["host"], where["port"]), channel.read_secret(str(run / "secret")),
-                                        make("migrate", node=args.leaver))
-                trigger["reply"] = reply["message"]
-                return
-            time.sleep(0.05)
+                if "ready_t" in t and step >= spec["migrate_at"]:
+                    if step >= spec["steps"] - spec["min_steps_after"]:
+                        t["error"] = (f"too late to {spec['fault']} at step {step} (training ends at {spec['steps']}, "
+                                      f"standby ready at step {t['ready_step']}): use more --steps")
+                        return
+                    if spec["fault"] == "migrate":
+                        jobs.request_migration(t, run, spec["leaver"], step)
+                        return
+                    if _kill_now(t, status, step, spec):
+                        return
+                time.sleep(0.02)
+            t["error"] = f"no {spec['fault']} within {spec['deadline_s']:.0f}s (standby ready: {'ready_t' in t})"
+        except Exception as exc:  # noqa: BLE001 - reported in the result
+            t["error"] = f"trigger failed: {exc!r}"
 
-    if migrate:
-        threading.Thread(target=migrate_when_ready, daemon=True).start()
-    t0 = time.time()
-    rc = ctl.run()
-    return {"rc": rc, "wall_s": time.time() - t0, "metrics": read_jsonl(run / "metrics.jsonl"),
-            "timeline": read_jsonl(run / "timeline.jsonl"), "status": json.loads((run / "status.json").read_text()),
-            "final": json.loads((run / "final.json").read_text()) if (run / "final.json").exists() else None,
-            "trigger": trigger}
+    def _kill_now(t: dict, status: dict, step: int, spec: dict) -> bool:
+        """SIGKILL the leaver's worker once the state it will need exists: with one worker a
+        snapshot held by the standby, then half an interval later (a failure between two). It
+        also waits (until 70% of the steps) for a snapshot taken before the one it will resume
+        from: the cost of a protected step is measured on those (the resume step's own
+        intervals hold the recovery)."""
+        if spec["workers"] == 1:
+            snaps = (status.get("protection") or {}).get("snapshots") or {}
+            held = [s for s in snaps.get("held", {}).get("0") or [] if s > 0]
+            if not held or step < max(held) + spec["every"] // 2:
+                return False
+            earlier = [x["step"] for x in snaps.get("taken", {}).get("0") or [] if x["step"] < max(held)]
+            if not earlier and step < 0.7 * spec["steps"]:
+                return False
+            t["held_at_kill"] = held
+            t["held_detail_at_kill"] = ((status.get("protection") or {}).get("snapshots") or {}).get("held_detail")
+        t["t"], t["step"] = time.time(), step
+        # `taskset` and `env` exec the worker: this pid is the training process itself
+        ctl.steps[spec["leaver"]].send_signal(signal.SIGKILL)
+        t["reply"] = f"SIGKILL to the worker on {spec['leaver']} after step {step}"
+        return True
+
+    if spec["fault"] != "none":
+        threading.Thread(target=trigger, daemon=True).start()
+    return jobs.run_controller(ctl, run, raw, Path(spec["workdir"]) / "raw.json")
 
 
-def summarize(ref: dict, mig: dict, p2p: float) -> dict:
-    if not mig["status"]["migrations"]:
-        raise SystemExit("no migration happened (was the standby ready before training ended?)")
-    m = mig["status"]["migrations"][0]
+# --- what the jobs say ------------------------------------------------------------------------
+def exactness(ref: dict, run: dict, skip_missing: bool) -> dict:
+    ref_losses = {r["step"]: r["losses"] for r in ref.get("metrics", [])}
+    got = {r["step"]: r["losses"] for r in run.get("metrics", [])}
+    differ = [k for k in ref_losses if got.get(k) is None or any(
+        (a is not None or not skip_missing) and a != b for a, b in zip(got[k], ref_losses[k]))]
+    rf, mf = ref.get("final") or {}, run.get("final") or {}
+    return {"losses_equal": bool(ref_losses) and not differ, "first_differing_steps": differ[:5],
+            "steps_compared": len(ref_losses),
+            "digest_equal": bool(rf.get("digest")) and rf.get("digest") == mf.get("digest")}
+
+
+def summarize(ref: dict, mig: dict, p2p: float | None) -> dict:
+    """Planned migration: its pause (stayers', or with one worker the joiner's side), Phase 1,
+    the state copy, the stayers' throughput and memory during Phase 1, exactness."""
+    migrations = (mig.get("status") or {}).get("migrations") or []
+    if not migrations:
+        raise ValueError("no migration happened (was the standby ready before training ended?)")
+    m = migrations[0]
     if m["state"] != "done" or m["switch_step"] is None or m["downtime_s"] is None:
-        raise SystemExit(f"the migration did not complete before training ended (state {m['state']}, switch step "
-                         f"{m['switch_step']}): use more --steps or an earlier --migrate-at")
+        raise ValueError(f"the migration did not complete (state {m['state']}, switch step {m['switch_step']}, "
+                         f"downtime {m['downtime_s']}): use more --steps or an earlier --migrate-at")
     tl = mig["timeline"]
     s = m["switch_step"]
     rows = {r["step"]: r for r in mig["metrics"]}
@@ -130,19 +166,22 @@ def summarize(ref: dict, mig: dict, p2p: float) -> dict:
     switched = [e["detail"] for e in tl if e["event"] == "stayer_switched"]
     joined = next(e for e in tl if e["event"] == "joined")["detail"]
     leaver = next((e["detail"] for e in tl if e["event"] == "leaver_switched"), {})
-    ref_losses = {r["step"]: r["losses"] for r in ref["metrics"]}
-    mig_losses = {r["step"]: r["losses"] for r in mig["metrics"]}
-    differ = [k for k in ref_losses if ref_losses[k] != mig_losses.get(k)]
     joiner_rank = m["leaver_ranks"][0]  # the joiner holds the leaver's rank
     joiner_first = rows.get(s + 1, {}).get("step_s_ranks", [None] * (joiner_rank + 1))[joiner_rank]
     around = {k: rows[k].get("step_s_ranks") for k in range(s - 1, s + 4) if k in rows}
     steady_step_s = statistics.median(r["step_s"] for r in mig["metrics"][5:s])
+    copy_s = min(joined["copy_s"], leaver.get("copy_s") or joined["copy_s"])
     return {
         "planned_downtime_s": m["downtime_s"],
-        "detect_s": round(m["phases"]["requested"] - mig["trigger"]["t"], 4) if mig["trigger"] else None,
+        # no stayer (one worker): nobody outside the migration sees the pause; it is the leaver's rank's
+        "pause_measured_on": "stayers" if stayers else "joiner (no stayer: its first step against the leaver's last)",
+        "pause_from_rows_s": (round(rows[s + 1]["t"] - rows[s]["t"] - steady_step_s, 6)
+                              if s in rows and s + 1 in rows else None),
+        "detect_s": round(m["phases"]["requested"] - mig["trigger"]["t"], 4) if mig["trigger"].get("t") else None,
         "phase1_s": m["durations"]["phase1_s"], "switch_s": m["durations"]["switch_s"],
         "release_s": m["durations"]["release_s"],
         "stayer_throughput_ratio": (statistics.median(steady) / statistics.median(during)) if during and steady else None,
+        "throughput_ratio_is": "stayers'" if stayers else "the leaver's (no stayer)",
         "steps_during_phase1": len(during),
         "stayer_extra_alloc_bytes": max(alloc_growth) if alloc_growth else None,
         "stayer_extra_reserved_bytes": max(reserved_growth) if reserved_growth else None,
@@ -150,96 +189,229 @@ def summarize(ref: dict, mig: dict, p2p: float) -> dict:
         # Each side times its grouped NCCL call from posting to completion; the side that posts
         # first also waits for the other to post, so the later poster's (shorter) time is the
         # transfer itself. Both are kept.
-        "state_bytes": joined["bytes"], "state_copy_s": min(joined["copy_s"], leaver.get("copy_s") or joined["copy_s"]),
+        "state_bytes": joined["bytes"], "state_copy_s": copy_s,
         "state_copy_s_joiner": joined["copy_s"], "state_copy_s_leaver": leaver.get("copy_s"),
-        "state_copy_GBps": joined["bytes"] / min(joined["copy_s"], leaver.get("copy_s") or joined["copy_s"]) / 1e9,
+        "state_copy_GBps": joined["bytes"] / copy_s / 1e9 if copy_s else None,
         "leaver_send_s": leaver.get("send_s"), "joiner_recv_s": joined["recv_s"], "joiner_apply_s": joined["apply_s"],
+        "joiner_prepare_s": joined.get("prepare_s"),
         "p2p_GBps": p2p,
         "comm_inits_per_stayer": [e["comms_created"] - e["comms_created_before"] for e in switched],
         "first_step_ratio": joiner_first / steady_step_s if joiner_first else None,
         "steady_step_s": steady_step_s,
         "step_s_per_rank_around_switch": around,
-        "losses_equal": not differ, "first_differing_steps": differ[:5],
-        "digest_equal": bool(ref["final"] and mig["final"] and ref["final"]["digest"] == mig["final"]["digest"]),
+        **exactness(ref, mig, skip_missing=False),
+        "gantt": gantt(m, rows, mig["trigger"]["t"]) if mig["trigger"].get("t") else None,
     }
 
 
-def summarize_failure(ref: dict, run: dict, p2p: float | None) -> dict:
-    """Fault (the kill) to the first step every rank completed afterwards, and exactness."""
-    rec = [m for m in run["status"]["migrations"] if m["recovery"]]
+def protection_cost(rows: list[dict], every: int, before_t: float, taken: list[int], span: int = 3) -> dict:
+    """A snapshot's cost in step time: the excess over the median interval of the `span` step
+    intervals from each step whose snapshot was taken (`taken`: not those skipped while the one
+    before was on its way) on: the copies' issue, the optimizer's wait for them, the exchange's
+    CPU work beside the steps. Only rows logged before the failure (`before_t`) are used: after
+    the rollback the rows past the resume step are the redone ones, and an interval across the
+    resume step would hold the whole recovery."""
+    t = {r["step"]: r["t"] for r in rows if r["t"] < before_t}
+    gaps = {s: t[s + 1] - t[s] for s in t if s + 1 in t and s > 5}
+    plain = [g for s, g in gaps.items() if s % every >= span]
+    if not plain:
+        return {}
+    steady = statistics.median(plain)
+    extra = [sum(gaps[s + i] - steady for i in range(span)) for s in taken if all(s + i in gaps for i in range(span))]
+    if not extra:
+        return {"steady_step_s": round(steady, 5)}
+    return {"protected_step_extra_s": round(statistics.median(extra), 5),
+            "protected_step_extra_s_all": [round(x, 5) for x in extra], "protected_steps": sorted(taken),
+            "steady_step_s": round(steady, 5), "protected_step_ratio": round(1 + statistics.median(extra) / steady, 4),
+            "amortised_overhead_at_every": round(statistics.median(extra) / every / steady, 5)}
+
+
+def summarize_failure(ref: dict, run: dict, p2p: float | None, every: int = 0) -> dict:
+    """Fault (the kill) to the first step every rank completed afterwards, its parts, the
+    snapshot tier's cost per protected step where it was used, and exactness."""
+    rec = [m for m in (run.get("status") or {}).get("migrations", []) if m["recovery"]]
     if not rec or rec[0]["state"] != "done":
-        raise SystemExit(f"no completed recovery: {run['status']['migrations']}")
+        raise ValueError(f"no completed recovery: {[(m['state'], m.get('note')) for m in rec]}")
     m = rec[0]
     ev = {e["event"]: e for e in run["timeline"] if e.get("migration") == m["id"]}
     rows = {r["step"]: r for r in run["metrics"]}
     resume = m["switch_step"]
     t_kill = run["trigger"]["t"]
-    ref_losses = {r["step"]: r["losses"] for r in ref["metrics"]}
-    got = {r["step"]: r["losses"] for r in run["metrics"]}
-    differ = [k for k in ref_losses if got.get(k) is None or any(
-        a is not None and a != b for a, b in zip(got[k], ref_losses[k]))]
     joined = ev["joined"]["detail"]
-    steady_step_s = statistics.median(r["step_s"] for r in run["metrics"][5:resume])
-    return {
-        "unexpected_downtime_s": round(rows[resume + 1]["t"] - t_kill, 4),
+    first_done = rows[resume + 1]["t"]
+    before = [r for r in run["metrics"] if r["step"] <= resume and r["t"] < t_kill]
+    steady_step_s = statistics.median(r["step_s"] for r in before[5:]) if len(before) > 6 else None
+    out = {
+        "unexpected_downtime_s": round(first_done - t_kill, 4),
         "detect_s": round(ev["detected"]["t"] - t_kill, 4),
         "plan_s": round(ev["recover"]["t"] - ev["detected"]["t"], 4),
         "rebuild_s": round(ev["switched"]["t"] - ev["recover"]["t"], 4),
-        "joiner_rebind_s": joined.get("rebind_s"), "joiner_build_s": joined.get("build_s"),
-        "state_bytes": joined.get("recv_bytes"), "state_copy_s": joined.get("recv_s"),
-        "state_source": m["state_source"], "resume_step": resume, "steady_step_s": steady_step_s,
-        "policy_downtime_s": m["downtime_s"], "p2p_GBps": p2p,
-        "losses_equal_except_lost": not differ, "first_differing_steps": differ[:5],
-        "digest_equal": bool(ref["final"] and run["final"] and ref["final"]["digest"] == run["final"]["digest"]),
+        "first_step_after_s": round(first_done - ev["switched"]["t"], 4),
+        "joiner_rebind_s": joined.get("rebind_s"), "joiner_prebound": joined.get("prebound"),
+        "joiner_build_s": joined.get("build_s"), "joiner_groups_built_ahead": joined.get("built_ahead"),
+        "state_bytes": joined.get("recv_bytes"), "state_copy_s": joined.get("restore_s", joined.get("recv_s")),
+        "state_held_by": joined.get("held_by", "sent by a live rank"),
+        "restore_GBps": joined.get("restore_GBps"), "restore_from_pinned": joined.get("pinned"),
+        "joiner_seconds": joined.get("seconds"),
+        "state_source": m["state_source"], "resume_step": resume,
+        "killed_after_step": run["trigger"].get("step"), "held_at_kill": run["trigger"].get("held_at_kill"),
+        "rolled_back_steps": (m["state_source"] or {}).get("rolled_back_steps", 0),
+        "steady_step_s": steady_step_s, "policy_downtime_s": m["downtime_s"], "p2p_GBps": p2p,
+        "goal_s": 2.0,
     }
+    out["goal_met"] = out["unexpected_downtime_s"] <= out["goal_s"]
+    eq = exactness(ref, run, skip_missing=True)  # the dead rank's last loss may be missing
+    out.update(losses_equal_except_lost=eq["losses_equal"], first_differing_steps=eq["first_differing_steps"],
+               digest_equal=eq["digest_equal"])
+    snap = ((run.get("status") or {}).get("protection") or {}).get("snapshots") or {}
+    if every and snap:
+        taken = [x for v in snap.get("taken", {}).values() for x in v]
+        copies = [x["copy_s"] for x in taken if x.get("copy_s")]
+        out["snapshot"] = {
+            "every": every, "held_detail": run["trigger"].get("held_detail_at_kill") or snap.get("held_detail"),
+            "cost_from_rows": protection_cost(run["metrics"], every, t_kill,
+                                              [x["step"] for x in taken if x["step"] < resume]),
+            "versions": taken,
+            "d2h_copy_s": statistics.median(copies) if copies else None,
+            "d2h_GBps": (taken[0]["bytes"] / statistics.median(copies) / 1e9) if copies else None,
+            "gate_wait_s": [x.get("gate_wait_s") for x in taken],
+            "issue_s": [round(x.get("issue_s", 0), 5) for x in taken],
+            "to_standby_s": [x.get("send_s") for x in taken if x.get("held_by")],
+            "pinned": taken[0].get("pinned") if taken else None,
+        }
+    return out
 
 
-def main():
-    ap = argparse.ArgumentParser()
+# --- the run ---------------------------------------------------------------------------------
+def job_config(args, fault: str) -> dict:
+    cuda = args.device == "cuda"
+    one_worker = args.gpus == 2
+    every = args.snapshot_every if (fault == "kill" and one_worker) else 0
+    return {"steps": args.steps, "model": args.preset, "device": args.device, "backend": "nccl" if cuda else "gloo",
+            "standbys": 1, "poll_s": 0.2, "group_timeout_s": 180, "switch_timeout_s": 180, "phase1_timeout_s": 180,
+            "release_timeout_s": 60, "recovery_timeout_s": 120, "shadow_steps": 6, "straggler": "off",
+            # Recorded collectives stay off: this bench measures the switch and the recovery;
+            # bench/gpu_warm_joiner.py measures recording, replay and the joiner's first step.
+            "record_iterations": 0,
+            # one worker: no replica survives it, the standby's snapshots are the tier; the
+            # reference and the planned job take none (they would only cost step time here)
+            "snapshot_every": every, "recovery_tiers": "snapshot" if every else "replica,snapshot,checkpoint"}
+
+
+def spec_of(args, name: str, fault: str, work: Path, deadline_s: float) -> dict:
+    ref = fault == "none"
+    return {"name": name, "fault": fault, "leaver": args.leaver, "migrate_at": args.migrate_at,
+            "steps": args.steps, "min_steps_after": 5, "deadline_s": deadline_s, "every": args.snapshot_every,
+            "workers": args.gpus - 1, "workdir": str(work / name),
+            # a reference needs no standby: its workers alone, possibly beside another benchmark's
+            "gpus": args.gpus - 1 if ref else args.gpus, "train": args.gpus - 1,
+            "first_gpu": args.first_gpu if ref else 0, "host_gpus": args.host_gpus,
+            "config": {**job_config(args, fault), **({"standbys": 0} if ref else {})}}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="1b")
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--migrate-at", type=int, default=25)
-    ap.add_argument("--gpus", type=int, default=4)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--migrate-at", type=int, default=25, help="earliest step of the migration or the kill")
+    ap.add_argument("--gpus", type=int, default=2, help="GPU 'nodes': all but one train, one is the standby")
+    ap.add_argument("--host-gpus", type=int, default=None, help="GPUs of the host (default: --gpus)")
+    ap.add_argument("--fault", choices=("migrate", "kill", "both"), default="both",
+                    help="migrate: planned; kill: SIGKILL of the leaver's worker; both: one reference for the two")
+    ap.add_argument("--leaver", default=None, help="the GPU 'node' to move (default: gpu1, with 2 GPUs gpu0)")
+    ap.add_argument("--snapshot-every", type=int, default=40, help="one worker, kill: TM_SNAPSHOT_EVERY")
+    ap.add_argument("--ref-only", action="store_true", help="only the reference job (on --first-gpu), written to "
+                    "<work>/ref/raw.json")
+    ap.add_argument("--first-gpu", type=int, default=0, help="--ref-only: the GPU it runs on")
+    ap.add_argument("--ref", default=None, help="raw.json of a reference run to reuse (same preset and steps)")
+    ap.add_argument("--p2p", action="store_true", help="also measure plain NCCL send/recv (~20 s)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
+    ap.add_argument("--work", default=None, help="scratch directory of the jobs (default: a new one under /tmp)")
     ap.add_argument("--machine", default=os.environ.get("TM_BENCH_MACHINE", "unknown"))
-    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the same flow over gloo")
-    ap.add_argument("--leaver", default="gpu1", help="the GPU 'node' to migrate (gpu0 runs the controller: it stays allocated)")
-    ap.add_argument("--fault", choices=("migrate", "kill"), default="migrate",
-                    help="migrate: a planned migration; kill: SIGKILL of the leaver's worker (unexpected failure)")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run of the same flow (gloo)")
+    ap.add_argument("--deadline-s", type=float, default=540.0, help="the whole run, every job")
+    ap.add_argument("--run-job", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    import torch
+    if args.run_job:
+        return run_job(json.loads(args.run_job))
+    t_begin = time.monotonic()
+    args.leaver = args.leaver or ("gpu0" if args.gpus == 2 else "gpu1")
+    args.host_gpus = args.host_gpus or max(args.gpus, args.first_gpu + 1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    p2p = p2p_bandwidth() if args.device == "cuda" else None
-    print(f"p2p {p2p} GB/s", flush=True)
-    ref = run_job(f"ref-{args.preset}-{args.leaver}", out / "work", args, migrate=False)
-    print(f"reference: rc={ref['rc']} {ref['wall_s']:.1f}s", flush=True)
-    mig = run_job(f"{args.fault}-{args.preset}-{args.leaver}", out / "work", args, migrate=True)
-    print(f"migration: rc={mig['rc']} {mig['wall_s']:.1f}s trigger={mig['trigger']}", flush=True)
-    metrics = summarize(ref, mig, p2p) if args.fault == "migrate" else summarize_failure(ref, mig, p2p)
-    from trainmover.workloads.gpt_demo import PRESETS, GPT
-    layers, d, heads, seq, batch, vocab = PRESETS[args.preset]
+    work = Path(args.work or f"/tmp/tm-gpu-migration-{time.strftime('%Y%m%d-%H%M%S')}")
+    import torch  # no CUDA context here: it would hold memory on GPU 0, next to a worker
+    cuda = args.device == "cuda"
+
+    def left() -> float:
+        return args.deadline_s - (time.monotonic() - t_begin) - 5
+
+    def launch(name: str, fault: str, budget: float) -> tuple[dict, list[str]]:
+        if budget < 20:
+            return {}, [f"{name}: not run, {budget:.0f}s of the deadline left"]
+        spec = spec_of(args, name, fault, work, budget)
+        raw, error = jobs.launch(__file__, spec, budget)
+        jobs.keep_logs(Path(spec["workdir"]), work / "logs" / name)
+        rows = raw.get("metrics") or [{}]
+        print(f"[{name}] steps {rows[-1].get('step')}, trigger {raw.get('trigger')}, error {error}", flush=True)
+        return raw, [error] if error else []
+
+    if args.ref_only:
+        raw, _ = launch("ref", "none", left())
+        return 0 if raw.get("final") else 1
+    faults = ["migrate", "kill"] if args.fault == "both" else [args.fault]
+    ref, ref_errors = (jobs.read_json(Path(args.ref)), []) if args.ref else launch("ref", "none", left() / (1 + len(faults)))
+    if not (ref or {}).get("final"):
+        ref_errors.append(f"reference run incomplete ({args.ref or 'ref'}): no final digest")
+    p2p = None
+    if cuda and args.p2p:
+        try:
+            p2p = p2p_bandwidth()
+        except Exception as exc:  # noqa: BLE001 - reported
+            ref_errors.append(f"p2p bandwidth: {exc!r}")
+    from trainmover.workloads.gpt_demo import GPT, PRESETS
+    layers, d, heads, seq, _, vocab = PRESETS[args.preset]
     with torch.device("meta"):
         params = sum(p.numel() for p in GPT(layers, d, heads, seq, vocab).parameters())
-    result = {
-        "scenario": f"{'planned' if args.fault == 'migrate' else 'unexpected-failure'}-gpu-{args.preset}",
-        "machine": args.machine, "leaver": args.leaver,
-        "gpus": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}" if args.device == "cuda" else "none",
-        "commit": results_io.commit(),
-        "command": " ".join(["python", "bench/gpu_planned_migration.py", *sys.argv[1:]]),
-        "when": results_io.now(),
-        "settings": {"model_params": params, "preset": args.preset, "dtype": "bf16 autocast, fp32 master + AdamW",
-                     "workers": args.gpus - 1, "standbys": 1, "steps": args.steps, "migrate_at": args.migrate_at,
-                     "torch": torch.__version__,
-                     "nccl": ".".join(map(str, torch.cuda.nccl.version())) if args.device == "cuda" else None,
-                     "env": GPU_ENV},
-        "metrics": metrics,
-        "migrations": mig["status"]["migrations"],
-    }
-    kind = "planned" if args.fault == "migrate" else "failure"
-    path = out / f"gpu-{kind}-{args.preset}-{args.leaver}.json"
-    results_io.write(path, result)
+    ok = True
+    for i, fault in enumerate(faults):
+        raw, job_errors = launch(fault, fault, left() / (len(faults) - i))
+        job_errors = ref_errors + job_errors
+        kind = "planned" if fault == "migrate" else "failure"
+        metrics: dict = {}
+        try:
+            metrics = (summarize(ref, raw, p2p) if fault == "migrate"
+                       else summarize_failure(ref, raw, p2p, job_config(args, fault)["snapshot_every"]))
+        except (ValueError, KeyError, TypeError, StopIteration, ZeroDivisionError, statistics.StatisticsError) as exc:
+            job_errors.append(f"summary: {exc!r}")
+        if metrics and not metrics.get("digest_equal"):
+            job_errors.append("final digest differs from the uninterrupted run's")
+        if (raw.get("trigger") or {}).get("error"):
+            job_errors.append(raw["trigger"]["error"])
+        result = {
+            "scenario": f"{'planned' if fault == 'migrate' else 'unexpected-failure'}-{'gpu' if cuda else 'cpu-dryrun'}"
+                        f"-{args.preset}",
+            "machine": args.machine if cuda else "cpu-local", "leaver": args.leaver,
+            "gpus": jobs.gpu_names() if cuda else "none",
+            "commit": results_io.commit(),
+            "command": " ".join(["python", "bench/gpu_planned_migration.py", *sys.argv[1:]]),
+            "when": results_io.now(),
+            "settings": {"model_params": params, "preset": args.preset, "dtype": "bf16 autocast, fp32 master + AdamW",
+                         "workers": args.gpus - 1, "standbys": 1, "steps": args.steps, "migrate_at": args.migrate_at,
+                         "fault": "SIGKILL of the leaver's worker" if fault == "kill" else "trainmover migrate",
+                         "config": job_config(args, fault), "reference": args.ref or "run here",
+                         "torch": torch.__version__,
+                         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None, "env": GPU_ENV},
+            "metrics": metrics, "migrations": (raw.get("status") or {}).get("migrations"),
+            "trigger": raw.get("trigger"), "errors": job_errors,
+            "complete": not job_errors and bool(metrics),
+            "wall_s": round(time.monotonic() - t_begin, 1),
+        }
+        prefix = "gpu" if cuda else "cpu-dryrun"
+        results_io.write(out / f"{prefix}-{kind}-{args.preset}-{args.leaver}.json", result)
+        ok = ok and result["complete"]
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -161,6 +161,9 @@ def main() -> int:
     ap.add_argument("--jobs", nargs="+", choices=("warm", "cold"), default=["warm", "cold"],
                     help="which jobs to run (warm alone with --record-from 0: the shadow losses are compared "
                          "with the recorded ones, on this device)")
+    ap.add_argument("--standby-nice", type=int, default=10, help="TM_STANDBY_NICE of the jobs (0: not niced)")
+    ap.add_argument("--standby-compile-threads", type=int, default=4,
+                    help="TM_STANDBY_COMPILE_THREADS of the jobs (0: torch's default, one per CPU of its share)")
     ap.add_argument("--run-job", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.run_job:
@@ -183,6 +186,7 @@ def main() -> int:
         "settings": {"preset": args.preset, "compile": not args.no_compile, "workers": gpus - 1, "standbys": 1,
                      "jobs": args.jobs,
                      "record_iterations": 3, "record_from_step": args.record_from, "torch": torch.__version__,
+                     "standby_nice": args.standby_nice, "standby_compile_threads": args.standby_compile_threads,
                      "env": GPU_ENV, "targets": TARGETS},
         "metrics": {}, "jobs": {}, "errors": [], "complete": False,
     }
@@ -199,7 +203,11 @@ def main() -> int:
     base = {"model": args.preset, "device": args.device, "backend": "nccl" if args.device == "cuda" else "gloo",
             "standbys": 1, "poll_s": 0.5, "group_timeout_s": 300, "switch_timeout_s": 300, "phase1_timeout_s": 300,
             "release_timeout_s": 60, "shadow_steps": 6, "straggler": "off",
-            "workload_options": "" if args.no_compile else "compile=true"}
+            "workload_options": "" if args.no_compile else "compile=true",
+            # the standby's warm-up on a host it shares with the worker (issue 21): niced, few compile workers
+            "standby_nice": args.standby_nice, "standby_compile_threads": args.standby_compile_threads,
+            # a one-worker job would take snapshots (no replica survives it): not what is measured here
+            "snapshot_every": 0}
     stamp = time.strftime("%Y%m%d-%H%M%S")
     work = Path(args.work or f"/tmp/tm-warm-joiner-{stamp}")
     specs = {
@@ -251,6 +259,7 @@ def main() -> int:
         "stayer_throughput_ratio": warm.get("stayer_throughput_ratio"),
         "warm_window_s": warm.get("warm_window_s"), "warm_window_steps": warm.get("warm_window_steps"),
         "standby_warmup_s": (warm.get("standby") or {}).get("warmup_s"),
+        "standby_limits": ((warm.get("standby") or {}).get("shadow") or {}).get("limits"),
         "standby_loss_equal": ((warm.get("standby") or {}).get("shadow") or {}).get("loss_equal"),
         "standby_replay": ((warm.get("standby") or {}).get("shadow") or {}).get("replay"),
         "recording_bytes": rec.get("bytes"),

@@ -1,11 +1,11 @@
 """`trainmover` command line.
 
-    trainmover cluster {up,down,status,env} [--nodes N] [--standby S] [--dir D]
+    trainmover cluster {up,down,status,env} [--nodes N] [--standby S] [--dir D] [--slurm V]
     trainmover controller                  (inside a job: started by the sbatch templates)
     trainmover status --job J [--json]
     trainmover migrate --job J --node N
     trainmover config                      (every TM_* variable, its default and meaning)
-    trainmover demo [--steps N]            (cluster up, submit, drain, show the migration)
+    trainmover demo [--steps N] [--slurm V] (cluster up, submit, drain, show the migration)
     trainmover healthcheck [--node N] ...  (node health; drains with a 'trainmover:' reason)
     trainmover check-workload MODULE:CLASS [--steps N]  (would a migration be exact? one machine)
     trainmover submit [sbatch options] SCRIPT  (sbatch, refused at once if Slurm could never start it)
@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("config", help="list every TM_* variable")
     d = sub.add_parser("demo", help="start the local cluster, submit the demo, drain a node, show the migration")
     d.add_argument("--steps", type=int, default=1500)
+    d.add_argument("--slurm", metavar="V", default=None,
+                   help="Slurm release (22.05, 24.11, 26.05): the host's when it has it, else from a Debian root "
+                        "filesystem built once (default: the host's)")
     from trainmover.healthcheck.cli import add_arguments as healthcheck_arguments
     healthcheck_arguments(sub.add_parser("healthcheck", help="check this node (GPU, disk); drain it on a fault"))
     u = sub.add_parser("submit", help="sbatch, after asking Slurm (sbatch --test-only) whether the job could "
@@ -194,7 +197,7 @@ def main(argv=None) -> int:
             return _migrate(args)
         if args.command == "demo":
             from trainmover.demo import main as demo_main
-            return demo_main(steps=args.steps)
+            return demo_main(steps=args.steps, slurm=args.slurm)
         if args.command == "healthcheck":
             from trainmover.healthcheck.cli import main as healthcheck_main
             return healthcheck_main(args)

@@ -52,7 +52,8 @@ def _scalar(value: str):
 
 
 # Variables that belong to the runtime or tools, not to the job's configuration.
-_NOT_CONFIG = {"TM_WORKER_SPEC", "TM_LOG_LEVEL", "TM_TRACE_COLLECTIVES", "TM_CLUSTER_DIR", "TM_PYTHON", "TM_E2E_CLUSTER_DIR"}
+_NOT_CONFIG = {"TM_WORKER_SPEC", "TM_LOG_LEVEL", "TM_TRACE_COLLECTIVES", "TM_CLUSTER_DIR", "TM_PYTHON", "TM_E2E_CLUSTER_DIR",
+               "TM_E2E_SLURM", "TM_ROOTFS_CACHE"}
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,8 @@ class Config:
     record_versions: int = field(default=4, metadata={"env": "TM_RECORD_VERSIONS", "doc": "most recordings per job: the recording rank records again when a step's collectives change shape"})
     shadow_steps: int = field(default=6, metadata={"env": "TM_SHADOW_STEPS", "doc": "most shadow steps a standby runs to warm up"})
     standby_warmup: str = field(default="shadow", metadata={"env": "TM_STANDBY_WARMUP", "doc": "shadow (replay + shadow steps, compiled) or cold (a benchmark baseline: no replay; the shadow steps DDP needs, then all compiled code and caches dropped)"})
+    standby_nice: int = field(default=10, metadata={"env": "TM_STANDBY_NICE", "doc": "niceness of a standby's process while it warms up and waits (0: none), so that live ranks on a shared host keep their CPU; a standby that takes a rank asks for 0 again (needs CAP_SYS_NICE; else it stays)"})
+    standby_compile_threads: int = field(default=4, metadata={"env": "TM_STANDBY_COMPILE_THREADS", "doc": "torch.compile worker processes of a standby (0: torch's default, one per CPU): fewer keep a shared host's CPUs for the live ranks, at the cost of a longer warm-up"})
     workload_options: str = field(default="", metadata={"env": "TM_WORKLOAD_OPTIONS", "doc": "key=value,... passed to the workload's constructor, checked against its keyword arguments at start (gpt_demo: compile=true, lr=...)"})
     check_workload: int = field(default=0, metadata={"env": "TM_CHECK_WORKLOAD", "doc": "1: before any rank starts, run `trainmover check-workload` in the batch step on the batch node's CPUs (2 ranks over gloo; 4 processes, each importing torch, and about 3 x TM_CHECK_STEPS + 60 steps: docs/workloads.md); on a failure the job stops with the checker's message"})
     check_steps: int = field(default=24, metadata={"env": "TM_CHECK_STEPS", "doc": "steps the check compares after its migration (docs/workloads.md: what it can see); raise it to at least an epoch and an LR-schedule period, in steps"})
@@ -141,6 +144,8 @@ class Config:
         if self.standby_warmup not in ("shadow", "cold"):
             raise ConfigError(f"TM_STANDBY_WARMUP={self.standby_warmup!r}: expected shadow or cold")
         parse_options(self.workload_options)
+        if not 0 <= self.standby_nice <= 19 or self.standby_compile_threads < 0:
+            raise ConfigError("TM_STANDBY_NICE must be in 0..19 and TM_STANDBY_COMPILE_THREADS >= 0")
         if self.snapshot_every < 0 or self.checkpoint_every < 0:
             raise ConfigError("TM_SNAPSHOT_EVERY and TM_CHECKPOINT_EVERY must be >= 0 (0: off)")
         parse_tiers(self.recovery_tiers)

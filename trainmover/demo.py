@@ -1,6 +1,7 @@
-"""`trainmover demo`: the whole story on the embedded cluster, in about two minutes.
+"""`trainmover demo [--slurm V]`: the whole story on the embedded cluster, in about two minutes.
 
-Starts the local Slurm cluster, submits `sbatch_templates/demo_gpt_cpu.sbatch`, drains one
+Starts the local Slurm cluster (the host's Slurm, or release V from a Debian root
+filesystem when the host does not have it: trainmover/cluster/rootfs.py), submits `sbatch_templates/demo_gpt_cpu.sbatch`, drains one
 of the job's nodes once training is under way, and prints the migration: the rank's new
 node, the drained node leaving the job, per-phase times and the downtime. Every wait has
 a deadline; on failure it says what it waited for and where the logs are.
@@ -41,22 +42,33 @@ def _last(path: Path) -> dict | None:
     return json.loads(lines[-1]) if lines else None
 
 
-def main(steps: int = 1500, workdir: Path = ROOT) -> int:
-    info = cluster.up(nodes=4, standby=2)
+def main(steps: int = 1500, workdir: Path = ROOT, slurm: str | None = None) -> int:
+    info = cluster.up(nodes=4, standby=2, slurm=slurm)
     env = {**os.environ, "SLURM_CONF": str(info.slurm_conf), "TM_STEPS": str(steps)}
     slurm = CliSlurm(slurm_conf=str(info.slurm_conf))
     for name, node in slurm.nodes().items():  # an earlier demo's drained node: give it back
         if "DRAIN" in node.flags and node.reason == REASON:
             slurm.resume(name)
-    print(f"[demo] cluster up: training nodes {','.join(info.train_nodes)}, standbys {','.join(info.standby_nodes)} "
-          f"(reservation {info.reservation})")
+    print(f"[demo] cluster up on {info.slurm}: training nodes {','.join(info.train_nodes)}, "
+          f"standbys {','.join(info.standby_nodes)} (reservation {info.reservation})")
     out = commands.run(["sbatch", "--parsable", f"--chdir={workdir}", str(ROOT / "sbatch_templates" / "demo_gpt_cpu.sbatch")],
                        timeout=15, env=env).stdout
     job_id = int(out.strip().split(";")[0])
     run = workdir / "runs" / str(job_id)
     print(f"[demo] submitted job {job_id}; outputs in {run}")
     metrics = run / "metrics.jsonl"
-    _wait("training to log step 100", lambda: (_last(metrics) or {}).get("step", 0) >= 100, 120)
+
+    def training(step: int) -> bool:
+        if (_last(metrics) or {}).get("step", 0) >= step:
+            return True
+        job = slurm.job(job_id)
+        if job.state not in ("PENDING", "CONFIGURING", "RUNNING"):
+            out = workdir / f"slurm-{job_id}.out"
+            tail = "\n".join(out.read_text(errors="replace").splitlines()[-15:]) if out.exists() else "(no output)"
+            raise TrainMoverError(f"demo: job {job_id} ended {job.state} before step {step}; {out}:\n{tail}")
+        return False
+
+    _wait("training to log step 100", lambda: training(100), 120)
     _wait("a warm standby", lambda: any(s["state"] == "ready" for s in
                                         json.loads((run / "status.json").read_text())["standbys"]), 60)
     row = _last(metrics)
@@ -78,9 +90,12 @@ def main(steps: int = 1500, workdir: Path = ROOT) -> int:
     d = m["durations"]
     print(f"[demo] migration {m['leaver']} -> {m['joiner']} [{m['trigger']}]: phase 1 {d['phase1_s']:.3f}s "
           f"(training continued), switch {d['switch_s']:.3f}s, release {d['release_s']:.3f}s")
-    print(f"[demo] DOWNTIME {m['downtime_s']:.3f}s (pause seen by the stayers, minus one normal step)")
+    print(f"[demo] DOWNTIME {m['downtime_s']:.3f}s (pause seen by the stayers, minus one normal step) "
+          f"on Slurm {info.slurm_version}")
     print(f"[demo] job {job_id} trains on to step {steps}; `trainmover status --job {job_id}` shows it, "
-          f"`scontrol update nodename={leaver} state=resume` returns the node")
+          f"`scontrol update nodename={leaver} state=resume` returns the node"
+          + (f" (with the Slurm commands on PATH: eval \"$(trainmover cluster env --dir {info.state_dir})\")"
+             if info.slurm_root else ""))
     return 0
 
 

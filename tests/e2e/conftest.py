@@ -7,6 +7,11 @@ about 0.1 s. The tests use their own cluster, state in $TM_E2E_CLUSTER_DIR or
 /var/tmp/trainmover-cluster-e2e, apart from the default one that demos use
 (tests take it down and need every node free). Stop it with
 `python -m trainmover.cluster down --dir /var/tmp/trainmover-cluster-e2e`.
+
+$TM_E2E_SLURM names a Slurm release for these clusters (`make test` runs the
+Slurm contract, the drain migration and the SPANK tests once more on each
+release the host does not have; the clusters then run from Debian root
+filesystems, state in <the directory above>-<release>). Unset: the host's Slurm.
 """
 
 from __future__ import annotations
@@ -22,8 +27,14 @@ from trainmover.errors import SlurmError
 from trainmover.slurm import CliSlurm, JobInfo, commands
 
 TEST_JOB_PREFIX = "tm-e2e-"
-E2E_DIR = os.environ.get("TM_E2E_CLUSTER_DIR", "/var/tmp/trainmover-cluster-e2e")
+E2E_SLURM = os.environ.get("TM_E2E_SLURM") or None
+_SUFFIX = f"-{E2E_SLURM}" if E2E_SLURM else ""
+E2E_DIR = (os.environ.get("TM_E2E_CLUSTER_DIR") or "/var/tmp/trainmover-cluster-e2e") + _SUFFIX
 DRAIN_PREFIX = "tm-e2e"
+
+
+def pytest_report_header(config):
+    return f"e2e clusters: Slurm {E2E_SLURM or 'of the host'}, state in {E2E_DIR}"
 
 
 @pytest.fixture(scope="session")
@@ -32,9 +43,10 @@ def slurm_cluster():
         pytest.skip("the embedded Slurm cluster needs root (private munged, slurmd in namespaces)")
     from trainmover import cluster
 
-    info = cluster.up(nodes=4, standby=2, state_dir=E2E_DIR)
+    info = cluster.up(nodes=4, standby=2, state_dir=E2E_DIR, slurm=E2E_SLURM)
     client = CliSlurm(slurm_conf=str(info.slurm_conf))
     _clean(client, info.slurm_conf)
+    print(f"\ne2e cluster on {info.slurm}")
     yield info
     _clean(client, info.slurm_conf)
 
@@ -77,7 +89,7 @@ def own_cluster(nodes: int, standby: int, state_dir: str, drain_reason: str) -> 
         pytest.skip("the embedded Slurm cluster needs root (private munged, slurmd in namespaces)")
     from trainmover import cluster
 
-    info = cluster.up(nodes=nodes, standby=standby, state_dir=state_dir)
+    info = cluster.up(nodes=nodes, standby=standby, state_dir=f"{state_dir}{_SUFFIX}", slurm=E2E_SLURM)
     client = CliSlurm(slurm_conf=str(info.slurm_conf))
     resume_drained(client, drain_reason)
     yield info, client

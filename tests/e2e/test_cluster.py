@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.conftest import E2E_SLURM
 from trainmover import cluster
 from trainmover.errors import SlurmError
 from trainmover.slurm import BatchHostRelease, NoStandbyAvailable, commands
@@ -215,7 +216,7 @@ def test_up_names_the_daemon_that_failed(slurm_cluster, monkeypatch):
     t = time.monotonic()
     try:
         with pytest.raises(ClusterError) as ei:
-            lifecycle.up(nodes=1, standby=1, state_dir=d)
+            lifecycle.up(nodes=1, standby=1, state_dir=d, slurm=E2E_SLURM)
     finally:
         cluster.down(d)
     assert time.monotonic() - t < 30

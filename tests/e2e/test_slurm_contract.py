@@ -1,6 +1,8 @@
 """The contract of trainmover.slurm.SlurmClient, run against every backend that is
-available, on the real local cluster. The CLI backend always runs; pyslurm is skipped
-(PyPI only has pyslurm 25.11, which requires Slurm 25.11; Debian 12 ships Slurm 22.05)."""
+available, on the real local cluster, and by `make test` on every Slurm release the
+embedded cluster supports (22.05, 24.11, 26.05: $TM_E2E_SLURM, see conftest.py). The CLI
+backend always runs; pyslurm is skipped (PyPI only has pyslurm 25.11, which requires
+Slurm 25.11; Debian ships 22.05, 24.11 and 26.05)."""
 from __future__ import annotations
 
 import pytest
@@ -17,7 +19,7 @@ REASON = "tm-e2e contract"
 SCRIPT = "#!/bin/sh\nsleep 300\n"
 
 PYSLURM_SKIP = ("pyslurm backend not available: PyPI only has pyslurm 25.11, which requires Slurm 25.11 "
-                "(this cluster runs Debian's 22.05), so it cannot be built here; see docs/admin.md")
+                "(this cluster runs Slurm {version}), so it cannot be built here; see docs/admin.md")
 
 
 @pytest.fixture(params=["cli", "pyslurm"])
@@ -26,7 +28,7 @@ def backend(request, slurm_cluster) -> SlurmClient:
         try:
             import pyslurm  # noqa: F401
         except ImportError:
-            pytest.skip(PYSLURM_SKIP)
+            pytest.skip(PYSLURM_SKIP.format(version=slurm_cluster.slurm_version))
         try:
             return client(backend="pyslurm", slurm_conf=str(slurm_cluster.slurm_conf))
         except SlurmError as exc:

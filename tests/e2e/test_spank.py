@@ -30,9 +30,15 @@ def job_env(slurm_cluster):
 
 
 def test_plugstack_points_at_the_built_plugin(slurm_cluster):
+    """The plugin built for the cluster's Slurm (in place for the host's; inside the root
+    filesystem, against that release's headers, for another release) is the one loaded."""
+    so = slurm_cluster.spank_plugin
+    expected = PLUGIN_DIR / "trainmover_spank.so" if slurm_cluster.slurm_root is None else \
+        Path(slurm_cluster.state_dir) / "spank" / "trainmover_spank.so"
+    assert so == expected, slurm_cluster
     conf = (Path(slurm_cluster.state_dir) / "etc" / "plugstack.conf").read_text()
-    assert f"optional {PLUGIN_DIR / 'trainmover_spank.so'}" in conf.splitlines()
-    out = subprocess.run(["nm", "-D", "--defined-only", str(PLUGIN_DIR / "trainmover_spank.so")],
+    assert f"optional {so}" in conf.splitlines()
+    out = subprocess.run(["nm", "-D", "--defined-only", str(so)],
                          capture_output=True, text=True, timeout=10, check=True).stdout
     exported = {line.split()[-1] for line in out.splitlines() if line.strip()}
     assert exported == {"plugin_name", "plugin_type", "plugin_version", "spank_plugin_version",
@@ -85,6 +91,9 @@ def test_sbatch_trainmover_runs_the_demo(slurm_cluster, slurm_client, job_env, t
     assert any(f"job {job_id} step batch task 0 exited with status 0" in line for line in mine)
     assert any(f"job {job_id} step 0 runs under TrainMover" in line for line in mine), \
         "worker steps launched by the controller inherit the option"
+    release = slurm_cluster.slurm_version.rsplit(".", 1)[0]
+    assert f"trainmover: plugin loaded in slurmd (built against Slurm {release})" in logs, \
+        f"slurmd loaded a plugin built for another Slurm than {slurm_cluster.slurm}"
 
 
 def test_options_parser_alone(tmp_path):

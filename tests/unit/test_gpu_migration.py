@@ -22,7 +22,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 4,
 def test_each_worker_position_migrates_bit_exactly(leaver, tmp_path):
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_planned_migration.py"), "--preset", "125m",
-                          "--steps", "60", "--migrate-at", "10", "--leaver", leaver, "--out", str(tmp_path)],
+                          "--steps", "60", "--migrate-at", "10", "--leaver", leaver, "--gpus", "4",
+                          "--fault", "migrate", "--out", str(tmp_path), "--work", str(tmp_path / "work")],
                          env=env, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     result = json.loads((tmp_path / f"gpu-planned-125m-{leaver}.json").read_text())

@@ -8,7 +8,6 @@ one, run the command named above it against that cluster and paste its output.
 
 from __future__ import annotations
 
-import json
 import subprocess
 
 import pytest
@@ -81,37 +80,6 @@ RESV_TEXT = (
     "State=ACTIVE BurstBuffer=(null) Watts=n/a MaxStartDelay=(null)\n"
 )
 
-# sinfo --json (trimmed to the fields TrainMover reads)
-SINFO_JSON = json.dumps({
-    "meta": {"Slurm": {"release": "22.05.8"}},
-    "errors": [],
-    "nodes": [
-        {"name": "spare1", "address": "127.0.1.15", "state": "idle", "state_flags": ["RESERVED"], "reason": ""},
-        {"name": "train1", "address": "127.0.1.11", "state": "allocated", "state_flags": [], "reason": ""},
-        {"name": "train2", "address": "127.0.1.12", "state": "idle", "state_flags": ["DRAIN"],
-         "reason": "tm test"},
-        {"name": "train3", "address": "127.0.1.13", "state": "allocated", "state_flags": ["DRAIN"],
-         "reason": "ecc"},
-    ],
-})
-
-# squeue --json (trimmed)
-SQUEUE_JSON = json.dumps({
-    "meta": {}, "errors": [],
-    "jobs": [
-        {"job_id": 1, "job_state": "RUNNING", "nodes": "train1", "batch_host": "train1", "restart_cnt": 0,
-         "node_count": 1, "partition": "train", "current_working_directory": "/tmp/jt", "name": "job.sh",
-         "state_reason": "None", "flags": ["JOB_RESIZED"]},
-        {"job_id": 9, "job_state": "RUNNING", "nodes": "train[3-4]", "batch_host": "train3", "restart_cnt": 0,
-         "node_count": 2, "partition": "train", "current_working_directory": "/tmp/jt", "name": "job2.sh",
-         "state_reason": "None"},
-        {"job_id": 14, "job_state": "CANCELLED", "nodes": "", "batch_host": "", "restart_cnt": 0,
-         "node_count": 1, "partition": "train", "current_working_directory": "/tmp/jt",
-         "name": "trainmover-donor-9", "state_reason": "Resources"},
-    ],
-})
-
-
 # --- text parsing ---------------------------------------------------------------------
 
 def test_parse_kv_keeps_values_with_spaces():
@@ -172,29 +140,6 @@ def test_parse_job_text_rejects_garbage():
 def test_parse_reservation_text():
     r = parse.parse_reservation_text(RESV_TEXT)["trainmover_standby"]
     assert r["Nodes"] == "spare[1-2]" and r["Flags"] == "IGNORE_JOBS,SPEC_NODES" and r["Users"] == "root"
-
-
-# --- json parsing -----------------------------------------------------------------------
-
-def test_parse_nodes_json():
-    nodes = parse.parse_nodes_json(SINFO_JSON)
-    assert nodes["spare1"].state == "IDLE+RESERVED" and nodes["spare1"].idle
-    assert nodes["train2"].drained and nodes["train2"].reason == "tm test"
-    assert nodes["train3"].draining and nodes["train1"].addr == "127.0.1.11"
-
-
-def test_parse_jobs_json():
-    jobs = parse.parse_jobs_json(SQUEUE_JSON)
-    assert jobs[9].nodes == ("train3", "train4") and jobs[9].batch_host == "train3"
-    assert jobs[1].restart_count == 0 and jobs[1].work_dir == "/tmp/jt"
-    assert jobs[14].nodes == () and jobs[14].state == "CANCELLED"
-
-
-def test_json_errors_and_garbage_raise():
-    with pytest.raises(SlurmError, match="invalid JSON"):
-        parse.parse_nodes_json("sinfo: error: ...")
-    with pytest.raises(SlurmError, match="reported errors"):
-        parse.parse_jobs_json(json.dumps({"errors": [{"error": "boom"}], "jobs": []}))
 
 
 # --- hostlists and salloc -------------------------------------------------------------------

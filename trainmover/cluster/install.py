@@ -1,4 +1,6 @@
-"""Install the Debian packages the embedded cluster needs, when they are missing."""
+"""Install the Debian packages the embedded cluster needs on the host, when they are missing
+(a cluster of a Slurm release the host does not have runs from a root filesystem instead:
+trainmover/cluster/rootfs.py)."""
 
 from __future__ import annotations
 
@@ -8,19 +10,14 @@ import shutil
 import sys
 
 from trainmover.cluster.procs import ClusterError, run_cmd
+from trainmover.cluster.releases import Release
 
-# Debian 12 ships Slurm 22.05. The -dev packages are for building SPANK plugins.
-PACKAGES = [
-    "slurm-wlm", "slurmdbd", "munge", "libslurm-dev", "slurm-wlm-basic-plugins-dev",
-    "mariadb-server", "mariadb-client",
-]
-# program -> where it is looked for (PATH plus sbin directories, which a non-login
-# root shell may lack)
+# programs, looked for on PATH plus the sbin directories (which a non-login root shell may lack)
 REQUIRED = [
-    "slurmctld", "slurmd", "slurmdbd", "slurmstepd", "sinfo", "scontrol", "squeue", "salloc",
-    "srun", "sbatch", "scancel", "sacctmgr", "munged", "munge", "mariadbd", "mariadb-install-db",
-    "mariadb", "unshare", "setsid", "mount",
+    "slurmctld", "slurmd", "slurmstepd", "sinfo", "scontrol", "squeue", "salloc",
+    "srun", "sbatch", "scancel", "munged", "munge", "unshare", "setsid",
 ]
+REQUIRED_FOR_ACCOUNTING = ["slurmdbd", "sacctmgr", "mariadbd", "mariadb-install-db", "mariadb"]
 _SEARCH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/usr/bin", "/sbin", "/bin"])
 
 
@@ -28,8 +25,9 @@ def which(program: str) -> str | None:
     return shutil.which(program, path=_SEARCH)
 
 
-def missing_programs() -> list[str]:
-    return [p for p in REQUIRED if which(p) is None]
+def missing_programs(rel: Release) -> list[str]:
+    wanted = REQUIRED + (REQUIRED_FOR_ACCOUNTING if rel.accounting else [])
+    return [p for p in wanted if which(p) is None]
 
 
 def _apt_env() -> dict[str, str]:
@@ -39,25 +37,27 @@ def _apt_env() -> dict[str, str]:
     return env
 
 
-def ensure_installed(*, log=lambda msg: print(f"trainmover cluster: {msg}", file=sys.stderr)) -> bool:
-    """Install PACKAGES with apt-get when a required program is missing.
+def ensure_installed(rel: Release, *, log=lambda msg: print(f"trainmover cluster: {msg}", file=sys.stderr)) -> bool:
+    """Install `rel.packages` with apt-get when a required program is missing (on the
+    Debian release that ships `rel`).
 
     Returns True when it installed something. Needs root and a Debian/Ubuntu
     package source; otherwise raises ClusterError naming what is missing.
     """
-    missing = missing_programs()
+    packages = rel.packages
+    missing = missing_programs(rel)
     if not missing:
         return False
     if which("apt-get") is None:
         raise ClusterError(f"missing programs {missing} and no apt-get to install them; "
-                           f"install the Slurm 22.05+ daemons, munge and MariaDB by hand")
+                           f"install Slurm {rel.version} ({' '.join(packages)}) by hand")
     if os.geteuid() != 0:
         raise ClusterError(f"missing programs {missing}; run as root so that apt-get can install "
-                           f"{' '.join(PACKAGES)}")
+                           f"{' '.join(packages)}")
     log(f"missing {', '.join(missing)}; installing Debian packages "
-        f"{' '.join(PACKAGES)} (apt-get, about 15 s)")
+        f"{' '.join(packages)} (apt-get, about 15 s)")
     env = _apt_env()
-    install = ["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES]
+    install = ["apt-get", "install", "-y", "--no-install-recommends", *packages]
     if not glob.glob("/var/lib/apt/lists/*_Packages*"):
         log("apt package lists are empty; running apt-get update")
         run_cmd(["apt-get", "update"], timeout=300, env=env, what="apt-get update")
@@ -66,9 +66,9 @@ def ensure_installed(*, log=lambda msg: print(f"trainmover cluster: {msg}", file
         log("apt-get install failed; running apt-get update and retrying")
         run_cmd(["apt-get", "update"], timeout=300, env=env, what="apt-get update")
         run_cmd(install, timeout=900, env=env, what="apt-get install")
-    still = missing_programs()
+    still = missing_programs(rel)
     if still:
-        raise ClusterError(f"after installing {' '.join(PACKAGES)} these programs are still missing: {still}")
+        raise ClusterError(f"after installing {' '.join(packages)} these programs are still missing: {still}")
     return True
 
 

@@ -1,11 +1,14 @@
-"""Start, stop and inspect the embedded Slurm cluster (munged, MariaDB, slurmdbd,
-slurmctld and one slurmd per node, all private to one state directory)."""
+"""Start, stop and inspect the embedded Slurm cluster (munged, MariaDB and slurmdbd where
+the Slurm release needs accounting, slurmctld and one slurmd per node, all private to
+one state directory), running the host's Slurm or another release's from a Debian root
+filesystem (rootfs.py). The daemons themselves: daemons.py."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import fcntl
+import json
 import os
 import secrets
 import shlex
@@ -17,18 +20,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
-from trainmover.cluster import install, plugin, spec as specmod
-from trainmover.cluster.procs import (
-    ClusterError, find_pids, run_cmd, running_pid, tail, terminate, wait_until,
-)
+from trainmover.cluster import daemons, install, netblock, plugin, rootfs, spec as specmod
+from trainmover.cluster.daemons import STEP_TIMEOUT
+from trainmover.cluster.procs import ClusterError, find_pids, running_pid, tail, terminate, wait_until
+from trainmover.cluster.releases import release
 from trainmover.cluster.spec import ClusterSpec, Ports
 from trainmover.errors import DeadlineExceeded, SlurmError
 from trainmover.slurm import commands
 
 DEFAULT_DIR = "/var/tmp/trainmover-cluster"
-STEP_TIMEOUT = 60.0      # one daemon to become ready
-QUERY_TIMEOUT = 10.0     # one scontrol/sinfo call
-NODEEXEC = Path(__file__).with_name("nodeexec.py")
+# Wrappers in <state dir>/bin for a shell (`eval "$(trainmover cluster env)"`) when the
+# cluster's Slurm lives in a root filesystem.
+CLIENT_COMMANDS = ("sinfo", "squeue", "scontrol", "sbatch", "srun", "salloc", "scancel", "sacct", "sstat")
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,14 @@ class ClusterInfo:
     already_running: bool
     installed_packages: bool
     seconds: float
+    slurm_version: str = ""
+    slurm_root: Optional[Path] = None     # the Debian root filesystem it runs in; None: the host's Slurm
+    spank_plugin: Optional[Path] = None   # the SPANK plugin plugstack.conf loads (None: not built)
+
+    @property
+    def slurm(self) -> str:
+        """'Slurm 24.11.5 (root filesystem /var/cache/trainmover/rootfs/24.11)' or 'Slurm 22.05.8 (host)'."""
+        return f"Slurm {self.slurm_version} ({'root filesystem ' + str(self.slurm_root) if self.slurm_root else 'host'})"
 
     def env(self) -> dict[str, str]:
         return {"SLURM_CONF": str(self.slurm_conf)}
@@ -53,9 +64,11 @@ class ClusterInfo:
         return self.state_dir / "healthcheck"
 
 
-def resolve_dir(state_dir: Optional[os.PathLike | str] = None) -> Path:
-    """The state directory: the argument, else $TM_CLUSTER_DIR, else /var/tmp/trainmover-cluster."""
-    d = state_dir if state_dir is not None else os.environ.get("TM_CLUSTER_DIR") or DEFAULT_DIR
+def resolve_dir(state_dir: Optional[os.PathLike | str] = None, slurm: Optional[str] = None) -> Path:
+    """The state directory: the argument, else $TM_CLUSTER_DIR, else /var/tmp/trainmover-cluster
+    (/var/tmp/trainmover-cluster-<release> when a Slurm release is named)."""
+    default = f"{DEFAULT_DIR}-{release(slurm).version}" if slurm else DEFAULT_DIR
+    d = state_dir if state_dir is not None else os.environ.get("TM_CLUSTER_DIR") or default
     return Path(d).expanduser().absolute()
 
 
@@ -132,49 +145,6 @@ def _pick_ports(n_nodes: int, previous: Optional[Ports]) -> Ports:
     )
 
 
-# --- daemon table ----------------------------------------------------------------
-
-def _env(spec: ClusterSpec) -> dict[str, str]:
-    return {
-        "PATH": install._SEARCH,
-        "SLURM_CONF": str(spec.slurm_conf),
-        "TM_CLUSTER_DIR": str(spec.state_dir),
-        "LANG": "C.UTF-8",
-    }
-
-
-def _daemons(spec: ClusterSpec) -> list[tuple[str, str, Path]]:
-    """(name, program, pid file) in start order."""
-    out = [
-        ("munged", "munged", spec.pid_file("munged")),
-        ("mariadbd", "mariadbd", spec.pid_file("mariadbd")),
-        ("slurmdbd", "slurmdbd", spec.pid_file("slurmdbd")),
-        ("slurmctld", "slurmctld", spec.pid_file("slurmctld")),
-    ]
-    out += [(f"slurmd:{n}", "slurmd", spec.run / f"slurmd-{n}.pid") for n in spec.all_nodes]
-    return out
-
-
-def _log_for(spec: ClusterSpec, name: str) -> Path:
-    if name.startswith("slurmd:"):
-        return spec.log / f"slurmd-{name.split(':', 1)[1]}.log"
-    return spec.log_file(name)
-
-
-def _running(spec: ClusterSpec) -> dict[str, Optional[int]]:
-    marker = str(spec.state_dir)
-    return {name: running_pid(pid, prog, marker) for name, prog, pid in _daemons(spec)}
-
-
-def _fail(spec: ClusterSpec, name: str, why: str) -> ClusterError:
-    log = _log_for(spec, name)
-    return ClusterError(f"{name} failed: {why}\n--- last lines of {log} ---\n{tail(log)}")
-
-
-def _slurm(spec: ClusterSpec, *argv: str, check: bool = True, timeout: float = QUERY_TIMEOUT):
-    return commands.run(list(argv), timeout=timeout, env=_env(spec), check=check)
-
-
 # --- starting ----------------------------------------------------------------------
 
 def _write_files(spec: ClusterSpec, old: Optional[ClusterSpec]) -> None:
@@ -184,8 +154,9 @@ def _write_files(spec: ClusterSpec, old: Optional[ClusterSpec]) -> None:
     os.chmod(spec.state_dir, 0o755)
     os.chmod(spec.run / "munge", 0o755)
     if old is not None and old.layout_key() != spec.layout_key():
-        _log(f"node layout changed ({old.nodes}+{old.standby} -> {spec.nodes}+{spec.standby}); "
-             "clearing slurmctld and slurmd state")
+        _log(f"node layout, Slurm release or address block changed ({old.nodes}+{old.standby} nodes, Slurm "
+             f"{old.slurm}, 127.0.{old.net}.0/24 -> {spec.nodes}+{spec.standby}, Slurm {spec.slurm}, "
+             f"127.0.{spec.net}.0/24); clearing slurmctld and slurmd state")
         shutil.rmtree(spec.ctld_state, ignore_errors=True)
         for p in spec.spool.glob("slurmd-*"):
             shutil.rmtree(p, ignore_errors=True)
@@ -196,10 +167,10 @@ def _write_files(spec: ClusterSpec, old: Optional[ClusterSpec]) -> None:
         spec.munge_key.write_bytes(secrets.token_bytes(1024))
     os.chmod(spec.munge_key, 0o400)
     spec.slurm_conf.write_text(specmod.render_slurm_conf(spec))
-    plugin.install(spec.etc, _log)
-    plugin.install_healthcheck(spec.etc, spec.slurm_conf, spec.healthcheck_state, sys.executable)
-    spec.slurmdbd_conf.write_text(specmod.render_slurmdbd_conf(spec))
-    os.chmod(spec.slurmdbd_conf, 0o600)
+    _write_slurm_access(spec)
+    if spec.accounting:
+        spec.slurmdbd_conf.write_text(specmod.render_slurmdbd_conf(spec))
+        os.chmod(spec.slurmdbd_conf, 0o600)
     try:
         system_hosts = Path("/etc/hosts").read_text()
     except FileNotFoundError:
@@ -207,122 +178,44 @@ def _write_files(spec: ClusterSpec, old: Optional[ClusterSpec]) -> None:
                            "so it must exist (e.g. `printf '127.0.0.1 localhost\\n' > /etc/hosts`)")
     spec.hosts_file.write_text(specmod.render_hosts(spec, system_hosts))
     spec.hosts_file.chmod(0o644)
+    plugin.install(spec, _log)
+    plugin.install_healthcheck(spec.etc, spec.slurm_conf, spec.healthcheck_state, sys.executable)
     _spec_path(spec.state_dir).write_text(spec.to_json())
 
 
-def _start_munged(spec: ClusterSpec) -> None:
-    sock = spec.munge_socket
-    run_cmd(
-        [install.which("munged"), f"--socket={sock}", f"--key-file={spec.munge_key}",
-         f"--pid-file={spec.pid_file('munged')}", f"--log-file={spec.log_file('munged')}",
-         f"--seed-file={spec.run / 'munge' / 'munged.seed'}"],
-        timeout=STEP_TIMEOUT, env=_env(spec), what="munged",
-    )
-    wait_until("munged socket", lambda: sock.exists() and _running(spec)["munged"] is not None,
-               timeout=STEP_TIMEOUT, on_timeout=lambda: tail(spec.log_file("munged")))
-
-
-def _db_ping(spec: ClusterSpec) -> bool:
-    proc = run_cmd([install.which("mariadb-admin") or "mariadb-admin", "--no-defaults",
-                    f"--socket={spec.db_socket}", "-uroot", "ping"],
-                   timeout=QUERY_TIMEOUT, check=False)
-    return proc.returncode == 0
-
-
-def _start_mariadb(spec: ClusterSpec) -> None:
-    data = spec.db_dir
-    if not (data / "mysql").is_dir():
-        shutil.rmtree(data, ignore_errors=True)
-        data.mkdir(parents=True)
-        run_cmd([install.which("mariadb-install-db"), "--no-defaults", f"--datadir={data}", "--user=root",
-                 "--auth-root-authentication-method=socket", "--skip-test-db"],
-                timeout=120, env=_env(spec), what="mariadb-install-db")
-    log = spec.log_file("mariadbd")
-    run_cmd(
-        [install.which("setsid"), "-f", install.which("mariadbd"), "--no-defaults", f"--datadir={data}",
-         f"--socket={spec.db_socket}", f"--port={spec.ports.mariadb}", "--bind-address=127.0.0.1",
-         f"--pid-file={spec.pid_file('mariadbd')}", f"--log-error={log}", "--user=root",
-         "--skip-name-resolve", "--innodb-buffer-pool-size=128M", "--innodb-lock-wait-timeout=900",
-         "--max-allowed-packet=16M"],
-        timeout=STEP_TIMEOUT, env=_env(spec), what="mariadbd",
-    )
-    wait_until("MariaDB to answer", lambda: _db_ping(spec), timeout=STEP_TIMEOUT,
-               on_timeout=lambda: tail(log))
-    pw = spec.db_password
-    sql = "".join(
-        f"CREATE USER IF NOT EXISTS 'slurm'@'{h}' IDENTIFIED BY '{pw}'; "
-        f"ALTER USER 'slurm'@'{h}' IDENTIFIED BY '{pw}'; "
-        f"GRANT ALL ON slurm_acct_db.* TO 'slurm'@'{h}'; "
-        for h in ("127.0.0.1", "localhost")
-    )
-    run_cmd([install.which("mariadb"), "--no-defaults", f"--socket={spec.db_socket}", "-uroot"],
-            stdin=sql, timeout=QUERY_TIMEOUT * 3, what="MariaDB user setup")
-
-
-def _tcp_open(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
-            return True
-    except OSError:
-        return False
-
-
-def _start_slurmdbd(spec: ClusterSpec) -> None:
-    run_cmd(_as_host(spec, "localhost", [install.which("slurmdbd")]), timeout=STEP_TIMEOUT, env=_env(spec),
-            what="slurmdbd")
-
-    def ready() -> bool:
-        if _tcp_open(spec.ports.slurmdbd):
-            return True
-        _alive(spec, "slurmdbd")
-        return False
-
-    wait_until("slurmdbd to listen", ready, timeout=STEP_TIMEOUT)
-
-
-def _ctld_up(spec: ClusterSpec) -> bool:
-    try:
-        proc = _slurm(spec, "scontrol", "ping", check=False, timeout=5)
-    except SlurmError:
-        return False
-    return proc.returncode == 0 and "UP" in proc.stdout
-
-
-def _alive(spec: ClusterSpec, name: str) -> None:
-    """Fail at once, not at the deadline, when a daemon died while we wait for it."""
-    pid_file = dict((n, f) for n, _, f in _daemons(spec))[name]
-    if pid_file.exists() and _running(spec).get(name) is None:
-        raise ClusterError(f"{name} exited during start-up")
-
-
-def _start_slurmctld(spec: ClusterSpec) -> None:
-    run_cmd(_as_host(spec, "localhost", [install.which("slurmctld"), "-f", spec.slurm_conf]),
-            timeout=STEP_TIMEOUT, env=_env(spec), what="slurmctld")
-
-    def ready() -> bool:
-        if _ctld_up(spec):
-            return True
-        _alive(spec, "slurmctld")
-        return False
-
-    wait_until("slurmctld to answer `scontrol ping`", ready, timeout=STEP_TIMEOUT)
-
-
-def _as_host(spec: ClusterSpec, hostname: str, argv: list) -> list:
-    """`argv` run in its own UTS and mount namespaces as host `hostname`, with the
-    cluster's hosts file as /etc/hosts (see nodeexec.py)."""
-    return [install.which("unshare"), "--uts", "--mount", "--propagation", "private",
-            sys.executable, NODEEXEC, "--hostname", hostname, "--hosts", spec.hosts_file, "--", *argv]
-
-
-def _start_slurmd(spec: ClusterSpec, node: str) -> None:
-    run_cmd(_as_host(spec, node, [install.which("slurmd"), "-f", spec.slurm_conf, "-N", node]),
-            timeout=STEP_TIMEOUT, env=_env(spec), what=f"slurmd:{node}")
+def _write_slurm_access(spec: ClusterSpec) -> None:
+    """cgroup.conf where the release needs one; for a root filesystem, the exec file that
+    commands.run follows to run Slurm commands there, and wrappers for a shell."""
+    cgroup = specmod.render_cgroup_conf(spec)
+    if cgroup is None:
+        spec.cgroup_conf.unlink(missing_ok=True)
+    else:
+        spec.cgroup_conf.write_text(cgroup)
+    if not spec.root:
+        spec.exec_file.unlink(missing_ok=True)
+        shutil.rmtree(spec.bin, ignore_errors=True)
+        return
+    prefix = daemons.program(spec, [])
+    tmp = spec.exec_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"slurm": spec.slurm_version, "root": spec.root, "prefix": [str(a) for a in prefix],
+                               "root_id": rootfs.root_id(Path(spec.root))}, indent=1) + "\n")
+    tmp.replace(spec.exec_file)
+    spec.bin.mkdir(exist_ok=True)
+    host_root = "{}:{}".format(*rootfs.root_id(Path("/")))
+    for name in CLIENT_COMMANDS:
+        real = rootfs.which_in(Path(spec.root), name) or f"/usr/bin/{name}"
+        wrapper = spec.bin / name
+        # The state directory is visible inside root filesystems too, and job steps inherit
+        # the submitter's PATH: anywhere but on the host the wrapper runs the program itself.
+        wrapper.write_text(f"#!/bin/sh\n# {name} of {spec.describe_slurm()} (generated by trainmover.cluster)\n"
+                           f"[ \"$(stat -c %d:%i /)\" = {host_root} ] || exec {real} \"$@\"\n"
+                           f"exec {shlex.join(str(a) for a in prefix)} {real} \"$@\"\n")
+        wrapper.chmod(0o755)
 
 
 def node_states(spec: ClusterSpec) -> dict[str, str]:
     """node -> sinfo's long state (idle, allocated, drained, ...)."""
-    proc = _slurm(spec, "sinfo", "-h", "-N", "-o", "%N|%T")
+    proc = daemons.slurm(spec, "sinfo", "-h", "-N", "-o", "%N|%T")
     out = {}
     for line in proc.stdout.splitlines():
         if "|" in line:
@@ -344,49 +237,84 @@ def _all_nodes_ready(spec: ClusterSpec) -> bool:
 
 
 def _reservation_exists(spec: ClusterSpec) -> bool:
-    proc = _slurm(spec, "scontrol", "-o", "show", "reservation", specmod.RESERVATION, check=False)
+    proc = daemons.slurm(spec, "scontrol", "-o", "show", "reservation", specmod.RESERVATION, check=False)
     return proc.returncode == 0 and f"ReservationName={specmod.RESERVATION}" in proc.stdout
 
 
 def _ensure_reservation(spec: ClusterSpec) -> None:
     if spec.standby == 0 or _reservation_exists(spec):
         return
-    _slurm(spec, "scontrol", "create", "reservation", *specmod.reservation_args(spec))
+    daemons.slurm(spec, "scontrol", "create", "reservation", *specmod.reservation_args(spec))
 
 
-def up(nodes: int = 4, standby: int = 2, state_dir=None) -> ClusterInfo:
-    """Start the embedded cluster (installing packages when missing) and wait until
-    every node is idle and the standby reservation exists. Idempotent: with the
-    cluster already running it only reports it. Raises ClusterError naming the
-    daemon that failed, with the tail of its log."""
+def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = None,
+       rootfs_cache=None, force_root: bool = False) -> ClusterInfo:
+    """Start the embedded cluster and wait until every node is idle and the standby
+    reservation exists. Idempotent: with the cluster already running it only reports it.
+
+    `slurm`: the Slurm release ('22.05', '24.11', '26.05'): the host's when the host has it
+    (Debian packages installed when missing), else a Debian root filesystem built once in
+    `rootfs_cache` (default $TM_ROOTFS_CACHE or /var/cache/trainmover/rootfs); `force_root`
+    takes the root filesystem even for the host's release. None: the release a cluster in
+    `state_dir` ran, else the host's. Raises ClusterError naming the daemon that failed,
+    with the tail of its log, or the supported versions for an unsupported one."""
     t0 = time.monotonic()
-    state_dir = resolve_dir(state_dir)
-    installed = install.ensure_installed(log=_log)
+    if slurm is not None:
+        release(slurm)  # an unsupported version fails before anything else
+    state_dir = resolve_dir(state_dir, slurm)
     with _locked(state_dir):
         old = _load_spec(state_dir)
-        running = _running(old) if old else {}
+        if rootfs_cache is None and slurm is None and old is not None and old.root:
+            rootfs_cache = Path(old.root).parent  # the cluster's own, unless told otherwise
+        cache = rootfs.resolve_cache(rootfs_cache)
+        running = daemons.running(old) if old else {}
         live = {k: v for k, v in running.items() if v is not None}
         if old and live and (old.nodes, old.standby) != (nodes, standby):
             raise ClusterError(
                 f"the cluster in {state_dir} runs with {old.nodes} training + {old.standby} standby nodes, "
                 f"not {nodes} + {standby}; run `trainmover cluster down` first")
-        if old and len(live) == len(running) and _ctld_up(old) and _all_nodes_ready(old) \
+        if old and live and not _same_slurm(old, slurm, force_root):
+            raise ClusterError(f"the cluster in {state_dir} runs {old.describe_slurm()}, not Slurm {slurm}; "
+                               f"run `trainmover cluster down --dir {state_dir}` first, or use another --dir")
+        if old and len(live) == len(running) and daemons.ctld_up(old) and _all_nodes_ready(old) \
                 and (old.standby == 0 or _reservation_exists(old)):
-            plugin.install(old.etc, _log)  # sbatch/srun/slurmstepd read plugstack.conf at every call
+            _write_slurm_access(old)
+            plugin.install(old, _log)  # sbatch/srun/slurmstepd read plugstack.conf at every call
             _refresh_conf(old)
-            _log(f"already running in {state_dir} ({old.nodes} training + {old.standby} standby nodes)")
-            return _info(old, already=True, installed=installed, t0=t0)
+            _log(f"already running in {state_dir} ({old.nodes} training + {old.standby} standby nodes, "
+                 f"{old.describe_slurm()})")
+            return _info(old, already=True, installed=False, t0=t0)
+        taken = _ports_taken(old, running) if live else []
+        if taken:
+            _log(f"ports {taken} of its stopped daemons are in use by other processes now; "
+                 "stopping the rest and starting the whole cluster on free ports")
+            _stop(old)
+            running, live = {}, {}
         if live:
-            spec = old  # partly running: keep its ports, start what is missing
+            spec = old  # partly running: keep its ports and Slurm, start what is missing
+            installed = False
         else:
+            wanted = slurm if slurm is not None else (old.slurm if old else None)
+            forced = force_root or (slurm is None and old is not None and bool(old.root))
+            rel, full, root, installed = rootfs.locate(wanted, cache=cache, log=_log, force_root=forced)
             spec = ClusterSpec(
                 state_dir=state_dir, nodes=nodes, standby=standby,
                 ports=_pick_ports(nodes + standby, old.ports if old else None),
                 db_password=old.db_password if old else secrets.token_hex(16),
+                slurm=rel, slurm_version=full, root=root,
+                net=netblock.claim(state_dir, preferred=old.net if old else None),
             )
+        _log(f"{spec.describe_slurm()}")
         _write_files(spec, old)
         _start_all(spec, running)
         return _info(spec, already=False, installed=installed, t0=t0)
+
+
+def _same_slurm(old: ClusterSpec, slurm: Optional[str], force_root: bool) -> bool:
+    """Whether a running cluster `old` is what `up(slurm=..., force_root=...)` asks for."""
+    if slurm is None:
+        return True
+    return old.slurm == release(slurm).version and (bool(old.root) or not force_root)
 
 
 def _refresh_conf(spec: ClusterSpec) -> None:
@@ -397,7 +325,7 @@ def _refresh_conf(spec: ClusterSpec) -> None:
     if spec.slurm_conf.read_text() == text:
         return
     spec.slurm_conf.write_text(text)
-    _slurm(spec, "scontrol", "reconfigure")
+    daemons.slurm(spec, "scontrol", "reconfigure")
     _log("slurm.conf changed: rewritten, daemons reconfigured")
 
 
@@ -405,45 +333,42 @@ def _start_all(spec: ClusterSpec, running: dict[str, Optional[int]]) -> None:
     def need(name: str) -> bool:
         return running.get(name) is None
 
-    steps = [("munged", _start_munged), ("mariadbd", _start_mariadb), ("slurmdbd", _start_slurmdbd),
-             ("slurmctld", _start_slurmctld)]
-    pid_files = {n: f for n, _, f in _daemons(spec)}
-    for name, start in steps:
-        if need(name):
+    pid_files = {n: f for n, _, f in daemons.table(spec)}
+    for name, start in daemons.STARTERS.items():
+        if name in pid_files and need(name):
             pid_files[name].unlink(missing_ok=True)  # stale: the daemon is not running
             t = time.monotonic()
             try:
                 start(spec)
             except (ClusterError, DeadlineExceeded) as exc:
-                raise _fail(spec, name, str(exc).splitlines()[0]) from exc
+                raise daemons.failure(spec, name, str(exc).splitlines()[0]) from exc
             _log(f"{name} up ({time.monotonic() - t:.1f}s)")
     t = time.monotonic()
     for node in spec.all_nodes:
         if need(f"slurmd:{node}"):
             pid_files[f"slurmd:{node}"].unlink(missing_ok=True)
             try:
-                _start_slurmd(spec, node)
+                daemons.start_slurmd(spec, node)
             except ClusterError as exc:
-                raise _fail(spec, f"slurmd:{node}", str(exc).splitlines()[0]) from exc
+                raise daemons.failure(spec, f"slurmd:{node}", str(exc).splitlines()[0]) from exc
 
     def not_ready() -> str:
         try:
             states = node_states(spec)
         except SlurmError as exc:
             return str(exc)
-        dead = [n for n in spec.all_nodes if _running(spec)[f"slurmd:{n}"] is None]
+        dead = [n for n in spec.all_nodes if daemons.running(spec)[f"slurmd:{n}"] is None]
         msg = f"node states: {states}"
         if dead:
-            n = dead[0]
-            msg += f"\nslurmd not running for {dead}; last lines of {_log_for(spec, 'slurmd:' + n)}:\n" \
-                   f"{tail(_log_for(spec, 'slurmd:' + n))}"
+            log = daemons.log_for(spec, "slurmd:" + dead[0])
+            msg += f"\nslurmd not running for {dead}; last lines of {log}:\n{tail(log)}"
         return msg
 
     def ready() -> bool:
         if _all_nodes_ready(spec):
             return True
         for node in spec.all_nodes:  # fail at once when a slurmd died after starting
-            _alive(spec, f"slurmd:{node}")
+            daemons.alive(spec, f"slurmd:{node}")
         return False
 
     try:
@@ -451,13 +376,13 @@ def _start_all(spec: ClusterSpec, running: dict[str, Optional[int]]) -> None:
     except DeadlineExceeded as exc:
         raise ClusterError(f"slurmd: {exc}") from exc
     except ClusterError as exc:
-        raise _fail(spec, str(exc).split(" ", 1)[0], str(exc)) from exc
+        raise daemons.failure(spec, str(exc).split(" ", 1)[0], str(exc)) from exc
     _log(f"{len(spec.all_nodes)} slurmd up ({time.monotonic() - t:.1f}s)")
     try:
         _ensure_reservation(spec)
         wait_until(f"reservation {specmod.RESERVATION}", lambda: _reservation_exists(spec), timeout=STEP_TIMEOUT)
     except (SlurmError, DeadlineExceeded) as exc:
-        raise _fail(spec, "slurmctld", f"cannot create reservation {specmod.RESERVATION}: {exc}") from exc
+        raise daemons.failure(spec, "slurmctld", f"cannot create reservation {specmod.RESERVATION}: {exc}") from exc
 
 
 def _info(spec: ClusterSpec, *, already: bool, installed: bool, t0: float) -> ClusterInfo:
@@ -467,6 +392,8 @@ def _info(spec: ClusterSpec, *, already: bool, installed: bool, t0: float) -> Cl
         partition=specmod.PARTITION, reservation=specmod.RESERVATION,
         addresses={n: spec.addr(n) for n in spec.all_nodes},
         already_running=already, installed_packages=installed, seconds=time.monotonic() - t0,
+        slurm_version=spec.slurm_version or spec.slurm, slurm_root=Path(spec.root) if spec.root else None,
+        spank_plugin=plugin.built_plugin(spec),
     )
 
 
@@ -474,64 +401,82 @@ def _info(spec: ClusterSpec, *, already: bool, installed: bool, t0: float) -> Cl
 
 def _cancel_jobs(spec: ClusterSpec) -> None:
     try:
-        ids = _slurm(spec, "squeue", "-h", "-o", "%i").stdout.split()
+        ids = daemons.slurm(spec, "squeue", "-h", "-o", "%i").stdout.split()
         if ids:
-            _slurm(spec, "scancel", *ids, check=False)
-            wait_until("jobs to end", lambda: not _slurm(spec, "squeue", "-h", "-t", "R,CG", "-o", "%i").stdout.split(),
+            daemons.slurm(spec, "scancel", *ids, check=False)
+            wait_until("jobs to end", lambda: not daemons.slurm(spec, "squeue", "-h", "-t", "R,CG", "-o", "%i").stdout.split(),
                        timeout=20)
     except (SlurmError, DeadlineExceeded) as exc:
         _log(f"could not cancel all jobs cleanly ({str(exc).splitlines()[0]}); stopping daemons anyway")
 
 
-def down(state_dir=None) -> dict:
+def down(state_dir=None, slurm: Optional[str] = None) -> dict:
     """Stop every daemon this state directory started (pid files, checked against
     /proc so that no unrelated process is signalled). Idempotent. Returns
     {daemon: pid} of what it stopped."""
-    state_dir = resolve_dir(state_dir)
+    state_dir = resolve_dir(state_dir, slurm)
     spec = _load_spec(state_dir) if state_dir.exists() else None
     if spec is None:
         return {}
     with _locked(state_dir):
-        marker = str(spec.state_dir)
-        running = _running(spec)
-        stopped: dict[str, int] = {}
-        if running.get("slurmctld") and _ctld_up(spec):
-            _cancel_jobs(spec)
-        order = [n for n, _, _ in _daemons(spec) if n.startswith("slurmd:")] + \
-                ["slurmctld", "slurmdbd", "mariadbd", "munged"]
-        progs = {n: p for n, p, _ in _daemons(spec)}
-        slurmds = [(n, running[n]) for n in order if n.startswith("slurmd:") and running[n]]
-        terminate([p for _, p in slurmds], "slurmd", marker)
-        stopped.update(dict(slurmds))
-        # slurmd processes not in a pid file (a crashed start) and leftover step daemons
-        for prog in ("slurmd", "slurmstepd"):
-            extra = find_pids(prog, marker)
-            if extra:
-                terminate(extra, prog, marker)
-                stopped.update({f"{prog}:{p}": p for p in extra})
-        for name in ("slurmctld", "slurmdbd", "mariadbd", "munged"):
-            pid = running.get(name)
-            if pid:
-                terminate([pid], progs[name], marker, timeout=30)
-                stopped[name] = pid
-        for name, _, pid_file in _daemons(spec):
-            if pid_file.exists() and running_pid(pid_file, progs[name], marker) is None:
-                pid_file.unlink(missing_ok=True)
-        return stopped
+        return _stop(spec)
+
+
+def _ports_taken(spec: ClusterSpec, running: dict[str, Optional[int]]) -> list[int]:
+    """Ports of `spec`'s stopped daemons that another process listens on now (a cluster
+    started while these were down may have taken them)."""
+    ports = {"slurmctld": spec.ports.slurmctld, "slurmdbd": spec.ports.slurmdbd, "mariadbd": spec.ports.mariadb,
+             **{f"slurmd:{n}": spec.slurmd_port(n) for n in spec.all_nodes}}
+    return [ports[name] for name, pid in running.items() if pid is None and name in ports
+            and not _port_free(ports[name])]
+
+
+def _stop(spec: ClusterSpec) -> dict:
+    """down() with the state directory's lock held."""
+    marker = str(spec.state_dir)
+    running = daemons.running(spec)
+    stopped: dict[str, int] = {}
+    if running.get("slurmctld") and daemons.ctld_up(spec):
+        _cancel_jobs(spec)
+    progs = {n: p for n, p, _ in daemons.table(spec)}
+    slurmds = [(n, pid) for n, pid in running.items() if n.startswith("slurmd:") and pid]
+    terminate([p for _, p in slurmds], "slurmd", marker, root=spec.root)
+    stopped.update(dict(slurmds))
+    # slurmd processes not in a pid file (a crashed start) and leftover step daemons
+    for prog in ("slurmd", "slurmstepd"):
+        extra = find_pids(prog, marker, spec.root)
+        if extra:
+            terminate(extra, prog, marker, root=spec.root)
+            stopped.update({f"{prog}:{p}": p for p in extra})
+    for name in ("slurmctld", "slurmdbd", "mariadbd", "munged"):
+        pid = running.get(name)
+        if pid:
+            terminate([pid], progs[name], marker, timeout=30, root=spec.root)
+            stopped[name] = pid
+        # and any of ours that no pid file names (a start that failed half way, a pid file
+        # overwritten by a later start)
+        extra = find_pids(name, marker, spec.root)
+        if extra:
+            terminate(extra, name, marker, timeout=30, root=spec.root)
+            stopped.update({f"{name}:{p}": p for p in extra})
+    for name, _, pid_file in daemons.table(spec):
+        if pid_file.exists() and running_pid(pid_file, progs[name], marker, spec.root) is None:
+            pid_file.unlink(missing_ok=True)
+    return stopped
 
 
 # --- inspecting ----------------------------------------------------------------------
 
-def status(state_dir=None) -> dict:
-    """{'state_dir', 'slurm_conf', 'running', 'daemons': {name: {'pid', 'up'}},
-    'nodes': {node: sinfo state}, 'reservation': name or None}."""
-    state_dir = resolve_dir(state_dir)
+def status(state_dir=None, slurm: Optional[str] = None) -> dict:
+    """{'state_dir', 'slurm_conf', 'slurm', 'running', 'daemons': {name: {'pid', 'up'}},
+    'nodes': {node: sinfo state}, 'reservation': name or None, ...}."""
+    state_dir = resolve_dir(state_dir, slurm)
     spec = _load_spec(state_dir) if state_dir.exists() else None
     if spec is None:
         return {"state_dir": str(state_dir), "configured": False, "running": False, "daemons": {}, "nodes": {},
                 "reservation": None}
-    running = _running(spec)
-    ctld = running["slurmctld"] is not None and _ctld_up(spec)
+    running = daemons.running(spec)
+    ctld = running["slurmctld"] is not None and daemons.ctld_up(spec)
     nodes: dict[str, str] = {}
     resv = None
     if ctld:
@@ -544,6 +489,9 @@ def status(state_dir=None) -> dict:
         "state_dir": str(state_dir),
         "configured": True,
         "slurm_conf": str(spec.slurm_conf),
+        "slurm": spec.describe_slurm(),
+        "slurm_version": spec.slurm_version or spec.slurm,
+        "slurm_root": spec.root or None,
         "running": all(v is not None for v in running.values()) and ctld,
         "daemons": {k: {"pid": v, "up": v is not None} for k, v in running.items()},
         "nodes": nodes,
@@ -554,14 +502,17 @@ def status(state_dir=None) -> dict:
     }
 
 
-def env_lines(state_dir=None) -> str:
-    """Shell lines for `eval "$(trainmover cluster env)"`: SLURM_CONF (and PATH when
-    the Slurm client commands are not on it)."""
-    state_dir = resolve_dir(state_dir)
+def env_lines(state_dir=None, slurm: Optional[str] = None) -> str:
+    """Shell lines for `eval "$(trainmover cluster env)"`: SLURM_CONF, and PATH when the
+    cluster's Slurm client commands are not on it (for a root filesystem: its wrappers)."""
+    state_dir = resolve_dir(state_dir, slurm)
     spec = _load_spec(state_dir)
     conf = spec.slurm_conf if spec else state_dir / "etc" / "slurm.conf"
     lines = [f"export SLURM_CONF={shlex.quote(str(conf))}",
              f"export TM_CLUSTER_DIR={shlex.quote(str(state_dir))}"]
+    if spec and spec.root:
+        lines.append(f'export PATH={shlex.quote(str(spec.bin))}:"$PATH"  # {spec.describe_slurm()}')
+        return "\n".join(lines) + "\n"
     sinfo = install.which("sinfo")
     path_dirs = os.environ.get("PATH", "").split(os.pathsep)
     if sinfo and os.path.dirname(sinfo) not in path_dirs:

@@ -1,18 +1,24 @@
-"""The TrainMover SPANK plugin in the embedded cluster: build it (`make -C slurm_plugin`)
-and write `etc/plugstack.conf` next to slurm.conf, where Slurm 22.05 looks for it by
+"""The TrainMover SPANK plugin in the embedded cluster: build it against the cluster's
+Slurm and write `etc/plugstack.conf` next to slurm.conf, where Slurm looks for it by
 default (sbatch/salloc/srun read it at every call, slurmstepd at every step, slurmd at
 start). The line is the one docs/admin.md gives to sites:
 
     optional /abs/path/slurm_plugin/trainmover_spank.so
 
+With the host's Slurm the plugin is built in place (`make -C slurm_plugin`); with a
+release from a root filesystem it is built inside that root, against that release's
+headers, into `<state dir>/spank/` (`make -C slurm_plugin BUILD_DIR=...`).
 `optional`: a missing .so (no compiler, no libslurm-dev) leaves Slurm working without it.
 """
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Callable, Optional
+
+from trainmover.cluster import daemons
+from trainmover.cluster.procs import ClusterError, run_cmd
+from trainmover.cluster.spec import ClusterSpec
 
 PLUGIN_DIR = Path(__file__).resolve().parents[2] / "slurm_plugin"
 PLUGIN_SO = PLUGIN_DIR / "trainmover_spank.so"
@@ -27,32 +33,48 @@ def render_plugstack(plugin: Optional[Path]) -> str:
     return head + f"optional {plugin}\n"
 
 
-def build(log: Callable[[str], None]) -> Optional[Path]:
+def plugin_path(spec: ClusterSpec) -> Path:
+    """Where the cluster's plugin is built."""
+    return spec.state_dir / "spank" / PLUGIN_SO.name if spec.root else PLUGIN_SO
+
+
+def built_plugin(spec: ClusterSpec) -> Optional[Path]:
+    path = plugin_path(spec)
+    return path if path.exists() else None
+
+
+def build(spec: ClusterSpec, log: Callable[[str], None]) -> Optional[Path]:
     """Build the plugin when its sources are here; the .so, or None (with a logged reason)."""
     if not (PLUGIN_DIR / "Makefile").exists():
         log(f"SPANK plugin sources not found in {PLUGIN_DIR}; --trainmover will not be available")
         return None
-    missing = [w for w, ok in (("make", shutil.which("make")), ("gcc", shutil.which("gcc")),
-                               (str(SPANK_HEADER), SPANK_HEADER.exists())) if not ok]
+    so = plugin_path(spec)
+    if spec.root:
+        header = Path(spec.root) / str(SPANK_HEADER).lstrip("/")
+        argv = daemons.program(spec, ["make", "-C", PLUGIN_DIR, "-s", f"BUILD_DIR={so.parent}"])
+        missing = [] if header.exists() else [f"{SPANK_HEADER} in {spec.root}"]
+    else:
+        argv = ["make", "-C", str(PLUGIN_DIR), "-s"]
+        missing = [w for w, ok in (("make", shutil.which("make")), ("gcc", shutil.which("gcc")),
+                                   (str(SPANK_HEADER), SPANK_HEADER.exists())) if not ok]
     if missing:
         log(f"SPANK plugin not built: missing {', '.join(missing)} (apt-get install build-essential libslurm-dev)")
-        return PLUGIN_SO if PLUGIN_SO.exists() else None
+        return so if so.exists() else None
     try:
-        proc = subprocess.run(["make", "-C", str(PLUGIN_DIR), "-s"], capture_output=True, text=True,
-                              timeout=BUILD_TIMEOUT, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        log(f"SPANK plugin build timed out after {BUILD_TIMEOUT:g}s")
+        proc = run_cmd(argv, timeout=BUILD_TIMEOUT, what="SPANK plugin build", check=False)
+    except ClusterError as exc:
+        log(str(exc))
         return None
     if proc.returncode != 0:
         log(f"SPANK plugin build failed (exit {proc.returncode}): {(proc.stderr or proc.stdout)[-1500:]}")
         return None
-    return PLUGIN_SO
+    return so
 
 
-def install(etc: Path, log: Callable[[str], None]) -> Optional[Path]:
+def install(spec: ClusterSpec, log: Callable[[str], None]) -> Optional[Path]:
     """Build the plugin and point `etc/plugstack.conf` at it; returns the .so or None."""
-    so = build(log)
-    path = etc / "plugstack.conf"
+    so = build(spec, log)
+    path = spec.etc / "plugstack.conf"
     text = render_plugstack(so)
     if not path.exists() or path.read_text() != text:
         tmp = path.with_suffix(".tmp")

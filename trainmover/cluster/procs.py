@@ -5,6 +5,7 @@ files that are trusted only when the process they name is ours, bounded waits.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -67,43 +68,59 @@ def _proc_text(pid: int, name: str) -> str:
         return ""
 
 
-def _exe_names(program: str) -> set[str]:
+def _realpath_in(root: str, path: str, hops: int = 16) -> str:
+    """`path` inside the file system rooted at `root` with its symbolic links followed
+    there (absolute link targets are relative to `root`, not to the host's /)."""
+    for _ in range(hops):
+        full = os.path.join(root, path.lstrip("/"))
+        if not os.path.islink(full):
+            return path
+        target = os.readlink(full)
+        path = target if target.startswith("/") else os.path.join(os.path.dirname(path), target)
+    return path
+
+
+def _exe_names(program: str, root: str = "") -> set[str]:
     """Basenames the kernel may report for `program` (Debian installs slurmd as an
-    alternatives link to slurmd-wlm)."""
-    names = {program}
+    alternatives link to slurmd-wlm), on the host or in the root filesystem `root`."""
+    names = {program, f"{program}-wlm"}  # also when `root` is gone (removed under a running cluster)
     for d in ("/usr/sbin", "/usr/bin", "/sbin", "/bin"):
         path = os.path.join(d, program)
-        if os.path.exists(path):
-            names.add(os.path.basename(os.path.realpath(path)))
+        if os.path.lexists(os.path.join(root or "/", path.lstrip("/"))):
+            names.add(os.path.basename(_realpath_in(root or "/", path)))
     return names
 
 
-def owned(pid: int, program: str, marker: str) -> bool:
-    """True when `pid` runs `program` and mentions `marker` (our state dir) in its
-    command line or environment: a stale pid file never makes us signal a stranger."""
+def owned(pid: int, program: str, marker: str, root: str = "") -> bool:
+    """True when `pid` runs `program` (from the root filesystem `root` when given) and
+    mentions `marker` (our state dir, as a whole path) in its command line or environment:
+    a stale pid file never makes us signal a stranger, nor a cluster whose state directory
+    merely starts with ours."""
     if pid <= 1:
         return False
     try:
         exe = os.readlink(f"/proc/{pid}/exe")
     except OSError:
         return False
-    if os.path.basename(exe.split(" (deleted)")[0]) not in _exe_names(program):
+    if os.path.basename(exe.split(" (deleted)")[0]) not in _exe_names(program, root):
         return False
     if _proc_text(pid, "stat").split(" ")[2:3] == ["Z"]:
         return False
-    return marker in _proc_text(pid, "cmdline") or marker in _proc_text(pid, "environ")
+    # the state directory as a whole path: /var/tmp/c must not match /var/tmp/c-24.11/...
+    mentions = re.compile(re.escape(marker.rstrip("/")) + r"(?=/|\s|$)")
+    return bool(mentions.search(_proc_text(pid, "cmdline")) or mentions.search(_proc_text(pid, "environ")))
 
 
-def running_pid(pid_file: Path, program: str, marker: str) -> Optional[int]:
+def running_pid(pid_file: Path, program: str, marker: str, root: str = "") -> Optional[int]:
     pid = read_pid(pid_file)
-    return pid if pid is not None and owned(pid, program, marker) else None
+    return pid if pid is not None and owned(pid, program, marker, root) else None
 
 
-def find_pids(program: str, marker: str) -> list[int]:
+def find_pids(program: str, marker: str, root: str = "") -> list[int]:
     """Processes running `program` whose command line or environment names `marker`."""
     out = []
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and owned(int(entry), program, marker):
+        if entry.isdigit() and owned(int(entry), program, marker, root):
             out.append(int(entry))
     return out
 
@@ -130,24 +147,26 @@ def wait_until(
         interval = min(interval * 1.5, max_interval)
 
 
-def terminate(pids: Sequence[int], program: str, marker: str, *, timeout: float = 15.0) -> None:
+def terminate(pids: Sequence[int], program: str, marker: str, *, timeout: float = 15.0, root: str = "") -> None:
     """SIGTERM our processes, SIGKILL what is left after `timeout` seconds."""
-    live = [p for p in pids if owned(p, program, marker)]
+    live = [p for p in pids if owned(p, program, marker, root)]
     for pid in live:
         try:
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
     try:
-        wait_until(f"{program} to exit", lambda: not any(owned(p, program, marker) for p in live), timeout=timeout)
+        wait_until(f"{program} to exit", lambda: not any(owned(p, program, marker, root) for p in live),
+                   timeout=timeout)
     except DeadlineExceeded:
         for pid in live:
-            if owned(pid, program, marker):
+            if owned(pid, program, marker, root):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        wait_until(f"{program} to die after SIGKILL", lambda: not any(owned(p, program, marker) for p in live), timeout=5)
+        wait_until(f"{program} to die after SIGKILL", lambda: not any(owned(p, program, marker, root) for p in live),
+                   timeout=5)
 
 
 def step_pid(job_id: int, node: str, module: str = "trainmover.runtime.worker") -> int:

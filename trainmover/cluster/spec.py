@@ -10,11 +10,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainmover.cluster.releases import RELEASES, Release
+
 PARTITION = "train"
 RESERVATION = "trainmover_standby"
 CLUSTER_NAME = "trainmover"
-# First host byte of the node addresses in 127.0.1.0/24. Debian maps the machine's
-# own hostname to 127.0.1.1, so the nodes start further up.
+# First host byte of the node addresses in the cluster's 127.0.N.0/24 (netblock.py). Debian
+# maps the machine's own hostname to 127.0.1.1, so the nodes start further up.
 FIRST_ADDR = 11
 MAX_NODES = 240
 # Preferred ports, away from a real site's Slurm (6817-6819) and MariaDB (3306);
@@ -36,7 +38,9 @@ class Ports:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """One embedded cluster: `nodes` training nodes and `standby` spare nodes."""
+    """One embedded cluster: `nodes` training nodes and `standby` spare nodes, running
+    Slurm release `slurm` (full version `slurm_version`) from the host, or from the Debian
+    root filesystem `root` (trainmover/cluster/rootfs.py) when that is set."""
 
     state_dir: Path
     nodes: int
@@ -45,12 +49,33 @@ class ClusterSpec:
     db_password: str
     cpus: int = CPUS_PER_NODE
     memory_mb: int = MEMORY_PER_NODE_MB
+    slurm: str = "22.05"     # clusters started before releases were recorded ran Debian 12's
+    slurm_version: str = ""
+    root: str = ""
+    net: int = 1             # node addresses in 127.0.<net>.0/24 (netblock.py)
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.standby < 0:
             raise ValueError(f"need nodes >= 1 and standby >= 0, got nodes={self.nodes} standby={self.standby}")
         if self.nodes + self.standby > MAX_NODES:
             raise ValueError(f"at most {MAX_NODES} nodes in all, got {self.nodes + self.standby}")
+        if not 1 <= self.net <= 254:
+            raise ValueError(f"net must be 1..254 (127.0.<net>.0/24), got {self.net}")
+        if self.slurm not in RELEASES:
+            raise ValueError(f"unsupported Slurm release {self.slurm!r} (supported: {', '.join(RELEASES)})")
+
+    @property
+    def release(self) -> Release:
+        return RELEASES[self.slurm]
+
+    @property
+    def accounting(self) -> bool:
+        return self.release.accounting
+
+    def describe_slurm(self) -> str:
+        """'Slurm 24.11.5 (Debian trixie root filesystem /var/cache/...)' or 'Slurm 22.05.8 (host)'."""
+        where = f"Debian {self.release.suite} root filesystem {self.root}" if self.root else "host"
+        return f"Slurm {self.slurm_version or self.slurm} ({where})"
 
     # --- names and addresses -------------------------------------------------
     @property
@@ -66,7 +91,7 @@ class ClusterSpec:
         return self.train_nodes + self.spare_nodes
 
     def addr(self, node: str) -> str:
-        return f"127.0.1.{FIRST_ADDR + self.all_nodes.index(node)}"
+        return f"127.0.{self.net}.{FIRST_ADDR + self.all_nodes.index(node)}"
 
     def slurmd_port(self, node: str) -> int:
         return self.ports.slurmd_base + self.all_nodes.index(node)
@@ -109,6 +134,20 @@ class ClusterSpec:
         """The health check's state directory (kernel-log cursor, test hook inject-fault-<node>);
         ClusterInfo.healthcheck_state says the same to callers."""
         return self.state_dir / "healthcheck"
+
+    @property
+    def cgroup_conf(self) -> Path:
+        return self.etc / "cgroup.conf"
+
+    @property
+    def exec_file(self) -> Path:
+        """How to run this cluster's Slurm programs (trainmover/slurm/commands.py reads it)."""
+        return self.etc / "slurm-exec.json"
+
+    @property
+    def bin(self) -> Path:
+        """Wrappers that run the root filesystem's Slurm commands from a shell (`cluster env`)."""
+        return self.state_dir / "bin"
 
     @property
     def slurmdbd_conf(self) -> Path:
@@ -158,8 +197,9 @@ class ClusterSpec:
         return cls(**d)
 
     def layout_key(self) -> tuple:
-        """What slurmctld's saved state depends on: a change means a fresh state."""
-        return (self.nodes, self.standby, self.cpus, self.memory_mb)
+        """What slurmctld's saved state depends on: a change means a fresh state (a
+        different Slurm release may not read another's state files)."""
+        return (self.nodes, self.standby, self.cpus, self.memory_mb, self.slurm, self.net)
 
 
 def render_slurm_conf(spec: ClusterSpec) -> str:
@@ -174,7 +214,7 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         "SlurmdUser=root",
         "# slurmctld binds the address its hostname resolves to: 'localhost' in its own UTS",
         "# namespace, so 127.0.0.1. Not NoInAddrAny: slurmd and srun would bind their node's",
-        "# 127.0.1.x while loopback connections leave from 127.0.0.1, and a step launched from",
+        "# 127.0.N.x while loopback connections leave from 127.0.0.1, and a step launched from",
         "# inside a job fails ('connect io: Connection refused').",
         "CommunicationParameters=NoCtldInAddrAny",
         "AuthType=auth/munge",
@@ -204,6 +244,8 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         "# a job was resized), and 22.05 then requeued healthy TrainMover jobs. A job lost for real",
         "# still ends: its node goes DOWN, or its steps end.",
         f"BatchStartTimeout={BATCH_START_TIMEOUT_S}",
+        *([f"# job ids apart from other releases' clusters (runs/<job id> of demos in one checkout)",
+           f"FirstJobId={s.release.first_job_id}"] if s.release.first_job_id != 1 else []),
         "InactiveLimit=0",
         "KillWait=5",
         "MinJobAge=300",
@@ -213,13 +255,7 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         "EnforcePartLimits=ALL",
         "SchedulerParameters=permit_job_expansion,batch_sched_delay=0,sched_min_interval=0,"
         "default_queue_depth=100",
-        "# Accounting through slurmdbd: without it a job can be resized only once",
-        "# (later updates fail with 'DB index is being set').",
-        "AccountingStorageType=accounting_storage/slurmdbd",
-        "AccountingStorageHost=127.0.0.1",
-        f"AccountingStoragePort={s.ports.slurmdbd}",
-        "# the munge socket for talking to slurmdbd (AuthInfo does not apply to it)",
-        f"AccountingStoragePass={s.munge_socket}",
+        *_accounting_lines(s),
         "JobCompType=jobcomp/none",
         "# The health check, with the lines docs/admin.md gives admins (slurm_plugin/healthcheck.sh",
         "# copied next to its healthcheck.env), but on IDLE nodes only: with every slurmd on one",
@@ -247,6 +283,32 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _accounting_lines(s: ClusterSpec) -> list[str]:
+    if not s.accounting:
+        return [
+            f"# No accounting: Slurm {s.slurm} grows and shrinks a job repeatedly without slurmdbd.",
+            "AccountingStorageType=accounting_storage/none",
+        ]
+    return [
+        f"# Accounting through slurmdbd: without it Slurm {s.slurm} resizes a job only once",
+        "# (later updates fail with 'DB index is being set').",
+        "AccountingStorageType=accounting_storage/slurmdbd",
+        "AccountingStorageHost=127.0.0.1",
+        f"AccountingStoragePort={s.ports.slurmdbd}",
+        "# the munge socket for talking to slurmdbd (AuthInfo does not apply to it)",
+        f"AccountingStoragePass={s.munge_socket}",
+    ]
+
+
+def render_cgroup_conf(spec: ClusterSpec) -> str | None:
+    """cgroup.conf for releases whose slurmd needs one (see Release.cgroup_disabled); None otherwise."""
+    if not spec.release.cgroup_disabled:
+        return None
+    return ("# Generated by trainmover.cluster. Every node runs on this one host: no cgroup\n"
+            "# confinement (proctrack/linuxproc, task/none), and slurmd starts without a cgroup plugin.\n"
+            "CgroupPlugin=disabled\n")
 
 
 def render_slurmdbd_conf(spec: ClusterSpec) -> str:

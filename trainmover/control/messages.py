@@ -30,6 +30,10 @@ SCHEMA: dict[str, dict[str, object]] = {
     # the tiers can use (controller/tiers.py): `replicas` (its replica group's ranks), `own`
     # (snapshot steps of itself), `held` (rank -> snapshot steps it holds of that rank)
     "stalled": {"rank": _INT, "step": _INT, "digest": _STR, "error": _STR, "role": _STR, "holds": _DICT},
+    # a one-node job's standby holds these complete, verified snapshot steps of `rank` (runtime/holding.py)
+    "snapshot_held": {"node": _STR, "rank": _INT, "steps": _LIST, "detail": _DICT},
+    # a rank's snapshot of `step` is complete (copy times, bytes, where it went): runtime/protection.py
+    "snapshot_taken": {"rank": _INT, "step": _INT, "detail": _DICT},
     # a rank's checkpoint file of `step` is in place (runtime/checkpoint.py)
     "checkpointed": {"rank": _INT, "step": _INT, "digest": _STR, "bytes": _INT, "seconds": _FLOAT},
     # after reconnecting to a restarted controller (right after `hello`): where this process is.
@@ -51,6 +55,9 @@ SCHEMA: dict[str, dict[str, object]] = {
     # controller -> keeper: run one step (`argv` of its srun, its environment, its log file)
     "launch": {"node": _STR, "role": _STR, "argv": _LIST, "env": _DICT, "log": _STR},
     # controller -> worker / agent
+    # a one-node job's snapshots of `wards` (its ranks) go to standby `holder` ("": to nobody),
+    # over links built under the store prefix `prefix` (controller/holder.py)
+    "hold": {"holder": _STR, "wards": _LIST, "prefix": _STR},
     "prepare": {"epoch": _INT, "leavers": _LIST, "joiner_node": _STR, "assign": _DICT, "options": _DICT},
     "abort": {"epoch": _INT, "reason": _STR},
     # this process was judged dead and replaced: it must exit at once, writing nothing
@@ -62,7 +69,8 @@ SCHEMA: dict[str, dict[str, object]] = {
     # the way back: new groups without `failed`, every rank resumes at `step`. `tier` says from
     # where: replica (state of `step` from `source` to `needers`: the standby taking each failed
     # rank, and ranks that had not completed `step`), snapshot (every rank rolls back to its own
-    # snapshot of `step`; `holders`: failed rank -> the rank sending it its copy) or checkpoint
+    # snapshot of `step`; `holders`: failed rank -> the rank sending it its copy, or JOINER when
+    # the standby taking it holds the copy itself) or checkpoint
     # (every rank loads its file of `step`)
     "recover": {"epoch": _INT, "failed": _LIST, "step": _INT, "source": _INT, "needers": _LIST, "assign": _DICT,
                 "tier": _STR, "holders": _DICT},
@@ -73,6 +81,7 @@ SCHEMA: dict[str, dict[str, object]] = {
 }
 
 MAX_RANKS_IN_MESSAGE = 1 << 16
+JOINER = -1  # `recover.holders`: the lost rank's copy is held by the standby taking its slot (no transfer)
 
 
 def validate(msg: object) -> dict:

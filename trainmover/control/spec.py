@@ -38,6 +38,8 @@ class WorkerSpec:
     record_from_step: int = 0       # first recorded step (0: from the workload's construction on)
     record_versions: int = 4        # most recordings (a change of collective shapes starts a new one)
     standby_warmup: str = "shadow"  # shadow, or cold (benchmark baseline: no replay; compiled code dropped after the shadow steps)
+    standby_nice: int = 0           # a standby's niceness while it warms up and waits (runtime/standby.py)
+    standby_compile_threads: int = 0  # a standby's torch.compile workers (0: torch's default)
     snapshot_every: int = 0         # steps between in-memory snapshots (0: off), see runtime/snapshot.py
     checkpoint_every: int = 0       # steps between checkpoints (0: off), see runtime/checkpoint.py
     checkpoint_dir: str = ""        # on the job's shared directory

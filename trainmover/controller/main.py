@@ -85,7 +85,7 @@ class Controller:
         replica = next((g.ranks for g in specs if g.name == workload.replica_group()),
                        tuple(range(self.view.world_size)) if workload.replica_group() == "world" else None)
         self.snapshot_every = cfg.snapshot_every if tiers.snapshots_needed(
-            parse_tiers(cfg.recovery_tiers), replica, self.view.world_size) else 0
+            parse_tiers(cfg.recovery_tiers), replica, self.view.world_size, self.view.ranks_per_node) else 0
         self.policy = Policy(cfg, self.view)
         self.policy.snapshot_every = self.snapshot_every
         self.files = records.RunFiles(root)
@@ -135,7 +135,8 @@ class Controller:
                           record_iterations=self.cfg.record_iterations,
                           recording_dir=str(self.files.root / "recordings") if self.cfg.record_iterations else "",
                           record_from_step=self.cfg.record_from_step, record_versions=self.cfg.record_versions,
-                          standby_warmup=self.cfg.standby_warmup,
+                          standby_warmup=self.cfg.standby_warmup, standby_nice=self.cfg.standby_nice,
+                          standby_compile_threads=self.cfg.standby_compile_threads,
                           seed=self.cfg.seed, steps=self.cfg.steps, group_timeout_s=self.cfg.group_timeout_s,
                           switch_timeout_s=self.cfg.switch_timeout_s, recovery_timeout_s=self.cfg.recovery_timeout_s,
                           reconnect_timeout_s=self.cfg.reconnect_timeout_s, heartbeat_s=self.cfg.heartbeat_s,

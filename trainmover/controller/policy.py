@@ -11,6 +11,7 @@ import statistics
 from trainmover.config import Config
 from trainmover.control.messages import make
 from trainmover.controller.actions import AcquireStandby, Finish, LaunchStandby, Record, ReleaseNode, Send
+from trainmover.controller.holder import SnapshotHolder
 from trainmover.controller.liveness import Liveness
 from trainmover.controller.migration import Migration, Phase
 from trainmover.controller.recovery import Recovering
@@ -24,7 +25,7 @@ log = logging.getLogger("trainmover.policy")
 MAX_ATTEMPTS = 3
 
 
-class Policy(Recovering, Resuming, StandbyLoss, Liveness):
+class Policy(Recovering, Resuming, StandbyLoss, Liveness, SnapshotHolder):
     def __init__(self, cfg: Config, view: JobView):
         self.cfg, self.view = cfg, view
         self.migrations: list[Migration] = []
@@ -162,7 +163,7 @@ class Policy(Recovering, Resuming, StandbyLoss, Liveness):
                 return []
             s.state, s.since, s.warmup_s, s.shadow_steps = "ready", now, msg["warmup_s"], msg["shadow_steps"]
             s.shadow = msg["detail"] or s.shadow  # a re-ready after a cancelled join keeps the first report
-            return self._maybe_recover(now) + self._dispatch(now)
+            return self._maybe_recover(now) + self._dispatch(now) + self.holder_actions(now)
         if kind == "resync":
             return self.on_resync(now, node, msg)
         if kind == "stalled":
@@ -172,6 +173,10 @@ class Policy(Recovering, Resuming, StandbyLoss, Liveness):
             return []
         if kind == "checkpointed":
             return self._on_checkpointed(msg)
+        if kind == "snapshot_held":
+            return self.on_snapshot_held(node, msg)
+        if kind == "snapshot_taken":
+            return self.on_snapshot_taken(msg)
         if kind == "recorded":
             self.recordings[str(msg["rank"])] = {k: msg[k] for k in ("rank", "iterations", "bytes", "overhead_s",
                                                                      "step_s", "version", "detail")}
@@ -329,10 +334,16 @@ class Policy(Recovering, Resuming, StandbyLoss, Liveness):
 
     def _downtime(self, m: Migration) -> float | None:
         """Pause seen by the stayers: last step before the switch to the first after, minus
-        one normal step (median interval before), each rank on its own clock; the worst rank."""
+        one normal step (median interval before), each rank on its own clock; the worst rank.
+
+        A planned migration with no stayer (a one-node job) has nobody who sees the pause from
+        outside: it is then the leaver's ranks' own, the end of step s reported by the leaver and
+        of step s+1 by the joiner, i.e. measured on the joiner's side against the leaver's last
+        report (two processes: one clock on one host, else the clocks' skew adds to it)."""
         worst = None
+        stayers = [r for r in self.steps if r not in m.leaver_ranks]
         for rank, hist in self.steps.items():
-            if rank in m.leaver_ranks:
+            if rank in m.leaver_ranks and (stayers or m.recovery):
                 continue
             t = dict(hist)
             s = m.switch_step
@@ -397,7 +408,8 @@ class Policy(Recovering, Resuming, StandbyLoss, Liveness):
             m.leaver_exited = True
             m.note = f"leaver's step still running {self.cfg.release_timeout_s:.0f}s after the switch; released anyway"
             actions.append(ReleaseNode(m.leaver))
-        return actions + self._maybe_recover(now) + self._maybe_acquire(now) + self._dispatch(now)
+        return (actions + self._maybe_recover(now) + self._maybe_acquire(now) + self._dispatch(now)
+                + self.holder_actions(now))
 
     # --- reporting -----------------------------------------------------------------------
     def status(self) -> dict:
@@ -425,5 +437,6 @@ class Policy(Recovering, Resuming, StandbyLoss, Liveness):
             "finished": self.done,
             "controller": {"restarts": self.restarts, "resuming": self.resuming is not None},
             "protection": {"tiers": self.cfg.recovery_tiers, "snapshot_every": self.snapshot_every,
-                           "checkpoint_every": self.cfg.checkpoint_every, "checkpoints": list(self.checkpoint_steps)},
+                           "checkpoint_every": self.cfg.checkpoint_every, "checkpoints": list(self.checkpoint_steps),
+                           "snapshots": self.holder_status()},
         }

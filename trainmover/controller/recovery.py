@@ -103,7 +103,7 @@ class Recovering:
             return []
         live = [r for r in range(self.view.world_size) if r not in m.leaver_ranks]
         if not m.joiner:
-            ready = sorted(s.node for s in self.view.standbys.values() if s.state == "ready")
+            ready = self.joiner_order([s.node for s in self.view.standbys.values() if s.state == "ready"])
             if not ready:
                 if m.phase is Phase.REQUESTED:
                     m.to(Phase.WAITING_STANDBY, now, f"no warm standby: training is paused until one is ready "
@@ -115,8 +115,10 @@ class Recovering:
         stayers = [self.stalled.get(r) for r in live]
         if any(s is None or s["role"] != "stayer" for s in stayers):
             return []  # not every live rank has stopped yet
+        joiner = self.view.standbys.get(m.joiner)
+        completed = max((s for hist in self.steps.values() for s, _ in hist), default=None)
         choice = tiers.choose(parse_tiers(self.cfg.recovery_tiers), m.leaver_ranks, {s["rank"]: s for s in stayers},
-                              self.checkpoint_steps)
+                              self.checkpoint_steps, joiner=dict(joiner.held) if joiner else {}, completed=completed)
         if isinstance(choice, tiers.Stop):
             m.to(Phase.FAILED, now, choice.message[:300])
             return [self._timeline(m, now, "failed", reason=choice.message),
@@ -136,9 +138,8 @@ class Recovering:
             self.rows = {s: row for s, row in self.rows.items() if s <= step}
             self.metrics_through = min(self.metrics_through, step)
             actions.append(Rewind(step))
-        return actions + [
-                self._timeline(m, now, "recover", **m.source),
-                Send(stayer_nodes, make("recover", assign={}, **common)),
+        to_stayers = [Send(stayer_nodes, make("recover", assign={}, **common))] if stayer_nodes else []  # none: one worker
+        return actions + [self._timeline(m, now, "recover", **m.source)] + to_stayers + [
                 Send((m.joiner,), make("recover", assign={str(i): r for i, r in enumerate(m.leaver_ranks)}, **common))]
 
     # --- checkpoints -------------------------------------------------------------------------

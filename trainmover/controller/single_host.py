@@ -16,10 +16,18 @@ from trainmover.slurm.model import BatchHostRelease, JobInfo, NodeInfo, NoStandb
 
 
 class SingleHostAllocation:
-    def __init__(self, gpus: int, train: int, work_dir: str, job_id: int = 1):
+    """`gpus` GPUs from `first_gpu` on, the first `train` of them training nodes. `host_gpus`: the
+    GPUs of the whole host (default: the last one used), so that two allocations side by side
+    (e.g. two one-GPU reference jobs) take different CPUs."""
+
+    def __init__(self, gpus: int, train: int, work_dir: str, job_id: int = 1, first_gpu: int = 0,
+                 host_gpus: int | None = None):
         if not 0 < train <= gpus:
             raise ValueError(f"need 0 < train ({train}) <= gpus ({gpus})")
-        self.all = [f"gpu{i}" for i in range(gpus)]
+        self.host_gpus = host_gpus if host_gpus is not None else first_gpu + gpus
+        if first_gpu < 0 or first_gpu + gpus > self.host_gpus:
+            raise ValueError(f"GPUs {first_gpu}..{first_gpu + gpus - 1} are not on a host of {self.host_gpus}")
+        self.all = [f"gpu{i}" for i in range(first_gpu, first_gpu + gpus)]
         self.in_job = self.all[:train]
         self.work_dir, self.job_id = work_dir, job_id
         self.drained: set[str] = set()
@@ -67,14 +75,38 @@ class SingleHostAllocation:
 
     def _own_cpus(self, node: str) -> list[str]:
         """`taskset` to this node's share of the host's CPUs, as a separate machine has its own:
-        a standby compiling its shadow iterations must not take the workers' cores. Nothing
-        where taskset is missing or there are fewer CPUs than nodes."""
-        cpus = sorted(os.sched_getaffinity(0))
-        share = len(cpus) // len(self.all)
-        if share < 1 or shutil.which("taskset") is None:
+        a standby compiling its shadow iterations must not take the workers' cores. Shares are
+        whole physical cores (hyperthread siblings stay together: a standby on one sibling slows
+        a worker on the other). Nothing where taskset is missing or there are fewer cores than
+        GPUs."""
+        if shutil.which("taskset") is None:
             return []
-        i = self.all.index(node)
-        return ["taskset", "-c", ",".join(map(str, cpus[i * share:(i + 1) * share]))]
+        cpus = cpu_share(physical_cores(), self.host_gpus, int(node.removeprefix("gpu")))
+        return ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
 
     def step_env(self, job: JobInfo, base: Mapping[str, str] | None = None) -> dict[str, str]:
         return dict(base if base is not None else os.environ)
+
+
+def physical_cores(cpus: list[int] | None = None, topology: str = "/sys/devices/system/cpu") -> list[list[int]]:
+    """The CPUs this process may use, grouped by physical core (package, core id), in order."""
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else cpus
+    cores: dict[tuple[int, int], list[int]] = {}
+    for c in cpus:
+        try:
+            with open(f"{topology}/cpu{c}/topology/physical_package_id") as f:
+                package = int(f.read())
+            with open(f"{topology}/cpu{c}/topology/core_id") as f:
+                core = int(f.read())
+        except (OSError, ValueError):  # no topology (some VMs): each CPU its own core
+            package, core = 0, c
+        cores.setdefault((package, core), []).append(c)
+    return [cores[k] for k in sorted(cores, key=lambda k: min(cores[k]))]
+
+
+def cpu_share(cores: list[list[int]], parts: int, index: int) -> list[int]:
+    """The CPUs of part `index` of `parts` equal shares of whole cores ([] if a share is empty)."""
+    share = len(cores) // parts
+    if share < 1 or not 0 <= index < parts:
+        return []
+    return sorted(c for core in cores[index * share:(index + 1) * share] for c in core)

@@ -15,6 +15,8 @@ class Standby:
     shadow_steps: int | None = None
     shadow: dict = field(default_factory=dict)   # replay of recorded collectives: losses, equality
     warm: set = field(default_factory=set)       # local indices of its processes that reported 'ready'
+    held: dict = field(default_factory=dict)     # ward rank -> snapshot steps it holds (controller/holder.py)
+    held_detail: dict = field(default_factory=dict)  # its last version: bytes, seconds
 
 
 @dataclass

@@ -1,42 +1,110 @@
 """Protection of a rank's state against its loss: in-memory snapshots and checkpoints.
 
 At the boundary after every `TM_SNAPSHOT_EVERY` / `TM_CHECKPOINT_EVERY` steps a rank copies its
-full state into host memory (the only part on the training thread); the exchange with the
-snapshot's holder on the next node (snapshot.py) and the checkpoint's write (checkpoint.py) run
-in background threads. `holds` says what the recovery tiers can use from this rank.
+full state into host memory; the exchange with the snapshot's holder (snapshot.py; on a one-node
+job the standby, holding.py) and the checkpoint's write (checkpoint.py) run in background
+threads. On GPUs a snapshot's copy is pinned and asynchronous (capture.py): the training stream
+waits for it only before the next optimizer step (`snapshot_gate`, from the workload's
+`before_update`). `holds` says what the recovery tiers can use from this rank.
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
-from trainmover.runtime import checkpoint, snapshot, transfer
+from trainmover.runtime import capture, checkpoint, holding, snapshot, transfer
 from trainmover.runtime.groups import SNAPSHOT
+
+log = logging.getLogger("trainmover.worker")
 
 
 class Protection:
-    """Mixed into `Agent` (worker.py): uses its spec, rank, groups, full_state and send."""
+    """Mixed into `Agent` (worker.py): uses its spec, rank, device, groups, full_state and send."""
+
+    updates_gated = False  # the workload called before_update at least once: copies gated there
+    holding = None         # a standby: its holding.Holding of the rank it would take, while it holds
 
     def snapshot_keeper(self) -> snapshot.Snapshots:
         if self.snapshots is None or self.snapshots.rank != self.rank:
             self.snapshots = snapshot.Snapshots(self.rank, self.spec.world_size, self.spec.ranks_per_node,
-                                                self.spec.group_timeout_s, corrupt=self.faults.at("snapshot-send"))
+                                                self.spec.group_timeout_s, corrupt=self.faults.at("snapshot-send"),
+                                                device=self.device)
         return self.snapshots
 
     def protect(self, step: int) -> None:
         """At the boundary after `step` steps: a snapshot and/or a checkpoint when due. Only the
-        copy into host memory happens here; exchanges and writes run in background threads."""
+        copy into host memory is issued here; exchanges and writes run in background threads."""
+        self._report_snapshots()
         every_s, every_c = self.spec.snapshot_every, self.spec.checkpoint_every
+        if every_s and self.device == "cuda":
+            cap = self.snapshot_keeper().capture
+            if not cap.slabs and cap.allocating is None:
+                # pinned host buffers for the first snapshot, allocated now in the background (the
+                # layout is known once the optimizer has its state, after a first step)
+                cap.prepare(self.full_state(step))
         due_s, due_c = every_s and step % every_s == 0, every_c and step % every_c == 0
         if step >= self.spec.steps or not (due_s or due_c):
             return
-        copy = None
         if due_s:
-            copy = self.snapshot_keeper().take(step, self.full_state(step), self.groups[SNAPSHOT].inner)
+            cap = self.snapshot_keeper().take(step, self.full_state(step), self.groups[SNAPSHOT].inner)
+            if cap is not None and not self.updates_gated:
+                # a workload that never called before_update: the training stream waits right
+                # here (on the device), before anything of the next step can write the state
+                self.snapshots.capture.gate()
         if due_c:
             if self.checkpoints is None or self.checkpoints.rank != self.rank:
                 self.checkpoints = checkpoint.Writer(Path(self.spec.checkpoint_dir), self.rank, self._checkpointed)
-            state = copy if copy is not None else transfer.host_copy(self.full_state(step))
-            self.checkpoints.submit(step, state, self.spec.group_timeout_s)
+            # a copy of its own: a snapshot's slab is reused by a later snapshot while a slow
+            # filesystem may still be writing this one
+            self.checkpoints.submit(step, transfer.host_copy(self.full_state(step)), self.spec.group_timeout_s)
+
+    def snapshot_gate(self) -> None:
+        """Before the optimizer step (BuildContext.before_update): the training stream waits on
+        the device for a snapshot's copies still in flight (nothing to wait for otherwise)."""
+        self.updates_gated = True
+        if self.snapshots is not None and self.snapshots.capture.pending is not None:
+            self.snapshots.capture.gate()
+
+    def _report_snapshots(self) -> None:
+        if self.snapshots is None:
+            return
+        for numbers in self.snapshots.pop_reports():
+            wait = self.snapshots.capture.last_gate_wait_s()
+            self.send("snapshot_taken", rank=self.rank, step=int(numbers.pop("step")),
+                      detail={**numbers, "gate_wait_s": wait, "skipped": self.snapshots.skipped})
+
+    def on_hold(self, msg: dict) -> None:
+        """A worker of a one-node job: the controller names the standby that holds its snapshots
+        (`holder` "": nobody, e.g. it took a rank)."""
+        if not self.spec.snapshot_every or self.rank is None:
+            return
+        keeper = self.snapshot_keeper()
+        if not keeper.one_node:
+            return
+        keeper.standby = None
+        if msg["holder"] and self.rank in msg["wards"]:
+            keeper.standby = holding.StandbyLink(tuple(self.spec.store), msg["prefix"], self.rank, msg["holder"],
+                                                 self.spec.node_addr, self.spec.group_timeout_s)
+            log.info("snapshots of rank %d go to standby %s", self.rank, msg["holder"])
+
+    def hold_for(self, msg: dict) -> None:
+        """A standby: hold the snapshots of the rank it would take (`wards`[its local index]) if
+        it is the holder named; stop holding if another one is."""
+        if self.holding is not None:
+            self.holding.close()
+            self.holding = None
+        if msg["holder"] != self.spec.node or self.local >= len(msg["wards"]):
+            return
+        ward = int(msg["wards"][self.local])
+
+        def report(rank: int, steps: list[int], detail: dict) -> None:
+            self.send("snapshot_held", node=self.spec.node, rank=rank, steps=steps, detail=detail)
+        # the worker's state has this standby's own layout (same rank, same model): slabs allocated now
+        _, paths, tensors = capture.flatten(self.full_state(0))
+        self.holding = holding.Holding(tuple(self.spec.store), msg["prefix"], ward, self.spec.node_addr,
+                                       self.spec.group_timeout_s, report, verify_on=self.device,
+                                       layout=capture.specs_of(paths, tensors))
+        log.info("holding the snapshots of rank %d", ward)
 
     def _checkpointed(self, result: dict) -> None:
         self.send("checkpointed", rank=self.rank, step=result["step"], digest=result["digest"],

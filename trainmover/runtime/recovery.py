@@ -10,7 +10,9 @@ migration), gets the state of S, swaps its groups and resumes at S:
 * replica: a `source` rank that completed S sends its state to each needer (the standby taking
   a failed rank, and any rank that had not completed S) over a verified transfer pair;
 * snapshot: the holder of each failed rank's snapshot of S sends it to the standby (verified);
-  every other rank loads its own snapshot of S (a rollback);
+  every other rank loads its own snapshot of S (a rollback). In a one-node job the standby
+  holds the copies itself (holding.py): it copies its pinned copy into its own model and
+  optimizer buffers, nothing on the wire;
 * checkpoint: every rank, the standby included, loads its file of S (checksums verified).
 
 Why this is exact: the rest of a step (data, dropout) is a function of (rank, step), so a rank
@@ -25,8 +27,9 @@ import time
 from collections import deque
 from pathlib import Path
 
+from trainmover.control.messages import JOINER
 from trainmover.errors import MigrationError
-from trainmover.runtime import checkpoint, phase1, transfer
+from trainmover.runtime import capture, checkpoint, phase1, rng, transfer
 from trainmover.runtime.plan import delta
 
 log = logging.getLogger("trainmover.recovery")
@@ -47,10 +50,17 @@ def rebuild(agent, msg: dict, role: str) -> tuple[dict, dict]:
     if tier == "replica" and agent.workload.replica_group() is None:
         raise MigrationError(f"workload {agent.spec.workload!r} names no replica group: a vanished rank's "
                              "state can only come from a snapshot or a checkpoint", phase="recover", rank=agent.rank)
-    backends = {g.name: agent.build_backend(g.name, plan.prefix(g), g.ranks.index(agent.rank), len(g.ranks))
-                for g in plan.groups_to_build(agent.rank)}
+    backends, ahead = {}, []
+    built_ahead = getattr(agent, "ahead", None)  # a one-node job's standby built them already (ahead.py)
+    for g in plan.groups_to_build(agent.rank):
+        backend = built_ahead.take(g.name, g.ranks, agent.rank) if built_ahead is not None else None
+        if backend is not None:
+            ahead.append(g.name)
+        else:
+            backend = agent.build_backend(g.name, plan.prefix(g), g.ranks.index(agent.rank), len(g.ranks))
+        backends[g.name] = backend
     report = {"role": role, "build_s": time.perf_counter() - t0, "groups": sorted(backends), "tier": tier,
-              "source": msg["source"]}
+              "source": msg["source"], "built_ahead": ahead}
     report.update(STATE_FROM[tier](agent, msg, role))
     report["seconds"] = time.perf_counter() - t0
     log.info("recovery epoch %d: rank %d (%s) ready to resume at step %d in %.3fs", epoch, agent.rank, role, step,
@@ -105,6 +115,8 @@ def _from_snapshot(agent, msg: dict, role: str) -> dict:
     for lost, holder in sorted(msg["holders"].items()):
         if agent.rank == holder:
             report.setdefault("sent", []).append(_send(agent, keeper.held_state(int(lost), step), epoch, int(lost), step))
+    if agent.rank in msg["failed"] and msg["holders"].get(str(agent.rank)) == JOINER:
+        return {**report, **_from_own_holding(agent, step)}
     if agent.rank in msg["failed"]:
         state, received = _receive(agent, epoch, step, like=None)
         keeper.rolled_back(step, mine=state)
@@ -112,6 +124,28 @@ def _from_snapshot(agent, msg: dict, role: str) -> dict:
     report.update(_roll_back(agent, role, lambda: keeper.own_state(step)))
     keeper.rolled_back(step)
     return report
+
+
+def _from_own_holding(agent, step: int) -> dict:
+    """A one-node job's standby, which holds the lost rank's snapshots itself: the version of
+    `step` goes from its (pinned) host slab into its own model and optimizer buffers in place
+    (capture.restore_into), RNG and data position from the same version. Its slab then stands as
+    this rank's own snapshot of `step` (it is not written again: holding stopped)."""
+    held = getattr(agent, "holding", None)
+    if held is None:
+        raise MigrationError(f"the plan says this standby holds rank {agent.rank}'s snapshot of step {step}, but "
+                             "it holds none", phase="recover", rank=agent.rank)
+    held.close()
+    t0 = time.perf_counter()
+    version = held.version(step)
+    state, placed = capture.restore_into(version.state(), like=agent.full_state(step))
+    agent.workload.load_state_dict(state["workload"])
+    rng.restore(state["rng"])
+    if int(state["step"]) != step:
+        raise MigrationError(f"held snapshot is of step {state['step']}, not {step}", phase="recover", rank=agent.rank)
+    agent.snapshot_keeper().rolled_back(step, mine=version.state())
+    return {"held_by": "joiner", "recv_bytes": version.slab.bytes, "recv_s": 0.0, "restore_s": time.perf_counter() - t0,
+            "restore_GBps": placed / max(time.perf_counter() - t0, 1e-9) / 1e9, "pinned": version.slab.pinned}
 
 
 def _from_checkpoint(agent, msg: dict, role: str) -> dict:
@@ -180,7 +214,9 @@ class Recovery:
         t0 = time.perf_counter()
         rank = int(msg["assign"][str(self.local)])
         self.rank = rank
-        if rebind:
+        # bound already (a one-node job's standby binds itself to the rank it will take, ahead.py)
+        prebound = self.rehearsed == rank and bool(self.groups) and all(g.sandboxed for g in self.groups.values())
+        if rebind and not prebound:
             self.groups = self._make_groups(rank, sandbox=True)
             self.workload.rebind(self._context(rank))
             self.shadow_until_steady(self.spec.shadow_steps)
@@ -190,7 +226,8 @@ class Recovery:
             self.retire(self.groups[name].swap(backend), msg["step"])
         self.role, self.state, self.switched_epoch = "worker", "training", msg["epoch"]
         self.send("switched", epoch=msg["epoch"], rank=rank, role="joiner", step=msg["step"], t=time.time(),
-                  detail={**report, "rebind_s": rebind_s, "seconds": time.perf_counter() - t0, **self.memory()})
+                  detail={**report, "rebind_s": rebind_s, "prebound": prebound, "seconds": time.perf_counter() - t0,
+                          **self.memory()})
         log.info("took failed rank %d at step %d in %.3fs", rank, msg["step"], time.perf_counter() - t0)
         self._trace_next_steps()
         return int(msg["step"])

@@ -16,6 +16,17 @@ rank r + ranks_per_node is on the next node before and after it; the node that r
 changes, and with it where the copies are. A process that joined (a standby) holds nothing
 until the next snapshot; the controller decides from what each live rank *reports* it holds
 (`report`), never from the mapping.
+
+One training node: there is no other node, and the warm standby holds the copies (holding.py
+says why): the controller assigns it (`hold`), and each version goes to it (`StandbyLink`)
+instead of a ward exchange. Only the newest own version is kept then (no live rank would be
+left to roll back with an older one), and a snapshot that comes due while the previous one is
+still on its way to the standby is skipped rather than waited for: training never waits for
+the network.
+
+The copy into host memory is `capture.Capture`: on GPUs pinned, asynchronous and off the
+training stream (the next optimizer step waits for it on the device: `gate`); on CPU nodes at
+once.
 """
 from __future__ import annotations
 
@@ -23,7 +34,7 @@ import logging
 import threading
 import time
 
-from trainmover.runtime import transfer
+from trainmover.runtime import capture, transfer
 
 log = logging.getLogger("trainmover.snapshot")
 
@@ -46,17 +57,24 @@ def _newest(versions: dict[int, dict], keep: int) -> dict[int, dict]:
 
 
 class Snapshots:
-    """One rank's snapshots: its own versions and those it holds for its ward."""
+    """One rank's snapshots: its own versions and those it holds for its ward (or, on a one-node
+    job, the link to the standby that holds them)."""
 
-    def __init__(self, rank: int, world: int, per_node: int, timeout_s: float, corrupt: bool = False):
+    def __init__(self, rank: int, world: int, per_node: int, timeout_s: float, corrupt: bool = False,
+                 device: str = "cpu"):
         self.rank, self.world, self.per_node = rank, world, per_node
         self.timeout_s = timeout_s
         self.corrupt = corrupt  # fault injection: the first copy sent is spoilt on the wire
-        self.own: dict[int, dict] = {}
+        self.one_node = holder_of(rank, world, per_node) == rank
+        self.capture = capture.Capture(device, slabs=1 if self.one_node else KEEP)
+        self.own: dict[int, capture.Captured | dict] = {}
         self.held: dict[int, dict[int, dict]] = {}  # ward rank -> step -> state
         self.lock = threading.Lock()
         self.threads: list[threading.Thread] = []
-        self.last: dict = {}  # the last exchange: bytes, seconds, copy_s
+        self.last: dict = {}  # the last version: step, bytes, seconds, copy_s, ...
+        self.standby = None   # one node: the link to the standby that holds our copies (holding.StandbyLink)
+        self.skipped = 0      # one node: versions skipped while the one before was still on its way
+        self.reports: list[dict] = []  # finished versions' numbers, for the controller (`snapshot_taken`)
 
     @property
     def holder(self) -> int:
@@ -66,27 +84,39 @@ class Snapshots:
     def ward(self) -> int:
         return ward_of(self.rank, self.world, self.per_node)
 
-    def take(self, step: int, state: dict, group) -> dict:
-        """At a step boundary: keep a host copy of this rank's `state` of `step`, and exchange
-        copies with holder and ward on `group` (the snapshot group's backend; group rank ==
-        global rank) in two background threads. Returns the copy (read-only to callers).
+    def take(self, step: int, state: dict, group) -> capture.Captured | None:
+        """At a step boundary: a host copy of this rank's `state` of `step` (capture.Capture), and
+        the exchange of copies in background threads: with holder and ward on `group` (the
+        snapshot group's backend; group rank == global rank), or with the standby holder on a
+        one-node job. Returns the capture, None when skipped.
 
-        The previous exchange is waited for first (bounded): versions go out in step order."""
+        The previous exchange is waited for first (bounded): versions go out in step order. On
+        a one-node job a version still on its way means this one is skipped instead."""
+        if not self.capture.ready():  # host buffers still being pinned (capture.prepare): never wait for them
+            self.skipped += 1
+            log.warning("snapshot %d skipped: host buffers still being allocated", step)
+            return None
+        if self.one_node and any(t.is_alive() for t in self.threads):
+            self.skipped += 1
+            log.warning("snapshot %d skipped: version %s still on its way to the standby (%d skipped so far)",
+                        step, self.last.get("step"), self.skipped)
+            return None
         self._join(time.monotonic() + self.timeout_s)
-        t0 = time.perf_counter()
-        copy = transfer.host_copy(state)
-        copy_s = time.perf_counter() - t0
+        cap = self.capture.take(step, state)
         with self.lock:
-            self.own = _newest({**self.own, step: copy}, KEEP)
-        self.last = {"step": step, "copy_s": copy_s}
-        if self.holder == self.rank:  # one node: no other node to hold a copy
-            return copy
-        self.threads = [threading.Thread(target=self._send, args=(step, copy, group), name="tm-snap-send",
-                                         daemon=True),
-                        threading.Thread(target=self._recv, args=(step, group), name="tm-snap-recv", daemon=True)]
+            self.own = _newest({**self.own, step: cap}, 1 if self.one_node else KEEP)
+        self.last = {"step": step, "issue_s": cap.issue_s, "bytes": cap.slab.bytes, "pinned": cap.slab.pinned,
+                     "alloc_s": self.capture.prepare_s}
+        if self.one_node:
+            self.threads = [threading.Thread(target=self._to_standby, args=(cap,), name="tm-snap-standby",
+                                             daemon=True)]
+        else:
+            self.threads = [threading.Thread(target=self._send, args=(cap, group), name="tm-snap-send", daemon=True),
+                            threading.Thread(target=self._recv, args=(step, group), name="tm-snap-recv",
+                                             daemon=True)]
         for t in self.threads:
             t.start()
-        return copy
+        return cap
 
     def _join(self, deadline: float) -> None:
         for t in self.threads:
@@ -95,13 +125,32 @@ class Snapshots:
                 log.warning("snapshot exchange %s still running after %.0fs; not waited for", t.name, self.timeout_s)
         self.threads = []
 
-    def _send(self, step: int, copy: dict, group) -> None:
+    def _finish(self, cap: capture.Captured, **numbers) -> None:
+        self.last.update(copy_s=cap.copy_s, staged=cap.staged is not None, stage_s=cap.stage_s, **numbers)
+        self.reports.append(dict(self.last))
+
+    def _to_standby(self, cap: capture.Captured) -> None:
         try:
-            stats = transfer.send_verified(copy, group, dst=self.holder, corrupt=self.corrupt)
+            cap.wait(self.timeout_s)
+            link = self.standby
+            if link is None:
+                self._finish(cap, held_by=None)
+                return
+            stats = link.send(cap, corrupt=self.corrupt)
             self.corrupt = False
-            self.last.update(bytes=stats.bytes, send_s=stats.seconds, attempts=stats.attempts)
+            self._finish(cap, held_by=link.holder, **stats)
+        except Exception as exc:  # noqa: BLE001 - a lost standby: this version is not held, training goes on
+            log.warning("snapshot %d: copy to the standby failed: %s", cap.step, str(exc)[:300])
+            self._finish(cap, held_by=None, error=str(exc)[:300])
+
+    def _send(self, cap: capture.Captured, group) -> None:
+        try:
+            cap.wait(self.timeout_s)
+            stats = transfer.send_verified(cap.state(), group, dst=self.holder, corrupt=self.corrupt)
+            self.corrupt = False
+            self._finish(cap, send_s=stats.seconds, attempts=stats.attempts, held_by=self.holder)
         except Exception as exc:  # noqa: BLE001 - a lost peer: this version is incomplete, training goes on
-            log.warning("snapshot %d: copy to rank %d failed: %s", step, self.holder, str(exc)[:300])
+            log.warning("snapshot %d: copy to rank %d failed: %s", cap.step, self.holder, str(exc)[:300])
 
     def _recv(self, step: int, group) -> None:
         ward = self.ward
@@ -129,7 +178,16 @@ class Snapshots:
         with self.lock:
             if step not in self.own:
                 raise KeyError(f"rank {self.rank} holds no snapshot of step {step} (has {sorted(self.own)})")
-            return self.own[step]
+            version = self.own[step]
+        if isinstance(version, capture.Captured):
+            version.wait(self.timeout_s)
+            return version.state()
+        return version
+
+    def pop_reports(self) -> list[dict]:
+        """Numbers of the versions finished since the last call (for `snapshot_taken`)."""
+        out, self.reports = self.reports, []
+        return out
 
     def held_state(self, ward: int, step: int) -> dict:
         with self.lock:

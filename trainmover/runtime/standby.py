@@ -5,6 +5,13 @@ live job's recordings, trainmover.sandbox), rehearses each role in turn (each pi
 kind; one role without pipeline parallelism), runs shadow steps until its collectives are
 steady, reports `ready` and waits. When a role's live rank records a new version it re-warms.
 A `prepare` makes it a joiner (switch.py), a `recover` takes a vanished rank (recovery.py).
+
+On a host it shares with live ranks (the GPU machines' one-host allocation, the CPU demo's
+local cluster) a standby's warm-up must not slow them: it runs niced (`TM_STANDBY_NICE`) with
+few torch.compile workers (`TM_STANDBY_COMPILE_THREADS`) and one intra-op thread (worker.main),
+and asks for its priority back when it takes a rank. In a one-node job it also binds itself to
+the rank it will take and builds that rank's groups ahead (ahead.py), and holds the node's
+snapshots when the controller names it (`hold`, holding.py).
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ from pathlib import Path
 import torch
 
 from trainmover.errors import MigrationError
+from trainmover.runtime import ahead
 from trainmover.runtime.groups import CONTROL, SwappableGroup
 
 log = logging.getLogger("trainmover.worker")
@@ -30,17 +38,24 @@ class StandbyRole:
 
     def standby(self) -> int:
         t0 = time.perf_counter()
+        limits = limit_warmup(self.spec.standby_nice, self.spec.standby_compile_threads)
         self.faults.at("warmup")  # die-in-warmup: the controller gives it to the chosen launch only
         shadow = self._replay()
+        expected = ahead.anticipated_rank(self.spec.world_size, self.spec.ranks_per_node, self.local)
         if shadow["replay"] != "done":
             log.warning("shadow iterations without a recording: %s", shadow["replay"])
             if self.rehearsed is None:  # else: a role before the missing one was rehearsed and stays built
                 rehearse = self.local % self.spec.world_size  # any valid rank: a join rebinds to the leaver's
                 self._rehearse(rehearse, self._make_groups(rehearse, sandbox=True))
+        if expected is not None and self.rehearsed != expected:  # bound now to the rank it will take
+            self._rehearse(expected, self._make_groups(expected, sandbox=True))
         with self._warm_stance():
             steps = self.shadow_until_steady(self.spec.shadow_steps)
+        if expected is not None and self.spec.standby_warmup != "cold":
+            self.ahead = ahead.Ahead(self, expected)
         self.send("ready", node=self.spec.node, local=self.local, warmup_s=time.perf_counter() - t0,
-                  shadow_steps=steps, detail=shadow)
+                  shadow_steps=steps, detail={**shadow, "limits": limits,
+                                              "bound_rank": expected if expected is not None else self.rehearsed})
         log.info("standby on %s warm after %.2fs", self.spec.node, time.perf_counter() - t0)
         while True:
             try:
@@ -52,13 +67,55 @@ class StandbyRole:
                 log.info("controller closed the channel; standby exits")
                 return 0
             if msg["type"] == "prepare":
+                self._full_priority(True)  # a join is on the job's critical path
                 start = self.join(msg)
                 if start is not None:
+                    self._now_a_worker(start)
                     return self.train(start)
+                self._full_priority(False)
                 self.send("ready", node=self.spec.node, local=self.local, warmup_s=time.perf_counter() - t0,
                           shadow_steps=0, detail={})
             elif msg["type"] == "recover" and str(self.local) in msg["assign"]:
-                return self.train(self.take_failed_rank(msg))
+                self._full_priority(True)
+                start = self.take_failed_rank(msg)
+                self._now_a_worker(start)
+                return self.train(start)
+            elif msg["type"] == "hold":
+                self.hold_for(msg)
+
+    ahead: ahead.Ahead | None = None  # groups built ahead for the rank it will take (one-node jobs)
+
+    def ahead_builder(self, build):
+        """Phase 1's builder, taking a group built ahead where there is one (one-node jobs)."""
+        def take_or_build(name: str, prefix: str, grank: int, size: int):
+            if self.ahead is not None and size == 1 and grank == 0:
+                got = self.ahead.take(name, (self.ahead.rank,), self.ahead.rank)
+                if got is not None:
+                    return got
+            return build(name, prefix, grank, size)
+        return take_or_build
+
+    def _now_a_worker(self, step: int) -> None:
+        """This standby took a rank: it stops holding snapshots and gives back the groups built
+        ahead it did not use (retired off the critical path)."""
+        if self.holding is not None:
+            self.holding.close()
+            self.holding = None
+        if self.ahead is not None:
+            for backend in self.ahead.rest():
+                self.retire(backend, step)
+            self.ahead = None
+
+    def _full_priority(self, full: bool) -> None:
+        """A standby asks for its priority back as it takes a rank (join or recovery: the job's
+        critical path, then its training) and lowers it again if the join is cancelled. On Linux
+        niceness is per thread: this is the main thread, the one that joins and trains."""
+        if not self.spec.standby_nice:
+            return
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, 0 if full else self.spec.standby_nice)
+        except OSError as exc:  # lowering niceness needs CAP_SYS_NICE
+            log.info("stays at nice %d: %s", self.spec.standby_nice, exc)
 
     def _roles(self) -> dict[str, int]:
         """The roles a standby rehearses and the ranks that record them ({} if not recording)."""
@@ -156,6 +213,23 @@ class StandbyRole:
             previous = signature
         raise MigrationError(f"collectives still changing after {max_steps} shadow steps", phase="warmup",
                              host=self.spec.node)
+
+
+def limit_warmup(nice: int, compile_threads: int) -> dict:
+    """A standby's process on a shared host: lower its CPU priority and its torch.compile
+    worker pool (set before its first compile: the pool is made then). Returns what applied."""
+    out = {}
+    if nice:
+        try:
+            out["nice"] = os.nice(nice)
+        except OSError as exc:
+            out["nice_error"] = str(exc)
+    if compile_threads:
+        import torch._inductor.config as inductor
+        inductor.compile_threads = compile_threads
+        out["compile_threads"] = compile_threads
+    out["intra_op_threads"] = torch.get_num_threads()
+    return out
 
 
 def reset_peak_memory(device: str) -> None:

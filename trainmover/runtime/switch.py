@@ -52,6 +52,8 @@ class Switch:
                 self._on_prepare(msg)
             elif msg["type"] == "abort":
                 self._on_abort(msg)
+            elif msg["type"] == "hold":
+                self.on_hold(msg)
         prep = self.pending
         if prep and prep.done.is_set():
             what = "failed" if prep.error else "prepared"
@@ -122,7 +124,7 @@ class Switch:
         with self._warm_stance():
             self.shadow_until_steady(self.spec.shadow_steps)
         prep = phase1.Prepared(epoch, delta(self.specs, msg["leavers"], epoch), "joiner", rank)
-        phase1.start(prep, self.phase1_builder())
+        phase1.start(prep, self.ahead_builder(self.phase1_builder()))  # groups built ahead: one-node jobs
         self.faults.at("phase1", who="joiner", epoch=epoch)
         # Bounded, and abortable: a peer lost meanwhile leaves the builds waiting until the
         # group timeout, but the controller's abort frees this standby at once (the Phase 1

@@ -255,6 +255,7 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
         revoked = [g.group_name_ for g in self.groups.values() if g.revoked]
         if revoked:
             raise Revoked(f"groups {revoked} revoked during this step: its gradients are not used")
+        self.snapshot_gate()  # the optimizer writes the state: a snapshot's copies of it must be done
 
     def memory(self) -> dict:
         """What a migration costs this rank in memory: torch's allocator and the device."""

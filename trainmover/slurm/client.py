@@ -253,9 +253,12 @@ class CliSlurm:
     # --- steps -------------------------------------------------------------------------
     def step_argv(self, job_id: int, node: str, argv: Sequence[str], *, ntasks: int = 1,
                   env_overrides: Optional[Mapping[str, str]] = None, name: str = "") -> list[str]:
-        """`name`: the step's name (squeue -s), by which kill_steps picks steps."""
-        return build.step(job_id, node, argv, ntasks=ntasks, env_overrides=env_overrides,
-                          srun_args=[f"--job-name={name}"] if name else [])
+        """The srun command line for a step (see argv.step), ready to start from this process:
+        with the cluster's exec prefix when its Slurm lives in a root filesystem (commands.py).
+        `name`: the step's name (squeue -s), by which kill_steps picks steps."""
+        prefix = commands.exec_prefix(commands.build_env(self._env))
+        return prefix + build.step(job_id, node, argv, ntasks=ntasks, env_overrides=env_overrides,
+                                   srun_args=[f"--job-name={name}"] if name else [])
 
     def step_env(self, job: JobInfo, base: Optional[Mapping[str, str]] = None) -> dict[str, str]:
         """Environment for launching step_argv(): `base` (default: this process's

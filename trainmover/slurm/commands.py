@@ -4,12 +4,23 @@ No shell, a timeout on every call, a per-command call counter, and one error
 type (`SlurmError`) that names the command, its exit status and its stderr.
 Tests replace the executor with `intercept()`; nothing else in TrainMover may
 fork a Slurm command.
+
+Where the Slurm programs are: on PATH, unless the cluster that SLURM_CONF names
+says otherwise. An embedded cluster whose Slurm lives in a Debian root filesystem
+(`trainmover cluster up --slurm 24.11`, trainmover/cluster/rootfs.py) writes
+`slurm-exec.json` beside its slurm.conf: the argv prefix that runs a program in
+that root (`{"slurm": "24.11.5", "prefix": [...], "root_id": [dev, inode]}`).
+`run()` puts that prefix before the command, except in a process that already
+runs inside that root (a job step: its "/" is the root's top directory);
+`CliSlurm.step_argv()` puts it before the srun it returns, since its callers start
+that themselves (`run()` leaves such an argv as it is).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import os
 import subprocess
 import threading
@@ -19,7 +30,8 @@ from typing import Optional
 
 from trainmover.errors import SlurmError
 
-__all__ = ["run", "calls", "seconds", "reset_calls", "intercept", "Runner", "build_env"]
+__all__ = ["run", "calls", "seconds", "reset_calls", "intercept", "Runner", "build_env", "exec_prefix",
+           "EXEC_FILE"]
 
 # An executor takes (argv, timeout, env) and returns a CompletedProcess (text mode).
 # It may raise subprocess.TimeoutExpired; run() turns that into SlurmError.
@@ -35,6 +47,9 @@ _hook: Optional[Runner] = None
 _PASSTHROUGH = ("SLURM_CONF", "PATH")
 
 _STDERR_TAIL = 2000
+
+EXEC_FILE = "slurm-exec.json"
+_exec_cache: dict[str, tuple[int, list[str]]] = {}  # exec file -> (mtime_ns, prefix to use here)
 
 
 def build_env(env: Optional[Mapping[str, str]]) -> dict[str, str]:
@@ -52,6 +67,34 @@ def build_env(env: Optional[Mapping[str, str]]) -> dict[str, str]:
         if key not in out and key in os.environ:
             out[key] = os.environ[key]
     return out
+
+
+def exec_prefix(env: Mapping[str, str]) -> list[str]:
+    """The argv prefix that runs a Slurm program of the cluster `env`'s SLURM_CONF names
+    (see the module docstring); [] for a Slurm on PATH."""
+    conf = env.get("SLURM_CONF")
+    if not conf:
+        return []
+    path = os.path.join(os.path.dirname(conf), EXEC_FILE)
+    try:
+        mtime = os.stat(path).st_mtime_ns
+    except OSError:
+        return []
+    cached = _exec_cache.get(path)
+    if cached and cached[0] == mtime:
+        return cached[1]
+    try:
+        with open(path) as f:
+            spec = json.load(f)
+        prefix = [str(a) for a in spec["prefix"]]
+        root_id = [int(x) for x in spec["root_id"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SlurmError(f"{path} is unreadable ({exc}); `trainmover cluster up` rewrites it") from exc
+    st = os.stat("/")
+    prefix = [] if [st.st_dev, st.st_ino] == root_id else prefix
+    with _lock:
+        _exec_cache[path] = (mtime, prefix)
+    return prefix
 
 
 def _execute(argv: list[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -91,14 +134,18 @@ def run(
     if timeout is None or timeout <= 0:
         raise ValueError(f"run({argv[0]!r}) needs a positive timeout, got {timeout!r}")
     argv = [str(a) for a in argv]
-    name = _name(argv)
     full_env = build_env(env)
+    prefix = exec_prefix(full_env)
+    if prefix and argv[:len(prefix)] == prefix:  # already prefixed (CliSlurm.step_argv)
+        argv = argv[len(prefix):]
+    name = _name(argv)
     with _lock:
         _calls[name] += 1
-        runner = _hook or _execute
+        hook = _hook
     started = time.monotonic()
     try:
-        proc = runner(argv, timeout, full_env)
+        # An intercepting runner stands in for Slurm itself: it gets the command as written.
+        proc = hook(argv, timeout, full_env) if hook else _execute(prefix + argv, timeout, full_env)
     except subprocess.TimeoutExpired as exc:
         raise SlurmError(
             f"{name} timed out after {timeout:g}s: {' '.join(argv)}"

@@ -1,21 +1,28 @@
-"""Pure parsers for Slurm 22.05 command output (text and --json) and hostlists.
+"""Pure parsers for the Slurm command output TrainMover reads, and hostlists.
 
-No processes here: tests feed recorded outputs (tests/unit/test_slurm_parse.py).
+The CLI backend reads `scontrol -o show node|job|reservation` text, whose keys are the
+same in Slurm 22.05, 24.11 and 26.05 (recorded lines of each release are parsed in
+tests/unit/test_slurm_parse.py; tests/e2e/test_slurm_contract.py runs against each).
+It reads no `--json` output: 22.05's `sinfo/squeue --json` ignore `-n`/`-j`, 24.11
+changed its shape (`job_state` a list, `node_count` an object, no `nodes` list in
+`sinfo --json`) and its data_parser versions differ by release (v0.0.40-42 in 24.11,
+v0.0.42-45 in 26.05), while the text answered every question the same way.
+
+No processes here: tests feed recorded outputs.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import re
-from typing import Any, Iterable
+from typing import Iterable
 
 from trainmover.errors import SlurmError
 from trainmover.slurm.model import JobInfo, NodeInfo
 
 __all__ = [
-    "parse_kv", "parse_nodes_text", "parse_job_text", "parse_reservation_text", "parse_nodes_json",
-    "parse_jobs_json", "expand_hostlist", "parse_salloc_job_id",
+    "parse_kv", "parse_nodes_text", "parse_job_text", "parse_reservation_text", "expand_hostlist",
+    "parse_salloc_job_id", "salloc_granted",
 ]
 
 # `scontrol -o show ...` prints `Key=value` pairs separated by spaces; a value may
@@ -99,51 +106,6 @@ def parse_reservation_text(text: str) -> dict[str, dict[str, str]]:
         if line.startswith("ReservationName="):
             kv = parse_kv(line)
             out[kv["ReservationName"]] = kv
-    return out
-
-
-def _json(text: str, what: str) -> dict[str, Any]:
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise SlurmError(f"{what} --json printed invalid JSON ({exc}): {text[:200]!r}") from exc
-    errors = doc.get("errors") or []
-    if errors:
-        raise SlurmError(f"{what} --json reported errors: {errors}")
-    return doc
-
-
-def parse_nodes_json(text: str) -> dict[str, NodeInfo]:
-    """Parse `sinfo --json` (22.05: every node, whatever -n says)."""
-    out = {}
-    for n in _json(text, "sinfo").get("nodes", []):
-        state = str(n.get("state", "unknown")).upper()
-        flags = [str(f).upper() for f in n.get("state_flags") or []]
-        out[n["name"]] = NodeInfo(
-            name=n["name"], addr=n.get("address") or n["name"], state="+".join([state, *flags]),
-            reason=_reason(n.get("reason")),
-        )
-    return out
-
-
-def parse_jobs_json(text: str) -> dict[int, JobInfo]:
-    """Parse `squeue --json` (22.05: every job the controller still holds, whatever -j says)."""
-    out = {}
-    for j in _json(text, "squeue").get("jobs", []):
-        nodelist = _null(j.get("nodes"))
-        out[int(j["job_id"])] = JobInfo(
-            job_id=int(j["job_id"]),
-            state=str(j.get("job_state", "UNKNOWN")),
-            nodes=tuple(expand_hostlist(nodelist)),
-            batch_host=_null(j.get("batch_host")),
-            restart_count=int(j.get("restart_cnt") or 0),
-            work_dir=_null(j.get("current_working_directory")),
-            partition=_null(j.get("partition")),
-            num_nodes=int(j.get("node_count") or 0),
-            nodelist=nodelist,
-            name=_null(j.get("name")),
-            reason=_null(j.get("state_reason")),
-        )
     return out
 
 

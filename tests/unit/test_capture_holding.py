@@ -1,0 +1,199 @@
+"""Snapshots into host slabs (capture.py), a one-node job's standby holding them over gloo
+(holding.py: threads of one process stand for the worker and the standby), the one-node
+Snapshots that skip a version while the one before is still on its way, and the restore into a
+standby's own buffers. The CUDA path (pinned, side stream, gate) has its own test, skipped
+without a GPU."""
+import datetime
+import socket
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from trainmover.runtime import capture, holding, transfer
+from trainmover.runtime.snapshot import Snapshots
+
+TIMEOUT_S = 20
+
+
+def state(step: int, seed: int = 0) -> tuple[dict, torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    opt = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        # gradients set, not computed: a forked test (gloo_threads) cannot run autograd once the
+        # parent has (CUDA builds start autograd's device threads: "Autograd and Fork")
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+    return ({"workload": {"model": model.state_dict(), "optimizer": opt.state_dict(), "data": {"cursor": step}},
+             "rng": {"torch": torch.get_rng_state()}, "step": step}, model, opt)
+
+
+def digest(s: dict) -> str:
+    return transfer.digest_tensors(transfer.tensors_of(s))
+
+
+def test_a_capture_is_the_state_of_its_step_and_reuses_its_slab():
+    live, model, _ = state(10)
+    cap = capture.Capture("cpu", slabs=1)
+    first = cap.take(10, live)
+    first.wait(TIMEOUT_S)
+    kept = first.state()
+    assert digest(kept) == digest(live) and kept["step"] == 10 and kept["workload"]["data"]["cursor"] == 10
+    assert first.digest == capture.word_digest(first.specs, capture.word_sums(first.slab.views))
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # training goes on: the capture keeps the step's values
+    assert digest(first.state()) != digest(live)
+    second = cap.take(11, live)
+    assert second.slab is first.slab and second.issue_s >= 0  # one slab, allocated once
+    second.wait(TIMEOUT_S)
+    assert digest(second.state()) == digest(live) and second.digest != first.digest
+
+
+def test_restore_into_a_standbys_own_buffers_in_place():
+    src, _, _ = state(7, seed=1)
+    cap = capture.Capture("cpu", slabs=1).take(7, src)
+    cap.wait(TIMEOUT_S)
+    mine, model, opt = state(0, seed=2)  # a standby: same layout, other values
+    weight, exp_avg = model[0].weight, opt.state_dict()["state"][0]["exp_avg"]
+    restored, placed = capture.restore_into(cap.state(), like=mine)
+    assert placed > 0 and digest(restored) == digest(src)
+    assert restored["workload"]["model"]["0.weight"].data_ptr() == weight.data_ptr()  # in place
+    assert restored["workload"]["optimizer"]["state"][0]["exp_avg"] is exp_avg
+    assert torch.equal(weight, src["workload"]["model"]["0.weight"])
+
+
+def _store():
+    s = socket.create_server(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=s.detach(),
+                           use_libuv=False, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    return master, ("127.0.0.1", port)
+
+
+def _held(reports, n, deadline_s=TIMEOUT_S):
+    deadline = time.monotonic() + deadline_s
+    while len(reports) < n and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return reports
+
+
+@pytest.mark.gloo_threads
+def test_the_standby_holds_the_two_newest_verified_versions_and_a_spoilt_copy_is_sent_again():
+    _master, addr = _store()
+    reports = []
+    holder = holding.Holding(addr, "tm/hold/a1/", 0, "127.0.0.1", TIMEOUT_S, lambda r, s, d: reports.append((r, s, d)))
+    link = holding.StandbyLink(addr, "tm/hold/a1/", 0, "spare1", "127.0.0.1", TIMEOUT_S)
+    cap = capture.Capture("cpu", slabs=1)
+    states = {}
+    for step in (40, 80, 120):
+        states[step], _, _ = state(step, seed=step)
+        c = cap.take(step, states[step])
+        c.wait(TIMEOUT_S)
+        stats = link.send(c, corrupt=step == 40)  # the first copy is spoilt on the wire once
+        assert stats["attempts"] == (2 if step == 40 else 1) and stats["bytes"] == c.slab.bytes
+    _held(reports, 3)
+    assert [r[1] for r in reports] == [[40], [40, 80], [80, 120]] and reports[0][2]["attempts"] == 2
+    assert holder.steps() == [80, 120]
+    for step in (80, 120):
+        assert digest(holder.version(step).state()) == digest(states[step])
+    with pytest.raises(KeyError, match="holds no snapshot of rank 0 at step 40"):
+        holder.version(40)
+    # a version with NaN is refused: the holder keeps what it had
+    bad, _, _ = state(160, seed=3)
+    bad["workload"]["model"]["0.bias"][0] = float("nan")
+    c = cap.take(160, bad)
+    c.wait(TIMEOUT_S)
+    with pytest.raises(Exception, match="refused"):
+        link.send(c)
+    # the slab of the oldest version was given to the refused one: the newest complete one stays
+    assert holder.steps() == [120]
+    good, _, _ = state(200, seed=5)
+    c = cap.take(200, good)
+    c.wait(TIMEOUT_S)
+    link.send(c)
+    _held(reports, 4)
+    assert holder.steps() == [120, 200] and digest(holder.version(200).state()) == digest(good)
+    holder.close()
+
+
+class SlowLink:
+    """A standby link whose copy takes `seconds` (the network), recording what it sent."""
+
+    holder = "spare1"
+
+    def __init__(self, seconds: float):
+        self.seconds, self.sent = seconds, []
+
+    def send(self, cap, corrupt=False):
+        time.sleep(self.seconds)
+        self.sent.append(cap.step)
+        return {"bytes": cap.slab.bytes, "send_s": self.seconds, "attempts": 1}
+
+
+def test_a_one_node_rank_skips_a_snapshot_while_the_one_before_is_on_its_way():
+    snaps = Snapshots(0, 1, 1, timeout_s=TIMEOUT_S)
+    assert snaps.one_node and snaps.capture.keep == 1
+    snaps.standby = SlowLink(0.5)
+    s1, _, _ = state(10)
+    assert snaps.take(10, s1, None) is not None
+    assert snaps.take(20, s1, None) is None and snaps.skipped == 1  # no wait: skipped
+    snaps.wait(TIMEOUT_S)
+    s3, _, _ = state(30, seed=4)
+    assert snaps.take(30, s3, None) is not None
+    snaps.wait(TIMEOUT_S)
+    assert snaps.standby.sent == [10, 30]
+    assert [r["step"] for r in snaps.pop_reports()] == [10, 30] and snaps.pop_reports() == []
+    assert snaps.report() == {"own": [30], "held": {}} and digest(snaps.own_state(30)) == digest(s3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("stage", [True, False])
+def test_cuda_capture_is_pinned_off_the_training_stream_and_gated_before_the_update(stage):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4096, 4096, device="cuda")
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    model(torch.randn(8, 4096, device="cuda")).sum().backward()
+    opt.step()
+    live = {"workload": {"model": model.state_dict(), "optimizer": opt.state_dict()}, "step": 1}
+    cap = capture.Capture("cuda", slabs=1, stage=stage)
+    cap.prepare(live)
+    cap.allocating.join(TIMEOUT_S)
+    assert (cap.stage is not None) == stage  # an H100/H200 has room for this small state twice over
+    model(torch.randn(8, 4096, device="cuda")).sum().backward()
+    opt.step()
+    expect = transfer.host_copy(live)
+    c = cap.take(2, live)
+    assert c.slab.pinned and cap.pending is c and (c.staged is not None) == stage
+    cap.gate()  # the optimizer step below waits for the copies (or the stage) on the device
+    model(torch.randn(8, 4096, device="cuda")).sum().backward()
+    opt.step()
+    c.wait(TIMEOUT_S)
+    assert digest(c.state()) == digest(expect) and c.copy_s is not None
+    assert (c.stage_s is not None) == stage
+    assert c.digest == capture.word_digest(c.specs, capture.word_sums(c.slab.views, via="cuda"))
+    assert c.digest == capture.word_digest(c.specs, capture.word_sums(c.slab.views))  # CPU and GPU agree
+    restored, placed = capture.restore_into(c.state(), like={"workload": {"model": model.state_dict(),
+                                                                         "optimizer": opt.state_dict()}, "step": 0})
+    # like with like: digest_tensors sums CUDA tensors' words but hashes CPU tensors' bytes
+    assert digest(transfer.host_copy(restored)) == digest(expect) and placed == c.slab.bytes
+
+
+def test_a_snapshot_due_while_its_host_buffers_are_being_allocated_is_skipped():
+    snaps = Snapshots(0, 1, 1, timeout_s=TIMEOUT_S)
+    s1, _, _ = state(1)
+    release = threading.Event()
+    snaps.capture.allocating = threading.Thread(target=release.wait, args=(TIMEOUT_S,), daemon=True)
+    snaps.capture.allocating.start()
+    assert snaps.take(20, s1, None) is None and snaps.skipped == 1  # never waits for pinning
+    release.set()
+    snaps.capture.allocating.join(TIMEOUT_S)
+    snaps.capture.allocating = None
+    snaps.capture.prepare(s1)  # the real one: slabs of this layout, ready once the thread is done
+    snaps.capture.allocating.join(TIMEOUT_S)
+    slab = snaps.capture.slabs[0]
+    cap = snaps.take(40, s1, None)
+    assert cap is not None and cap.slab is slab and snaps.last["alloc_s"] is not None

@@ -1,0 +1,29 @@
+"""The one-host allocation of the GPU benchmarks: GPUs as nodes, CPU shares of whole cores."""
+import pytest
+
+from trainmover.controller.single_host import SingleHostAllocation, cpu_share, physical_cores
+
+
+def test_cpu_shares_keep_hyperthread_siblings_together():
+    cores = [[0, 16], [1, 17], [2, 18], [3, 19]]  # siblings i and i+16, as many 2-socket hosts number them
+    assert cpu_share(cores, 2, 0) == [0, 1, 16, 17] and cpu_share(cores, 2, 1) == [2, 3, 18, 19]
+    assert cpu_share(cores, 8, 0) == []  # fewer cores than GPUs: no pinning
+
+
+def test_physical_cores_from_the_topology(tmp_path):
+    for cpu, (package, core) in {0: (0, 0), 1: (0, 1), 2: (0, 0), 3: (0, 1)}.items():
+        d = tmp_path / f"cpu{cpu}" / "topology"
+        d.mkdir(parents=True)
+        (d / "physical_package_id").write_text(f"{package}\n")
+        (d / "core_id").write_text(f"{core}\n")
+    assert physical_cores([0, 1, 2, 3], str(tmp_path)) == [[0, 2], [1, 3]]
+    assert physical_cores([0, 5], str(tmp_path)) == [[0], [5]]  # no topology for cpu5: its own core
+
+
+def test_a_reference_job_alone_on_the_second_gpu(tmp_path):
+    alloc = SingleHostAllocation(gpus=1, train=1, work_dir=str(tmp_path), first_gpu=1, host_gpus=2)
+    assert alloc.job(1).nodes == ("gpu1",) and alloc.job(1).batch_host == "gpu1"
+    argv = alloc.step_argv(1, "gpu1", ["python", "-m", "w"])
+    assert "CUDA_VISIBLE_DEVICES=1" in argv and argv[-3:] == ["python", "-m", "w"]
+    with pytest.raises(ValueError, match="not on a host of 2"):
+        SingleHostAllocation(gpus=2, train=1, work_dir=str(tmp_path), first_gpu=1, host_gpus=2)

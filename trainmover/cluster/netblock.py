@@ -1,0 +1,78 @@
+"""Which 127.0.N.0/24 block an embedded cluster's nodes live in: one block per cluster, so
+that clusters running at the same time on one machine never share a node address (every
+node binds its own address, and netfault.partition() drops all traffic to one node's
+address: with a shared block it would cut off every cluster's node at that address).
+
+Claims are symbolic links /var/tmp/trainmover-nets/<N> -> the state directory holding
+block N, made under a lock. A claim is stale, and taken over, when that directory's
+cluster.json no longer says block N (the cluster was removed or took another block).
+A cluster keeps its block across `down`/`up`; the first cluster on a machine gets
+127.0.1.0/24, as before blocks were claimed.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from pathlib import Path
+from typing import Iterator, Optional
+
+from trainmover.cluster.procs import ClusterError
+
+REGISTRY = Path("/var/tmp/trainmover-nets")
+BLOCKS = range(1, 255)
+LOCK_TIMEOUT_S = 30.0
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "a") as f:
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"timed out after {LOCK_TIMEOUT_S:g}s waiting for {path}")
+                time.sleep(0.1)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _holds(state_dir: str, block: int) -> bool:
+    """Whether the cluster in `state_dir` says it uses `block` (cluster.json's "net"; 1 when
+    written before blocks were recorded)."""
+    try:
+        spec = json.loads((Path(state_dir) / "cluster.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(spec, dict) and spec.get("net", 1) == block
+
+
+def claim(state_dir: Path, preferred: Optional[int] = None, registry: Path = REGISTRY) -> int:
+    """The block for the cluster in `state_dir`: `preferred` (its block so far) when that is
+    free or already its own, else the lowest free one. Raises ClusterError when all 254 are held."""
+    registry.mkdir(parents=True, exist_ok=True)
+    me = str(Path(state_dir).absolute())
+    order = ([preferred] if preferred in BLOCKS else []) + [n for n in BLOCKS if n != preferred]
+    with _locked(registry / ".lock"):
+        for n in order:
+            link = registry / str(n)
+            try:
+                owner = os.readlink(link)
+            except FileNotFoundError:
+                owner = None
+            if owner == me:
+                return n
+            if owner is None or not _holds(owner, n):
+                tmp = registry / f".{n}.new"
+                tmp.unlink(missing_ok=True)
+                os.symlink(me, tmp)
+                os.replace(tmp, link)
+                return n
+    raise ClusterError(f"every 127.0.N.0/24 block (N = 1..254) is held by a cluster (claims in {registry})")

@@ -1,0 +1,82 @@
+"""Who holds a one-node job's snapshots, and what the holders and the ranks report (pure).
+
+With two or more training nodes each rank's snapshot goes to the same local index on the next
+node (runtime/snapshot.py). A job with one training node has no other node: its warm standby
+holds them (runtime/holding.py says why). This mixin decides which standby: the first ready
+one, while the job has one training node and takes snapshots; a holder that is no longer a
+standby (lost, or it took the node's ranks) is replaced by the next ready one. Both sides are
+told with one `hold` message (holder node, the node's ranks, a store prefix new for each
+assignment, so that a new link never meets an old one's keys); `holder: ""` tells the ranks
+to stop sending.
+
+What the recovery tiers may use is what the holder *reports* (`snapshot_held`: the complete,
+verified versions of each rank), kept on its `Standby` (`held`); a recovery prefers the holder
+as the joiner (controller/recovery.py), which then needs no copy over the network.
+"""
+from __future__ import annotations
+
+import logging
+
+from trainmover.control.messages import make
+from trainmover.controller.actions import Send
+
+log = logging.getLogger("trainmover.policy")
+
+TAKEN_KEPT = 8  # `snapshot_taken` reports kept per rank for status (the newest)
+
+
+class SnapshotHolder:
+    """Mixed into `Policy`: uses its view, snapshot_every and status."""
+
+    holder: str | None = None     # the standby holding the one training node's snapshots
+    holder_seq: int = 0           # assignments so far (each gets its own store prefix)
+
+    def _one_node(self) -> bool:
+        return len(self.view.train_nodes()) == 1
+
+    def holder_actions(self, now: float) -> list:
+        """Drop a holder that is no longer a standby; assign a ready standby if none holds."""
+        actions = []
+        nodes = tuple(self.view.train_nodes())
+        if self.holder is not None and self.holder not in self.view.standbys:
+            log.info("snapshot holder %s is no longer a standby; the ranks stop sending to it", self.holder)
+            self.holder = None
+            actions.append(Send(nodes, make("hold", holder="", wards=[], prefix="")))
+        if self.holder is not None or not self.snapshot_every or not self._one_node():
+            return actions
+        if not all(r in self.steps for r in self.view.ranks_of(nodes[0])):
+            return actions  # its ranks have not reported a step yet: a message now could reach nobody
+        ready = sorted(s.node for s in self.view.standbys.values() if s.state == "ready")
+        if not ready:
+            return actions
+        self.holder = ready[0]
+        self.holder_seq += 1
+        msg = make("hold", holder=self.holder, wards=list(self.view.ranks_of(nodes[0])),
+                   prefix=f"tm/hold/a{self.holder_seq}/")
+        log.info("snapshots of %s (ranks %s) held by standby %s", nodes[0], msg["wards"], self.holder)
+        return actions + [Send(nodes + (self.holder,), msg)]
+
+    def on_snapshot_held(self, node: str, msg: dict) -> list:
+        s = self.view.standbys.get(node)
+        if s is not None:
+            s.held[int(msg["rank"])] = sorted(int(x) for x in msg["steps"])
+            s.held_detail = dict(msg["detail"])
+        return []
+
+    def on_snapshot_taken(self, msg: dict) -> list:
+        if not hasattr(self, "snapshot_stats"):
+            self.snapshot_stats = {}
+        kept = self.snapshot_stats.setdefault(str(msg["rank"]), [])
+        kept.append({"step": msg["step"], **msg["detail"]})
+        del kept[:-TAKEN_KEPT]
+        return []
+
+    def joiner_order(self, ready: list[str]) -> list[str]:
+        """Ready standbys in the order a recovery takes them: the holder first."""
+        return sorted(ready, key=lambda n: (n != self.holder, n))
+
+    def holder_status(self) -> dict:
+        s = self.view.standbys.get(self.holder) if self.holder else None
+        return {"holder": self.holder, "held": {str(r): v for r, v in (s.held if s else {}).items()},
+                "held_detail": getattr(s, "held_detail", {}) if s else {},
+                "taken": {r: list(v) for r, v in getattr(self, "snapshot_stats", {}).items()}}

@@ -1,0 +1,341 @@
+"""A rank's state copied into host memory without stopping its training stream (what a snapshot
+keeps): pinned host buffers, non-blocking device-to-host copies on a side stream ordered after
+the step, and a checksum computed on the device from the very bytes copied.
+
+Why a side stream: a synchronous copy of a 1B model's state (14.6 GB) into pageable memory
+holds the training thread for seconds. Here the copies run on the copy engines while the next
+step's forward and backward *read* the same tensors; the only writer is the optimizer step, so
+`gate()` makes the training stream wait for the copies right before it (a device-side wait, no
+host stall; the runtime calls it from `BuildContext.before_update`). A workload whose forward
+writes its state (BatchNorm running statistics) would race with the copy: neither gpt_demo nor
+megatron_gpt does, and a workload that never calls `before_update` is gated right after the
+capture instead (protection.py), which is safe for any workload.
+
+Staging on the device: a 14.6 GB copy over PCIe takes ~0.3-0.6 s, longer than the next step's
+forward and backward, so the optimizer would still wait for part of it. Where the GPU has room
+(free memory at least twice the state plus STAGE_MARGIN_BYTES once the job's own peak is
+reserved, measured when the slabs are allocated) the side stream first copies the state into a
+device buffer of its own (HBM to HBM, ~10 ms) and the gate waits only for that; the copy to the
+host then runs from that buffer, beside the following steps.
+
+Why pinned: a "non-blocking" copy into pageable memory is a synchronous one. Pinned memory is
+allocated once per layout (`Slab`: one flat buffer per dtype, tensors are views) and reused for
+every version: pinning gigabytes takes seconds (and on the lent GPU machines host memory grows
+at about 3 s per 8 GiB the first time it is touched).
+
+Checksum (`word_digest`): per tensor the sum of its 32/16-bit words as int64 (what
+`transfer.digest_tensors` computes for CUDA tensors), hashed with shapes and dtypes. The sender
+computes it on its GPU from the tensors it copies, on the side stream; a receiver recomputes it
+from the bytes it received, on its GPU when it has one (`word_sums(..., via=cuda)`: copied in
+chunks, a 14.6 GB state in ~0.3 s) and on its CPU otherwise. SHA-256 of 14.6 GB on one CPU core
+takes ~8 s, on both sides: too slow to verify every version.
+
+CPU nodes (tests, the CPU demo): the same interface, plain memory, copies made at once.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from trainmover.runtime.transfer import _flatten, _unflatten, _word_view
+
+VERIFY_CHUNK_BYTES = 256 << 20  # a receiver's GPU checksum: host bytes moved to the device this much at a time
+STAGE_MARGIN_BYTES = 8 << 30    # device memory left free beside a stage (fragmentation, a later peak)
+
+
+def flatten(state: dict) -> tuple[object, list[str], list[torch.Tensor]]:
+    """(skeleton, key paths, tensors) of a state: tensors replaced by their index."""
+    tensors: list[torch.Tensor] = []
+    paths: list[str] = []
+    skeleton = _flatten(state, tensors, paths)
+    return skeleton, paths, tensors
+
+
+def specs_of(paths: list[str], tensors: list[torch.Tensor]) -> list[tuple[str, tuple, str]]:
+    return [(p, tuple(t.shape), str(t.dtype)) for p, t in zip(paths, tensors)]
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"not a dtype: {name!r}")
+    return dt
+
+
+def word_digest(specs: list[tuple[str, tuple, str]], sums: list[int]) -> str:
+    """SHA-256 over every tensor's (shape, dtype) and word sum, in order."""
+    h = hashlib.sha256()
+    for _, shape, dtype in specs:
+        h.update(str((tuple(shape), str(dtype))).encode())
+    h.update(torch.tensor(sums, dtype=torch.int64).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _sum_on(t: torch.Tensor, device: torch.device, scratch: dict) -> torch.Tensor:
+    """Word sum of host tensor `t` on `device`, moved there in chunks through a reused buffer."""
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    words = _word_view(flat)
+    step = max(1, VERIFY_CHUNK_BYTES // words.element_size())
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    for start in range(0, words.numel(), step):
+        part = words[start:start + step]
+        buf = scratch.get(part.dtype)
+        if buf is None or buf.numel() < part.numel():
+            buf = scratch[part.dtype] = torch.empty(max(step, part.numel()), dtype=part.dtype, device=device)
+        dev = buf[:part.numel()]
+        dev.copy_(part, non_blocking=part.is_pinned())
+        total += dev.sum(dtype=torch.int64)
+    return total
+
+
+def word_sums(tensors: list[torch.Tensor], via: torch.device | str | None = None) -> list[int]:
+    """Each tensor's word sum. CUDA tensors are summed where they are; host tensors on `via`
+    (a CUDA device: fast, the host's cores stay free) or on the CPU."""
+    via = torch.device(via) if via is not None else None
+    out: list = []
+    scratch: dict = {}
+    for t in tensors:
+        if not t.numel():
+            out.append(torch.zeros((), dtype=torch.int64))
+        elif t.device.type == "cuda":
+            out.append(_word_view(t).sum(dtype=torch.int64))
+        elif via is not None and via.type == "cuda":
+            out.append(_sum_on(t, via, scratch))
+        else:
+            out.append(_word_view(t).sum(dtype=torch.int64))
+    return [int(x) for x in torch.stack([x.cpu() for x in out]).tolist()] if out else []
+
+
+def nonfinite_count(tensors: list[torch.Tensor], via: torch.device | str | None = None) -> int:
+    """Floating-point tensors holding a NaN or Inf; host tensors checked on `via` when it is a
+    CUDA device (in chunks), else on the CPU."""
+    via = torch.device(via) if via is not None else None
+    bad = 0
+    for t in tensors:
+        if not t.is_floating_point() or not t.numel():
+            continue
+        if t.device.type == "cpu" and via is not None and via.type == "cuda":
+            flat = t.detach().reshape(-1)
+            step = max(1, VERIFY_CHUNK_BYTES // t.element_size())
+            bad += int(any(not bool(torch.isfinite(flat[i:i + step].to(via, non_blocking=True)).all())
+                           for i in range(0, flat.numel(), step)))
+        else:
+            bad += int(not bool(torch.isfinite(t).all()))
+    return bad
+
+
+class Slab:
+    """Host buffers for one layout of a state: one flat buffer per dtype (pinned where a GPU
+    copies into it), each tensor a view. Allocated once, reused for every version. With
+    `device`, the same on a GPU (a stage, see the module docstring)."""
+
+    def __init__(self, specs: list[tuple[str, tuple, str]], pin: bool, device: str | None = None):
+        self.specs = [(p, tuple(s), str(d)) for p, s, d in specs]
+        self.pinned = pin
+        sizes: dict[str, int] = {}
+        for _, shape, dtype in self.specs:
+            sizes[dtype] = sizes.get(dtype, 0) + _numel(shape)
+        self.flat = {d: torch.empty(max(n, 1), dtype=_dtype(d), device=device, pin_memory=pin and device is None)
+                     for d, n in sizes.items()}
+        offsets = dict.fromkeys(sizes, 0)
+        self.views: list[torch.Tensor] = []
+        for _, shape, dtype in self.specs:
+            n = _numel(shape)
+            self.views.append(self.flat[dtype][offsets[dtype]:offsets[dtype] + n].view(shape))
+            offsets[dtype] += n
+        self.bytes = sum(t.numel() * t.element_size() for t in self.views)
+
+    def matches(self, specs: list[tuple[str, tuple, str]]) -> bool:
+        return self.specs == [(p, tuple(s), str(d)) for p, s, d in specs]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+@dataclass
+class Captured:
+    """One version: the state of `step` in a slab (complete once `wait` returned)."""
+    step: int
+    skeleton: object
+    specs: list
+    slab: Slab
+    issue_s: float                       # training thread's time to issue the copies
+    done: object = None                  # CUDA event after the copies and sums (None: complete)
+    start: object = None
+    staged: object = None                # CUDA event once the state is in the device stage (None: not staged)
+    stage_s: float | None = None         # device time of the copy into the stage
+    sums_host: torch.Tensor | None = None
+    cpu_sums: dict = field(default_factory=dict)  # index -> word sum of a host tensor, taken at once
+    gpu_index: list[int] = field(default_factory=list)
+    copy_s: float | None = None          # device time of the copies (CUDA events)
+    digest: str = ""
+
+    def ready(self) -> bool:
+        return self.done is None or self.done.query()
+
+    def wait(self, timeout_s: float) -> None:
+        """Until the copies are complete (bounded: polled, a CUDA event has no timed wait)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.ready():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"snapshot of step {self.step}: device-to-host copies not done in {timeout_s:g}s")
+            time.sleep(0.002)
+        if not self.digest:
+            sums = dict(self.cpu_sums)
+            if self.done is not None:
+                self.copy_s = self.start.elapsed_time(self.done) / 1000.0
+                if self.staged is not None:
+                    self.stage_s = self.start.elapsed_time(self.staged) / 1000.0
+                sums.update(zip(self.gpu_index, self.sums_host.tolist()))
+            self.digest = word_digest(self.specs, [int(sums[i]) for i in range(len(self.specs))])
+
+    def state(self) -> dict:
+        """The state of `step` (tensors: the slab's views). Call after `wait`."""
+        return _unflatten(self.skeleton, list(self.slab.views))
+
+
+class Capture:
+    """Copies a rank's state into host slabs: asynchronously from a GPU (side stream), at once
+    on a CPU node. `slabs` versions are kept in rotation (a version's slab is reused when the
+    version `slabs` captures older is dropped)."""
+
+    def __init__(self, device: str, slabs: int = 2, stage: bool = True):
+        self.cuda = device == "cuda" and torch.cuda.is_available()
+        self.may_stage = stage and self.cuda
+        self.stage: Slab | None = None  # device buffers of the GPU tensors (see the module docstring)
+        self.stream = torch.cuda.Stream() if self.cuda else None
+        self.slabs: list[Slab] = []
+        self.keep = slabs
+        self.turn = 0
+        self.allocating: threading.Thread | None = None  # `prepare`'s allocation, while it runs
+        self.pending: Captured | None = None   # a version whose copies the next optimizer step must wait for
+        self.gate_wait_s: list[float] = []     # device time the training stream waited, per gated version
+        self._gate_events = None
+
+    def prepare(self, state: dict) -> None:
+        """Allocate the slabs for `state`'s layout in a background thread, ahead of the first
+        version: pinning gigabytes takes seconds, which must not fall on a protected step."""
+        _, paths, tensors = flatten(state)
+        specs = specs_of(paths, tensors)
+
+        gpu_specs = [s for s, t in zip(specs, tensors) if t.device.type == "cuda"]
+        gpu_bytes = sum(t.numel() * t.element_size() for t in tensors if t.device.type == "cuda")
+
+        def allocate():
+            t0 = time.perf_counter()
+            slabs = [Slab(specs, pin=self.cuda) for _ in range(self.keep)]
+            if self.may_stage and gpu_specs and torch.cuda.mem_get_info()[0] > 2 * gpu_bytes + STAGE_MARGIN_BYTES:
+                self.stage = Slab(gpu_specs, pin=False, device="cuda")
+            self.slabs, self.turn = slabs, 0
+            self.prepare_s = time.perf_counter() - t0
+        self.allocating = threading.Thread(target=allocate, name="tm-snap-alloc", daemon=True)
+        self.allocating.start()
+
+    def ready(self) -> bool:
+        """Whether the slabs are in place (False while `prepare` allocates them)."""
+        return self.allocating is None or not self.allocating.is_alive()
+
+    prepare_s: float | None = None
+
+    def slab_for(self, specs) -> Slab:
+        """The next slab in rotation, (re)allocated when the state's layout is new to it."""
+        i = self.turn % self.keep
+        self.turn += 1
+        if i >= len(self.slabs):
+            self.slabs.append(Slab(specs, pin=self.cuda))
+        elif not self.slabs[i].matches(specs):
+            self.slabs[i] = Slab(specs, pin=self.cuda)
+        return self.slabs[i]
+
+    def take(self, step: int, state: dict) -> Captured:
+        """Issue the copies of `state` (its tensors as they are at this step boundary)."""
+        t0 = time.perf_counter()
+        skeleton, paths, tensors = flatten(state)
+        specs = specs_of(paths, tensors)
+        slab = self.slab_for(specs)
+        cap = Captured(step, skeleton, specs, slab, 0.0)
+        gpu = [i for i, t in enumerate(tensors) if t.device.type == "cuda"]
+        with torch.no_grad():
+            for i, t in enumerate(tensors):
+                if t.device.type != "cuda":
+                    slab.views[i].copy_(t)
+                    cap.cpu_sums[i] = int(_word_view(t).sum(dtype=torch.int64)) if t.numel() else 0
+            if gpu:
+                cap.gpu_index = gpu
+                self.stream.wait_stream(torch.cuda.current_stream())  # ordered after the step's work
+                cap.start, cap.done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                stage = self.stage if self.stage is not None and self.stage.matches([specs[i] for i in gpu]) else None
+                with torch.cuda.stream(self.stream):
+                    cap.start.record()
+                    for i in gpu:
+                        tensors[i].record_stream(self.stream)
+                    if stage is not None:  # HBM to HBM first: the gate waits for this part only
+                        for k, i in enumerate(gpu):
+                            stage.views[k].copy_(tensors[i], non_blocking=True)
+                        cap.staged = torch.cuda.Event(enable_timing=True)
+                        cap.staged.record()
+                    source = {i: (stage.views[k] if stage is not None else tensors[i]) for k, i in enumerate(gpu)}
+                    sums = torch.stack([_word_view(source[i]).sum(dtype=torch.int64) if source[i].numel()
+                                        else torch.zeros((), dtype=torch.int64, device=source[i].device)
+                                        for i in gpu])
+                    for i in gpu:
+                        slab.views[i].copy_(source[i], non_blocking=True)
+                    cap.sums_host = torch.empty(len(gpu), dtype=torch.int64, pin_memory=True)
+                    cap.sums_host.copy_(sums, non_blocking=True)
+                    cap.done.record()
+                self.pending = cap
+        cap.issue_s = time.perf_counter() - t0
+        return cap
+
+    def gate(self) -> None:
+        """Before the optimizer writes the state: the training stream waits (on the device) for
+        the copies of the version in flight. Once per version; nothing when none is in flight."""
+        cap, self.pending = self.pending, None
+        event = None if cap is None else (cap.staged or cap.done)
+        if event is None or event.query():
+            return
+        stream = torch.cuda.current_stream()
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(stream)
+        stream.wait_event(event)
+        after.record(stream)
+        self._gate_events = (before, after)
+
+    def last_gate_wait_s(self) -> float | None:
+        """Device time the training stream waited at the last gate (once both events passed)."""
+        if self._gate_events is None or not self._gate_events[1].query():
+            return None
+        before, after = self._gate_events
+        self._gate_events = None
+        return before.elapsed_time(after) / 1000.0
+
+
+def restore_into(captured_state: dict, like: dict) -> tuple[dict, int]:
+    """`captured_state`'s tensors copied into `like`'s tensors of the same key path, shape and
+    dtype (a standby's own model and optimizer buffers: in place, nothing allocated; from a
+    pinned slab without blocking), others as new tensors on the CPU. Returns (the state whose
+    tensors are `like`'s, bytes copied into place). Synchronises before returning."""
+    skeleton, paths, tensors = flatten(captured_state)
+    _, like_paths, like_tensors = flatten(like)
+    targets = dict(zip(like_paths, like_tensors))
+    out, placed = [], 0
+    with torch.no_grad():
+        for p, t in zip(paths, tensors):
+            dst = targets.get(p)
+            if dst is not None and dst.shape == t.shape and dst.dtype == t.dtype and dst.is_contiguous():
+                dst.copy_(t, non_blocking=t.is_pinned() and dst.device.type == "cuda")
+                placed += t.numel() * t.element_size()
+                out.append(dst)
+            else:
+                out.append(t.detach().clone())
+    if any(t.device.type == "cuda" for t in out) and torch.cuda.is_available():
+        torch.cuda.current_stream().synchronize()
+    return _unflatten(skeleton, out), placed

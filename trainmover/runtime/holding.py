@@ -1,0 +1,274 @@
+"""The standby as the holder of a one-node job's snapshots.
+
+Where a snapshot must live: what a SIGKILL (or a crashed node) takes is the worker's process,
+with its memory, pinned buffers and GPU; with a dead node also every other process there. With
+more than one training node a rank's copy goes to the same local index on the next node
+(snapshot.py). With one training node there is no other training node, and a copy kept in
+another process on the same node would survive a killed process but not the node. The warm
+standby is on another node, it is the one that will need the copy, and it is idle: it holds
+the copies of the node it would replace. At recovery the state is then already where it is
+needed: no transfer pair to build and nothing on the wire, only a host-to-device copy from
+pinned memory into the standby's own model and optimizer buffers (capture.restore_into).
+What it costs: the standby's host memory, 2 versions of the node's state (the newest complete
+one survives an exchange cut by the failure), and one copy of the state over the network per
+snapshot, in background threads on both sides. The controller assigns the holder (`hold`: a
+ready standby, while the job has one training node) and tells both sides; the holder reports
+each complete, verified version (`snapshot_held`), and the controller picks from those reports
+(controller/tiers.py), never from the assignment.
+
+Protocol, per ward rank, on a 2-member gloo group (member 0 the worker, 1 the standby) under
+the assignment's prefix, beside a store client of each side's own (a long wait here must not
+hold up the agent's store operations). Version n:
+
+    worker:  store  <prefix>v<n>/manifest  (step, skeleton, key paths, shapes, dtypes, word digest)
+             gloo   every tensor, in order, straight from the pinned slab
+    standby: gloo   into a slab of its own (pinned), verifies the word digest and refuses NaN/Inf
+             (on its GPU when it has one), then  store <prefix>v<n>/verdict<a>  OK / AGAIN / REFUSED
+    AGAIN: the worker sends the tensors again (attempt a+1), up to transfer.ATTEMPTS times.
+
+The standby posts its receives only once the manifest is there, i.e. while the worker sends:
+no gloo operation waits for the next snapshot (an abandoned gloo operation that times out ends
+the process). Gloo groups whose peer may be gone are never destroyed (that ends the process
+too): both sides keep them until exit (`KEPT`).
+"""
+from __future__ import annotations
+
+import datetime
+import io
+import logging
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from trainmover.errors import MigrationError
+from trainmover.runtime import capture, transfer
+from trainmover.runtime.groups import gloo_group
+
+log = logging.getLogger("trainmover.holding")
+
+OK, AGAIN, REFUSED = transfer.OK, transfer.AGAIN, transfer.REFUSED
+POLL_S = 0.05    # a holder looks for the next version's manifest this often
+KEPT: list = []  # gloo groups never destroyed (see the module docstring)
+
+
+def ward_prefix(prefix: str, rank: int) -> str:
+    return f"{prefix}r{rank}/"
+
+
+def _client(store_addr: tuple[str, int], timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(store_addr[0], store_addr[1], is_master=False, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _wait_key(store, key: str, deadline: float, stop: threading.Event | None = None, poll_s: float = 0.01) -> bool:
+    """Whether `key` appeared before `deadline` (False also when `stop` was set). Polled with
+    `check`: a timed `wait` that expires makes c10d log two warnings, every time."""
+    while time.monotonic() < deadline:
+        if stop is not None and stop.is_set():
+            return False
+        if store.check([key]):
+            return True
+        time.sleep(poll_s)
+    return False
+
+
+def _sendable(views: list[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+    return [(i, t.reshape(-1).view(torch.uint8)) for i, t in enumerate(views) if t.numel()]
+
+
+class StandbyLink:
+    """The worker's side: sends each captured version to its standby holder (member 0)."""
+
+    def __init__(self, store_addr, prefix: str, rank: int, holder: str, host: str, timeout_s: float):
+        self.prefix, self.rank, self.holder, self.timeout_s = ward_prefix(prefix, rank), rank, holder, timeout_s
+        self.version = 0
+        self.pair = None
+        self.error = ""
+        self.store = None
+        self.built = threading.Event()
+        # Built at once (in a thread), not at the next snapshot: the holder waits for us now.
+        threading.Thread(target=self._build, args=(store_addr, host), name="tm-hold-link", daemon=True).start()
+
+    def _build(self, store_addr, host) -> None:
+        try:
+            self.store = _client(store_addr, self.timeout_s)
+            self.pair = gloo_group(self.store, self.prefix + "pair/", 0, 2, host=host,
+                                   timeout=datetime.timedelta(seconds=self.timeout_s))
+            KEPT.append(self.pair)
+        except Exception as exc:  # noqa: BLE001 - no holder: snapshots stay on this node, reported
+            self.error = f"link to holder {self.holder} for rank {self.rank}: {exc}"
+            log.warning("%s", self.error)
+        self.built.set()
+
+    def send(self, cap: capture.Captured, corrupt: bool = False) -> dict:
+        """Send one complete version (call after `cap.wait`); verified by the holder. Returns
+        bytes, seconds, attempts. Raises MigrationError when the holder refused it or kept
+        seeing a mismatch, or on a deadline."""
+        if not self.built.wait(self.timeout_s) or self.pair is None:
+            raise MigrationError(self.error or f"link to holder {self.holder}: not built in {self.timeout_s:g}s",
+                                 phase="snapshot", rank=self.rank)
+        t0 = time.perf_counter()
+        self.version += 1
+        key = f"{self.prefix}v{self.version}/"
+        buf = io.BytesIO()
+        torch.save({"step": cap.step, "skeleton": cap.skeleton, "specs": cap.specs, "digest": cap.digest}, buf)
+        self.store.set(key + "manifest", buf.getvalue())
+        views = _sendable(cap.slab.views)
+        for attempt in range(1, transfer.ATTEMPTS + 1):
+            spoilt = None
+            if corrupt and attempt == 1 and views:  # fault injection: the first copy arrives with a flipped byte
+                spoilt = views[0][1].clone()
+                spoilt[0] ^= 0xFF
+            works = [self.pair.send([spoilt if (spoilt is not None and n == 0) else t], 1, i)
+                     for n, (i, t) in enumerate(views)]
+            for w in works:
+                w.wait()
+            if not _wait_key(self.store, f"{key}verdict{attempt}", time.monotonic() + self.timeout_s):
+                raise MigrationError(f"holder {self.holder} gave no verdict on step {cap.step} in {self.timeout_s:g}s",
+                                     phase="snapshot", rank=self.rank)
+            verdict = int(self.store.get(f"{key}verdict{attempt}"))
+            if verdict == OK:
+                return {"bytes": cap.slab.bytes, "send_s": time.perf_counter() - t0, "attempts": attempt}
+            if verdict == REFUSED:
+                raise MigrationError(f"holder {self.holder} refused step {cap.step} (NaN/Inf)", phase="snapshot",
+                                     rank=self.rank)
+            log.warning("snapshot %d to %s: checksum mismatch (attempt %d); sending again", cap.step, self.holder,
+                        attempt)
+        raise MigrationError(f"snapshot {cap.step} to {self.holder}: checksum mismatch in all {transfer.ATTEMPTS} "
+                             "attempts", phase="snapshot", rank=self.rank)
+
+
+class Held:
+    """One complete, verified version a holder keeps (in one of its slabs)."""
+
+    def __init__(self, step: int, skeleton, specs, slab: capture.Slab):
+        self.step, self.skeleton, self.specs, self.slab = step, skeleton, specs, slab
+
+    def state(self) -> dict:
+        return transfer._unflatten(self.skeleton, list(self.slab.views))
+
+
+class Holding:
+    """The standby's side: receives the versions of ward rank `ward` (member 1) into slabs of its
+    own, keeps the newest 2 complete ones and reports each (`report(ward, steps, detail)`)."""
+
+    def __init__(self, store_addr, prefix: str, ward: int, host: str, timeout_s: float, report,
+                 verify_on: str | None = None, layout: list | None = None):
+        self.prefix, self.ward, self.timeout_s, self.report = ward_prefix(prefix, ward), ward, timeout_s, report
+        self.verify_on = verify_on if verify_on == "cuda" and torch.cuda.is_available() else None
+        self.pin = self.verify_on is not None
+        self.held: dict[int, Held] = {}
+        self.slabs: list[capture.Slab] = []
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.error = ""
+        self.last: dict = {}
+        self.layout = layout  # the expected layout: both slabs allocated before the first version
+        self.alloc_s: float | None = None
+        self.thread = threading.Thread(target=self._run, args=(store_addr, host), name=f"tm-holding-r{ward}",
+                                       daemon=True)
+        self.thread.start()
+
+    def steps(self) -> list[int]:
+        with self.lock:
+            return sorted(self.held)
+
+    def version(self, step: int) -> Held:
+        with self.lock:
+            if step not in self.held:
+                raise KeyError(f"this standby holds no snapshot of rank {self.ward} at step {step} "
+                               f"(holds {sorted(self.held)})")
+            return self.held[step]
+
+    def close(self) -> None:
+        """Stop receiving (this standby takes a rank now); what it holds stays readable."""
+        self.stop.set()
+
+    def _slab(self, specs) -> capture.Slab:
+        """A slab that holds no version we keep: the one the older version is in is freed first
+        (a version is dropped before its slab is written, never while it is being read)."""
+        with self.lock:
+            in_use = {id(h.slab) for h in self.held.values()}
+            free = [s for s in self.slabs if id(s) not in in_use and s.matches(specs)]
+            if free:
+                return free[0]
+            if len(self.slabs) >= 2 and self.held:
+                oldest = min(self.held)
+                victim = self.held.pop(oldest).slab
+                if victim.matches(specs):
+                    return victim
+                self.slabs.remove(victim)
+        slab = capture.Slab(specs, pin=self.pin)
+        with self.lock:
+            self.slabs.append(slab)
+        return slab
+
+    def _run(self, store_addr, host) -> None:
+        try:
+            store = _client(store_addr, self.timeout_s)
+            pair = gloo_group(store, self.prefix + "pair/", 1, 2, host=host,
+                              timeout=datetime.timedelta(seconds=self.timeout_s))
+            KEPT.append(pair)
+        except Exception as exc:  # noqa: BLE001 - this standby holds nothing; the controller sees no reports
+            self.error = f"holding rank {self.ward}: link not built: {exc}"
+            log.warning("%s", self.error)
+            return
+        if self.layout:
+            t0 = time.perf_counter()
+            slabs = [capture.Slab(self.layout, pin=self.pin) for _ in range(2)]
+            with self.lock:
+                self.slabs = slabs
+            self.alloc_s = time.perf_counter() - t0
+        n = 0
+        while not self.stop.is_set():
+            n += 1
+            key = f"{self.prefix}v{n}/"
+            if not _wait_key(store, key + "manifest", float("inf"), self.stop, poll_s=POLL_S):
+                return
+            try:
+                self._receive(store, pair, key)
+            except MigrationError as exc:  # refused (NaN/Inf) or spoilt every time: the next version may do
+                log.warning("holding rank %d: version %d: %s", self.ward, n, exc)
+            except Exception as exc:  # noqa: BLE001 - the worker died mid-copy: the versions before stay
+                self.error = f"holding rank {self.ward}: version {n}: {exc}"
+                log.warning("%s", self.error)
+                return
+            finally:
+                store.delete_key(key + "manifest")
+
+    def _receive(self, store, pair, key: str) -> None:
+        t0 = time.perf_counter()
+        meta = torch.load(io.BytesIO(store.get(key + "manifest")), weights_only=True)
+        specs = [(p, tuple(s), str(d)) for p, s, d in meta["specs"]]
+        slab = self._slab(specs)
+        views = _sendable(slab.views)
+        for attempt in range(1, transfer.ATTEMPTS + 1):
+            t1 = time.perf_counter()
+            works = [pair.recv([t], 0, i) for i, t in views]
+            for w in works:
+                w.wait()
+            t2 = time.perf_counter()
+            got = capture.word_digest(specs, capture.word_sums(slab.views, via=self.verify_on))
+            if got != meta["digest"]:
+                log.warning("snapshot %d of rank %d: checksum mismatch (attempt %d); asking again", meta["step"],
+                            self.ward, attempt)
+                store.set(f"{key}verdict{attempt}", str(AGAIN))
+                continue
+            if capture.nonfinite_count(slab.views, via=self.verify_on):
+                store.set(f"{key}verdict{attempt}", str(REFUSED))
+                raise MigrationError(f"snapshot {meta['step']} of rank {self.ward} holds NaN/Inf: refused",
+                                     phase="snapshot")
+            with self.lock:
+                self.held[int(meta["step"])] = Held(int(meta["step"]), meta["skeleton"], specs, slab)
+                steps = sorted(self.held)
+            store.set(f"{key}verdict{attempt}", str(OK))
+            self.last = {"step": int(meta["step"]), "bytes": slab.bytes, "alloc_s": self.alloc_s,
+                         "recv_s": round(t2 - t1, 4),
+                         "verify_s": round(time.perf_counter() - t2, 4), "seconds": round(time.perf_counter() - t0, 4),
+                         "attempts": attempt, "pinned": slab.pinned}
+            self.report(self.ward, steps, dict(self.last))
+            return
+        raise MigrationError(f"snapshot {meta['step']} of rank {self.ward}: checksum mismatch in all "
+                             f"{transfer.ATTEMPTS} attempts", phase="snapshot")
