@@ -24,6 +24,7 @@ from bench import results_io  # noqa: E402
 from bench.polling import wait  # noqa: E402
 from trainmover import cluster  # noqa: E402
 from trainmover.slurm import commands  # noqa: E402
+from trainmover.controller.keeper import sbatch_args  # noqa: E402
 from trainmover.slurm.client import CliSlurm  # noqa: E402
 
 REASON = "trainmover-bench maintenance"
@@ -59,7 +60,7 @@ def one(env, slurm, workdir: Path, steps: int, nodes: int = 3, at_step: int = 10
     for name, node in slurm.nodes().items():
         if "DRAIN" in node.flags and node.reason == REASON:
             slurm.resume(name)
-    job = int(commands.run(["sbatch", "--parsable", f"--chdir={workdir}", "--job-name=tm-bench", f"--nodes={nodes}",
+    job = int(commands.run(["sbatch", "--parsable", f"--chdir={workdir}", "--job-name=tm-bench", *sbatch_args(nodes),
                             str(ROOT / "sbatch_templates/demo_gpt_cpu.sbatch")], timeout=15, env=env).stdout.split(";")[0])
     run = workdir / "runs" / str(job)
     wait(f"step {at_step} and a warm standby", lambda: (last(run / "metrics.jsonl") or {}).get("step", 0) >= at_step and any(

@@ -40,6 +40,7 @@ from trainmover.cluster import netfault  # noqa: E402
 from trainmover.cluster.procs import step_pid  # noqa: E402
 from trainmover.slurm.client import CliSlurm  # noqa: E402
 from trainmover.slurm import commands  # noqa: E402
+from trainmover.controller.keeper import sbatch_args  # noqa: E402
 
 
 def events(run: Path) -> dict:
@@ -109,7 +110,7 @@ def one(env, workdir: Path, nodes: int = 3, at_step: int = 100, tier: str = "rep
         env["TM_SNAPSHOT_EVERY"] = str(every)
     if tier == "checkpoint":
         env["TM_CHECKPOINT_EVERY"] = str(every)
-    job = int(commands.run(["sbatch", "--parsable", f"--chdir={workdir}", "--job-name=tm-bench-failure", f"--nodes={nodes}",
+    job = int(commands.run(["sbatch", "--parsable", f"--chdir={workdir}", "--job-name=tm-bench-failure", *sbatch_args(nodes),
                             str(ROOT / "sbatch_templates/demo_gpt_cpu.sbatch")], timeout=15, env=env).stdout.split(";")[0])
     try:
         return _measure(workdir / "runs" / str(job), at_step, tier, every, job, kind, info)

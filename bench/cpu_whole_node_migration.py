@@ -31,6 +31,7 @@ from bench.cpu_planned_migration import gantt  # noqa: E402
 from bench.polling import read_jsonl, wait  # noqa: E402
 from trainmover import cluster  # noqa: E402
 from trainmover.slurm import commands  # noqa: E402
+from trainmover.controller.keeper import sbatch_args  # noqa: E402
 from trainmover.slurm.client import CliSlurm  # noqa: E402
 
 REASON = "trainmover-bench whole node"
@@ -48,7 +49,7 @@ def status(run: Path) -> dict:
 
 def submit(env: dict, workdir: Path, name: str, **extra) -> tuple[int, Path]:
     job_env = {**env, **LAYOUT, **{k: str(v) for k, v in extra.items()}}
-    out = commands.run(["sbatch", "--parsable", "--nodes=2", f"--job-name=tm-bench-{name}", f"--chdir={workdir}",
+    out = commands.run(["sbatch", "--parsable", *sbatch_args(2), f"--job-name=tm-bench-{name}", f"--chdir={workdir}",
                         str(ROOT / "sbatch_templates/megatron_gpt.sbatch")], timeout=15, env=job_env).stdout
     job = int(out.strip().split(";")[0])
     return job, workdir / "runs" / str(job)

@@ -81,7 +81,7 @@ def resume_drained(client: CliSlurm, reason: str) -> None:
             client.resume(name)
 
 
-def own_cluster(nodes: int, standby: int, state_dir: str, drain_reason: str) -> Iterator[tuple]:
+def own_cluster(nodes: int, standby: int, state_dir: str, drain_reason: str, keepers: int = 2) -> Iterator[tuple]:
     """Body of a module-scoped fixture for a module that runs a cluster of its own size in its
     own state directory (its ports apart): yields (ClusterInfo, CliSlurm); nodes the module
     drained are resumed before and after."""
@@ -89,7 +89,8 @@ def own_cluster(nodes: int, standby: int, state_dir: str, drain_reason: str) -> 
         pytest.skip("the embedded Slurm cluster needs root (private munged, slurmd in namespaces)")
     from trainmover import cluster
 
-    info = cluster.up(nodes=nodes, standby=standby, state_dir=f"{state_dir}{_SUFFIX}", slurm=E2E_SLURM)
+    info = cluster.up(nodes=nodes, standby=standby, state_dir=f"{state_dir}{_SUFFIX}", slurm=E2E_SLURM,
+                      keepers=keepers)
     client = CliSlurm(slurm_conf=str(info.slurm_conf))
     resume_drained(client, drain_reason)
     yield info, client

@@ -18,6 +18,7 @@ import pytest
 from tests.e2e.conftest import TEST_JOB_PREFIX, job_ended, wait_for
 from tests.e2e.test_migration import Run
 from trainmover.slurm import commands
+from trainmover.controller.keeper import sbatch_args
 
 pytestmark = pytest.mark.slurm
 
@@ -39,7 +40,7 @@ def cnn(slurm_cluster, tmp_path_factory):
     def submit(name: str, *args: str, check: bool = True, **tm_env):
         workdir = tmp_path_factory.mktemp(name)
         job_env = {**env, **JOB, **{k: str(v) for k, v in tm_env.items()}}
-        out = commands.run(["sbatch", "--parsable", "--nodes=3", *args, f"--job-name={TEST_JOB_PREFIX}{name}",
+        out = commands.run(["sbatch", "--parsable", *(args or sbatch_args(3)), f"--job-name={TEST_JOB_PREFIX}{name}",
                             f"--chdir={workdir}", str(TEMPLATE)], timeout=15, env=job_env, check=check)
         if not check:
             return out
@@ -135,14 +136,15 @@ def test_the_check_at_job_start_stops_a_workload_that_would_not_migrate_exactly(
 
 
 def test_requests_that_could_never_start_are_refused_at_submit(cnn, slurm_cluster):
-    """8 nodes (the Megatron template's old default) on the 6-node partition: sbatch refuses it
+    """9 training nodes (10 with the keeper) on the 8-node partition: sbatch refuses it
     (EnforcePartLimits=ALL). 5 fit the partition only with the reserved standbys: plain sbatch
     would keep the job pending for ever; `trainmover submit` refuses it with what to change."""
-    out = cnn("cnn-toobig", "--nodes=8", check=False)
+    out = cnn("cnn-toobig", *sbatch_args(9), check=False)
     assert out.returncode != 0 and "Node count specification invalid" in out.stderr, out.stderr
     env = {**os.environ, "SLURM_CONF": str(slurm_cluster.slurm_conf)}
-    sub = subprocess.run([sys.executable, "-m", "trainmover.cli", "submit", "--nodes=5",
+    sub = subprocess.run([sys.executable, "-m", "trainmover.cli", "submit", *sbatch_args(5),
                           f"--job-name={TEST_JOB_PREFIX}cnn-five", str(TEMPLATE)],
                          capture_output=True, text=True, timeout=60, env=env)
     assert sub.returncode == 1 and "Requested node configuration is not available" in sub.stderr, sub.stderr
-    assert "at most 4 training nodes: submit with --nodes=4 or fewer" in sub.stderr
+    assert ("at most 4 training nodes: submit with --nodes=5 --constraint=[tm_keeper*1&tm_train*4] "
+            "(its keeper node included) or fewer") in sub.stderr

@@ -22,6 +22,7 @@ import pytest
 from tests.e2e.conftest import TEST_JOB_PREFIX, job_ended, own_cluster, resume_drained, wait_for
 from tests.e2e.test_migration import Run
 from trainmover.slurm import commands
+from trainmover.controller.keeper import sbatch_args
 from trainmover.slurm.client import CliSlurm
 
 pytestmark = pytest.mark.slurm
@@ -59,7 +60,7 @@ def submit(cluster, tmp_path_factory):
         workdir = tmp_path_factory.mktemp(name)
         job_env = {**env, "TM_STEPS": str(STEPS), **{k: str(v) for k, v in tm_env.items()}}
         # 8 nodes of one rank: TP2 x PP2 x DP2 (the template's default TM_DP takes what the job holds)
-        out = commands.run(["sbatch", "--parsable", "--nodes=8", f"--job-name={TEST_JOB_PREFIX}{name}",
+        out = commands.run(["sbatch", "--parsable", *sbatch_args(8), f"--job-name={TEST_JOB_PREFIX}{name}",
                             f"--chdir={workdir}", str(TEMPLATE)], timeout=15, env=job_env).stdout
         run = Run(int(out.strip().split(";")[0]), workdir, job_env)
         runs.append(run)

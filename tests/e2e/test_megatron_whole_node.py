@@ -26,6 +26,7 @@ from tests.e2e.conftest import TEST_JOB_PREFIX, job_ended, own_cluster, resume_d
 from tests.e2e.test_megatron_slurm import _assert_same_training, _standby_ready
 from tests.e2e.test_migration import Run
 from trainmover.slurm import commands
+from trainmover.controller.keeper import sbatch_args
 
 pytestmark = pytest.mark.slurm
 pytest.importorskip("megatron.core")
@@ -41,7 +42,7 @@ MOVED = [2, 3]  # the second node: pipeline stage 1, its TP pair
 
 @pytest.fixture(scope="module")
 def cluster():
-    yield from own_cluster(6, 2, STATE_DIR, DRAIN_REASON)
+    yield from own_cluster(6, 2, STATE_DIR, DRAIN_REASON, keepers=3)  # three jobs side by side
 
 
 def _drain_when_warm(run: Run) -> str:
@@ -73,7 +74,7 @@ def runs(cluster, tmp_path_factory):
     for name, extra in kinds.items():
         workdir = tmp_path_factory.mktemp(f"wn-{name}")
         job_env = {**env, "TM_STEPS": str(STEPS), **{k: str(v) for k, v in {**LAYOUT, **extra}.items()}}
-        sub = commands.run(["sbatch", "--parsable", "--nodes=2", f"--job-name={TEST_JOB_PREFIX}wn-{name}",
+        sub = commands.run(["sbatch", "--parsable", *sbatch_args(2), f"--job-name={TEST_JOB_PREFIX}wn-{name}",
                             f"--chdir={workdir}", str(TEMPLATE)], timeout=15, env=job_env).stdout
         out[name] = Run(int(sub.strip().split(";")[0]), workdir, job_env)
     try:

@@ -20,6 +20,7 @@ from tests.e2e.test_failures import recoveries, timeline
 from tests.e2e.test_migration import (  # noqa: F401 - fixtures shared with the planned-migration tests
     ROOT, STEPS, Run, assert_same_training, demo, reference, resume_drained_nodes)
 from trainmover.slurm import commands
+from trainmover.controller.keeper import sbatch_args
 
 pytestmark = pytest.mark.slurm
 
@@ -82,7 +83,7 @@ def test_megatron_without_data_parallelism_is_recovered_from_the_snapshot_tier(s
     def submit(name, **tm_env) -> Run:
         workdir = tmp_path_factory.mktemp(name)
         job_env = {**env, **tm_env}
-        out = commands.run(["sbatch", "--parsable", "--nodes=4", f"--job-name={TEST_JOB_PREFIX}{name}",
+        out = commands.run(["sbatch", "--parsable", *sbatch_args(4), f"--job-name={TEST_JOB_PREFIX}{name}",
                             f"--chdir={workdir}", str(ROOT / "sbatch_templates" / "megatron_gpt.sbatch")],
                            timeout=15, env=job_env).stdout
         runs.append(Run(int(out.strip().split(";")[0]), workdir, job_env))

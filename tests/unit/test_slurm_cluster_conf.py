@@ -18,7 +18,8 @@ def _spec(nodes=4, standby=2) -> ClusterSpec:
 def test_names_addresses_ports():
     s = _spec()
     assert s.train_nodes == ["train1", "train2", "train3", "train4"] and s.spare_nodes == ["spare1", "spare2"]
-    assert [s.addr(n) for n in s.all_nodes] == [f"127.0.1.{i}" for i in range(11, 17)]
+    assert s.keeper_nodes == ["keep1", "keep2"] and s.keeper_expr == "keep[1-2]"
+    assert [s.addr(n) for n in s.all_nodes] == [f"127.0.1.{i}" for i in range(11, 19)]
     assert s.slurmd_port("spare2") == 16906
     assert s.train_expr == "train[1-4]" and _spec(1, 1).spare_expr == "spare1"
 
@@ -35,8 +36,11 @@ def test_slurm_conf_has_the_settings_trainmover_needs():
         "SlurmctldPort=16817",
         "CommunicationParameters=NoCtldInAddrAny",
         "NodeName=spare2 NodeAddr=127.0.1.16 NodeHostname=spare2 Port=16906 CPUs=4 RealMemory=2048 Weight=100 "
-        "State=UNKNOWN",
-        "PartitionName=train Nodes=train[1-4],spare[1-2] Default=YES MaxTime=INFINITE State=UP "
+        "Features=tm_train State=UNKNOWN",
+        # keepers: a job's batch script runs on one (docs/admin.md, "No special node")
+        "NodeName=keep1 NodeAddr=127.0.1.17 NodeHostname=keep1 Port=16907 CPUs=4 RealMemory=2048 Weight=1000 "
+        "Features=tm_keeper State=UNKNOWN",
+        "PartitionName=train Nodes=train[1-4],spare[1-2],keep[1-2] Default=YES MaxTime=INFINITE State=UP "
         "OverSubscribe=EXCLUSIVE",
         # the admin guide's health-check lines (docs/admin.md), pointing at the cluster's copy
         "HealthCheckProgram=/var/tmp/tmc/etc/healthcheck.sh",

@@ -21,6 +21,13 @@ def test_a_job_that_needs_the_standbys_nodes_is_told_how_many_it_may_have():
         "reservation itself)"]
 
 
+def test_with_keeper_nodes_the_count_and_the_options_leave_them_out_of_training():
+    text = explain("allocation failure: Requested node configuration is not available\n", "train 8\n", RESV, keepers=2)
+    assert ("partition train: 8 nodes (spare[1-2] held by reservation trainmover_standby, for standbys), "
+            "2 keeper node(s), so a job gets at most 4 training nodes: submit with --nodes=5 "
+            "--constraint=[tm_keeper*1&tm_train*4] (its keeper node included) or fewer") in text
+
+
 def test_a_gpu_request_on_a_cpu_cluster():
     text = explain("sbatch: error: Invalid generic resource (gres) specification", SINFO, RESV)
     assert "leave out --gpus-per-node on CPU nodes" in text and "--nodes=" not in text
@@ -42,7 +49,7 @@ def test_submits_only_what_slurm_could_place():
                         "scontrol -o": (0, RESV, "")})
     code, out, err = submit(["--nodes=5", "job.sbatch"], run=run)
     assert code == 1 and out == "" and "at most 4 training nodes" in err
-    assert [c[:2] for c in calls] == [["sbatch", "--test-only"], ["sinfo", "-h"], ["scontrol", "-o"]]
+    assert [c[:2] for c in calls] == [["sbatch", "--test-only"], ["sinfo", "-h"], ["scontrol", "-o"], ["sinfo", "-h"]]
     run, calls = _fake({"sbatch --nodes=4": (0, "Submitted batch job 7\n", "")})
     assert submit(["--nodes=4", "job.sbatch"], run=run) == (0, "Submitted batch job 7\n", "")
     assert calls == [["sbatch", "--test-only", "--nodes=4", "job.sbatch"], ["sbatch", "--nodes=4", "job.sbatch"]]

@@ -36,7 +36,7 @@ CASES = {
     "params": {"TM_STEPS": "300", "TM_STANDBYS": "2", "TM_MODEL": "small", "TM_RANKS_PER_NODE": "2",
                "SLURM_GPUS_ON_NODE": "4", "OMP_NUM_THREADS": "2"},
     # inside a job of the local cluster's 4 CPU nodes, 2 ranks each (what Slurm sets)
-    "job": {"SLURM_JOB_NUM_NODES": "4", "TM_RANKS_PER_NODE": "2"},
+    "job": {"SLURM_JOB_NUM_NODES": "5", "TM_RANKS_PER_NODE": "2"},  # + the keeper node, which runs no rank
 }
 
 

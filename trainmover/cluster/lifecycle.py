@@ -248,7 +248,7 @@ def _ensure_reservation(spec: ClusterSpec) -> None:
 
 
 def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = None,
-       rootfs_cache=None, force_root: bool = False) -> ClusterInfo:
+       rootfs_cache=None, force_root: bool = False, keepers: int = specmod.KEEPERS) -> ClusterInfo:
     """Start the embedded cluster and wait until every node is idle and the standby
     reservation exists. Idempotent: with the cluster already running it only reports it.
 
@@ -257,7 +257,8 @@ def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = 
     `rootfs_cache` (default $TM_ROOTFS_CACHE or /var/cache/trainmover/rootfs); `force_root`
     takes the root filesystem even for the host's release. None: the release a cluster in
     `state_dir` ran, else the host's. Raises ClusterError naming the daemon that failed,
-    with the tail of its log, or the supported versions for an unsupported one."""
+    with the tail of its log, or the supported versions for an unsupported one. `keepers`: keeper
+    nodes (a TrainMover job's batch script runs on one: one per job running at once)."""
     t0 = time.monotonic()
     if slurm is not None:
         release(slurm)  # an unsupported version fails before anything else
@@ -269,10 +270,10 @@ def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = 
         cache = rootfs.resolve_cache(rootfs_cache)
         running = daemons.running(old) if old else {}
         live = {k: v for k, v in running.items() if v is not None}
-        if old and live and (old.nodes, old.standby) != (nodes, standby):
+        if old and live and (old.nodes, old.standby, old.keepers) != (nodes, standby, keepers):
             raise ClusterError(
-                f"the cluster in {state_dir} runs with {old.nodes} training + {old.standby} standby nodes, "
-                f"not {nodes} + {standby}; run `trainmover cluster down` first")
+                f"the cluster in {state_dir} runs with {old.nodes} training + {old.standby} standby + {old.keepers} "
+                f"keeper nodes, not {nodes} + {standby} + {keepers}; run `trainmover cluster down` first")
         if old and live and not _same_slurm(old, slurm, force_root):
             raise ClusterError(f"the cluster in {state_dir} runs {old.describe_slurm()}, not Slurm {slurm}; "
                                f"run `trainmover cluster down --dir {state_dir}` first, or use another --dir")
@@ -299,10 +300,10 @@ def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = 
             rel, full, root, installed = rootfs.locate(wanted, cache=cache, log=_log, force_root=forced)
             spec = ClusterSpec(
                 state_dir=state_dir, nodes=nodes, standby=standby,
-                ports=_pick_ports(nodes + standby, old.ports if old else None),
+                ports=_pick_ports(nodes + standby + keepers, old.ports if old else None),
                 db_password=old.db_password if old else secrets.token_hex(16),
                 slurm=rel, slurm_version=full, root=root,
-                net=netblock.claim(state_dir, preferred=old.net if old else None),
+                net=netblock.claim(state_dir, preferred=old.net if old else None), keepers=keepers,
             )
         _log(f"{spec.describe_slurm()}")
         _write_files(spec, old)

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainmover.cluster.releases import RELEASES, Release
+from trainmover.controller.keeper import KEEPER_FEATURE, TRAIN_FEATURE  # what the keeper and templates ask for
 
 PARTITION = "train"
+KEEPERS = 2                   # keeper nodes: one per TrainMover job running at the same time
 RESERVATION = "trainmover_standby"
 CLUSTER_NAME = "trainmover"
 # First host byte of the node addresses in the cluster's 127.0.N.0/24 (netblock.py). Debian
@@ -53,6 +55,7 @@ class ClusterSpec:
     slurm_version: str = ""
     root: str = ""
     net: int = 1             # node addresses in 127.0.<net>.0/24 (netblock.py)
+    keepers: int = 2         # keeper nodes (feature tm_keeper): a job's batch script runs on one (docs/admin.md)
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.standby < 0:
@@ -87,14 +90,24 @@ class ClusterSpec:
         return [f"spare{i}" for i in range(1, self.standby + 1)]
 
     @property
+    def keeper_nodes(self) -> list[str]:
+        return [f"keep{i}" for i in range(1, self.keepers + 1)]
+
+    @property
     def all_nodes(self) -> list[str]:
-        return self.train_nodes + self.spare_nodes
+        return self.train_nodes + self.spare_nodes + self.keeper_nodes
 
     def addr(self, node: str) -> str:
         return f"127.0.{self.net}.{FIRST_ADDR + self.all_nodes.index(node)}"
 
     def slurmd_port(self, node: str) -> int:
         return self.ports.slurmd_base + self.all_nodes.index(node)
+
+    @property
+    def keeper_expr(self) -> str:
+        if not self.keepers:
+            return ""
+        return f"keep[1-{self.keepers}]" if self.keepers > 1 else "keep1"
 
     @property
     def train_expr(self) -> str:
@@ -199,7 +212,7 @@ class ClusterSpec:
     def layout_key(self) -> tuple:
         """What slurmctld's saved state depends on: a change means a fresh state (a
         different Slurm release may not read another's state files)."""
-        return (self.nodes, self.standby, self.cpus, self.memory_mb, self.slurm, self.net)
+        return (self.nodes, self.standby, self.cpus, self.memory_mb, self.slurm, self.net, self.keepers)
 
 
 def render_slurm_conf(spec: ClusterSpec) -> str:
@@ -266,16 +279,20 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         "HealthCheckNodeState=IDLE,CYCLE",
         "",
     ]
+    # Keepers (feature tm_keeper) run a job's batch script and no rank, so that every training
+    # node can leave the job (docs/admin.md, "No special node"); weighted last for other jobs.
     for node in s.all_nodes:
-        weight = 1 if node.startswith("train") else 100
+        keeper = node in s.keeper_nodes
+        weight = 1 if node.startswith("train") else (1000 if keeper else 100)
         lines.append(
             f"NodeName={node} NodeAddr={s.addr(node)} NodeHostname={node} Port={s.slurmd_port(node)} "
-            f"CPUs={s.cpus} RealMemory={s.memory_mb} Weight={weight} State=UNKNOWN"
+            f"CPUs={s.cpus} RealMemory={s.memory_mb} Weight={weight} "
+            f"Features={KEEPER_FEATURE if keeper else TRAIN_FEATURE} State=UNKNOWN"
         )
-    nodes = s.train_expr + ("," + s.spare_expr if s.standby else "")
+    nodes = ",".join(x for x in (s.train_expr, s.spare_expr if s.standby else "", s.keeper_expr) if x)
     lines += [
         "",
-        "# One partition over training and standby nodes: a job and the donor allocation",
+        "# One partition over training, standby and keeper nodes: a job and the donor allocation",
         f"# that grows it must share a partition. The spares are kept out of ordinary use",
         f"# by the reservation {RESERVATION} (created by `trainmover cluster up`).",
         f"PartitionName={PARTITION} Nodes={nodes} Default=YES MaxTime=INFINITE State=UP "

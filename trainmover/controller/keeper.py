@@ -264,6 +264,14 @@ def _read(conn, inbox: queue.Queue) -> None:
 
 
 KEEPER_FEATURE = "tm_keeper"
+TRAIN_FEATURE = "tm_train"
+
+
+def sbatch_args(training_nodes: int) -> list[str]:
+    """sbatch options for a job of `training_nodes` training nodes and one keeper node (what the
+    templates' #SBATCH lines say, for scripts and tests that set the size on the command line)."""
+    return [f"--nodes={training_nodes + 1}", f"--constraint=[{KEEPER_FEATURE}*1&{TRAIN_FEATURE}*{training_nodes}]",
+            f"--batch={KEEPER_FEATURE}"]
 
 
 def is_keeper(slurm, node: str) -> bool:

@@ -18,9 +18,10 @@ from trainmover.slurm import commands
 TIMEOUT_S = 30.0
 
 
-def explain(slurm_error: str, partitions: str, reservations: str) -> str:
+def explain(slurm_error: str, partitions: str, reservations: str, keepers: int = 0) -> str:
     """The refusal in words (pure). `partitions`: `sinfo -h -o '%R %D'` output; `reservations`:
-    `scontrol -o show reservation` output."""
+    `scontrol -o show reservation` output; `keepers`: nodes with the feature tm_keeper (a job's
+    batch script runs on one of them and it trains on none: docs/admin.md)."""
     reason = " ".join(ln.strip() for ln in slurm_error.splitlines() if ln.strip()) or "no reason given"
     lines = [f"Slurm says this job could never start here: {reason}"]
     sizes = [ln.split() for ln in partitions.splitlines() if len(ln.split()) == 2]
@@ -33,10 +34,13 @@ def explain(slurm_error: str, partitions: str, reservations: str) -> str:
         return "\n".join(lines)
     reserved = sum(n for _, n, _ in held)
     for name, total in sizes:
-        usable = int(total) - reserved
+        usable = int(total) - reserved - keepers
         held_text = "; ".join(f"{nodes} held by reservation {r}" for r, _, nodes in held)
+        how = (f"--nodes={usable + 1} --constraint=[tm_keeper*1&tm_train*{usable}] (its keeper node included)"
+               if keepers else f"--nodes={usable}")
         lines.append(f"partition {name}: {total} nodes" + (f" ({held_text}, for standbys)" if held else "")
-                     + f", so a job gets at most {usable} training nodes: submit with --nodes={usable} or fewer"
+                     + (f", {keepers} keeper node(s)" if keepers else "")
+                     + f", so a job gets at most {usable} training nodes: submit with {how} or fewer"
                        " (TrainMover adds its standbys from the reservation itself)")
     return "\n".join(lines)
 
@@ -48,6 +52,9 @@ def submit(argv: list[str], env: Mapping[str, str] | None = None,
     if test.returncode != 0:
         parts = run(["sinfo", "-h", "-o", "%R %D"], timeout=TIMEOUT_S, env=env, check=False).stdout
         resv = run(["scontrol", "-o", "show", "reservation"], timeout=TIMEOUT_S, env=env, check=False).stdout
-        return test.returncode, "", explain(test.stderr, parts, resv)
+        feats = run(["sinfo", "-h", "-N", "-o", "%N %f"], timeout=TIMEOUT_S, env=env, check=False).stdout
+        keepers = len({ln.split()[0] for ln in feats.splitlines()
+                       if len(ln.split()) == 2 and "tm_keeper" in ln.split()[1].split(",")})
+        return test.returncode, "", explain(test.stderr, parts, resv, keepers)
     done = run(["sbatch", *argv], timeout=TIMEOUT_S, env=env, check=False)
     return done.returncode, done.stdout, done.stderr
