@@ -42,7 +42,7 @@ def test_up_is_idempotent(slurm_cluster):
     st = cluster.status(slurm_cluster.state_dir)
     assert st["running"] and st["reservation"] == RESV
     assert all(d["up"] for d in st["daemons"].values())
-    assert set(st["nodes"]) == {"train1", "train2", "train3", "train4", "spare1", "spare2"}
+    assert set(st["nodes"]) == {"train1", "train2", "train3", "train4", "spare1", "spare2", "keep1", "keep2"}
 
 
 def test_env_lines_work_in_a_shell(slurm_cluster):
@@ -56,19 +56,23 @@ def test_env_lines_work_in_a_shell(slurm_cluster):
 
 
 def test_ordinary_jobs_never_land_on_spares(slurm_client, slurm_env, submit):
+    """Spares are reserved; keeper nodes are weighted last (an ordinary job takes one only when
+    every training node is busy)."""
     jobs = [submit("#!/bin/bash\nhostname\nsleep 600\n", nodes=1, name=f"plain{i}", wait_running=False)
-            for i in range(5)]
+            for i in range(7)]
     ids = [j.job_id for j in jobs]
-    wait_for("4 jobs to run", lambda: sum(slurm_client.job(j).running for j in ids) == 4, timeout=30)
+    wait_for("6 jobs to run", lambda: sum(slurm_client.job(j).running for j in ids) == 6, timeout=30)
     time.sleep(1.0)  # give the scheduler a pass in which it could (wrongly) use a spare
     states = {j: slurm_client.job(j) for j in ids}
     used = sorted(n for j in states.values() for n in j.nodes)
-    assert used == ["train1", "train2", "train3", "train4"]
+    assert used == ["keep1", "keep2", "train1", "train2", "train3", "train4"]
+    first4 = sorted(n for j in ids[:4] for n in states[j].nodes)
+    assert first4 == ["train1", "train2", "train3", "train4"]  # training nodes first
     pending = [j for j in states.values() if j.state == "PENDING"]
     assert len(pending) == 1 and pending[0].reason in ("Resources", "Priority")
     assert all(n.idle for n in slurm_client.nodes(["spare1", "spare2"]).values())
-    # a job that asks for more nodes than the training pool can never start
-    big = submit(SLEEP, nodes=5, name="toobig", wait_running=False)
+    # a job that asks for more nodes than the pool outside the reservation can never start
+    big = submit(SLEEP, nodes=7, name="toobig", wait_running=False)
     time.sleep(1.0)
     assert slurm_client.job(big.job_id).state == "PENDING"
 

@@ -78,7 +78,7 @@ class Keeper:
             argv += ["--resume", "--attempt", str(self.attempt)]
         env = self.slurm.step_env(self.slurm.job(self.job_id), self.environ)
         srun = self.slurm.step_argv(self.job_id, home, argv, ntasks=1, name=CONTROLLER_STEP)
-        proc = start_srun(srun, env, self.root / f"controller-{home}.log")
+        proc = start_srun(srun, env, None)  # the job's output file, as without a keeper
         self.controller = (home, proc)
         self.started_at, self.misses, self.conn, self.lost_at = time.monotonic(), 0, None, None
         log.info("controller started on %s (attempt %d%s)", home, self.attempt, ", resuming" if resume else "")

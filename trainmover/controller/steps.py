@@ -61,8 +61,10 @@ class Adopted:
             pass
 
 
-def start_srun(argv: list[str], env: dict, log_path: Path) -> subprocess.Popen:
-    """One step's srun, its output appended to `log_path`."""
+def start_srun(argv: list[str], env: dict, log_path: Path | None) -> subprocess.Popen:
+    """One step's srun, its output appended to `log_path` (None: this process's own output)."""
+    if log_path is None:
+        return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
     with open(log_path, "ab") as out:
         return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
