@@ -122,8 +122,9 @@ def run_job(spec: dict) -> int:
             t["held_detail_at_kill"] = ((status.get("protection") or {}).get("snapshots") or {}).get("held_detail")
         t["t"], t["step"] = time.time(), step
         # `taskset` and `env` exec the worker: this pid is the training process itself
-        ctl.steps[spec["leaver"]].send_signal(signal.SIGKILL)
-        t["reply"] = f"SIGKILL to the worker on {spec['leaver']} after step {step}"
+        sig = getattr(signal, f"SIG{spec.get('signal', 'KILL')}")  # STOP: frozen, sockets open (heartbeats)
+        ctl.steps[spec["leaver"]].send_signal(sig)
+        t["reply"] = f"{sig.name} to the worker on {spec['leaver']} after step {step}"
         return True
 
     if spec["fault"] != "none":
@@ -305,7 +306,8 @@ def spec_of(args, name: str, fault: str, work: Path, deadline_s: float) -> dict:
             "workers": args.gpus - 1, "workdir": str(work / name),
             # a reference needs no standby: its workers alone, possibly beside another benchmark's
             "gpus": args.gpus - 1 if ref else args.gpus, "train": args.gpus - 1,
-            "first_gpu": args.first_gpu if ref else 0, "host_gpus": args.host_gpus,
+            "first_gpu": args.first_gpu if ref else 0, "host_gpus": args.host_gpus, "share_gpu": args.share_gpu,
+            "signal": args.signal,
             "config": {**job_config(args, fault), **({"standbys": 0} if ref else {})}}
 
 
@@ -325,6 +327,10 @@ def main() -> int:
     ap.add_argument("--first-gpu", type=int, default=0, help="--ref-only: the GPU it runs on")
     ap.add_argument("--ref", default=None, help="raw.json of a reference run to reuse (same preset and steps)")
     ap.add_argument("--p2p", action="store_true", help="also measure plain NCCL send/recv (~20 s)")
+    ap.add_argument("--signal", choices=("KILL", "STOP"), default="KILL",
+                    help="--fault kill: SIGKILL (a crash) or SIGSTOP (a frozen process, found by its silent heartbeat)")
+    ap.add_argument("--share-gpu", action="store_true", help="worker and standby on one GPU (a one-GPU machine); "
+                                                               "only --fault kill")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
     ap.add_argument("--work", default=None, help="scratch directory of the jobs (default: a new one under /tmp)")
     ap.add_argument("--machine", default=os.environ.get("TM_BENCH_MACHINE", "unknown"))
@@ -336,7 +342,10 @@ def main() -> int:
         return run_job(json.loads(args.run_job))
     t_begin = time.monotonic()
     args.leaver = args.leaver or ("gpu0" if args.gpus == 2 else "gpu1")
-    args.host_gpus = args.host_gpus or max(args.gpus, args.first_gpu + 1)
+    args.host_gpus = args.host_gpus or (1 if args.share_gpu else max(args.gpus, args.first_gpu + 1))
+    if args.share_gpu and args.fault != "kill":
+        ap.error("--share-gpu runs only --fault kill: a planned migration's transfer pair would put two ranks "
+                 "of one NCCL communicator on the one GPU")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work or f"/tmp/tm-gpu-migration-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -398,7 +407,7 @@ def main() -> int:
             "when": results_io.now(),
             "settings": {"model_params": params, "preset": args.preset, "dtype": "bf16 autocast, fp32 master + AdamW",
                          "workers": args.gpus - 1, "standbys": 1, "steps": args.steps, "migrate_at": args.migrate_at,
-                         "fault": "SIGKILL of the leaver's worker" if fault == "kill" else "trainmover migrate",
+                         "fault": f"SIG{args.signal} of the leaver's worker" if fault == "kill" else "trainmover migrate",
                          "config": job_config(args, fault), "reference": args.ref or "run here",
                          "torch": torch.__version__,
                          "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None, "env": GPU_ENV},
@@ -408,7 +417,8 @@ def main() -> int:
             "wall_s": round(time.monotonic() - t_begin, 1),
         }
         prefix = "gpu" if cuda else "cpu-dryrun"
-        results_io.write(out / f"{prefix}-{kind}-{args.preset}-{args.leaver}.json", result)
+        sig = "" if fault != "kill" or args.signal == "KILL" else "-freeze"
+        results_io.write(out / f"{prefix}-{kind}{sig}-{args.preset}-{args.leaver}.json", result)
         ok = ok and result["complete"]
     return 0 if ok else 1
 

@@ -21,8 +21,11 @@ def beat(p, now, rank, step, issued, cpu, waiting=None):
 
 
 def step(p, now, rank, n, t=None):
-    return p.on_message(now, NODES[rank], {"type": "step", "rank": rank, "step": n, "loss": 1.0, "step_s": 0.1,
-                                           "compute_s": 0.05, "t": now if t is None else t})
+    """A step report, heard as the executor hears every message (controller/main.py)."""
+    msg = {"type": "step", "rank": rank, "step": n, "loss": 1.0, "step_s": 0.1, "compute_s": 0.05,
+           "t": now if t is None else t}
+    p.heard(now, NODES[rank], PIDS[rank], msg)
+    return p.on_message(now, NODES[rank], msg)
 
 
 def train(p, until, every=0.1, ranks=(0, 1, 2), cpu=None):
@@ -159,6 +162,8 @@ def test_the_stuck_deadline_scales_with_the_step_time():
 def test_a_silent_standby_is_lost_and_fenced_not_a_rank():
     p = new_policy()
     ready_standby(p)
+    p.heard(1.5, "spare1", 300, {"type": "ready", "node": "spare1", "local": 0, "warmup_s": 1.0, "shadow_steps": 2,
+                                 "detail": {}})
     p.heard(2.0, "spare1", 300, {"type": "beat", "ranks": [], "step": 0, "issued": {}, "waiting": {}, "cpu_s": 0.0})
     t, n = train(p, 3.0)
     acts = []
@@ -214,3 +219,26 @@ def test_a_threads_cpu_time_is_read_from_proc_and_grows_only_while_it_computes()
     stop.set()
     th.join()
     assert thread_cpu_s(2 ** 30) == 0.0  # no such thread: unreadable, never an error
+
+
+def test_a_process_still_starting_may_be_silent_as_long_as_a_rendezvous_may_take():
+    """Before its first step a process builds its groups and its model, and a CUDA context or a
+    library's initialisation can hold the interpreter's lock for seconds: it is judged silent
+    only after TM_GROUP_TIMEOUT_S then (a crash is still seen at once, by its closed connection)."""
+    p = new_policy(group_timeout_s=20.0)
+    ready_standby(p)
+    for r in (0, 1, 2):
+        beat(p, 1.0, r, 0, {}, 0.0)
+    for k in range(1, 60):
+        now = 1.0 + k * 0.5
+        for r in (0, 2):
+            beat(p, now, r, 0, {}, 0.0)
+        fences = [a for a in p.on_tick(now) if isinstance(a, Fence)]
+        if now - 1.0 <= 20.0:
+            assert not fences, f"judged at {now - 1.0}s while starting"
+        elif fences:
+            (fence,) = fences
+            assert fence.node == "train2" and "starting: TM_GROUP_TIMEOUT_S=20" in fence.reason
+            break
+    else:
+        raise AssertionError("never judged")

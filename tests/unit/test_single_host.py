@@ -27,3 +27,14 @@ def test_a_reference_job_alone_on_the_second_gpu(tmp_path):
     assert "CUDA_VISIBLE_DEVICES=1" in argv and argv[-3:] == ["python", "-m", "w"]
     with pytest.raises(ValueError, match="not on a host of 2"):
         SingleHostAllocation(gpus=2, train=1, work_dir=str(tmp_path), first_gpu=1, host_gpus=2)
+
+
+def test_a_shared_gpu_runs_every_node_on_the_one_physical_gpu(tmp_path):
+    from trainmover.controller.single_host import SingleHostAllocation
+    alloc = SingleHostAllocation(gpus=2, train=1, work_dir=str(tmp_path), share_gpu=True)
+    assert alloc.host_gpus == 1
+    for node in ("gpu0", "gpu1"):
+        argv = alloc.step_argv(1, node, ["python", "-m", "x"])
+        assert "CUDA_VISIBLE_DEVICES=0" in argv and f"SLURMD_NODENAME={node}" in argv
+    apart = SingleHostAllocation(gpus=2, train=1, work_dir=str(tmp_path))
+    assert "CUDA_VISIBLE_DEVICES=1" in apart.step_argv(1, "gpu1", ["python"])

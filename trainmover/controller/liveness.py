@@ -41,6 +41,7 @@ class Heard:
     cpu: list = field(default_factory=list)  # [(t, training thread CPU s)], oldest first
     evidence: str = ""                     # why the others wait on it (see _behind)
     max_gap: float = 0.0                   # longest silence seen between two of its frames
+    started: bool = False                  # it completed a step or is warm: past its start-up
 
 
 class Liveness:
@@ -55,6 +56,8 @@ class Liveness:
         if h is None:
             h = self.processes[key] = Heard(node, pid, now)
         h.max_gap, h.t = max(h.max_gap, now - h.t), now
+        if msg["type"] in ("step", "ready", "switched", "stalled"):
+            h.started = True
         if msg["type"] == "beat":
             h.ranks, h.step, h.issued, h.waiting = tuple(msg["ranks"]), msg["step"], msg["issued"], msg["waiting"]
             h.cpu.append((now, msg["cpu_s"]))
@@ -82,7 +85,16 @@ class Liveness:
             h = self.processes.get(key)
             if h is not None and t > h.t:
                 h.t = t
-        return [h for h in self.processes.values() if now - h.t > self.cfg.heartbeat_timeout_s]
+        return [h for h in self.processes.values() if now - h.t > self._silence_allowed(h)]
+
+    def _silence_allowed(self, h: Heard) -> float:
+        """TM_HEARTBEAT_TIMEOUT_S, or up to TM_GROUP_TIMEOUT_S before a process's first step (or
+        warm stance): starting, it builds its groups and model, and a CUDA context or a library's
+        initialisation can hold the interpreter's lock, and so its heartbeat thread, for seconds
+        (seen on an H200: a 1B model's worker silent for 3 s before its first step). A crash
+        then is still seen at once, by its closed connection."""
+        return self.cfg.heartbeat_timeout_s if h.started else max(self.cfg.heartbeat_timeout_s,
+                                                                  self.cfg.group_timeout_s)
 
     def _stuck(self, now: float) -> tuple[list[Heard], float]:
         """Processes whose ranks the others wait on while their training thread idles."""
@@ -122,8 +134,8 @@ class Liveness:
         actions: list = []
         for h in self._silent(now, arrivals):
             actions += self._judged_dead(now, h, f"no heartbeat for {now - h.t:.1f}s "
-                                                 f"(TM_HEARTBEAT_TIMEOUT_S={self.cfg.heartbeat_timeout_s:g}; "
-                                                 f"last: {h.step} steps complete)")
+                                                 f"({'TM_HEARTBEAT_TIMEOUT_S' if h.started else 'starting: TM_GROUP_TIMEOUT_S'}"
+                                                 f"={self._silence_allowed(h):g}; last: {h.step} steps complete)")
         switching = any(m.phase is Phase.SWITCHING for m in self.migrations)  # a state copy may take long
         if self.recovery() is None and not self.finished and not switching:
             stuck, deadline = self._stuck(now)

@@ -21,11 +21,15 @@ class SingleHostAllocation:
     (e.g. two one-GPU reference jobs) take different CPUs."""
 
     def __init__(self, gpus: int, train: int, work_dir: str, job_id: int = 1, first_gpu: int = 0,
-                 host_gpus: int | None = None):
+                 host_gpus: int | None = None, share_gpu: bool = False):
+        """`share_gpu`: every 'node' runs on the one physical GPU `first_gpu` (a one-GPU machine:
+        a worker and its standby side by side; nothing that puts two ranks of one NCCL
+        communicator there, such as a planned migration's transfer pair, can run)."""
         if not 0 < train <= gpus:
             raise ValueError(f"need 0 < train ({train}) <= gpus ({gpus})")
-        self.host_gpus = host_gpus if host_gpus is not None else first_gpu + gpus
-        if first_gpu < 0 or first_gpu + gpus > self.host_gpus:
+        self.share_gpu = share_gpu
+        self.host_gpus = host_gpus if host_gpus is not None else first_gpu + (1 if share_gpu else gpus)
+        if first_gpu < 0 or first_gpu + (1 if share_gpu else gpus) > self.host_gpus:
             raise ValueError(f"GPUs {first_gpu}..{first_gpu + gpus - 1} are not on a host of {self.host_gpus}")
         self.all = [f"gpu{i}" for i in range(first_gpu, first_gpu + gpus)]
         self.in_job = self.all[:train]
@@ -64,7 +68,7 @@ class SingleHostAllocation:
                   env_overrides: Mapping[str, str] | None = None, name: str = "") -> list[str]:
         if ntasks != 1:
             raise ValueError("single-host allocation: one rank per GPU node")
-        gpu = node.removeprefix("gpu")
+        gpu = (self.all[0] if self.share_gpu else node).removeprefix("gpu")
         # Each "node" keeps its own compile caches, as a separate machine would: a joiner must
         # not find kernels that a worker compiled on the same host (warm-up would look free).
         caches = os.path.join(self.work_dir, "compile-cache", node)

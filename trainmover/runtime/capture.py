@@ -128,6 +128,9 @@ def nonfinite_count(tensors: list[torch.Tensor], via: torch.device | str | None 
     return bad
 
 
+CHUNK_BYTES = 256 << 20  # host buffers are allocated (and pinned) in pieces of at most this
+
+
 class Slab:
     """Host buffers for one layout of a state: one flat buffer per dtype (pinned where a GPU
     copies into it), each tensor a view. Allocated once, reused for every version. With
@@ -136,17 +139,33 @@ class Slab:
     def __init__(self, specs: list[tuple[str, tuple, str]], pin: bool, device: str | None = None):
         self.specs = [(p, tuple(s), str(d)) for p, s, d in specs]
         self.pinned = pin
-        sizes: dict[str, int] = {}
-        for _, shape, dtype in self.specs:
-            sizes[dtype] = sizes.get(dtype, 0) + _numel(shape)
-        self.flat = {d: torch.empty(max(n, 1), dtype=_dtype(d), device=device, pin_memory=pin and device is None)
-                     for d, n in sizes.items()}
-        offsets = dict.fromkeys(sizes, 0)
-        self.views: list[torch.Tensor] = []
-        for _, shape, dtype in self.specs:
-            n = _numel(shape)
-            self.views.append(self.flat[dtype][offsets[dtype]:offsets[dtype] + n].view(shape))
-            offsets[dtype] += n
+        # Buffers of at most CHUNK_BYTES (a bigger tensor alone), pinned one after the other:
+        # pinning gigabytes at once stalled the whole process for seconds on an H200 machine
+        # (its memory grows as it is touched), long enough for its heartbeat to fall silent.
+        views: list[torch.Tensor | None] = [None] * len(self.specs)
+        by_dtype: dict[str, list[int]] = {}
+        for i, (_, _, dtype) in enumerate(self.specs):
+            by_dtype.setdefault(dtype, []).append(i)
+        pinned = pin and device is None
+        for dtype, members in by_dtype.items():
+            size = torch.empty((), dtype=_dtype(dtype)).element_size()
+            group: list[int] = []
+            for i in members + [None]:
+                full = i is None or (group and sum(_numel(self.specs[j][1]) for j in group + [i]) * size > CHUNK_BYTES)
+                if full and group:
+                    chunk = torch.empty(max(sum(_numel(self.specs[j][1]) for j in group), 1), dtype=_dtype(dtype),
+                                        device=device, pin_memory=pinned)
+                    at = 0
+                    for j in group:
+                        n = _numel(self.specs[j][1])
+                        views[j] = chunk[at:at + n].view(self.specs[j][1])
+                        at += n
+                    group = []
+                    if pinned:
+                        time.sleep(0.001)  # let the process's other threads run between two pins
+                if i is not None:
+                    group.append(i)
+        self.views = views
         self.bytes = sum(t.numel() * t.element_size() for t in self.views)
 
     def matches(self, specs: list[tuple[str, tuple, str]]) -> bool:
