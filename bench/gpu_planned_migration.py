@@ -123,7 +123,7 @@ def run_job(spec: dict) -> int:
         t["t"], t["step"] = time.time(), step
         # `taskset` and `env` exec the worker: this pid is the training process itself
         sig = getattr(signal, f"SIG{spec.get('signal', 'KILL')}")  # STOP: frozen, sockets open (heartbeats)
-        ctl.steps[spec["leaver"]].send_signal(sig)
+        ctl.launcher.get(spec["leaver"]).send_signal(sig)
         t["reply"] = f"{sig.name} to the worker on {spec['leaver']} after step {step}"
         return True
 
