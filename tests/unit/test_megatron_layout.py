@@ -116,7 +116,7 @@ def test_template_refuses_a_layout_that_does_not_fit_the_allocation(tmp_path):
     stub.write_text("#!/bin/sh\necho started\n")
     stub.chmod(0o755)
     env = {"PATH": "/usr/bin:/bin", "SLURM_SUBMIT_DIR": str(tmp_path), "TM_PYTHON": str(stub),
-           "SLURM_JOB_NUM_NODES": "8", "TM_DP": "1"}
+           "SLURM_JOB_NUM_NODES": "9", "TM_DP": "1"}  # 8 training nodes + the keeper
     bad = subprocess.run(["bash", str(ROOT / "sbatch_templates" / "megatron_gpt.sbatch")], env=env,
                          capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2 and "but the job has 8 ranks" in bad.stderr and "started" not in bad.stdout
@@ -126,8 +126,8 @@ def test_template_refuses_a_layout_that_does_not_fit_the_allocation(tmp_path):
 
 
 def test_template_data_parallel_default_takes_what_the_job_holds(tmp_path):
-    """The default fits the local cluster (4 nodes: TP2 x PP2 x DP1; with 2 ranks a node DP2);
-    a layout that cannot fit says what to change."""
+    """The default fits the local cluster (4 training nodes and the keeper: TP2 x PP2 x DP1; with
+    2 ranks a node DP2); a layout that cannot fit says what to change."""
     stub = tmp_path / "python"
     stub.write_text("#!/bin/sh\necho TM_DP=$TM_DP\n")
     stub.chmod(0o755)
@@ -136,8 +136,8 @@ def test_template_data_parallel_default_takes_what_the_job_holds(tmp_path):
 
     def render(**extra):
         return subprocess.run(["bash", template], env={**env, **extra}, capture_output=True, text=True, timeout=30)
-    assert render(SLURM_JOB_NUM_NODES="4").stdout == "TM_DP=1\n"
-    assert render(SLURM_JOB_NUM_NODES="4", TM_RANKS_PER_NODE="2").stdout == "TM_DP=2\n"
-    bad = render(SLURM_JOB_NUM_NODES="3")
+    assert render(SLURM_JOB_NUM_NODES="5").stdout == "TM_DP=1\n"
+    assert render(SLURM_JOB_NUM_NODES="5", TM_RANKS_PER_NODE="2").stdout == "TM_DP=2\n"
+    bad = render(SLURM_JOB_NUM_NODES="4")
     assert bad.returncode == 2 and "2 x 2 x 1 = 4, but the job has 3 ranks" in bad.stderr
-    assert "submit with --nodes=4" in bad.stderr and "leave TM_DP unset" in bad.stderr
+    assert "submit with --nodes=5 (the keeper node included)" in bad.stderr and "leave TM_DP unset" in bad.stderr

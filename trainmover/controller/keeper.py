@@ -239,7 +239,15 @@ class Keeper:
         return None if not outcome else (0 if outcome.get("ok") else 1)
 
     def _finish(self, code: int) -> int:
-        """The controller ended for good: let the remaining steps end (bounded), then end too."""
+        """The controller ended for good: let the remaining steps end (bounded), then end too. A
+        step on a node that left the job (a lost node, released) has no process to wait for: its
+        srun may wait on a dead slurmd for minutes."""
+        try:
+            nodes = set(self.slurm.job(self.job_id).nodes)
+            for node in [n for n in self.steps if n not in nodes]:
+                self.steps.pop(node)[1].kill()
+        except TrainMoverError as exc:
+            log.warning("could not read the job's nodes at the end: %s", exc)
         deadline = time.monotonic() + 60
         while self.steps and time.monotonic() < deadline:
             self._report_exits()
