@@ -26,7 +26,6 @@ from trainmover.cluster.procs import ClusterError, find_pids, running_pid, tail,
 from trainmover.cluster.releases import release
 from trainmover.cluster.spec import ClusterSpec, Ports
 from trainmover.errors import DeadlineExceeded, SlurmError
-from trainmover.slurm import commands
 
 DEFAULT_DIR = "/var/tmp/trainmover-cluster"
 # Wrappers in <state dir>/bin for a shell (`eval "$(trainmover cluster env)"`) when the
