@@ -5,9 +5,7 @@ filesystem (rootfs.py). The daemons themselves: daemons.py."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import json
 import os
 import secrets
@@ -18,11 +16,11 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 from trainmover.cluster import daemons, install, netblock, plugin, rootfs, spec as specmod
 from trainmover.cluster.daemons import STEP_TIMEOUT
-from trainmover.cluster.procs import ClusterError, find_pids, running_pid, tail, terminate, wait_until
+from trainmover.cluster.procs import ClusterError, find_pids, flocked, running_pid, tail, terminate, wait_until
 from trainmover.cluster.releases import release
 from trainmover.cluster.spec import ClusterSpec, Ports
 from trainmover.errors import DeadlineExceeded, SlurmError
@@ -75,23 +73,8 @@ def _log(msg: str) -> None:
     print(f"trainmover cluster: {msg}", file=sys.stderr, flush=True)
 
 
-@contextlib.contextmanager
-def _locked(state_dir: Path, timeout: float = 120.0) -> Iterator[None]:
-    state_dir.mkdir(parents=True, exist_ok=True)
-    with open(state_dir / ".lock", "w") as f:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise ClusterError(f"another `trainmover cluster` command holds {state_dir}/.lock")
-                time.sleep(0.2)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+def _locked(state_dir: Path, timeout: float = 120.0):
+    return flocked(state_dir / ".lock", timeout, "another `trainmover cluster` command holds it")
 
 
 # --- spec persistence ----------------------------------------------------------

@@ -11,37 +11,20 @@ A cluster keeps its block across `down`/`up`; the first cluster on a machine get
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
-import time
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
-from trainmover.cluster.procs import ClusterError
+from trainmover.cluster.procs import ClusterError, flocked
 
 REGISTRY = Path("/var/tmp/trainmover-nets")
 BLOCKS = range(1, 255)
 LOCK_TIMEOUT_S = 30.0
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "a") as f:
-        deadline = time.monotonic() + LOCK_TIMEOUT_S
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise ClusterError(f"timed out after {LOCK_TIMEOUT_S:g}s waiting for {path}")
-                time.sleep(0.1)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+def _locked(path: Path):
+    return flocked(path, LOCK_TIMEOUT_S, "another cluster claims an address block", poll_s=0.1)
 
 
 def _holds(state_dir: str, block: int) -> bool:

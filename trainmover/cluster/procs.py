@@ -4,12 +4,14 @@ files that are trusted only when the process they name is ours, bounded waits.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Optional
 
@@ -186,3 +188,25 @@ def step_pid(job_id: int, node: str, module: str = "trainmover.runtime.worker") 
         if all(env.get(k) == v for k, v in want.items()):
             return int(entry)
     raise ClusterError(f"no {module} process of job {job_id} on {node}")
+
+
+@contextlib.contextmanager
+def flocked(path: Path, timeout: float, held_by: str, poll_s: float = 0.2) -> Iterator[None]:
+    """An exclusive lock on the file `path` (made, with its folder, if missing) for the body of
+    the context; a ClusterError after `timeout` seconds names `held_by`, what holds it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"timed out after {timeout:g}s waiting for {path} ({held_by})") from None
+                time.sleep(poll_s)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -18,8 +18,6 @@ inside and out, and no mount outlives the processes that use it.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import re
@@ -27,10 +25,10 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from trainmover.cluster import install
-from trainmover.cluster.procs import ClusterError, run_cmd
+from trainmover.cluster.procs import ClusterError, flocked, run_cmd
 from trainmover.cluster.releases import RELEASES, Release, parse_version, release
 
 DEFAULT_CACHE = "/var/cache/trainmover/rootfs"
@@ -128,24 +126,8 @@ def root_id(root: Path) -> list[int]:
 
 # --- building --------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def _lock(path: Path, timeout: float) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise ClusterError(f"timed out after {timeout:g}s waiting for {path} "
-                                       "(another process builds this root filesystem)")
-                time.sleep(1.0)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+def _lock(path: Path, timeout: float):
+    return flocked(path, timeout, "another process builds this root filesystem", poll_s=1.0)
 
 
 def _apt_env() -> dict[str, str]:
