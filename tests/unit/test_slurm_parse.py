@@ -110,6 +110,8 @@ def test_parse_nodes_text():
     ("DOWN+NOT_RESPONDING", False, False, True, False),
     ("IDLE+NOT_RESPONDING", False, False, True, False),
     ("IDLE+RESERVED", False, False, False, True),
+    # released from a job, its epilog still running: the scheduler will not place a job there yet
+    ("IDLE+COMPLETING+RESERVED", False, False, False, False),
 ])
 def test_node_state_properties(state, draining, drained, down, idle):
     n = NodeInfo("n", "127.0.0.1", state)
@@ -298,6 +300,17 @@ def _job_line(nodelist: str, num: int, job_id: int = 9, batch: str = "train3") -
             .replace("BatchHost=train3", f"BatchHost={batch}"))
 
 
+def _spares(state1: str = "IDLE+RESERVED", state2: str = "ALLOCATED+RESERVED") -> str:
+    line = NODES_TEXT.splitlines()[2]
+    return (line.replace("IDLE+RESERVED", state1) + "\n"
+            + line.replace("spare1", "spare2").replace("IDLE+RESERVED", state2) + "\n")
+
+
+# grow() first looks at the reservation (a standby still completing is waited for)
+FREE_SPARE = ((["scontrol", "-o", "show", "reservation"], (0, RESV_TEXT, "")),
+              (["scontrol", "-o", "show", "node", "spare1,spare2"], (0, _spares(), "")))
+
+
 def test_grow_merges_one_donor(fake):
     jobs = iter([_job_line("train[3-4]", 2), _job_line("spare1,train[3-4]", 3)])
     f = fake(
@@ -305,6 +318,7 @@ def test_grow_merges_one_donor(fake):
         (["salloc"], (0, "", "salloc: Granted job allocation 10\n")),
         (["scontrol", "-o", "show", "job", "10"], (0, _job_line("spare1", 1, job_id=10, batch="spare1"), "")),
         (["scontrol", "update"], (0, "", "")),
+        *FREE_SPARE,
     )
     assert CliSlurm().grow(9, reservation="trainmover_standby", timeout=5) == "spare1"
     assert ["scontrol", "update", "JobId=10", "NumNodes=0"] in f.seen
@@ -319,12 +333,37 @@ def test_grow_without_free_standby_withdraws_the_donor(fake):
                              "salloc: error: Unable to allocate resources: Connection timed out\n")),
         (["squeue"], (0, "14\n", "")),
         (["scancel"], (0, "", "")),
+        (["scontrol", "-o", "show", "reservation"], (0, RESV_TEXT, "")),
+        (["scontrol", "-o", "show", "node", "spare1,spare2"], (0, _spares("ALLOCATED+RESERVED"), "")),
     )
-    with pytest.raises(NoStandbyAvailable, match="no free standby node in reservation trainmover_standby"):
+    # the message says what each reserved node was doing
+    with pytest.raises(NoStandbyAvailable, match="no free standby node in reservation trainmover_standby.*"
+                       "reserved nodes now: spare1 ALLOCATED\\+RESERVED, spare2 ALLOCATED\\+RESERVED"):
         CliSlurm().grow(9, reservation="trainmover_standby", timeout=3)
     assert ["squeue", "-h", "--name=trainmover-donor-9", "-o", "%i"] in f.seen
     assert ["scancel", "14"] in f.seen
     assert not any(a[:2] == ["scontrol", "update"] for a in f.seen)
+
+
+def test_grow_waits_for_a_standby_still_completing_before_asking(fake):
+    """A donor request that finds no node free waits for slurmctld's next full scheduling pass,
+    not for the epilog's end: grow() asks only once the completing standby is free."""
+    states = iter([_spares("IDLE+COMPLETING+RESERVED"), _spares("IDLE+COMPLETING+RESERVED"), _spares()])
+    jobs = iter([_job_line("train[3-4]", 2), _job_line("spare1,train[3-4]", 3)])
+    f = fake(
+        (["scontrol", "-o", "show", "job", "9"], lambda: (0, next(jobs), "")),
+        (["scontrol", "-o", "show", "reservation"], (0, RESV_TEXT, "")),
+        (["scontrol", "-o", "show", "node", "spare1,spare2"], lambda: (0, next(states), "")),
+        (["salloc"], (0, "", "salloc: Granted job allocation 10\n")),
+        (["scontrol", "-o", "show", "job", "10"], (0, _job_line("spare1", 1, job_id=10, batch="spare1"), "")),
+        (["scontrol", "update"], (0, "", "")),
+    )
+    now = [1000.0]
+    c = CliSlurm(wall_clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+    assert c.grow(9, reservation="trainmover_standby", timeout=5) == "spare1"
+    salloc = next(a for a in f.seen if a[0] == "salloc")
+    # asked after the standby was free, with what was left of the deadline
+    assert f.seen.index(salloc) > 3 and "--immediate=5" in salloc
 
 
 def test_grow_other_salloc_failures_are_plain_slurm_errors(fake):
@@ -332,6 +371,7 @@ def test_grow_other_salloc_failures_are_plain_slurm_errors(fake):
         (["scontrol", "-o", "show", "job", "9"], (0, _job_line("train[3-4]", 2), "")),
         (["salloc"], (1, "", "salloc: error: Invalid reservation name specified\n")),
         (["squeue"], (0, "", "")),
+        (["scontrol", "-o", "show", "reservation"], (1, "", "Reservation nope not found\n")),
     )
     with pytest.raises(SlurmError) as ei:
         CliSlurm().grow(9, reservation="nope", timeout=3)
@@ -403,7 +443,7 @@ def test_grow_waits_out_the_credential_revocation_of_a_node_it_just_released(fak
     fake((["scontrol", "-o", "show", "job", "9"], lambda: (0, next(jobs), "")),
          (["scontrol", "-o", "show", "job", "10"], (0, _job_line("spare1", 1, job_id=10, batch="spare1"), "")),
          (["salloc"], (0, "", "salloc: Granted job allocation 10\n")),
-         (["scontrol", "update"], (0, "", "")))
+         (["scontrol", "update"], (0, "", "")), *FREE_SPARE)
     now = [1000.30]
     slept = []
     c = CliSlurm(wall_clock=lambda: now[0], sleep=lambda s: (slept.append(s), now.__setitem__(0, now[0] + s)))

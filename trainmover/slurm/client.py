@@ -178,12 +178,43 @@ class CliSlurm:
             self._run(build.scancel(ids), check=False)
         return ids
 
+    def _await_completing_standby(self, reservation: str, timeout: float) -> float:
+        """Wait while the reservation's only candidates are still completing a job; return the
+        seconds waited (at most `timeout` - 1, leaving salloc its last second).
+
+        A standby released moments ago shows COMPLETING until its epilog ends, and a donor request
+        that finds no node free when submitted waits for slurmctld's next full scheduling pass
+        (sched_interval, 60 s by default): the epilog's end does not retry it (seen on 26.05 under
+        load, a donor pending 10 s beside a standby freed after 0.5 s). So ask once one is free."""
+        start = self._wall_clock()
+        while True:
+            try:
+                nodes = list(self.nodes(self.reservation_nodes(reservation)).values())
+            except SlurmError:
+                return self._wall_clock() - start  # salloc will say what is wrong with the reservation
+            completing = [n for n in nodes if (n.base_state == "COMPLETING" or "COMPLETING" in n.flags)
+                          and n.base_state not in ("ALLOCATED", "MIXED") and not n.down and "DRAIN" not in n.flags]
+            waited = self._wall_clock() - start
+            if any(n.idle for n in nodes) or not completing or waited >= timeout - 1:
+                return waited
+            self._sleep(0.1)
+
+    def _describe_reservation(self, reservation: str) -> str:
+        """'spare1 IDLE+COMPLETING, spare2 ALLOCATED': why a standby request went unanswered,
+        for the error message only (a failure to ask is said, never raised)."""
+        try:
+            nodes = self.nodes(self.reservation_nodes(reservation))
+        except SlurmError as e:
+            return f"unknown ({e})"
+        return ", ".join(f"{n} {info.state}" for n, info in sorted(nodes.items())) or "none"
+
     def grow(self, job_id: int, *, reservation: str, partition: Optional[str] = None,
              timeout: float = 30.0) -> str:
         before = self.job(job_id)
         if not before.running:
             raise SlurmError(f"cannot grow job {job_id}: it is {before.state}, not RUNNING")
         part = partition or before.partition
+        timeout = max(1.0, timeout - self._await_completing_standby(reservation, timeout))
         salloc = build.donor_salloc(job_id, partition=part, reservation=reservation, timeout=timeout)
         try:
             proc = self._run(salloc, timeout=timeout + 15, check=False)
@@ -197,7 +228,8 @@ class CliSlurm:
             if "Unable to allocate resources" in err and ("timed out" in err or "Connection timed out" in err):
                 raise NoStandbyAvailable(
                     f"no free standby node in reservation {reservation} for job {job_id} within {timeout:g}s "
-                    f"({err.splitlines()[-1] if err else 'salloc printed nothing'})")
+                    f"({err.splitlines()[-1] if err else 'salloc printed nothing'}; "
+                    f"reserved nodes now: {self._describe_reservation(reservation)})")
             raise SlurmError(f"salloc for a donor of job {job_id} failed (exit {proc.returncode}): {err}")
         try:
             new_nodes = self.job(donor).nodes

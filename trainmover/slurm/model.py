@@ -76,8 +76,9 @@ class NodeInfo:
 
     @property
     def idle(self) -> bool:
-        """Free for a new allocation: idle, not draining, down or powered off."""
-        blocked = {"DRAIN", "NOT_RESPONDING", "POWERED_DOWN", "POWERING_DOWN", "MAINTENANCE", "FAIL", "REBOOT_REQUESTED"}
+        """Free for a new allocation: idle, not draining, down or powered off, and no job still
+        completing there (the scheduler will not place a job on it until its epilog ends)."""
+        blocked = {"COMPLETING", "DRAIN", "NOT_RESPONDING", "POWERED_DOWN", "POWERING_DOWN", "MAINTENANCE", "FAIL", "REBOOT_REQUESTED"}
         return self.base_state == "IDLE" and not (self.flags & blocked)
 
     @property
