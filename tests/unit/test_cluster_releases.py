@@ -66,6 +66,19 @@ def test_spec_records_its_slurm():
         _spec("23.02")
 
 
+def test_unseen_names_what_a_process_cannot_see(tmp_path):
+    """A cluster started from another checkout runs none of this one's code: up() restarts it."""
+    assert rootfs.unseen(os.getpid(), [str(tmp_path), str(rootfs.CHECKOUT)]) == []
+    # a process whose root is elsewhere sees an empty mount point, or nothing, at the same path
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert rootfs.unseen(child.pid, ["/nonexistent/x", str(tmp_path)]) == ["/nonexistent/x"]
+    finally:
+        child.kill()
+        child.wait()
+    assert rootfs.unseen(2 ** 22 + 7, [str(tmp_path)]) == [str(tmp_path)]  # no such process
+
+
 def test_binds_leave_out_nested_paths(tmp_path):
     (tmp_path / "a" / "b").mkdir(parents=True)
     got = rootfs.binds(tmp_path / "a" / "b", tmp_path / "a", "/tmp/../proc", "/nonexistent/x")

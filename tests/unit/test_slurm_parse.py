@@ -306,11 +306,6 @@ def _spares(state1: str = "IDLE+RESERVED", state2: str = "ALLOCATED+RESERVED") -
             + line.replace("spare1", "spare2").replace("IDLE+RESERVED", state2) + "\n")
 
 
-# grow() first looks at the reservation (a standby still completing is waited for)
-FREE_SPARE = ((["scontrol", "-o", "show", "reservation"], (0, RESV_TEXT, "")),
-              (["scontrol", "-o", "show", "node", "spare1,spare2"], (0, _spares(), "")))
-
-
 def test_grow_merges_one_donor(fake):
     jobs = iter([_job_line("train[3-4]", 2), _job_line("spare1,train[3-4]", 3)])
     f = fake(
@@ -318,7 +313,6 @@ def test_grow_merges_one_donor(fake):
         (["salloc"], (0, "", "salloc: Granted job allocation 10\n")),
         (["scontrol", "-o", "show", "job", "10"], (0, _job_line("spare1", 1, job_id=10, batch="spare1"), "")),
         (["scontrol", "update"], (0, "", "")),
-        *FREE_SPARE,
     )
     assert CliSlurm().grow(9, reservation="trainmover_standby", timeout=5) == "spare1"
     assert ["scontrol", "update", "JobId=10", "NumNodes=0"] in f.seen
@@ -345,25 +339,30 @@ def test_grow_without_free_standby_withdraws_the_donor(fake):
     assert not any(a[:2] == ["scontrol", "update"] for a in f.seen)
 
 
-def test_grow_waits_for_a_standby_still_completing_before_asking(fake):
-    """A donor request that finds no node free waits for slurmctld's next full scheduling pass,
-    not for the epilog's end: grow() asks only once the completing standby is free."""
-    states = iter([_spares("IDLE+COMPLETING+RESERVED"), _spares("IDLE+COMPLETING+RESERVED"), _spares()])
+def test_grow_asks_again_while_its_deadline_lasts(fake):
+    """A donor request that found no node free stays pending until slurmctld's next full
+    scheduling pass; grow() withdraws it after DONOR_TRY_S and asks again, within its deadline."""
+    timed_out = (1, "", "salloc: Pending job allocation 14\n"
+                        "salloc: error: Unable to allocate resources: Connection timed out\n")
+    sallocs = iter([timed_out, timed_out, (0, "", "salloc: Granted job allocation 16\n")])
     jobs = iter([_job_line("train[3-4]", 2), _job_line("spare1,train[3-4]", 3)])
+    now = [100.0]
+
+    def salloc():
+        now[0] += 2.0  # each timed-out request took its 2 s
+        return next(sallocs)
     f = fake(
         (["scontrol", "-o", "show", "job", "9"], lambda: (0, next(jobs), "")),
-        (["scontrol", "-o", "show", "reservation"], (0, RESV_TEXT, "")),
-        (["scontrol", "-o", "show", "node", "spare1,spare2"], lambda: (0, next(states), "")),
-        (["salloc"], (0, "", "salloc: Granted job allocation 10\n")),
-        (["scontrol", "-o", "show", "job", "10"], (0, _job_line("spare1", 1, job_id=10, batch="spare1"), "")),
+        (["salloc"], salloc),
+        (["squeue"], (0, "14\n", "")),
+        (["scancel"], (0, "", "")),
+        (["scontrol", "-o", "show", "job", "16"], (0, _job_line("spare1", 1, job_id=16, batch="spare1"), "")),
         (["scontrol", "update"], (0, "", "")),
     )
-    now = [1000.0]
-    c = CliSlurm(wall_clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
-    assert c.grow(9, reservation="trainmover_standby", timeout=5) == "spare1"
-    salloc = next(a for a in f.seen if a[0] == "salloc")
-    # asked after the standby was free, with what was left of the deadline
-    assert f.seen.index(salloc) > 3 and "--immediate=5" in salloc
+    assert CliSlurm(clock=lambda: now[0]).grow(9, reservation="trainmover_standby", timeout=10) == "spare1"
+    tries = [a for a in f.seen if a[0] == "salloc"]
+    assert len(tries) == 3 and all("--immediate=2" in a for a in tries)
+    assert ["scontrol", "update", "JobId=16", "NumNodes=0"] in f.seen
 
 
 def test_grow_other_salloc_failures_are_plain_slurm_errors(fake):
@@ -443,7 +442,7 @@ def test_grow_waits_out_the_credential_revocation_of_a_node_it_just_released(fak
     fake((["scontrol", "-o", "show", "job", "9"], lambda: (0, next(jobs), "")),
          (["scontrol", "-o", "show", "job", "10"], (0, _job_line("spare1", 1, job_id=10, batch="spare1"), "")),
          (["salloc"], (0, "", "salloc: Granted job allocation 10\n")),
-         (["scontrol", "update"], (0, "", "")), *FREE_SPARE)
+         (["scontrol", "update"], (0, "", "")))
     now = [1000.30]
     slept = []
     c = CliSlurm(wall_clock=lambda: now[0], sleep=lambda s: (slept.append(s), now.__setitem__(0, now[0] + s)))

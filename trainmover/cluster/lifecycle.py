@@ -259,6 +259,13 @@ def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = 
         if old and live and not _same_slurm(old, slurm, force_root):
             raise ClusterError(f"the cluster in {state_dir} runs {old.describe_slurm()}, not Slurm {slurm}; "
                                f"run `trainmover cluster down --dir {state_dir}` first, or use another --dir")
+        slurmd = next((pid for name, pid in live.items() if name.startswith("slurmd:")), None)
+        hidden = rootfs.unseen(slurmd, rootfs.binds(state_dir)) if old and old.root and slurmd else []
+        if hidden:
+            _log(f"the cluster in {state_dir} was started from another checkout or interpreter ({', '.join(hidden)} "
+                 "not visible on its nodes): restarting it")
+            _stop(old)
+            running, live = {}, {}
         if old and len(live) == len(running) and daemons.ctld_up(old) and _all_nodes_ready(old) \
                 and (old.standby == 0 or _reservation_exists(old)):
             _write_slurm_access(old)

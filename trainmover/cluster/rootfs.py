@@ -91,6 +91,18 @@ def binds(*extra: os.PathLike | str) -> list[str]:
     return out
 
 
+def unseen(pid: int, paths: Sequence[str]) -> list[str]:
+    """Those of `paths` that process `pid` (a node's slurmd inside a root) cannot see: a
+    cluster started from another checkout or interpreter runs none of this one's code."""
+    def same(p: str) -> bool:  # the host's own directory there, not an empty mount point
+        try:
+            inside, host = os.stat(f"/proc/{pid}/root{p}"), os.stat(p)
+        except OSError:
+            return False
+        return (inside.st_dev, inside.st_ino) == (host.st_dev, host.st_ino)
+    return [p for p in paths if not same(p)]
+
+
 def launcher(root: Path, bind_paths: Sequence[str], *, hostname: Optional[str] = None,
              hosts: Optional[os.PathLike | str] = None, chdir: Optional[str] = None) -> list[str]:
     """argv prefix that runs a program inside `root` (see nodeexec.py); with `hostname`

@@ -67,11 +67,14 @@ class CliSlurm:
     # release (1 s resolution) and rejects credentials created no later than that
     # second ("Job credential revoked"). grow() waits out that second.
     CRED_REVOKE_MARGIN_S = 1.05
+    # Seconds of one donor request: grow() makes several within its deadline (see there).
+    DONOR_TRY_S = 2.0
 
     def __init__(self, *, slurm_conf: Optional[str] = None, timeout: float = 15.0,
-                 wall_clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep):
+                 wall_clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.monotonic):
         self.timeout = timeout
-        self._wall_clock, self._sleep = wall_clock, sleep
+        self._wall_clock, self._sleep, self._clock = wall_clock, sleep, clock
         self._released_at: dict[tuple[int, str], float] = {}
         self._env: Optional[dict[str, str]] = None
         if slurm_conf is not None:
@@ -178,27 +181,6 @@ class CliSlurm:
             self._run(build.scancel(ids), check=False)
         return ids
 
-    def _await_completing_standby(self, reservation: str, timeout: float) -> float:
-        """Wait while the reservation's only candidates are still completing a job; return the
-        seconds waited (at most `timeout` - 1, leaving salloc its last second).
-
-        A standby released moments ago shows COMPLETING until its epilog ends, and a donor request
-        that finds no node free when submitted waits for slurmctld's next full scheduling pass
-        (sched_interval, 60 s by default): the epilog's end does not retry it (seen on 26.05 under
-        load, a donor pending 10 s beside a standby freed after 0.5 s). So ask once one is free."""
-        start = self._wall_clock()
-        while True:
-            try:
-                nodes = list(self.nodes(self.reservation_nodes(reservation)).values())
-            except SlurmError:
-                return self._wall_clock() - start  # salloc will say what is wrong with the reservation
-            completing = [n for n in nodes if (n.base_state == "COMPLETING" or "COMPLETING" in n.flags)
-                          and n.base_state not in ("ALLOCATED", "MIXED") and not n.down and "DRAIN" not in n.flags]
-            waited = self._wall_clock() - start
-            if any(n.idle for n in nodes) or not completing or waited >= timeout - 1:
-                return waited
-            self._sleep(0.1)
-
     def _describe_reservation(self, reservation: str) -> str:
         """'spare1 IDLE+COMPLETING, spare2 ALLOCATED': why a standby request went unanswered,
         for the error message only (a failure to ask is said, never raised)."""
@@ -208,29 +190,46 @@ class CliSlurm:
             return f"unknown ({e})"
         return ", ".join(f"{n} {info.state}" for n, info in sorted(nodes.items())) or "none"
 
+    def _request_donor(self, job_id: int, partition: str, reservation: str,
+                       try_s: float) -> tuple[Optional[int], str]:
+        """One donor request of `try_s` seconds: (donor job id, "") when granted, (None, what
+        salloc said) when no node was granted in time; SlurmError for any other failure."""
+        salloc = build.donor_salloc(job_id, partition=partition, reservation=reservation, timeout=try_s)
+        try:
+            proc = self._run(salloc, timeout=try_s + 15, check=False)
+        except SlurmError:
+            self._cancel_donors(job_id)
+            raise
+        donor = parse.parse_salloc_job_id(proc.stderr)
+        if proc.returncode == 0 and parse.salloc_granted(proc.stderr) and donor is not None:
+            return donor, ""
+        self._cancel_donors(job_id)
+        err = proc.stderr.strip()
+        if "Unable to allocate resources" in err and "timed out" in err:
+            return None, err.splitlines()[-1]
+        raise SlurmError(f"salloc for a donor of job {job_id} failed (exit {proc.returncode}): {err}")
+
     def grow(self, job_id: int, *, reservation: str, partition: Optional[str] = None,
              timeout: float = 30.0) -> str:
         before = self.job(job_id)
         if not before.running:
             raise SlurmError(f"cannot grow job {job_id}: it is {before.state}, not RUNNING")
         part = partition or before.partition
-        timeout = max(1.0, timeout - self._await_completing_standby(reservation, timeout))
-        salloc = build.donor_salloc(job_id, partition=part, reservation=reservation, timeout=timeout)
-        try:
-            proc = self._run(salloc, timeout=timeout + 15, check=False)
-        except SlurmError:
-            self._cancel_donors(job_id)
-            raise
-        donor = parse.parse_salloc_job_id(proc.stderr)
-        if proc.returncode != 0 or not parse.salloc_granted(proc.stderr) or donor is None:
-            self._cancel_donors(job_id)
-            err = proc.stderr.strip()
-            if "Unable to allocate resources" in err and ("timed out" in err or "Connection timed out" in err):
-                raise NoStandbyAvailable(
-                    f"no free standby node in reservation {reservation} for job {job_id} within {timeout:g}s "
-                    f"({err.splitlines()[-1] if err else 'salloc printed nothing'}; "
-                    f"reserved nodes now: {self._describe_reservation(reservation)})")
-            raise SlurmError(f"salloc for a donor of job {job_id} failed (exit {proc.returncode}): {err}")
+        # Several short donor requests rather than one that waits the whole deadline: a request that
+        # finds no node free when submitted (a standby still completing a job it left a moment ago)
+        # stays pending until slurmctld's next full scheduling pass (sched_interval, 60 s by
+        # default), and the node's freeing does not bring that forward. Seen on 24.11 and 26.05: a
+        # donor pending 10 s beside two idle spares. A new request is placed at once.
+        deadline = self._clock() + timeout
+        for _ in range(max(1, math.ceil(timeout / self.DONOR_TRY_S))):
+            try_s = max(1.0, min(self.DONOR_TRY_S, deadline - self._clock()))
+            donor, err = self._request_donor(job_id, part, reservation, try_s)
+            if donor is not None or deadline - self._clock() < 1.0:
+                break
+        if donor is None:
+            raise NoStandbyAvailable(
+                f"no free standby node in reservation {reservation} for job {job_id} within {timeout:g}s "
+                f"({err}; reserved nodes now: {self._describe_reservation(reservation)})")
         try:
             new_nodes = self.job(donor).nodes
             if len(new_nodes) != 1:
