@@ -43,6 +43,7 @@ cluster-down:
 	-$(VENV)/bin/trainmover cluster down
 	-$(VENV)/bin/trainmover cluster down --dir /var/tmp/trainmover-cluster-e2e
 	-$(VENV)/bin/trainmover cluster down --dir /var/tmp/trainmover-cluster-megatron
+	-$(VENV)/bin/trainmover cluster down --dir /var/tmp/trainmover-cluster-wholenode
 	-for v in $$($(VENV)/bin/python -m trainmover.cluster releases); do \
 	  $(VENV)/bin/trainmover cluster down --slurm $$v; \
 	  $(VENV)/bin/trainmover cluster down --dir /var/tmp/trainmover-cluster-e2e-$$v; \
