@@ -94,6 +94,7 @@ class Config:
     straggler_threshold: float = field(default=0.10, metadata={"env": "TM_STRAGGLER_THRESHOLD", "doc": "slow: compute time this much above the median of the nodes"})
     straggler_windows: int = field(default=3, metadata={"env": "TM_STRAGGLER_WINDOWS", "doc": "consecutive slow windows before a verdict"})
     straggler_window_steps: int = field(default=20, metadata={"env": "TM_STRAGGLER_WINDOW_STEPS", "doc": "steps per timing window"})
+    straggler_cooldown_s: float = field(default=300.0, metadata={"env": "TM_STRAGGLER_COOLDOWN_S", "doc": "after a straggler eviction, later verdicts are only reported for this long"})
     rebalance_every_steps: int = field(default=0, metadata={"env": "TM_REBALANCE_EVERY_STEPS", "doc": "move one node to a warm standby every N steps (0: never)"})
     snapshot_every: int = field(default=50, metadata={"env": "TM_SNAPSHOT_EVERY", "doc": "every N steps each rank keeps a copy of its full state in host memory and sends one to a rank on the next node (0: off). 50: on the CPU demo a snapshot costs 0.029 s, about one step, 2.4% of the step time spread over 50 steps, and a rollback redoes at most 49 steps (about 1.2 s there); raise it where the state copy is expensive next to a step"})
     checkpoint_every: int = field(default=0, metadata={"env": "TM_CHECKPOINT_EVERY", "doc": "every N steps each rank writes its full state to <run dir>/checkpoints (HDF5, off the training thread); 2 kept (0: off)"})
@@ -153,9 +154,10 @@ class Config:
             raise ConfigError("TM_REBALANCE_EVERY_STEPS must be >= 0")
         if self.straggler not in ("off", "report", "evict"):
             raise ConfigError(f"TM_STRAGGLER={self.straggler!r}: expected off, report or evict")
-        if not (0 < self.straggler_threshold < 10 and self.straggler_windows >= 1 and self.straggler_window_steps >= 1):
+        if not (0 < self.straggler_threshold < 10 and self.straggler_windows >= 1 and self.straggler_window_steps >= 1
+                and self.straggler_cooldown_s >= 0):
             raise ConfigError("TM_STRAGGLER_THRESHOLD must be in (0, 10); TM_STRAGGLER_WINDOWS and "
-                              "TM_STRAGGLER_WINDOW_STEPS >= 1")
+                              "TM_STRAGGLER_WINDOW_STEPS >= 1; TM_STRAGGLER_COOLDOWN_S >= 0")
         faults.parse(self.inject)  # ConfigError naming a malformed or unknown item
 
     def workload_kwargs(self) -> dict:

@@ -64,6 +64,17 @@ def test_replay_rebuilds_the_view_and_the_migration_in_flight():
     assert (m["phase"], m["epoch"], m["leaver"], m["joiner"]) == ("preparing", 1, "train2", "spare1")
 
 
+def test_straggler_evictions_survive_a_controller_restart():
+    """status shows them, and the eviction cooldown counts from them, after the controller moved."""
+    p = new_policy(straggler="evict")
+    w = Writer(p)
+    w(ready_standby(p))
+    p.straggler["evicted"].append({"node": "train2", "t": 5.0, "verdict": "train2 is 30.0% slower"})
+    w()
+    q, _ = restarted(w, straggler="evict")
+    assert q.status()["straggler"]["evicted"] == [{"node": "train2", "t": 5.0, "verdict": "train2 is 30.0% slower"}]
+
+
 def test_a_torn_last_line_is_dropped_a_corrupt_middle_line_is_an_error():
     p, w = preparing()
     torn = w.lines + ['{"v": 1, "seq": 99, "kind": "migra']

@@ -253,6 +253,21 @@ def test_a_persistently_slow_node_is_evicted_by_live_migration():
     assert ev["node"] == "train3" and "30.0% slower" in ev["verdict"]
 
 
+def test_a_second_straggler_soon_after_an_eviction_is_only_reported():
+    """Two slow nodes within TM_STRAGGLER_COOLDOWN_S point at a shared cause; evicting would use
+    up the standbys one by one. Once the cooldown has passed, a straggler is evicted again."""
+    p = new_policy(straggler="evict", straggler_window_steps=5, straggler_windows=3, straggler_cooldown_s=100)
+    ready_standby(p)
+    p.straggler["evicted"].append({"node": "train9", "t": 1.0, "verdict": "earlier"})  # as a resumed journal has it
+    acts = feed_steps(p, 15, slow_rank=2, t0=1.0)
+    st = p.status()["straggler"]
+    assert not sends(acts, "prepare") and p.migrations == [] and st["target"] == "train3"
+    assert "not evicted" in st["verdict"] and "train9" in st["verdict"] and len(st["evicted"]) == 1
+    acts = feed_steps(p, 15, slow_rank=2, t0=102.0)
+    assert sends(acts, "prepare") and p.active().leaver == "train3"
+    assert [e["node"] for e in p.status()["straggler"]["evicted"]] == ["train9", "train3"]
+
+
 def test_report_mode_only_reports_and_noise_is_not_a_straggler():
     p = new_policy(straggler="report", straggler_window_steps=5)
     ready_standby(p)

@@ -58,6 +58,7 @@ class Replayed:
     standbys: dict[str, str] = field(default_factory=dict)     # node -> state
     released: list[str] = field(default_factory=list)
     fenced: list = field(default_factory=list)                 # [node, pid] of processes judged dead
+    evicted: list = field(default_factory=list)                # straggler evictions: {node, t, verdict}
     epoch: int = 0
     migrations: dict[int, dict] = field(default_factory=dict)  # id -> last record
     steps: dict[str, dict] = field(default_factory=dict)       # node -> last launch record
@@ -119,6 +120,8 @@ def fold(lines: list[str]) -> Replayed:
                 out.epoch = int(rec["epoch"])
             if "fenced" in rec:
                 out.fenced = [list(x) for x in rec["fenced"]]
+            if "evicted" in rec:
+                out.evicted = [dict(x) for x in rec["evicted"]]
         elif kind == "migration":
             out.migrations[rec["m"]["id"]] = rec["m"]
         elif kind == "restart":
@@ -149,7 +152,7 @@ def diff(before: dict, after: dict) -> list[dict]:
     ranks = {str(r): n for r, n in after["rank_node"].items() if before.get("rank_node", {}).get(r) != n}
     if ranks:
         view["ranks"] = ranks
-    for key in ("standbys", "released", "epoch", "fenced"):
+    for key in ("standbys", "released", "epoch", "fenced", "evicted"):
         if key in after and before.get(key) != after[key]:
             view[key] = after[key]
     if view:

@@ -326,8 +326,17 @@ class Policy(Recovering, Resuming, StandbyLoss, Liveness, SnapshotHolder):
             return []
         self.straggler.update(verdict=decision.reason, target=decision.target, windows=decision.windows_considered,
                               last_window_s={str(r): round(v, 6) for r, v in sorted(self.windows[-1].items())})
+        evicted = self.straggler["evicted"]
+        if decision.action == "evict" and evicted and now - evicted[-1]["t"] < self.cfg.straggler_cooldown_s:
+            # A second slow node so soon after an eviction points at a shared cause (the network,
+            # a file system, a neighbour) that moving nodes does not fix, and would use up the
+            # standbys one by one: reported, not acted on, until TM_STRAGGLER_COOLDOWN_S has passed.
+            self.straggler["verdict"] = (f"{decision.reason}; not evicted: {now - evicted[-1]['t']:.0f}s after the "
+                                         f"eviction of {evicted[-1]['node']} (TM_STRAGGLER_COOLDOWN_S="
+                                         f"{self.cfg.straggler_cooldown_s:g})")
+            return []
         if decision.action == "evict":
-            self.straggler["evicted"].append({"node": decision.target, "t": now, "verdict": decision.reason})
+            evicted.append({"node": decision.target, "t": now, "verdict": decision.reason})
             self.windows = []  # the layout changes: measure afresh afterwards
             return self.request(now, decision.target, "straggler")[2]
         return []

@@ -39,6 +39,7 @@ class Resuming:
         return {"rank_node": dict(v.rank_node), "standbys": {n: s.state for n, s in v.standbys.items()},
                 "released": list(v.released), "epoch": self.epoch,
                 "fenced": sorted([n, p] for n, p in self.fenced_pids),
+                "evicted": [dict(e) for e in self.straggler["evicted"]],
                 "migrations": {m.id: m.to_record() for m in self.migrations}}
 
     def resume(self, now: float, j: Replayed, metrics_through: int) -> list:
@@ -49,6 +50,7 @@ class Resuming:
                       for n, state in j.standbys.items()}
         self.epoch = j.epoch
         self.fenced_pids = {(n, p) for n, p in j.fenced}
+        self.straggler["evicted"] = [dict(e) for e in j.evicted]
         self.migrations = [Migration.from_record(j.migrations[i]) for i in sorted(j.migrations)]
         self.metrics_through = metrics_through
         self.resuming = {"since": now, "seen": {}, "nodes": {}}
