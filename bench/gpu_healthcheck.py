@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import results_io  # noqa: E402
 from trainmover.healthcheck.rates import DEFAULT_THRESHOLDS_PER_S, DEFAULT_WINDOW_S  # noqa: E402
+from trainmover.healthcheck.state import root_trusted  # noqa: E402
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 RUN_TIMEOUT_S = 30       # a run is bounded at 10 s by the script itself
@@ -56,13 +57,6 @@ TRAFFIC_STOP_S = 60
 
 # ---- installing the check as an admin would ------------------------------------------------
 
-def _trusted(path: Path) -> bool:
-    """healthcheck.sh's rule: root's and not writable by group or others (file and folder)."""
-    for p in (path, path.parent):
-        st = os.stat(p)
-        if st.st_uid != 0 or st.st_mode & 0o022:
-            return False
-    return True
 
 
 def make_python(scratch: Path) -> Path:
@@ -77,7 +71,7 @@ def make_python(scratch: Path) -> Path:
         purelib = subprocess.run([str(py), "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                  check=True, capture_output=True, text=True, timeout=60).stdout.strip()
         Path(purelib, "trainmover-bench.pth").write_text("\n".join([str(ROOT), *site_dirs]) + "\n")
-        if _trusted(py) and _trusted(Path(os.path.realpath(py))):
+        if root_trusted(py) and root_trusted(Path(os.path.realpath(py))):
             return py
     raise RuntimeError(f"no interpreter healthcheck.sh would trust: {py} -> {os.path.realpath(py)} "
                        "is not root's or is writable by group or others")

@@ -58,6 +58,15 @@ def assert_exact(run, reference, m):
     assert_same_training(run, reference, lost)
 
 
+def warm_job(demo, slurm_client, name: str):
+    """A demo job past step 60 with its standby warm: (run, the node of rank 1, its worker's pid)."""
+    run = demo(name)
+    start_training(run, slurm_client, min_step=60)
+    warm(run)
+    node = leaver_of(run)
+    return run, node, step_pid(run.job_id, node)
+
+
 def fenced(run) -> list[dict]:
     return run.status()["liveness"]["fenced"]
 
@@ -74,11 +83,7 @@ def test_a_frozen_worker_is_fenced_replaced_and_its_resumption_changes_nothing(d
     it is judged dead within TM_HEARTBEAT_TIMEOUT_S, its step killed (SIGKILL reaches a stopped
     process), its node drained, its rank rebuilt on the standby. Resumed with SIGCONT after its
     replacement, it changes nothing: it is gone, or it exits without a word counted."""
-    run = demo("freeze")
-    start_training(run, slurm_client, min_step=60)
-    warm(run)
-    node = leaver_of(run)
-    pid = step_pid(run.job_id, node)
+    run, node, pid = warm_job(demo, slurm_client, "freeze")
     try:
         frozen_at = time.time()
         os.kill(pid, signal.SIGSTOP)
@@ -104,11 +109,7 @@ def test_a_partitioned_node_is_cut_out_and_replaced(demo, reference, slurm_clien
     """Every packet from and to a worker's node dropped (its processes run on, nothing closes):
     its silence names it; it is fenced (its connection refused for good) and replaced. After the
     partition heals, the cut-off process is refused and exits without a word counted."""
-    run = demo("partition")
-    start_training(run, slurm_client, min_step=60)
-    warm(run)
-    node = leaver_of(run)
-    pid = step_pid(run.job_id, node)
+    run, node, pid = warm_job(demo, slurm_client, "partition")
     try:
         with netfault.partition(slurm_cluster, node):
             cut_at = time.time()

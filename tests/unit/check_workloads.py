@@ -36,10 +36,10 @@ class NoGenerator(CNN):
         super().load_state_dict({**state, "data": data})
 
 
-class PerEpochSchedule(CNN):
+class PerEpochSchedule(NoScheduler):
     """StepLR stepped once per epoch (epochs of 4 steps, every `step_size` epochs) and left out
-    of the state: its effect repeats every 4 x step_size steps only, and which runs it tells
-    apart depends on their epoch counts."""
+    of the state (as NoScheduler): its effect repeats every 4 x step_size steps only, and which
+    runs it tells apart depends on their epoch counts."""
 
     def __init__(self, step_size: int = 2, **kw):
         super().__init__(samples=64, step_size=step_size, **kw)
@@ -54,14 +54,6 @@ class PerEpochSchedule(CNN):
         loss.backward()
         self.opt.step()
         return loss.item()
-
-    def state_dict(self) -> dict:
-        sd = super().state_dict()
-        del sd["scheduler"]
-        return sd
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict({**state, "scheduler": self.sched.state_dict()})
 
 
 class Unseeded(CNN):

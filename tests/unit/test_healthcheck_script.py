@@ -15,22 +15,15 @@ from pathlib import Path
 
 import pytest
 
+from trainmover.healthcheck.state import root_trusted
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "slurm_plugin" / "healthcheck.sh"
 NHC_FILE = ROOT / "slurm_plugin" / "trainmover.nhc"
 
 
-def _trusted(path: Path) -> bool:
-    """The script's own rule: root's, and not writable by group or others (path and directory)."""
-    for p in (path, path.parent):
-        st = os.stat(p)
-        if st.st_uid != 0 or st.st_mode & 0o022:
-            return False
-    return True
-
-
 pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not (_trusted(Path(sys.executable)) and _trusted(Path(os.path.realpath(sys.executable)))),
+    os.geteuid() != 0 or not (root_trusted(Path(sys.executable)) and root_trusted(Path(os.path.realpath(sys.executable)))),
     reason="healthcheck.sh runs as root with a root-owned interpreter; this Python or user is not that")
 
 

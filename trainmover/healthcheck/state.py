@@ -60,6 +60,16 @@ def dir_problem(state_dir: Path) -> Optional[str]:
     return None
 
 
+def root_trusted(path: Path) -> bool:
+    """healthcheck.sh's rule for the interpreter it runs as root: the file and its folder are
+    root's and not writable by group or others (so no user could have put code there)."""
+    for p in (Path(path), Path(path).parent):
+        st = os.stat(p)
+        if st.st_uid != 0 or st.st_mode & 0o022:
+            return False
+    return True
+
+
 def ensure_dir(state_dir: Path) -> Optional[str]:
     """Create `state_dir` (0700) when missing; why it cannot be used, or None."""
     try:
