@@ -57,8 +57,6 @@ TRAFFIC_STOP_S = 60
 
 # ---- installing the check as an admin would ------------------------------------------------
 
-
-
 def make_python(scratch: Path) -> Path:
     """A venv of this Python that sees trainmover (this checkout) and this Python's packages
     through a .pth file: the isolated (-I) interpreter healthcheck.sh runs."""

@@ -69,7 +69,7 @@ def test_spec_records_its_slurm():
 def test_unseen_names_what_a_process_cannot_see(tmp_path):
     """A cluster started from another checkout runs none of this one's code: up() restarts it."""
     assert rootfs.unseen(os.getpid(), [str(tmp_path), str(rootfs.CHECKOUT)]) == []
-    # a process whose root is elsewhere sees an empty mount point, or nothing, at the same path
+    # another process with this host's root sees what exists here, and nothing that does not
     child = subprocess.Popen(["sleep", "30"])
     try:
         assert rootfs.unseen(child.pid, ["/nonexistent/x", str(tmp_path)]) == ["/nonexistent/x"]

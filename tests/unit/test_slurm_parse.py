@@ -416,9 +416,7 @@ def test_nodes_single_unknown_and_controller_errors(fake):
 
 def test_free_standbys(fake):
     fake((["scontrol", "-o", "show", "reservation"], (0, RESV_TEXT, "")),
-         (["scontrol", "-o", "show", "node", "spare1,spare2"],
-          (0, NODES_TEXT.splitlines()[2] + "\n" + NODES_TEXT.splitlines()[2].replace("spare1", "spare2")
-           .replace("IDLE+RESERVED", "ALLOCATED+RESERVED") + "\n", "")))
+         (["scontrol", "-o", "show", "node", "spare1,spare2"], (0, _spares(), "")))
     assert CliSlurm().free_standbys("trainmover_standby") == ["spare1"]
 
 
