@@ -4,7 +4,7 @@
 reaches them through one hook, `Injector.at(point, **context)`, called at a few named points:
 
     point            context                      faults that can fire there
-    step             rank, step, pure_s, cpu      die, slow, freeze, hang
+    step             rank, step, pure_s, cpu      die, slow, freeze, hang, pace
     phase1           who (rank or "joiner"), epoch die-in-phase1
     warmup           -                             die-in-warmup (the controller picks the standby)
     copy             -                             die-in-copy
@@ -35,6 +35,7 @@ log = logging.getLogger("trainmover.faults")
 INJECTIONS = {
     "skip-optimizer-state": "the leaver leaves its optimizer state out of the copy (negative control)",
     "corrupt-transfer": "the leaver flips bytes of one tensor on the wire (checksum test)",
+    "pace:<seconds>": "every process that trains (any rank, any role) sleeps <seconds> per step: a longer job with the same bits, so a test on a loaded machine has a wide window (not a fault)",
     "slow:<rank>:<fraction>": "the worker launched for <rank> sleeps <fraction> of its compute time each step (a straggling node)",
     "die-in-copy": "the leaver of a planned migration kills itself (SIGKILL) as the joiner starts to wait for its state",
     "die:<rank>:<step>": "the worker launched for <rank> kills itself (SIGKILL) as it begins step <step>: an unexpected failure mid-run",
@@ -103,6 +104,14 @@ def parse_one(item: str, launched: bool = False) -> Fault:
         if rank < 0 or step < 0:
             raise ConfigError(f"TM_INJECT: {item!r}: rank must be >= 0 and step >= 0")
         return Fault(kind, who=rank, at=step, text=item)
+    if kind == "pace":
+        try:
+            seconds = float(parts[0]) if len(parts) == 1 else -1.0
+        except ValueError:
+            seconds = -1.0
+        if not 0 < seconds <= 10:
+            raise ConfigError(f"TM_INJECT: {item!r} is not pace:<seconds> with 0 < seconds <= 10")
+        return Fault(kind, value=seconds, text=item)
     if kind == "die-in-phase1":
         form = "die-in-phase1:<rank or joiner>:<epoch>"
         if len(parts) != 2:
@@ -169,6 +178,9 @@ class Injector:
         return hit
 
     def _step(self, rank: int, step: int, pure_s: float = 0.0, cpu: bool = True) -> bool:
+        for f in self.faults:
+            if f.kind == "pace":  # whoever holds the rank: the job keeps its length through a move
+                time.sleep(f.value)
         if self.role != "worker":
             return False
         for f in self.faults:

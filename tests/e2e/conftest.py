@@ -107,11 +107,20 @@ def slurm_env(slurm_cluster) -> dict[str, str]:
     return {**os.environ, "SLURM_CONF": str(slurm_cluster.slurm_conf)}
 
 
-def wait_for(what: str, check: Callable[[], bool], timeout: float = 30.0, interval: float = 0.2) -> None:
+def wait_for(what: str, check: Callable[[], bool], timeout: float = 30.0, interval: float = 0.2,
+             explain: Callable[[], str] | None = None) -> None:
+    """Poll `check` until true; on timeout fail with `explain()` (what the system looked like),
+    so a failure on a loaded CI machine can be diagnosed from its output alone."""
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+            detail = ""
+            if explain is not None:
+                try:
+                    detail = "\n" + explain()
+                except Exception as exc:  # noqa: BLE001 - the timeout is the failure; this only explains it
+                    detail = f"\n(could not explain: {exc})"
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}{detail}")
         time.sleep(interval)
 
 

@@ -59,6 +59,12 @@ class Run:
         path = self.workdir / f"slurm-{self.job_id}.out"
         return path.read_text() if path.exists() else ""
 
+    def explain(self) -> str:
+        """What a timed-out wait saw: the job's step, its standbys and the controller's log tail."""
+        status = self.status()
+        return (f"last step {self.last_step()}; standbys {status['standbys']}; pool {status.get('standby_pool')}\n"
+                f"controller log (tail):\n{self.slurm_out()[-2000:]}")
+
     def wait_done(self, client, timeout=180) -> str:
         wait_for(f"job {self.job_id} to end", lambda: client.job(self.job_id).state not in
                  ("RUNNING", "PENDING", "COMPLETING", "CONFIGURING"), timeout=timeout, interval=1.0)
@@ -273,12 +279,14 @@ def test_two_nodes_drained_at_once_both_move_bit_exactly(demo, reference, slurm_
     """Two of the job's nodes drained in the same second, two warm standbys (TM_STANDBYS=2):
     the migrations run one after the other, each into its own standby; nothing is lost.
     (Waiting for a refill when no standby is warm is covered by the no-standby test.)"""
-    run = demo("twodrains", TM_STANDBYS=2)
+    # Two standbys warm in turn on 2 shared cores while 500 steps run (~20 s when idle): under CI
+    # load the job could end first. pace:0.1 adds 50 s to it and leaves its bits unchanged.
+    run = demo("twodrains", TM_STANDBYS=2, TM_INJECT="pace:0.1")
     start_training(run, slurm_client)
     wait_for("two warm standbys", lambda: sum(s["state"] == "ready" for s in run.status()["standbys"]) == 2,
-             timeout=90)
+             timeout=90, explain=run.explain)
     nodes = run.metrics()[-1]["nodes"]
-    leavers = nodes[1:]  # ranks 1 and 2; rank 0's node runs the batch script
+    leavers = nodes[1:]  # ranks 1 and 2
     for node in leavers:
         commands.run(["scontrol", "update", f"nodename={node}", "state=drain", f"reason={DRAIN_REASON}"],
                      timeout=10, env=run.env)

@@ -16,7 +16,7 @@ from trainmover.faults import Injector
 def test_every_documented_form_parses_and_bad_items_name_the_form():
     items = ["die:1:30", "slow:2:0.2", "freeze:0:5", "hang:3:7", "die-in-phase1:joiner:1", "die-in-phase1:2:3",
              "die-in-warmup:1", "die-in-copy", "corrupt-transfer", "skip-optimizer-state", "corrupt-snapshot",
-             "no-rollback", "controller-die:prepare", "controller-die:preparing"]
+             "no-rollback", "controller-die:prepare", "controller-die:preparing", "pace:0.05"]
     parsed = faults.parse(items)
     assert [f.text for f in parsed] == items
     assert parsed[0] == faults.Fault("die", who=1, at=30, text="die:1:30")
@@ -25,7 +25,8 @@ def test_every_documented_form_parses_and_bad_items_name_the_form():
     for bad, says in [("die:1", "die:<rank>:<step>"), ("freeze:x:1", "freeze:<rank>:<step>"),
                       ("slow:1:12", "fraction in"), ("hang:-1:2", "rank must be >= 0"),
                       ("controller-die:later", "known controller faults"), ("explode", "unknown injection"),
-                      ("die-in-warmup", "unknown injection")]:  # the bare form is the controller's, not a user's
+                      ("die-in-warmup", "unknown injection"), ("pace:0", "pace:<seconds>"),
+                      ("pace:soon", "pace:<seconds>"), ("pace:1:2", "pace:<seconds>")]:  # the bare form is the controller's, not a user's
         with pytest.raises(ConfigError, match="TM_INJECT") as exc:
             Config.from_env({"TM_INJECT": bad})
         assert says in str(exc.value)
@@ -69,6 +70,14 @@ def test_slow_burns_its_fraction_of_the_steps_own_compute_time():
     t1 = time.process_time()
     inj.at("step", rank=1, step=1, pure_s=0.2, cpu=True)
     assert time.process_time() - t1 < 0.1
+
+
+def test_pace_sleeps_each_step_in_every_role_that_trains(monkeypatch):
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    for role in ("worker", "standby"):  # a joiner that took a rank over keeps the job's pace
+        Injector(["pace:0.05"], role).at("step", rank=1, step=7, pure_s=0.01, cpu=True)
+    assert slept == [0.05, 0.05]
 
 
 def test_controller_faults_fire_only_in_the_first_controller(monkeypatch):
