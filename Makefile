@@ -22,8 +22,9 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/trainmover demo
 
 # pytest exits 5 when it collects no test: that fails this target (and CI), as it should.
+# --durations: CI's output names the slowest tests (where its ~45 minutes on 2 cores go).
 test: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest tests -ra $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests -ra --durations=15 $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory slurm-matrix
 
 # SLURM_RELEASES: the releases to run the matrix on (default: every supported one but the host's).
