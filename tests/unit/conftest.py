@@ -66,7 +66,7 @@ def _run_forked(item) -> list[TestReport]:
             data += chunk
     _, status = os.waitpid(pid, 0)
     try:
-        return [hook.pytest_report_from_serializable(config=item.config, data=d) for d in json.loads(data)]
+        reports = [hook.pytest_report_from_serializable(config=item.config, data=d) for d in json.loads(data)]
     except ValueError:
         how = (f"was killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
                else f"exited with {os.WEXITSTATUS(status)}")
@@ -74,3 +74,7 @@ def _run_forked(item) -> list[TestReport]:
             how += f" after {CHILD_DEADLINE_S}s (deadline)"
         return [TestReport(item.nodeid, item.location, {}, "failed",
                            f"the forked child running this test {how} before reporting", "call")]
+    for rep in reports:  # JSON made a skip's (path, line, reason) a list; --junitxml asserts a tuple
+        if rep.skipped and isinstance(rep.longrepr, list):
+            rep.longrepr = tuple(rep.longrepr)
+    return reports

@@ -22,12 +22,11 @@ def state(step: int, seed: int = 0) -> tuple[dict, torch.nn.Module, torch.optim.
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
     opt = torch.optim.AdamW(model.parameters())
-    for _ in range(2):
-        # gradients set, not computed: a forked test (gloo_threads) cannot run autograd once the
-        # parent has (CUDA builds start autograd's device threads: "Autograd and Fork")
-        for p in model.parameters():
-            p.grad = torch.randn_like(p)
-        opt.step()
+    # AdamW's state as after two steps, set rather than computed: a forked test (gloo_threads)
+    # can neither run autograd once the parent has ("Autograd and Fork") nor call step(), whose
+    # graph-capture check touches CUDA, on a CUDA build whose parent used the GPU (seen on an H100).
+    for p in model.parameters():
+        opt.state[p] = {"step": torch.tensor(2.0), "exp_avg": torch.randn_like(p), "exp_avg_sq": torch.rand_like(p)}
     return ({"workload": {"model": model.state_dict(), "optimizer": opt.state_dict(), "data": {"cursor": step}},
              "rng": {"torch": torch.get_rng_state()}, "step": step}, model, opt)
 
