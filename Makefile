@@ -25,6 +25,10 @@ demo: $(VENV)/.installed
 # --durations: CI's output names the slowest tests (where its ~45 minutes on 2 cores go).
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest tests -ra --durations=15 $(PYTEST_ARGS)
+	@# The GPU tests in a session of their own (tests/conftest.py says why), where there is a GPU.
+	@if ls /dev/nvidia[0-9]* >/dev/null 2>&1; then \
+	  TM_TEST_GPU=1 $(VENV)/bin/python -m pytest tests -m gpu -ra $(PYTEST_ARGS); \
+	else echo "make test: no GPU on this machine (/dev/nvidia*): no GPU session"; fi
 	$(MAKE) --no-print-directory slurm-matrix
 
 # SLURM_RELEASES: the releases to run the matrix on (default: every supported one but the host's).

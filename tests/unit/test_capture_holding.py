@@ -149,6 +149,7 @@ def test_a_one_node_rank_skips_a_snapshot_while_the_one_before_is_on_its_way():
     assert snaps.report() == {"own": [30], "held": {}} and digest(snaps.own_state(30)) == digest(s3)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("stage", [True, False])
 def test_cuda_capture_is_pinned_off_the_training_stream_and_gated_before_the_update(stage):

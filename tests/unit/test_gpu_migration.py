@@ -1,6 +1,6 @@
 """GPU: 3 data-parallel workers + 1 standby on a 4-GPU machine, NCCL through cuda/libtmdelta;
 each worker position migrated in turn, and the run must equal an uninterrupted one bit for bit.
-Skipped without 4 GPUs (CI has none; run on a GPU machine with `pytest -m gpu`)."""
+Skipped without 4 GPUs (CI has none; run on a GPU machine with `TM_TEST_GPU=1 pytest -m gpu`)."""
 import json
 import os
 import subprocess

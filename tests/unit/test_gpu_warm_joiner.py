@@ -1,5 +1,5 @@
 """GPU: a compiled model's warm joiner against a cold one, through bench/gpu_warm_joiner.py
-(1 worker + 1 standby suffice). Skipped without 2 GPUs (CI has none; `pytest -m gpu` on a
+(1 worker + 1 standby suffice). Skipped without 2 GPUs (CI has none; `TM_TEST_GPU=1 pytest -m gpu` on a
 GPU machine, after scripts/build_cuda.sh)."""
 import json
 import os

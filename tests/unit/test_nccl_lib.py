@@ -4,7 +4,7 @@ CPU (any machine with a C++ compiler): the build, the delta plan against
 trainmover/runtime/plan.py on random layouts (against both libraries), the slot table, the
 slot logic on test-hook communicators, the exported symbols, the NCCL enum values.
 GPU (`-m gpu`, >= 2 GPUs; the migration test >= 3): real communicators in spawned processes.
-    python -m pytest tests/unit/test_nccl_lib.py -m gpu
+    TM_TEST_GPU=1 python -m pytest tests/unit/test_nccl_lib.py -m gpu   (tests/conftest.py: why apart)
 """
 from __future__ import annotations
 
