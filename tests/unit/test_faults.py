@@ -25,8 +25,8 @@ def test_every_documented_form_parses_and_bad_items_name_the_form():
     for bad, says in [("die:1", "die:<rank>:<step>"), ("freeze:x:1", "freeze:<rank>:<step>"),
                       ("slow:1:12", "fraction in"), ("hang:-1:2", "rank must be >= 0"),
                       ("controller-die:later", "known controller faults"), ("explode", "unknown injection"),
-                      ("die-in-warmup", "unknown injection"), ("pace:0", "pace:<seconds>"),
-                      ("pace:soon", "pace:<seconds>"), ("pace:1:2", "pace:<seconds>")]:  # the bare form is the controller's, not a user's
+                      ("pace:0", "pace:<seconds>"), ("pace:soon", "pace:<seconds>"), ("pace:1:2", "pace:<seconds>"),
+                      ("die-in-warmup", "unknown injection")]:  # the bare form is the controller's, not a user's
         with pytest.raises(ConfigError, match="TM_INJECT") as exc:
             Config.from_env({"TM_INJECT": bad})
         assert says in str(exc.value)
