@@ -5,6 +5,7 @@ reaches them through one hook, `Injector.at(point, **context)`, called at a few 
 
     point            context                      faults that can fire there
     step             rank, step, pure_s, cpu      die, slow, freeze, hang, pace
+    user             what, rank, step             raise (inside the guard of the workload's own code)
     phase1           who (rank or "joiner"), epoch die-in-phase1
     warmup           -                             die-in-warmup (the controller picks the standby)
     copy             -                             die-in-copy
@@ -39,6 +40,7 @@ INJECTIONS = {
     "slow:<rank>:<fraction>": "the worker launched for <rank> sleeps <fraction> of its compute time each step (a straggling node)",
     "die-in-copy": "the leaver of a planned migration kills itself (SIGKILL) as the joiner starts to wait for its state",
     "die:<rank>:<step>": "the worker launched for <rank> kills itself (SIGKILL) as it begins step <step>: an unexpected failure mid-run",
+    "raise:<rank>:<step>[:<error>]": "the workload's code raises inside train_step of step <step> on the worker launched for <rank>, as the user's code would (a user error, not a lost node); <step> 'build': as the workload is built; <error> shape (default: a real shape-mismatch RuntimeError), oom (torch.OutOfMemoryError) or value (ValueError)",
     "freeze:<rank>:<step>": "the worker launched for <rank> stops itself (SIGSTOP) as it begins step <step>: a frozen process whose sockets stay open",
     "hang:<rank>:<step>": "the training thread of the worker launched for <rank> blocks for good as it begins step <step>, the rest of the process alive (a hung kernel or collective)",
     "die-in-phase1:<rank>:<epoch>": "the worker process holding <rank> kills itself (SIGKILL) as it starts Phase 1 of migration epoch <epoch> (a stayer or the leaver lost while the replacement groups are built)",
@@ -54,6 +56,8 @@ INJECTIONS = {
 _PLAIN = {"skip-optimizer-state": "leaver-state", "corrupt-transfer": "transfer-send", "die-in-copy": "copy",
           "corrupt-snapshot": "snapshot-send", "no-rollback": "rollback"}
 _RANK_STEP = ("die", "freeze", "hang")
+RAISE_ERRORS = ("shape", "oom", "value")  # raise:<rank>:<step>[:<error>]
+BUILD = -1  # raise:<rank>:build, as the workload is built (Fault.at)
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class Fault:
     at: int | None = None      # step, epoch or launch count
     value: float | None = None  # slow: the fraction
     text: str = ""             # as written in TM_INJECT
+    error: str = ""            # raise: which error (RAISE_ERRORS)
 
 
 def _int(item: str, text: str, form: str) -> int:
@@ -86,6 +91,15 @@ def parse_one(item: str, launched: bool = False) -> Fault:
         return Fault(kind, who=where or None, text=item)
     kind, _, rest = item.partition(":")
     parts = rest.split(":") if rest else []
+    if kind == "raise":
+        form = "raise:<rank>:<step or build>[:shape|oom|value]"
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in RAISE_ERRORS):
+            raise ConfigError(f"TM_INJECT: {item!r} is not {form}")
+        rank = _int(item, parts[0], form)
+        step = BUILD if parts[1] == "build" else _int(item, parts[1], form)
+        if rank < 0 or step < BUILD:
+            raise ConfigError(f"TM_INJECT: {item!r}: rank must be >= 0 and step >= 0 (or build)")
+        return Fault(kind, who=rank, at=step, text=item, error=parts[2] if len(parts) == 3 else "shape")
     if kind in _RANK_STEP or kind == "slow":
         what = "fraction" if kind == "slow" else "step"
         form = f"{kind}:<rank>:<{what}>"
@@ -161,6 +175,8 @@ class Injector:
             return False
         if point == "step":
             return self._step(**ctx)
+        if point == "user":
+            return self._user(**ctx)
         if point == "phase1":
             if any(f.kind == "die-in-phase1" and (f.who, f.at) == (ctx["who"], ctx["epoch"]) for f in self.faults):
                 _kill(f"{ctx['who']} dies in phase 1 of epoch {ctx['epoch']}")
@@ -198,6 +214,29 @@ class Injector:
                 log.error("injected: rank %d's training thread hangs at step %d", rank, step)
                 threading.Event().wait()  # for good: only the process's other threads live on
         return False
+
+
+    def _user(self, what: str, rank: int | None, step: int | None) -> bool:
+        """Inside the guard of the workload's own code: raise as that code would."""
+        if self.role != "worker" or rank is None:
+            return False
+        at = BUILD if what == "build" else step if what == "train_step" else None
+        for f in self.faults:
+            if f.kind == "raise" and f.who == rank and at is not None and f.at == at:
+                log.error("injected: rank %d's workload raises (%s) in %s", rank, f.error, what)
+                _raise_user_error(f.error, rank, what)
+        return False
+
+
+def _raise_user_error(error: str, rank: int, what: str) -> None:
+    """The errors a user's code raises: a real shape mismatch, an out-of-memory, a ValueError."""
+    import torch
+    if error == "oom":
+        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 20.00 GiB (injected on rank {rank} "
+                                     f"in {what})")
+    if error == "value":
+        raise ValueError(f"injected: rank {rank}'s workload rejects its batch in {what}")
+    torch.ones(2, 3) @ torch.ones(4, 5)  # RuntimeError: mat1 and mat2 shapes cannot be multiplied
 
 
 def _kill(what: str) -> None:

@@ -154,9 +154,10 @@ def test_metrics_rows_downtime_and_final():
 
 def test_a_rank_that_reports_its_error_stops_the_job_with_that_root_cause():
     p = new_policy()
-    p.on_message(2.9, "train3", {"type": "failed", "rank": 2, "phase": "worker", "error": "CUDA error: out of memory"})
-    acts = p.on_step_exit(3.0, "train3", 1)
+    acts = p.on_message(2.9, "train3", make("failed", rank=2, phase="worker", error="CUDA error: out of memory",
+                                            step=7, user=False, traceback=""))
     assert acts == [Finish(False, "rank 2 on train3 failed in worker: CUDA error: out of memory")]
+    assert p.on_step_exit(3.0, "train3", 1) == []  # its step's end that follows is no news
 
 
 def stalled(p, now, rank, step, digest="d", node=None, holds=None):

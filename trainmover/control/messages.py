@@ -24,7 +24,10 @@ SCHEMA: dict[str, dict[str, object]] = {
     "prepare_failed": {"epoch": _INT, "rank": _INT, "error": _STR},
     "switched": {"epoch": _INT, "rank": _INT, "role": _STR, "step": _INT, "t": _FLOAT, "detail": _DICT},
     "finished": {"rank": _INT, "step": _INT, "digest": _STR, "loss": _FLOAT},
-    "failed": {"rank": _INT, "phase": _STR, "error": _STR},
+    # a process ends on an error: `user` when the workload's own code raised it (`phase`: the
+    # call, e.g. train_step, build), which ends the job (a user error is not a lost node);
+    # `step`: steps complete when it raised; `traceback`: bounded (runtime/usercode.py)
+    "failed": {"rank": _INT, "phase": _STR, "error": _STR, "step": _INT, "user": _BOOL, "traceback": _STR},
     # a rank whose collective failed (or was revoked) stopped at a step boundary: `step` steps
     # are complete in its state, whose digest it sends; it waits for a `recover`. `holds`: what
     # the tiers can use (controller/tiers.py): `replicas` (its replica group's ranks), `own`

@@ -13,6 +13,8 @@ kinds:
              fenced processes (controller/liveness.py)
   migration  a migration's record after a change (phase, epoch, leaver, joiner, times ...)
   restart    a controller took over from a dead one (attempt number)
+  end        the controller ended the job on purpose (ok, message): written first at its shutdown,
+             so that no keeper or supervisor starts a controller again (`ended`)
 
 Replay folds the records into a `Replayed` value (pure). A torn last line (the controller
 died inside a write) is dropped with a warning; any other bad line is a `JournalError`:
@@ -31,13 +33,14 @@ from trainmover.errors import TrainMoverError
 log = logging.getLogger("trainmover.journal")
 
 VERSION = 1
-KINDS = {"start", "launch", "view", "migration", "restart"}
+KINDS = {"start", "launch", "view", "migration", "restart", "end"}
 _REQUIRED = {
     "start": {"job_id": int, "world_size": int, "ranks_per_node": int, "batch_host": str, "rank_node": dict},
     "launch": {"node": str, "role": str, "ranks": list, "pid": int},
     "view": {},
     "migration": {"m": dict},
     "restart": {"attempt": int},
+    "end": {"message": str},
 }
 _MIGRATION_FIELDS = {"id": int, "leaver": str, "leaver_ranks": list, "trigger": str, "requested_at": (int, float),
                      "epoch": int, "joiner": str, "phase": str, "times": dict}
@@ -63,6 +66,7 @@ class Replayed:
     migrations: dict[int, dict] = field(default_factory=dict)  # id -> last record
     steps: dict[str, dict] = field(default_factory=dict)       # node -> last launch record
     restarts: int = 0
+    ended: dict | None = None  # {"ok", "message"} once a controller ended the job on purpose
     records: int = 0
     seq: int = 0              # the last record's sequence number
     torn_tail: bool = False
@@ -80,6 +84,8 @@ def _check(n: int, rec: object) -> dict:
     for name, typ in _REQUIRED[kind].items():
         if not isinstance(rec.get(name), typ) or isinstance(rec.get(name), bool):
             raise JournalError(f"{where} ({kind}): field {name!r} missing or not {typ.__name__}")
+    if kind == "end" and not isinstance(rec.get("ok"), bool):
+        raise JournalError(f"{where} (end): field 'ok' missing or not bool")
     if kind == "migration":
         for name, typ in _MIGRATION_FIELDS.items():
             if not isinstance(rec["m"].get(name), typ):
@@ -126,6 +132,8 @@ def fold(lines: list[str]) -> Replayed:
             out.migrations[rec["m"]["id"]] = rec["m"]
         elif kind == "restart":
             out.restarts = rec["attempt"]
+        elif kind == "end":
+            out.ended = {"ok": rec["ok"], "message": rec["message"]}
     if out.records and not out.world_size:
         raise JournalError("journal has no start record: it was not written by a TrainMover controller")
     return out
@@ -140,6 +148,16 @@ def read(path: Path) -> Replayed:
     if out.torn_tail:
         log.warning("journal %s ends in a torn line (a write cut short): ignored", path)
     return out
+
+
+def ended(path: Path) -> dict | None:
+    """{"ok", "message"} if a controller ended the job on purpose (its `end` record), else None,
+    also where there is no journal (yet) or it cannot be read: then nothing says it ended. For
+    the keeper and the supervisor, which must never start a controller after that."""
+    try:
+        return fold(Path(path).read_text().splitlines(keepends=True)).ended
+    except (OSError, TrainMoverError):
+        return None
 
 
 def diff(before: dict, after: dict) -> list[dict]:

@@ -32,7 +32,7 @@ from pathlib import Path
 from trainmover.config import Config
 from trainmover.control import channel, endpoint
 from trainmover.control.messages import make
-from trainmover.controller import records
+from trainmover.controller import journal, records
 from trainmover.controller.steps import start_srun
 from trainmover.errors import ProtocolError, TrainMoverError
 
@@ -43,6 +43,7 @@ MOVED = 3            # the controller's exit code when its home leaves the job (
 PROBE_S = 1.0        # the keeper asks the controller for its status this often
 LOST_AFTER = 3       # unanswered probes in a row: the controller is lost
 START_DEADLINE_S = 120.0  # a controller that never writes its endpoint is lost too
+END_WAIT_S = 60.0    # a controller that ended the job (journal `end`) gets this long to exit
 
 
 def choose_home(candidates: list[str], avoid: set[str], states: dict[str, str]) -> str | None:
@@ -70,6 +71,8 @@ class Keeper:
         self.stopping = False
         self.misses = 0
         self.unreported: list[dict] = []  # step ends no controller has heard of yet
+        self.ended_at: float | None = None  # when we saw the controller had ended the job on purpose
+        self.why = ""                       # why the keeper itself ended the job, if it did
 
     # --- the controller's step ----------------------------------------------------------
     def _start_controller(self, home: str, resume: bool) -> None:
@@ -96,19 +99,28 @@ class Keeper:
         return choose_home(candidates, avoid, states)
 
     def _replace_controller(self, why: str) -> bool:
-        """Start a successor elsewhere; False when there is nowhere or no restart left."""
+        """Start a successor elsewhere; False when there is nowhere or no restart left. Never
+        after a controller ended the job on purpose (its journal's `end`): it only finishes
+        its shutdown, which answers no probe; it gets END_WAIT_S to exit."""
         old, proc = self.controller
+        end = journal.ended(self.root / "journal.jsonl")
+        if end is not None:
+            if self.ended_at is None:
+                self.ended_at = time.monotonic()
+                log.info("controller on %s ended the job (%s); not starting another", old, end["message"][:200])
+            return True
         if proc.poll() is None:  # lost but running (frozen, cut off): it must never act again
             proc.kill()  # its srun: Slurm ends the step (its node may not hear of it: fenced below)
             # Slurm may wait on a dead node's slurmd for seconds: not before the successor starts.
             threading.Thread(target=self._fence, args=(old,), name="tm-fence-controller", daemon=True).start()
         if self.attempt >= self.cfg.controller_restarts and why != "moved":
-            log.error("controller on %s %s; no restart left (TM_CONTROLLER_RESTARTS=%d)", old, why,
-                      self.cfg.controller_restarts)
+            self.why = f"controller on {old} {why}; no restart left (TM_CONTROLLER_RESTARTS={self.cfg.controller_restarts})"
+            log.error("%s", self.why)
             return False
         home = self._next_home({old})
         if home is None:
-            log.error("controller on %s %s, and no other node of the job can take it", old, why)
+            self.why = f"controller on {old} {why}, and no other node of the job can take it"
+            log.error("%s", self.why)
             return False
         self.attempt += 1
         log.warning("controller on %s %s: resuming it on %s", old, why, home)
@@ -191,6 +203,9 @@ class Keeper:
             code = proc.poll()
             if code is not None:
                 final = self._outcome()
+                end = journal.ended(self.root / "journal.jsonl") if final is None else None
+                if end is not None:  # it ended the job but died before its status was written
+                    final = 0 if end["ok"] else 1
                 if final is None and code == 2:  # a configuration or journal error: no other node helps
                     final = 2
                 if final is not None or self.stopping:
@@ -201,7 +216,11 @@ class Keeper:
                                             "without an outcome"):
                     continue
                 return 1
-            if self.conn is None:
+            if self.ended_at is not None:  # it ended the job: wait for it to exit, bounded
+                if time.monotonic() - self.ended_at > END_WAIT_S:
+                    log.warning("controller still running %.0fs after it ended the job; killing its step", END_WAIT_S)
+                    proc.kill()
+            elif self.conn is None:
                 self._connect()
                 if self.conn is None and self.lost_at is not None and time.monotonic() - self.lost_at > LOST_AFTER * PROBE_S:
                     # its channel broke and nobody answers at its address: its node died or is cut
@@ -300,4 +319,8 @@ def main(cfg: Config, slurm, job_id: int, node: str) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    return keeper.run()
+    code = keeper.run()
+    # The job's last word in slurm-<job>.out, however it ended (records.final_line).
+    print(records.final_line(keeper.root, job_id, code, keeper.why, stopped=keeper.stopping), file=sys.stderr,
+          flush=True)
+    return code

@@ -305,7 +305,9 @@ class Controller:
         if kind == "beat":
             return []
         if kind == "failed":
-            log.error("rank %d on %s failed in %s: %s", msg["rank"], node, msg["phase"], msg["error"])
+            log.error("rank %d on %s failed in %s%s at step %d: %s\n%s", msg["rank"], node, msg["phase"],
+                      " (the workload's own code)" if msg["user"] else "", msg["step"], msg["error"],
+                      msg["traceback"].rstrip())
         return self.policy.on_message(now, node, msg)
 
     def _from_keeper(self, conn, msg: dict) -> list:
@@ -408,7 +410,7 @@ class Controller:
                 while True:
                     self.apply(self.handle_peer(conn, msg, time.time()) if msg is not None
                                else self.handle_gone(conn, time.time()))
-                    if time.monotonic() > budget:
+                    if time.monotonic() > budget or self.outcome is not None:  # ended: nothing more is acted on
                         break
                     conn, msg = self.server.inbox.get_nowait()
             except queue.Empty:
@@ -449,6 +451,9 @@ class Controller:
         ok, message = self.outcome
         if ok is None:  # moving: nothing ends, the successor resumes from the journal
             return self._hand_over(message)
+        # First, durably: the job ended on purpose. Whatever happens to this process from here
+        # on, no keeper or supervisor starts a controller again (journal.ended).
+        self.journal.write(time.time(), [{"kind": "end", "ok": bool(ok), "message": message[:2000]}])
         status = self.policy.status()
         status["outcome"] = {"ok": ok, "message": message}
         self.files.write("status", status)

@@ -45,6 +45,7 @@ class Policy(Recovering, Resuming, StandbyLoss, Liveness, SnapshotHolder):
         self.checkpoints: dict[int, dict[int, str]] = {}       # step -> rank -> digest, until every rank wrote it
         self.checkpoint_steps: list[int] = []                  # complete checkpoints (manifest written), oldest first
         self.failed_reports: dict[str, dict] = {}              # node -> a rank's 'failed' report
+        self.failure: dict | None = None                        # the report that ended the job (status.json)
         self.standbys_lost: list[dict] = []                    # standbys that died (see standby_loss.py)
         self.done = False
         self.metrics_through = 0     # last step in metrics.jsonl (a resumed controller skips older reports)
@@ -169,8 +170,7 @@ class Policy(Recovering, Resuming, StandbyLoss, Liveness, SnapshotHolder):
         if kind == "stalled":
             return self._on_stalled(now, node, msg)
         if kind == "failed":
-            self.failed_reports[node] = msg
-            return []
+            return self._on_failed(now, node, msg)
         if kind == "checkpointed":
             return self._on_checkpointed(msg)
         if kind == "snapshot_held":
@@ -238,6 +238,33 @@ class Policy(Recovering, Resuming, StandbyLoss, Liveness, SnapshotHolder):
                 actions.append(self._timeline(m, now, "joined", rank=msg["rank"], step=msg["step"], detail=msg["detail"]))
             return actions + self._maybe_released(now, m)
         return []
+
+    def _on_failed(self, now: float, node: str, msg: dict) -> list:
+        """A process said why it ends. From a rank (not a standby: its loss is handled as such),
+        this is the job's root cause and ends it now: the workload's own error (`user`) would
+        follow the rank to any node, so it is never taken for a lost node. Authoritative over
+        what its consequences look like: the other ranks' collectives with it fail next, and a
+        recovery started for it (its connection dropped, its step ended, in whatever order the
+        controller heard of them) is void."""
+        self.failed_reports[node] = msg
+        if self.done or node not in self.view.rank_node.values():
+            return []
+        self.done = True
+        user, step, phase = bool(msg.get("user")), msg.get("step", 0), msg["phase"]
+        if user:
+            when = f"at step {step}" if phase == "train_step" else f"in {phase}" + (f" after step {step}" if step else "")
+            message = f"user code raised on rank {msg['rank']} ({node}) {when}: {msg['error']}"
+        else:
+            message = f"rank {msg['rank']} on {node} failed in {phase}: {msg['error']}"
+        self.failure = {"rank": msg["rank"], "node": node, "step": step, "phase": phase, "user": user,
+                        "error": msg["error"], "traceback": msg.get("traceback", ""), "t": now}
+        actions: list = []
+        for m in self.migrations:
+            if m.active and m.recovery:
+                m.to(Phase.FAILED, now, f"void: {message}"[:300])
+                actions.append(self._timeline(m, now, "failed", reason=f"void: {message}"))
+        log.error("the job ends: %s", message)
+        return actions + [Finish(False, message)]
 
     def _abort(self, now: float, m: Migration, reason: str, retry: bool = True) -> list:
         m.to(Phase.ABORTED, now, reason)
@@ -384,9 +411,6 @@ class Policy(Recovering, Resuming, StandbyLoss, Liveness, SnapshotHolder):
         if node in self.view.rank_node.values() and not self.done:
             if code == 0:  # its 'finished' report may still be queued behind this exit
                 return []
-            report = self.failed_reports.get(node)
-            if report is not None:  # it said why: a software error follows the rank anywhere
-                return [Finish(False, f"rank {report['rank']} on {node} failed in {report['phase']}: {report['error']}")]
             if self._lost_unexpectedly(node):
                 return self._fault(now, node, f"its Slurm step exited with code {code}")
         return []
@@ -443,7 +467,8 @@ class Policy(Recovering, Resuming, StandbyLoss, Liveness, SnapshotHolder):
             "liveness": {"heartbeat_timeout_s": self.cfg.heartbeat_timeout_s, "stuck_deadline_s": round(self._stuck_deadline(), 3),
                          "max_beat_gap_s": round(max((h.max_gap for h in self.processes.values()), default=0.0), 3),
                          "fenced": list(self.fenced)},
-            "finished": self.done,
+            "finished": self.done and self.failure is None,
+            "failure": self.failure,
             "controller": {"restarts": self.restarts, "resuming": self.resuming is not None},
             "protection": {"tiers": self.cfg.recovery_tiers, "snapshot_every": self.snapshot_every,
                            "checkpoint_every": self.cfg.checkpoint_every, "checkpoints": list(self.checkpoint_steps),

@@ -99,3 +99,22 @@ def completed_before(root: Path, job_id: int, steps: int) -> str | None:
         return (f"job {job_id} already trained all {steps} steps in an earlier run ({root}/final.json); "
                 "Slurm requeued it afterwards: nothing left to do")
     return None
+
+
+def final_line(root: Path, job_id: int, code: int, why: str = "", stopped: bool = False) -> str:
+    """The batch script's last line in slurm-<job>.out, one for every way the job ends:
+    `trainmover: job 12 FAILED: user code raised on rank 1 (train2) at step 300: RuntimeError: ...;
+    traceback in <run dir>/status.json`. From the controller's outcome in status.json; `why`:
+    the keeper's or supervisor's own reason where no controller wrote one."""
+    try:
+        status = json.loads((Path(root) / "status.json").read_text())
+    except (OSError, ValueError):
+        status = {}
+    outcome = status.get("outcome") or {}
+    state = "COMPLETED" if code == 0 else "CANCELLED" if stopped and not outcome else "FAILED"
+    message = outcome.get("message") or why or (
+        "stopped by a signal (scancel)" if stopped else f"the controller ended with exit code {code}")
+    message = " ".join(str(message).split())[:1500]  # one line
+    failure = status.get("failure") or {}
+    where = f"; traceback in {Path(root) / 'status.json'}" if failure.get("traceback") else ""
+    return f"trainmover: job {job_id} {state}: {message}{where}"

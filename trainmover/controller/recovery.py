@@ -59,6 +59,8 @@ class Recovering:
         return not any(m.leaver == node and any(role == "leaver" for _, role in m.switched) for m in self.migrations)
 
     def _fault(self, now: float, node: str, evidence: str) -> list:
+        if self.done:  # the job ended (finished, or a rank's own error): nothing is lost any more
+            return []
         r = self.recovery()
         if r is not None and node in (r.leaver, r.joiner):
             return []  # already being recovered

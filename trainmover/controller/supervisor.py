@@ -16,7 +16,9 @@ over to a new one with `--resume`, which rebuilds the job's view from the journa
 imports, seconds on a busy node, are done before it is needed) and told to take over through
 a pipe. An ordinary end (0: training finished; 1: the job stopped
 with a reported error; 2: a configuration or journal error) is final, and so is MOVED (3: its
-node leaves the job; the keeper starts the controller on another node, resuming).
+node leaves the job; the keeper starts the controller on another node, resuming), and so is
+any end after the controller journaled the job's `end` (journal.ended), whatever its code:
+a controller that ended the job on purpose is never started again.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import time
 from pathlib import Path
 
 from trainmover.config import Config
-from trainmover.controller import records
+from trainmover.controller import journal, records
 from trainmover.errors import ConfigError
 
 log = logging.getLogger("trainmover.supervisor")
@@ -41,11 +43,14 @@ FINAL = {0: "training finished", 1: "the job stopped with an error", 2: "a confi
          MOVED: "its node leaves the job: the controller moves to another node"}
 
 
-def restart_decision(code: int, restarts_done: int, limit: int, stopping: bool) -> tuple[bool, str]:
+def restart_decision(code: int, restarts_done: int, limit: int, stopping: bool,
+                     ended: dict | None = None) -> tuple[bool, str]:
     """Whether to start another controller after one exited with `code` (negative: killed by
-    that signal). Pure."""
+    that signal). `ended`: the journal's `end` record, if the controller ended the job. Pure."""
     if stopping:
         return False, "the job is being stopped"
+    if ended is not None:
+        return False, f"the controller ended the job: {ended['message'][:300]}"
     if code in FINAL:
         return False, FINAL[code]
     why = f"killed by {signal.Signals(-code).name}" if code < 0 else f"crashed (exit code {code})"
@@ -80,8 +85,8 @@ def main(argv=None) -> int:
     from trainmover.slurm.client import CliSlurm
     slurm = CliSlurm()
     job = slurm.job(job_id)
-    done = records.completed_before(Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id)),
-                                    job_id, cfg.steps)
+    root = Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id))
+    done = records.completed_before(root, job_id, cfg.steps)
     if done:
         log.warning("%s", done)
         return 0
@@ -124,11 +129,18 @@ def main(argv=None) -> int:
             t0 = time.time()
             log.info("controller running (pid %d, attempt %d)", child.pid, restarts)
             code = child.wait()
-            again, why = restart_decision(code, restarts, cfg.controller_restarts, stopping)
+            ended = journal.ended(root / "journal.jsonl")
+            again, why = restart_decision(code, restarts, cfg.controller_restarts, stopping, ended)
             log.log(logging.INFO if code == 0 else logging.WARNING,
                     "controller pid %d ended after %.1fs: %s", child.pid, time.time() - t0, why)
             if not again or spare is None:
-                return code if code >= 0 else 128 - code
+                if ended is not None and code not in FINAL:  # it ended the job, then died in its shutdown
+                    code = 0 if ended["ok"] else 1
+                code = code if code >= 0 else 128 - code
+                if not args.keeper and code != MOVED:  # the batch step itself: the job's last line
+                    print(records.final_line(root, job_id, code, why, stopped=stopping),
+                          file=sys.stderr, flush=True)
+                return code
             restarts += 1
             child, w = spare
             try:

@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -31,17 +32,48 @@ CONTROL = "tm-control"    # the per-step agreement (boundary.py): 8 bytes over g
 SNAPSHOT = "tm-snapshot"  # the snapshot tier's exchange (snapshot.py): gloo, host memory, beside the step's collectives
 
 
+@dataclass(frozen=True)
+class CollectiveFailure:
+    """The mark a group keeps when one of its collectives failed: a peer gone (its socket
+    closed), the group revoked by the controller, a backend timeout.
+
+    Why a mark, not an exception type: the error reaches the training loop through the user's
+    code (DDP's backward, an optimizer), which may wrap, replace or re-raise it as anything;
+    and the user's own errors are RuntimeErrors too (a shape mismatch, out of memory). So the
+    wrapper, which sees a collective fail where it fails, marks its group; the loop asks the
+    groups (`first_failure`), never the exception's type (STYLE.md lesson 14)."""
+    group: str
+    generation: int
+    op: str
+    error: str
+
+    def __str__(self) -> str:
+        return f"collective {self.op} of group {self.group} failed: {self.error}"
+
+
+def first_failure(groups) -> CollectiveFailure | None:
+    """The failed collective of any of `groups` in their current generation, or None: then an
+    exception that ended a step is not a lost peer but an error of the code that raised it."""
+    return next((g.failure for g in groups if g.failure is not None), None)
+
+
 class FutureWork(dist.Work):
     """A Work that is its future. Why not torch's own future-wrapping Work: its `wait()`
     returns True when the future failed, so `dist.all_reduce(..., group=g)` would go on with
-    a half-reduced tensor after a peer died. This one raises the future's error."""
+    a half-reduced tensor after a peer died. This one raises the future's error (and marks
+    `group` failed, should nothing have marked it yet)."""
 
-    def __init__(self, fut: torch.futures.Future):
+    def __init__(self, fut: torch.futures.Future, group: "SwappableGroup | None" = None, op: str = ""):
         super().__init__()
-        self.fut = fut
+        self.fut, self.group, self.op = fut, group, op
 
     def wait(self, timeout=None) -> bool:
-        self.fut.wait()  # raises the error the future was completed with
+        try:
+            self.fut.wait()  # raises the error the future was completed with
+        except RuntimeError as exc:
+            if self.group is not None:
+                self.group.mark(self.op, exc)
+            raise
         return True
 
     def is_completed(self) -> bool:
@@ -84,6 +116,31 @@ def _failed(exc: Exception) -> dist.Work:
     gate, out = _gate()
     gate.set_result(exc)
     return FutureWork(out)
+
+
+class MarkedWork(dist.Work):
+    """A backend's own Work (gloo's point-to-point and tensor reduce-scatter, which have no
+    future to chain on) whose failed `wait()` marks its group before the error goes on."""
+
+    def __init__(self, work: dist.Work, group: "SwappableGroup", op: str):
+        super().__init__()
+        self.work, self.group, self.op = work, group, op
+
+    def wait(self, timeout=None) -> bool:
+        try:
+            return self.work.wait() if timeout is None else self.work.wait(timeout)
+        except RuntimeError as exc:
+            self.group.mark(self.op, exc)
+            raise
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def get_future(self) -> torch.futures.Future:
+        return self.work.get_future()
+
+    def source_rank(self) -> int:
+        return self.work.source_rank()
 
 
 class SandboxBackend:
@@ -160,6 +217,7 @@ class SwappableGroup(dist.ProcessGroup):
         self.first_call_at: float | None = None  # perf_counter of the first collective since reset
         self.first_call_cpu: float | None = None  # process CPU time at that moment
         self.revoked = ""                  # why this generation was revoked ("" while usable)
+        self.failure: CollectiveFailure | None = None  # this generation's first failed collective
         self._pending: dict = {}           # gate -> monotonic issue time: this generation's gloo collectives in flight
         # What a heartbeat reports (runtime/heartbeat.py), so that the controller can see which
         # rank the others wait on: collectives issued on this group, over every generation.
@@ -185,11 +243,19 @@ class SwappableGroup(dist.ProcessGroup):
             old, self._inner = self._inner, new_inner
             self.generation += 1
             self.revoked = ""
+            self.failure = None
             self._pending = {}
             # Every member swaps at the same boundary (a joiner's sandbox counted its shadow
             # steps): counting afresh keeps the members' counts comparable.
             self.issued = 0
         return old
+
+    def mark(self, op: str, error) -> None:
+        """Record that a collective of this generation failed (the first failure is kept).
+        Called from the training thread, gloo's threads and the control channel's reader."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = CollectiveFailure(self.group_name_, self.generation, op, str(error)[:300])
 
     def waiting_s(self, now: float) -> float:
         """How long the oldest collective in flight has waited (0 if none; gloo only: NCCL
@@ -211,13 +277,14 @@ class SwappableGroup(dist.ProcessGroup):
                 return
             self.revoked = reason
             pending, self._pending = self._pending, {}
+        self.mark("revoke", f"revoked: {reason}")
         for gate in pending:  # removed from _pending under the lock: only this thread completes them
             gate.set_result(Revoked(f"group {self.group_name_} revoked: {reason}"))
         abort = getattr(self._inner, "abort", None)
         if abort is not None and not isinstance(self._inner, dist.ProcessGroupGloo):
             abort()
 
-    def _revocable(self, work: dist.Work) -> dist.Work:
+    def _revocable(self, work: dist.Work, op: str) -> dist.Work:
         """`work`, behind a future that `revoke` can fail before the backend gives up."""
         gate, out = _gate()
         with self._lock:
@@ -228,6 +295,7 @@ class SwappableGroup(dist.ProcessGroup):
                 value = inner.value()
             except Exception as exc:  # noqa: BLE001 - the backend's own error, passed on as is
                 value = exc
+                self.mark(op, exc)  # here, where it fails: whoever waits (or not) may hide it
             with self._lock:
                 mine = gate in self._pending  # else revoke took it and completes it
                 self._pending.pop(gate, None)
@@ -235,7 +303,7 @@ class SwappableGroup(dist.ProcessGroup):
                 gate.set_result(value)
 
         work.get_future().add_done_callback(done)
-        return FutureWork(out)
+        return FutureWork(out, self, op)
 
 
 def _forwarder(op: str):
@@ -251,19 +319,22 @@ def _forwarder(op: str):
             _trace(self, op, a)
         self.issued += 1
         if self.revoked:
+            self.mark(op, f"revoked: {self.revoked}")
             return _failed(Revoked(f"group {self.group_name_} revoked: {self.revoked}"))
         try:
             work = getattr(self._inner, op)(*a, **k)
         except Exception as exc:  # noqa: BLE001 - an aborted NCCL communicator raises its own error type
             if self.revoked:  # revoked (its communicator aborted) while this call was being issued
+                self.mark(op, f"revoked: {self.revoked}")
                 return _failed(Revoked(f"group {self.group_name_} revoked: {self.revoked}"))
-            if isinstance(exc, RuntimeError):
+            if isinstance(exc, RuntimeError):  # the backend's: a peer gone, a timeout
+                self.mark(op, exc)
                 return _failed(exc)
             raise  # ours (e.g. a sandbox's mismatch with its recording): clear, and at once
         if self.observer is not None:  # a recorder may hand back a Work that copies the outputs on completion
             work = self.observer(self.group_name_, op, a, work) or work
-        if op in _REVOCABLE and isinstance(self._inner, dist.ProcessGroupGloo):
-            return self._revocable(work)
+        if isinstance(self._inner, dist.ProcessGroupGloo):
+            return self._revocable(work, op) if op in _REVOCABLE else MarkedWork(work, self, op)
         return work
     forward.__name__ = op
     # DDP's reducer calls collectives from inside a compiled (torch.compile) forward, e.g. the

@@ -43,6 +43,7 @@ class Link:
         self.conn = channel.connect(address, key, hello(), timeout=connect_timeout, source=source)
         self.up = True
         self.closed = False
+        self.bye: str | None = None      # the controller's reason, once it said `bye` (the job ends)
         self.settled = threading.Event()  # set while up, and once gone for good
         self.settled.set()
         self.reconnects: list[float] = []  # seconds each reconnection took
@@ -85,6 +86,7 @@ class Link:
                     return False
                 if msg["type"] == "bye":
                     log.info("controller ends: %s", msg["reason"])
+                    self.bye = msg["reason"]
                     return True
                 self.on_message(msg)
                 self.inbox.put(msg)

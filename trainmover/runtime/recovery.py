@@ -162,7 +162,7 @@ class Recovery:
     """Mixed into `Agent` (worker.py): a live rank stalls and resumes; a standby takes a
     vanished rank's slot."""
 
-    def stall(self, completed: int, exc: Exception) -> int:
+    def stall(self, completed: int, exc: Exception | str) -> int:
         """A collective failed: report how far this rank got and wait (bounded) for the
         controller's recovery plan. Returns the step to resume from."""
         log.warning("rank %d stalled after %d steps: %s", self.rank, completed, str(exc)[:300])
@@ -187,7 +187,7 @@ class Recovery:
         self._trace_next_steps()
         return int(msg["step"])
 
-    def _wait_recover(self, exc: Exception) -> dict:
+    def _wait_recover(self, exc: Exception | str) -> dict:
         """The controller's `recover` plan, within the recovery deadline. The controller's
         deadline decides (its message names what it waited for); a rank gives up only
         RECOVERY_GRACE_S later, when that decision never came."""

@@ -4,7 +4,10 @@ After every step each rank reports it (`step`), takes a snapshot or checkpoint w
 (protection.py), looks at its control messages, and joins the boundary agreement
 (boundary.py): a prepared migration switches here, on every rank at the same step, or on none.
 A collective that fails (a peer vanished, or the controller revoked the groups) makes the rank
-stall and wait for the controller's recovery plan (recovery.py).
+stall and wait for the controller's recovery plan (recovery.py). What failed is asked of the
+groups, which mark a failed collective where it fails (groups.CollectiveFailure), never guessed
+from the exception's type: any other error that ends a step (the workload's own, out of memory
+included) ends this process with a `failed` report, and the controller ends the job.
 """
 from __future__ import annotations
 
@@ -12,13 +15,19 @@ import logging
 import os
 import time
 
-from trainmover.errors import TrainMoverError
 from trainmover.runtime import boundary
-from trainmover.runtime.groups import CONTROL
+from trainmover.runtime.groups import CONTROL, CollectiveFailure, first_failure
 
 log = logging.getLogger("trainmover.worker")
 
 TRACE_STEPS = 2 if os.environ.get("TM_TRACE_SWITCH") else 0  # log timings of the steps after a switch
+
+
+def lost_peer(groups: dict) -> CollectiveFailure | None:
+    """The decision after a step ended with an exception (pure): a collective failed in one of
+    this rank's groups (a peer gone, a revoked group, a timeout), so the rank stalls for the
+    controller's recovery; or None: nothing failed between ranks, the error is the code's own."""
+    return first_failure(groups.values())
 
 
 class TrainingLoop:
@@ -32,12 +41,11 @@ class TrainingLoop:
             self.completed = step
             try:
                 loss, step = self._iteration(step)
-            except (RuntimeError, TrainMoverError) as exc:
-                # a collective failed or was revoked (a peer is gone); an error of our own
-                # communicator library counts only if the controller revoked a group meanwhile
-                if not isinstance(exc, RuntimeError) and not any(g.revoked for g in self.groups.values()):
-                    raise
-                step = self.stall(self.completed, exc)
+            except Exception as exc:  # noqa: BLE001 - classified by the groups' marks, not by its type
+                failure = lost_peer(self.groups)
+                if failure is None:
+                    raise  # the user's code (or ours) raised: the process reports it and the job ends
+                step = self.stall(self.completed, f"{failure} ({type(exc).__name__}: {exc})")
                 continue
             if step < 0:
                 return 0  # this rank left the job (planned migration)

@@ -25,6 +25,7 @@ import os
 import queue
 import sys
 import threading
+import traceback
 from collections import deque
 
 import torch
@@ -34,8 +35,7 @@ from trainmover import faults
 from trainmover.control import channel, endpoint
 from trainmover.control.messages import make
 from trainmover.control.spec import WorkerSpec
-from trainmover.errors import DeadlineExceeded, MigrationError, TrainMoverError
-from trainmover.runtime import checkpoint, heartbeat, phase1, rng, snapshot, transfer
+from trainmover.runtime import checkpoint, heartbeat, phase1, rng, snapshot, transfer, usercode
 from trainmover.runtime.groups import CONTROL, SNAPSHOT, Revoked, SandboxBackend, SwappableGroup, gloo_group
 from trainmover.runtime.link import Link
 from trainmover.runtime.plan import GroupSpec
@@ -52,6 +52,8 @@ RESEND_STEPS = 2048  # step reports kept for a restarted controller (its metrics
 RESEND_KINDS = ("recorded", "ready", "prepared", "prepare_failed", "switched", "stalled", "finished")
 RETIRE_AFTER = 3  # steps between a switch and the release of the replaced communicators
 FENCED = 75  # exit code of a process the controller judged dead (EX_TEMPFAIL: its node was at fault)
+FAILED = 1   # this process's own code (the user's, or TrainMover's) raised: it said so in a `failed` report
+ENDED = 2    # the controller ended the job (its `bye`) while this rank was still in it
 
 
 class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
@@ -88,7 +90,10 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
         if spec.heartbeat_s > 0:
             heartbeat.Heartbeat(self.link.send, self._beat, spec.heartbeat_s).start()
         self.inbox: queue.Queue = self.link.inbox
-        self.workload = workloads.load(spec.workload, spec.workload_options)
+        self.faults = faults.Injector(spec.inject, spec.role)
+        with usercode.user_code("construction"):  # importing and constructing it run the user's code
+            loaded = workloads.load(spec.workload, spec.workload_options)
+        self.workload = usercode.UserWorkload(loaded, self._inject_user_fault)
         self.specs = self.workload.group_specs(spec.world_size)
         names = {g.name for g in self.specs}
         if "world" not in names:
@@ -107,7 +112,10 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
         self.rehearsed: int | None = None  # a standby: the rank whose role its workload is built for
         self.shadow_step: int | None = None  # step its shadow steps replay (the latest recorded one)
         self.pure_s = 0.0  # the last step's own compute time (see TrainingLoop._iteration)
-        self.faults = faults.Injector(spec.inject, spec.role)
+
+    def _inject_user_fault(self, what: str, args: tuple) -> None:
+        """Called inside the guard of the workload's code (usercode.py): TM_INJECT raise."""
+        self.faults.at("user", what=what, rank=self.rank, step=args[0] if what == "train_step" and args else None)
 
     def _hello(self) -> dict:
         return make("hello", role=self.role, node=self.spec.node, ranks=[] if self.rank is None else [self.rank],
@@ -147,6 +155,11 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
         if self.role == "standby":  # nobody can call on an idle standby any more: free the node now
             log.info("controller gone for good; standby exits")
             _exit_now(0)
+        if self.link.bye is not None and self.state != "finished":
+            # The controller ended the job (a rank's own error, a failure it could not recover):
+            # waiting here, maybe in a collective with a rank that is gone, only holds the job.
+            log.error("the controller ended the job: %s; rank %s exits", self.link.bye, self.rank)
+            _exit_now(ENDED)
 
     def resync_messages(self) -> list[dict]:
         """What a restarted controller needs, sent right after `hello` (see controller/resume.py):
@@ -307,17 +320,27 @@ def main() -> int:
     torch.set_num_threads(1)  # determinism and fair sharing of the node's cores
     spec = WorkerSpec.from_env()
     local = int(os.environ.get("SLURM_LOCALID", "0"))
-    agent = None
+    # Bound before its __init__ runs: constructing the workload (the user's code) happens there,
+    # and its error is reported through the link that __init__ opened first.
+    agent = Agent.__new__(Agent)
     try:
-        agent = Agent(spec, local)
+        agent.__init__(spec, local)
         return agent.run()
-    except (TrainMoverError, RuntimeError, DeadlineExceeded, MigrationError) as exc:
-        log.error("%s on %s failed: %s", spec.role, spec.node, exc)
-        if agent is not None:
-            agent.send("failed", rank=agent.rank if agent.rank is not None else 0, phase=agent.role, error=str(exc)[:2000])
-        return 1
+    except Exception as exc:  # noqa: BLE001 - whatever ended this process is reported, with where and why
+        user = isinstance(exc, usercode.UserCodeError)
+        tb = exc.traceback if user else usercode.bounded(traceback.format_exc())
+        if user:
+            log.error("%s %s on %s: the workload's code raised in %s:\n%s", spec.role,
+                      f"rank {getattr(agent, 'rank', None)}", spec.node, exc.what, tb)
+        else:
+            log.error("%s on %s failed: %s\n%s", spec.role, spec.node, exc, tb)
+        if getattr(agent, "link", None) is not None:
+            agent.send("failed", rank=agent.rank if agent.rank is not None else 0, phase=exc.what if user else agent.role,
+                       error=exc.error if user else f"{type(exc).__name__}: {exc}"[:2000], step=agent.completed,
+                       user=user, traceback=tb)
+        return FAILED
     finally:
-        if agent is not None:
+        if getattr(agent, "link", None) is not None:
             agent.link.flush()
             agent.link.close()
 
