@@ -65,3 +65,32 @@ def test_the_jobs_outcome_is_read_from_status_only_when_a_controller_ended_it(tm
     assert k._outcome() == 0
     (tmp_path / "status.json").write_text(json.dumps({"outcome": {"ok": False, "message": "x"}}))
     assert k._outcome() == 1
+
+
+def test_a_controller_that_ended_the_job_is_waited_for_never_killed_or_replaced(tmp_path):
+    """Its shutdown answers no probe (the supervisor may still wait for its spare): before
+    the journal's `end`, silence would start a successor; after it, the keeper only waits."""
+    from trainmover.controller import journal
+
+    class Proc:
+        killed = False
+
+        def poll(self):
+            return None
+
+        def kill(self):
+            self.killed = True
+
+    k = Keeper.__new__(Keeper)
+    k.root, k.ended_at, k.why, k.attempt = tmp_path, None, "", 0
+    k.controller = ("train1", Proc())
+    started = []
+    k._start_controller = lambda home, resume: started.append(home)
+    j = journal.Journal(tmp_path / "journal.jsonl")
+    j.write(1.0, [{"kind": "start", "job_id": 7, "world_size": 2, "ranks_per_node": 1, "batch_host": "k",
+                   "rank_node": {"0": "train1", "1": "train2"}}])
+    assert journal.ended(tmp_path / "journal.jsonl") is None
+    j.write(2.0, [{"kind": "end", "ok": False, "message": "user code raised on rank 1 (train2) at step 3: E"}])
+    j.close()
+    assert k._replace_controller("unreachable for 3s") is True
+    assert k.ended_at is not None and not k.controller[1].killed and started == [] and k.attempt == 0

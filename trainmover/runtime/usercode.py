@@ -29,7 +29,10 @@ class UserCodeError(TrainMoverError):
     def __init__(self, what: str, exc: BaseException):
         self.what = what
         self.error = f"{type(exc).__name__}: {exc}"[:1000]
-        self.traceback = bounded("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:  # the guard's own frames
+            tb = tb.tb_next
+        self.traceback = bounded("".join(traceback.format_exception(type(exc), exc, tb)))
         super().__init__(f"user code raised in {what}: {self.error}")
 
 
