@@ -286,3 +286,20 @@ def test_the_last_line_names_the_state_the_cause_and_where_the_traceback_is(tmp_
     assert records.final_line(tmp_path, 12, 1, "controller on a lost; no restart left") == \
         "trainmover: job 12 FAILED: controller on a lost; no restart left"
     assert records.final_line(tmp_path, 12, 143, stopped=True).startswith("trainmover: job 12 CANCELLED")
+
+
+def test_a_workload_that_cannot_be_constructed_is_refused_once_with_the_users_traceback(tmp_path, capsys):
+    """The batch step constructs the workload before anything starts (preflight): the user's
+    error there is final (exit 2: no node would do better), said in status.json and last line."""
+    from trainmover.controller import supervisor
+    try:
+        with user_code("construction"):
+            {}["vocab_size"]
+    except UserCodeError as exc:
+        code = supervisor._refused(tmp_path / "runs" / "5", 5, exc, last_line=True)
+    assert code == 2
+    status = json.loads((tmp_path / "runs" / "5" / "status.json").read_text())
+    assert status["failure"]["user"] and "KeyError: 'vocab_size'" in status["failure"]["traceback"]
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("trainmover: job 5 FAILED: user code raised constructing the workload: KeyError: "
+                           "'vocab_size'; traceback in ")

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from trainmover.config import Config
 from trainmover.controller import journal, records
-from trainmover.errors import ConfigError
+from trainmover.errors import ConfigError, TrainMoverError
 
 log = logging.getLogger("trainmover.supervisor")
 
@@ -59,6 +59,25 @@ def restart_decision(code: int, restarts_done: int, limit: int, stopping: bool,
     return True, f"controller {why}; restart {restarts_done + 1} of {limit} from the journal"
 
 
+def _refused(root: Path, job_id: int, exc: Exception, last_line: bool) -> int:
+    """The job cannot start (the workload does not construct, a bad option): said in status.json,
+    with the user's traceback where it was theirs, and in the batch script's last line."""
+    from trainmover.runtime.usercode import UserCodeError
+    user = isinstance(exc, UserCodeError)
+    message = (f"user code raised constructing the workload: {exc.error}" if user
+               else f"the job did not start: {exc}")
+    log.error("%s%s", message, f"\n{exc.traceback.rstrip()}" if user else "")
+    root.mkdir(parents=True, exist_ok=True)
+    records.write_json(root / "status.json", {
+        "job_id": job_id, "outcome": {"ok": False, "message": message},
+        "failure": {"rank": None, "node": os.environ.get("SLURMD_NODENAME", ""), "step": 0, "phase": "construction",
+                    "user": user, "error": exc.error if user else str(exc)[:1000],
+                    "traceback": exc.traceback if user else ""}})
+    if last_line:
+        print(records.final_line(root, job_id, 2), file=sys.stderr, flush=True)
+    return 2
+
+
 def _bind(host: str) -> socket.socket:
     return socket.create_server((host, 0), backlog=1024)
 
@@ -80,12 +99,17 @@ def main(argv=None) -> int:
         raise ConfigError("trainmover controller runs inside a Slurm job (SLURM_JOB_ID is not set)") from None
     cfg = Config.from_env()
     from trainmover.controller.preflight import preflight
-    preflight(cfg)  # options the workload does not take, TM_CHECK_WORKLOAD: before anything starts
-    import torch.distributed as dist
+    from trainmover.runtime.usercode import user_code
     from trainmover.slurm.client import CliSlurm
     slurm = CliSlurm()
     job = slurm.job(job_id)
     root = Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id))
+    try:
+        with user_code("construction"):  # constructing the workload runs the user's code
+            preflight(cfg)  # options the workload does not take, TM_CHECK_WORKLOAD: before anything starts
+    except TrainMoverError as exc:  # it would fail the same on any node: final (2), never restarted
+        return _refused(root, job_id, exc, last_line=not args.keeper)
+    import torch.distributed as dist
     done = records.completed_before(root, job_id, cfg.steps)
     if done:
         log.warning("%s", done)
