@@ -7,6 +7,7 @@
     trainmover config                      (every TM_* variable, its default and meaning)
     trainmover demo [--steps N] [--slurm V] (cluster up, submit, drain, show the migration)
     trainmover healthcheck [--node N] ...  (node health; drains with a 'trainmover:' reason)
+    trainmover drain NODE --reason TEXT   (admin: drain, and tell the jobs there at once)
     trainmover check-workload MODULE:CLASS [--steps N]  (would a migration be exact? one machine)
     trainmover submit [sbatch options] SCRIPT  (sbatch, refused at once if Slurm could never start it)
 """
@@ -126,6 +127,28 @@ def _migrate(args) -> int:
     return 0 if reply["ok"] else 2
 
 
+def _drain(args) -> int:
+    """`scontrol update State=DRAIN`, then the drain notice (root only: slurm/drain_notice.py)."""
+    import os
+    import time
+    from trainmover.slurm import drain_notice
+    from trainmover.slurm.client import CliSlurm
+    CliSlurm(timeout=10).drain(args.node, args.reason)
+    directory = (drain_notice.default_dir(os.environ.get("SLURM_CONF")) if args.notices == "auto"
+                 else Path(args.notices))
+    if directory is None:
+        print(f"{args.node} drained; no drain-notice directory: its jobs see the drain at their next node poll")
+        return 0
+    try:
+        drain_notice.publish(directory, args.node, args.reason, time.time())
+    except (OSError, ValueError) as exc:
+        print(f"{args.node} drained; drain notice not written ({exc}): its jobs see the drain at their next "
+              "node poll", file=sys.stderr)
+        return 0
+    print(f"{args.node} drained; its jobs were told through {directory}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trainmover", description="Live migration of training ranks inside Slurm jobs")
     sub = p.add_subparsers(dest="command", required=True)
@@ -141,6 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--node", required=True)
     m.add_argument("--run-dir")
     m.add_argument("--timeout", type=float, default=10.0)
+    dr = sub.add_parser("drain", help="admin: drain a node and tell the TrainMover jobs there at once "
+                        "(a drain notice; they migrate within a second instead of at their next poll)")
+    dr.add_argument("node")
+    dr.add_argument("--reason", required=True)
+    dr.add_argument("--notices", metavar="DIR", default="auto",
+                    help="the drain-notice directory (default: trainmover-drains beside slurm.conf; "
+                         "docs/admin.md, \"Load on slurmctld\")")
     sub.add_parser("config", help="list every TM_* variable")
     d = sub.add_parser("demo", help="start the local cluster, submit the demo, drain a node, show the migration")
     d.add_argument("--steps", type=int, default=1500)
@@ -195,6 +225,8 @@ def main(argv=None) -> int:
             if not args.job.isdigit():
                 raise TrainMoverError(f"--job must be a Slurm job id, got {args.job!r}")
             return _migrate(args)
+        if args.command == "drain":
+            return _drain(args)
         if args.command == "demo":
             from trainmover.demo import main as demo_main
             return demo_main(steps=args.steps, slurm=args.slurm)

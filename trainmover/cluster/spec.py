@@ -270,6 +270,7 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         "default_queue_depth=100",
         *_accounting_lines(s),
         "JobCompType=jobcomp/none",
+        *_rate_limit_lines(s),
         "# The health check, with the lines docs/admin.md gives admins (slurm_plugin/healthcheck.sh",
         "# copied next to its healthcheck.env), but on IDLE nodes only: with every slurmd on one",
         "# host, Slurm 22.05 requeued running jobs ('Batch JobId missing from batch node') in each",
@@ -300,6 +301,16 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _rate_limit_lines(s: ClusterSpec) -> list[str]:
+    """Slurm 23.02 and later: slurmctld's per-user RPC rate limit at its defaults (a bucket of 30
+    tokens per user, 2 refilled a second), as sites that guard slurmctld run it, so that every
+    test shows TrainMover's polling stays within it (docs/admin.md, "Load on slurmctld")."""
+    if tuple(int(x) for x in s.slurm.split(".")[:2]) < (23, 2):
+        return []
+    return ["# per-user RPC rate limit at its defaults (TrainMover must stay within it)",
+            "SlurmctldParameters=rl_enable"]
 
 
 def _accounting_lines(s: ClusterSpec) -> list[str]:

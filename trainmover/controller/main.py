@@ -31,6 +31,7 @@ from trainmover.controller.steps import KeeperSteps, LocalSteps
 from trainmover.controller.view import JobView
 from trainmover.errors import ConfigError, SlurmError, TrainMoverError
 from trainmover.control.spec import ENV as SPEC_ENV, WorkerSpec
+from trainmover.slurm import drain_notice
 from trainmover.slurm.client import CliSlurm
 from trainmover.slurm.model import BatchHostRelease, NoStandbyAvailable
 from trainmover.workloads import base as workloads
@@ -48,7 +49,7 @@ class Controller:
         keeper node (controller/keeper.py), which runs the steps; no rank runs there."""
         self.cfg, self.job_id, self.attempt = cfg, job_id, attempt
         self.faults = faults.Injector(cfg.inject, "controller", first_controller=attempt == 0)
-        self.slurm = slurm or CliSlurm()
+        self.slurm = slurm or CliSlurm(node_query=cfg.node_query)
         self.environ = dict(environ)
         job = self.slurm.job(job_id)
         self.job = job
@@ -113,6 +114,8 @@ class Controller:
         self.conn_ranks: dict = {}                 # connection -> the ranks its process runs (from its messages)
         self.standby_launches = 0                  # for TM_INJECT die-in-warmup:<n>
         self.outcome: tuple[bool, str] | None = None
+        self.pool = _PoolWatch(self.slurm, cfg.reservation)
+        self.notices = _notice_watcher(cfg.drain_notices, self.environ.get("SLURM_CONF"))
 
     def _store(self):
         # TCPStore for gloo rendezvous, on a socket bound to this node's address: every node
@@ -170,9 +173,14 @@ class Controller:
         threading.Thread(target=run, name=f"tm-{name}", daemon=True).start()
 
     def _acquire(self):
+        idle = self.pool.none_idle()
+        if idle:  # the last node poll saw no free spare: asking slurmctld now would only cost RPCs
+            return ("unavailable", idle)
+        self.pool.refresh_later()
         try:
             node = self.slurm.grow(self.job_id, reservation=self.cfg.reservation, timeout=self.cfg.standby_wait_s)
         except NoStandbyAvailable as exc:
+            self.pool.idle = []  # none was free: wait for a poll that sees one
             return ("unavailable", str(exc))
         except SlurmError as exc:
             return ("unavailable", f"taking a standby failed: {exc}")
@@ -386,11 +394,14 @@ class Controller:
             if now >= next_poll:
                 next_poll = now + self.cfg.poll_s
                 watched = self.view.train_nodes() + list(self.view.standbys) + self.view.released
-                try:
-                    actions += self.policy.on_nodes(now, self.slurm.nodes(watched))
+                try:  # one call (one RPC with tm_nodes) for the job's nodes and the reservation's
+                    states = self.slurm.nodes(list(dict.fromkeys(watched + self.pool.nodes())))
+                    self.pool.saw(states)
+                    actions += self.policy.on_nodes(now, {n: states[n] for n in watched})
                 except SlurmError as exc:  # slurmctld slow or down: keep training, try again
                     log.warning("node poll failed: %s", exc)
                 actions += self.policy.on_tick(now, self._arrivals())
+            actions += self._drain_notices(now)
             for node, code in self.launcher.exited():
                 actions += self.policy.on_step_exit(now, node, code)
             while True:
@@ -420,6 +431,22 @@ class Controller:
                 self.files.write_text("status", status)
                 last_status = status
         return self.shutdown()
+
+    def _drain_notices(self, now: float) -> list:
+        """A drain notice for one of our rank nodes (slurm/drain_notice.py): one stat while none
+        came; for a new one, one Slurm query about that node, and Slurm's answer decides."""
+        if self.notices is None:
+            return []
+        fresh = self.notices.fresh(self.view.rank_node.values())
+        if not fresh:
+            return []
+        try:
+            states = self.slurm.nodes(fresh)
+        except SlurmError as exc:  # the next poll tries again
+            log.warning("drain notice for %s: cannot confirm with Slurm: %s", fresh, exc)
+            return []
+        log.info("drain notice for %s; Slurm says %s", fresh, {n: i.state for n, i in states.items()})
+        return self.policy.on_nodes(now, states)
 
     def _arrivals(self) -> dict:
         """(node, pid) -> when its connection's reader last received a frame: a message still
@@ -485,6 +512,52 @@ class Controller:
         self.files.close()
         self.journal.close()
         return MOVED
+
+
+class _PoolWatch:
+    """The reservation's spare nodes, as the node poll last saw them: a standby is asked for
+    (salloc, several RPCs) only when one of them was idle, so a job whose pool is used up
+    costs slurmctld nothing more than its poll. The reservation's node list is read once,
+    and again after each request (an admin may have changed it)."""
+
+    def __init__(self, slurm, reservation: str):
+        self.slurm, self.reservation = slurm, reservation
+        self._nodes: list[str] | None = None
+        self.idle: list[str] | None = None  # None: not seen yet (then ask Slurm)
+
+    def nodes(self) -> list[str]:
+        if self._nodes is None and hasattr(self.slurm, "reservation_nodes"):
+            try:
+                self._nodes = self.slurm.reservation_nodes(self.reservation)
+            except SlurmError as exc:
+                log.warning("cannot read reservation %s: %s", self.reservation, exc)
+                self._nodes = []
+        return self._nodes or []
+
+    def saw(self, states: dict) -> None:
+        if self._nodes:
+            self.idle = [n for n in self._nodes if n in states and states[n].idle]
+
+    def none_idle(self) -> str:
+        """Why not to ask now ("" to ask)."""
+        if self.idle == []:
+            return f"no idle node in reservation {self.reservation} at the last node poll"
+        return ""
+
+    def refresh_later(self) -> None:
+        self._nodes = None
+
+
+def _notice_watcher(setting: str, slurm_conf: str | None):
+    if setting == "off":
+        return None
+    directory = drain_notice.default_dir(slurm_conf) if setting == "auto" else Path(setting)
+    if directory is None:
+        return None
+    watcher = drain_notice.Watcher(directory)
+    if watcher.refused:
+        log.warning("%s", watcher.refused)
+    return watcher
 
 
 RANK_STEPS = ("tm-worker", "tm-standby")  # the steps a fence kills: never the controller's own
