@@ -40,12 +40,13 @@ from trainmover.slurm.client import CliSlurm  # noqa: E402
 
 REASON = "trainmover-bench load"
 STATE_DIR = "/var/tmp/trainmover-cluster-load"
-_RPC = re.compile(r"^\s+(\S+)\s+\(\s*\d+\)\s+count:(\d+)")
+_RPC = re.compile(r"^\s+(\S+)\s+\(\s*\d+\)\s+count:(\d+)\s+ave_time:(\d+)")
 
 
 def parse_sdiag(text: str) -> dict[str, dict[str, int]]:
-    """`sdiag` -> {"by_type": {RPC: count}, "by_user": {user: count}}."""
-    out: dict[str, dict[str, int]] = {"by_type": {}, "by_user": {}}
+    """`sdiag` -> {"by_type": {RPC: count}, "by_user": {user: count}, "ave_us": {RPC: slurmctld's
+    mean microseconds}}."""
+    out: dict[str, dict[str, int]] = {"by_type": {}, "by_user": {}, "ave_us": {}}
     section = None
     for line in text.splitlines():
         if line.startswith("Remote Procedure Call statistics by message type"):
@@ -56,6 +57,8 @@ def parse_sdiag(text: str) -> dict[str, dict[str, int]]:
             section = None
         elif section and (m := _RPC.match(line)):
             out[section][m.group(1)] = int(m.group(2))
+            if section == "by_type":
+                out["ave_us"][m.group(1)] = int(m.group(3))
     return out
 
 
@@ -64,6 +67,27 @@ def window(env, seconds: float) -> dict[str, dict[str, int]]:
     commands.run(["sdiag", "-r"], timeout=10, env=env)
     time.sleep(seconds)
     return parse_sdiag(commands.run(["sdiag"], timeout=10, env=env).stdout)
+
+
+def command_costs(env, node: str, node_query: Path, repeats: int = 10) -> dict:
+    """RPCs of one call of each node or job query, by type: each run `repeats` times in a row
+    between two sdiag reads (types seen fewer than `repeats` times are the cluster's own)."""
+    job = commands.run(["squeue", "-h", "-o", "%i"], timeout=10, env=env).stdout.split()
+    argvs = {"scontrol -o show node": ["scontrol", "-o", "show", "node", node],
+             "sinfo -n": ["sinfo", "-h", "-N", "-n", node, "-o", "%N %T"]}
+    if node_query.exists():
+        argvs["tm_nodes"] = [str(node_query), node]
+    if job:
+        argvs["scontrol -o show job"] = ["scontrol", "-o", "show", "job", job[0]]
+        argvs["squeue -j"] = ["squeue", "-h", "-j", job[0], "-o", "%T"]
+    out = {}
+    for name, argv in argvs.items():
+        commands.run(["sdiag", "-r"], timeout=10, env=env)
+        for _ in range(repeats):
+            commands.run(argv, timeout=10, env=env)
+        seen = parse_sdiag(commands.run(["sdiag"], timeout=10, env=env).stdout)
+        out[name] = {k: round(v / repeats, 2) for k, v in seen["by_type"].items() if v >= repeats}
+    return out
 
 
 def status(run: Path) -> dict:
@@ -93,7 +117,7 @@ def per_job_minute(jobs: dict, idle: dict, n: int, seconds: float) -> dict:
     total = sum(jobs["by_type"].values()) - sum(idle["by_type"].values())
     return {"rpcs_per_job_per_min": round(total / n / (seconds / 60), 2),
             "by_type_per_job_per_min": {k: round(v / n / (seconds / 60), 2) for k, v in diff.items()},
-            "window_by_type": jobs["by_type"], "window_by_user": jobs["by_user"]}
+            "window_by_type": jobs["by_type"], "window_by_user": jobs["by_user"], "window_ave_us": jobs["ave_us"]}
 
 
 def drain_once(kind: str, env, info, slurm: CliSlurm, run: Path, k: int) -> dict:
@@ -157,6 +181,8 @@ def main():
         wait(f"{args.jobs} jobs with warm standbys", lambda: all(warm(r) for _, r in jobs), 600, 1.0)
         many = window(env, args.window)
         result_trials[f"steady_{args.jobs}_jobs"] = per_job_minute(many, idle, args.jobs, args.window)
+        result_trials["rpcs_per_command"] = command_costs(env, "spare1", node_query)
+        print(json.dumps(result_trials["rpcs_per_command"]), flush=True)
         result_trials["idle_window_by_type"] = idle["by_type"]
         commands.run(["scancel", *[str(j) for j, _ in jobs[1:]]], timeout=10, env=env)
         drains = []

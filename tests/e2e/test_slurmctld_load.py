@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -78,8 +79,8 @@ def test_five_jobs_of_one_user_stay_within_the_rate_limit(load_cluster):
                  explain=lambda: "\n".join(f"{j.job_id}: {j.status().get('standbys')}" for j in jobs))
         # two drains told at once (root's `trainmover drain` writes the notice), two by the poll alone
         for j in jobs[:2]:
-            cli = commands.run([sys.executable, "-m", "trainmover.cli", "drain", j.train_node(),
-                                f"--reason={DRAIN_REASON}"], timeout=30, env=env)
+            cli = subprocess.run([sys.executable, "-m", "trainmover.cli", "drain", j.train_node(),
+                                  f"--reason={DRAIN_REASON}"], capture_output=True, text=True, timeout=60, env=env)
             assert "its jobs were told through" in cli.stdout, cli.stdout + cli.stderr
         for j in jobs[2:4]:
             commands.run(["scontrol", "update", f"NodeName={j.train_node()}", "State=DRAIN",

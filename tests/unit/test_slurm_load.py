@@ -151,3 +151,24 @@ def test_pool_gate_asks_slurm_only_when_a_spare_was_idle():
     pool.refresh_later()  # after a request: the reservation is read again at the next poll
     assert pool.nodes() == ["spare1", "spare2"] and slurm.asked == 2
     assert _PoolWatch(object(), "r").nodes() == []  # a backend without reservations: never gated
+
+
+@needs_root
+def test_trainmover_drain_drains_then_writes_the_notice(tmp_path, capsys):
+    from trainmover.cli import main
+    d = _dir(tmp_path)
+    seen = []
+
+    def runner(argv, timeout, env):
+        seen.append(argv)
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    watcher = drain_notice.Watcher(d)
+    with commands.intercept(runner):
+        assert main(["drain", "train2", "--reason", "bad fan", "--notices", str(d)]) == 0
+    assert seen == [["scontrol", "update", "NodeName=train2", "State=DRAIN", "Reason=bad fan"]]
+    assert watcher.fresh(["train2"]) == ["train2"] and "its jobs were told" in capsys.readouterr().out
+    os.chown(d, NOBODY, NOBODY)  # a directory root must not write into: drained all the same, said so
+    with commands.intercept(runner):
+        assert main(["drain", "train3", "--reason", "x", "--notices", str(d)]) == 0
+    assert "drain notice not written" in capsys.readouterr().err and not (d / "train3").exists()
