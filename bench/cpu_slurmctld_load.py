@@ -7,7 +7,10 @@ reaches it, on the embedded cluster.
   gives the cluster's own traffic (slurmd registrations, pings); windows with 1 and then 5
   demo jobs running (each: keeper node, one training node, one warm standby, steps paced to
   0.2 s) give the jobs'. RPCs per job per minute = (window - idle window) / jobs / minutes.
-* drains, one job: `scontrol update State=DRAIN` of its training node (found by the node poll,
+* the per-cluster node-state reader (`trainmover node-reader`, root, every 2 s): a third window
+  with the 5 jobs reading its table instead of polling (its RPCs counted in, shared by the jobs).
+* drains, one job, first with the reader (scontrol drains, found through its table), then
+  without: `scontrol update State=DRAIN` of its training node (found by the node poll,
   TM_POLL_S) and the health check as slurmd runs it (etc/healthcheck.sh, a fault injected
   through its hook; it drains and writes the drain notice) alternate; for each, the time from
   the drain to the controller's decision (the migration's `requested` time in status.json,
@@ -124,7 +127,7 @@ def drain_once(kind: str, env, info, slurm: CliSlurm, run: Path, k: int) -> dict
     """Drain the job's training node (scontrol, or the health check); time to `requested`."""
     s = status(run)
     node = next(n["name"] for n in s["nodes"] if n["role"] == "train")
-    if kind == "scontrol":
+    if kind in ("scontrol", "scontrol+reader"):
         t_drain = time.time()
         commands.run(["scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={REASON}"], timeout=10, env=env)
         extra = {}
@@ -150,12 +153,18 @@ def drain_once(kind: str, env, info, slurm: CliSlurm, run: Path, k: int) -> dict
     return {"kind": kind, "node": node, "drain_to_requested_s": round(detect, 3), "trigger": m["trigger"], **extra}
 
 
+def start_reader(env) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "trainmover.cli", "node-reader", "--interval", "2"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--slurm", default=None, help="Slurm release of the cluster (default: the host's)")
     ap.add_argument("--window", type=float, default=60.0, help="seconds of each sdiag window")
     ap.add_argument("--jobs", type=int, default=5)
     ap.add_argument("--drains", type=int, default=10, help="drains of each kind")
+    ap.add_argument("--reader-drains", type=int, default=5, help="scontrol drains with the per-cluster reader")
     ap.add_argument("--pace", type=float, default=0.2, help="seconds each step sleeps (CPU for 5 jobs on 2 cores)")
     args = ap.parse_args()
     info = cluster.up(nodes=args.jobs, standby=args.jobs, keepers=args.jobs, state_dir=STATE_DIR, slurm=args.slurm)
@@ -184,10 +193,23 @@ def main():
         result_trials["rpcs_per_command"] = command_costs(env, "spare1", node_query)
         print(json.dumps(result_trials["rpcs_per_command"]), flush=True)
         result_trials["idle_window_by_type"] = idle["by_type"]
-        commands.run(["scancel", *[str(j) for j, _ in jobs[1:]]], timeout=10, env=env)
-        drains = []
+        reader = start_reader(env)  # the per-cluster node-state reader (root), interval 2 s
+        try:
+            wait("the reader's first table", lambda: (Path(info.slurm_conf).parent / "trainmover-drains" /
+                                                      ".node-states.json").exists(), 30, 0.2)
+            shared = window(env, args.window)
+            result_trials[f"steady_{args.jobs}_jobs_reader"] = per_job_minute(shared, idle, args.jobs, args.window)
+            commands.run(["scancel", *[str(j) for j, _ in jobs[1:]]], timeout=10, env=env)
+            drains = []
+            for k in range(1, args.reader_drains + 1):
+                drains.append(drain_once("scontrol+reader", env, info, slurm, jobs[0][1], len(drains) + 1))
+                print(drains[-1], flush=True)
+        finally:
+            reader.terminate()
+            reader.wait(10)
         for k in range(1, 2 * args.drains + 1):
-            drains.append(drain_once("scontrol" if k % 2 else "healthcheck", env, info, slurm, jobs[0][1], k))
+            drains.append(drain_once("scontrol" if k % 2 else "healthcheck", env, info, slurm, jobs[0][1],
+                                     len(drains) + 1))
             print(drains[-1], flush=True)
         result_trials["drains"] = drains
     finally:
@@ -218,6 +240,9 @@ def main():
                         result_trials[f"steady_{args.jobs}_jobs"]["rpcs_per_job_per_min"],
                     "scontrol_drain_to_requested": med("scontrol"),
                     "healthcheck_drain_to_requested": med("healthcheck"),
+                    "scontrol_drain_to_requested_with_reader": med("scontrol+reader"),
+                    f"rpcs_per_job_per_min_{args.jobs}_jobs_with_reader":
+                        result_trials[f"steady_{args.jobs}_jobs_reader"]["rpcs_per_job_per_min"],
                     "slurmctld_rate_limit_lines": len(limited)},
         "trials": result_trials,
     }

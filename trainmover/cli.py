@@ -8,6 +8,7 @@
     trainmover demo [--steps N] [--slurm V] (cluster up, submit, drain, show the migration)
     trainmover healthcheck [--node N] ...  (node health; drains with a 'trainmover:' reason)
     trainmover drain NODE --reason TEXT   (admin: drain, and tell the jobs there at once)
+    trainmover node-reader [--interval S]  (root service: every node's state for every job, one RPC)
     trainmover check-workload MODULE:CLASS [--steps N]  (would a migration be exact? one machine)
     trainmover submit [sbatch options] SCRIPT  (sbatch, refused at once if Slurm could never start it)
 """
@@ -149,6 +150,21 @@ def _drain(args) -> int:
     return 0
 
 
+def _node_reader(args) -> int:
+    """Runs until killed: slurm/node_states.py."""
+    import logging
+    import os
+    from trainmover.slurm import drain_notice, node_states
+    from trainmover.slurm.client import CliSlurm
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    directory = (drain_notice.default_dir(os.environ.get("SLURM_CONF")) if args.notices == "auto"
+                 else Path(args.notices))
+    if directory is None or args.interval <= 0:
+        raise TrainMoverError("node-reader needs a drain-notice directory (--notices) and --interval > 0")
+    node_states.serve(CliSlurm(timeout=max(5.0, args.interval), node_query="auto"), directory, args.interval)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trainmover", description="Live migration of training ranks inside Slurm jobs")
     sub = p.add_subparsers(dest="command", required=True)
@@ -171,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--notices", metavar="DIR", default="auto",
                     help="the drain-notice directory (default: trainmover-drains beside slurm.conf; "
                          "docs/admin.md, \"Load on slurmctld\")")
+    nr = sub.add_parser("node-reader", help="root service: read every node's state in one RPC every few seconds "
+                        "for every job's controller (docs/admin.md, \"Load on slurmctld\")")
+    nr.add_argument("--interval", type=float, default=2.0, help="seconds between reads (default 2)")
+    nr.add_argument("--notices", metavar="DIR", default="auto", help="the drain-notice directory, where the "
+                    "table is written (default: trainmover-drains beside slurm.conf)")
     sub.add_parser("config", help="list every TM_* variable")
     d = sub.add_parser("demo", help="start the local cluster, submit the demo, drain a node, show the migration")
     d.add_argument("--steps", type=int, default=1500)
@@ -227,6 +248,8 @@ def main(argv=None) -> int:
             return _migrate(args)
         if args.command == "drain":
             return _drain(args)
+        if args.command == "node-reader":
+            return _node_reader(args)
         if args.command == "demo":
             from trainmover.demo import main as demo_main
             return demo_main(steps=args.steps, slurm=args.slurm)

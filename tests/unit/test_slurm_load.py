@@ -118,8 +118,8 @@ def test_node_query_program_replaces_scontrol(tmp_path):
         assert seen[-1] == [str(prog), "a", "b"] and got["b"].draining
         with pytest.raises(SlurmError, match=r"\['ghost'\]"):
             client.nodes(["a", "ghost"])
-        client.nodes()  # every node: scontrol as before (the program is for the job's own nodes)
-        assert seen[-1][:4] == ["scontrol", "-o", "show", "node"]
+        client.nodes()  # every node (the per-cluster reader): the program without names
+        assert seen[-1] == [str(prog)]
         CliSlurm(slurm_conf=str(conf), node_query="off").nodes(["a"])
         assert seen[-1][:4] == ["scontrol", "-o", "show", "node"]
 
@@ -172,3 +172,29 @@ def test_trainmover_drain_drains_then_writes_the_notice(tmp_path, capsys):
     with commands.intercept(runner):
         assert main(["drain", "train3", "--reason", "x", "--notices", str(d)]) == 0
     assert "drain notice not written" in capsys.readouterr().err and not (d / "train3").exists()
+
+
+# --- the per-cluster node-state reader -------------------------------------------------------------
+
+@needs_root
+def test_shared_node_states_fresh_stale_and_untrusted(tmp_path):
+    from trainmover.slurm import node_states
+
+    class Reader:
+        calls = 0
+
+        def nodes(self, names=None):
+            Reader.calls += 1
+            return {"train1": _info("train1", "ALLOCATED+DRAIN"), "spare1": _info("spare1", "IDLE")}
+
+    d = _dir(tmp_path)
+    shared = node_states.Shared(d)
+    assert shared.read(100.0) is None  # no reader: the controller polls itself
+    clock = iter([100.0, 100.1])
+    node_states.serve(Reader(), d, 2.0, clock=lambda: next(clock), sleep=lambda s: None, rounds=1)
+    at, table = shared.read(101.0)
+    assert Reader.calls == 1 and at == 100.0 and table["train1"].draining and table["spare1"].idle
+    assert shared.read(100.0 + 3 * 2.0 + 0.1) is None  # three intervals without a new table: stale
+    assert not (d / drain_notice.DIR_NAME).exists() and drain_notice.Watcher(d).fresh(["train1"]) == []
+    (d / node_states.FILE).chmod(0o666)  # writable by others: not trusted
+    assert shared.read(101.0) is None

@@ -31,7 +31,7 @@ from trainmover.controller.steps import KeeperSteps, LocalSteps
 from trainmover.controller.view import JobView
 from trainmover.errors import ConfigError, SlurmError, TrainMoverError
 from trainmover.control.spec import ENV as SPEC_ENV, WorkerSpec
-from trainmover.slurm import drain_notice
+from trainmover.slurm import drain_notice, node_states
 from trainmover.slurm.client import CliSlurm
 from trainmover.slurm.model import BatchHostRelease, NoStandbyAvailable
 from trainmover.workloads import base as workloads
@@ -116,6 +116,8 @@ class Controller:
         self.outcome: tuple[bool, str] | None = None
         self.pool = _PoolWatch(self.slurm, cfg.reservation)
         self.notices = _notice_watcher(cfg.drain_notices, self.environ.get("SLURM_CONF"))
+        self.shared = node_states.Shared(self.notices.directory) if self.notices is not None else None
+        self.shared_at = 0.0
 
     def _store(self):
         # TCPStore for gloo rendezvous, on a socket bound to this node's address: every node
@@ -386,20 +388,24 @@ class Controller:
             self._resume()
         else:
             self._begin()
-        next_poll = 0.0
+        next_poll = next_tick = 0.0
+        # The policy's clock (liveness, phase deadlines, standby retries) ticks at least every
+        # second, apart from the node poll, which slurmctld's load keeps to TM_POLL_S (10 s).
+        tick_s = min(self.cfg.poll_s, TICK_S)
         last_status = None
         while self.outcome is None:
             now = time.time()
             actions = []
+            if self._shared_states(now, actions):
+                next_poll = now + self.cfg.poll_s  # the cluster's reader stands in for our poll
             if now >= next_poll:
                 next_poll = now + self.cfg.poll_s
-                watched = self.view.train_nodes() + list(self.view.standbys) + self.view.released
                 try:  # one call (one RPC with tm_nodes) for the job's nodes and the reservation's
-                    states = self.slurm.nodes(list(dict.fromkeys(watched + self.pool.nodes())))
-                    self.pool.saw(states)
-                    actions += self.policy.on_nodes(now, {n: states[n] for n in watched})
+                    actions += self._saw(now, self.slurm.nodes(self._watched()))
                 except SlurmError as exc:  # slurmctld slow or down: keep training, try again
                     log.warning("node poll failed: %s", exc)
+            if now >= next_tick:
+                next_tick = now + tick_s
                 actions += self.policy.on_tick(now, self._arrivals())
             actions += self._drain_notices(now)
             for node, code in self.launcher.exited():
@@ -412,7 +418,7 @@ class Controller:
                 actions += self._on_event(now, ev)
             self.apply(actions)
             try:
-                conn, msg = self.server.inbox.get(timeout=min(0.2, max(0.01, next_poll - time.time())))
+                conn, msg = self.server.inbox.get(timeout=min(0.2, max(0.01, min(next_poll, next_tick) - time.time())))
                 # then what queued up, without waiting, but bounded: step reports of many ranks
                 # arrive faster than one loop turn, and node polls and step exits must still run
                 budget = time.monotonic() + 0.1
@@ -431,6 +437,33 @@ class Controller:
                 self.files.write_text("status", status)
                 last_status = status
         return self.shutdown()
+
+    def _watched(self) -> list[str]:
+        """The nodes the poll reads: the job's (training, standby, released) and the reservation's."""
+        watched = self.view.train_nodes() + list(self.view.standbys) + self.view.released
+        return list(dict.fromkeys(watched + self.pool.nodes()))
+
+    def _saw(self, now: float, states: dict) -> list:
+        self.pool.saw(states)
+        mine = set(self.view.train_nodes()) | set(self.view.standbys) | set(self.view.released)
+        return self.policy.on_nodes(now, {n: i for n, i in states.items() if n in mine})
+
+    def _shared_states(self, now: float, actions: list) -> bool:
+        """The cluster's node-state reader (slurm/node_states.py), when it runs and its table is
+        fresh: a new table is taken as our poll's answer (no RPC). False: poll for ourselves."""
+        if self.shared is None:
+            return False
+        got = self.shared.read(now)
+        if got is None:
+            return False
+        at, table = got
+        wanted = self._watched()
+        if any(n not in table for n in wanted):
+            return False
+        if at != self.shared_at:
+            self.shared_at = at
+            actions += self._saw(now, {n: table[n] for n in wanted})
+        return True
 
     def _drain_notices(self, now: float) -> list:
         """A drain notice for one of our rank nodes (slurm/drain_notice.py): one stat while none
@@ -560,6 +593,7 @@ def _notice_watcher(setting: str, slurm_conf: str | None):
     return watcher
 
 
+TICK_S = 1.0  # the policy's tick at most this far apart (the node poll may be further)
 RANK_STEPS = ("tm-worker", "tm-standby")  # the steps a fence kills: never the controller's own
 CRASHED = 70  # an unexpected exception (EX_SOFTWARE): the supervisor restarts the controller
 MOVED = 3     # its node leaves the job: the keeper resumes the controller elsewhere (controller/keeper.py)

@@ -102,7 +102,7 @@ class CliSlurm:
             return {}
         # One RPC with tm_nodes (node table only) where it is installed; scontrol also loads the
         # partition table: two RPCs, each a token of the user's rate-limit bucket.
-        argv = [self.node_query, *names] if self.node_query and names else build.show_nodes(names)
+        argv = [self.node_query, *(names or [])] if self.node_query else build.show_nodes(names)
         proc = self._run(argv, check=False)
         found = parse.parse_nodes_text(proc.stdout)
         if proc.returncode != 0 and (names is None or not found) and " not found" not in proc.stdout + proc.stderr:

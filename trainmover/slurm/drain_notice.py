@@ -49,7 +49,12 @@ def publish(directory: Path, node: str, reason: str, now: float) -> Path:
     otherwise: a user-writable directory could hold a link that redirects root's write)."""
     if not _NODE.match(node):
         raise ValueError(f"not a node name: {node!r}")
-    directory = Path(directory)
+    data = json.dumps({"node": node, "reason": reason[:200], "at": now}).encode() + b"\n"
+    return write_root_file(Path(directory), node, data)
+
+
+def write_root_file(directory: Path, name: str, data: bytes) -> Path:
+    """Root writes `data` to `directory`/`name` (0644), atomically; the directory checks of publish()."""
     try:
         os.mkdir(directory, 0o755)
     except FileExistsError:
@@ -59,17 +64,45 @@ def publish(directory: Path, node: str, reason: str, now: float) -> Path:
         if not _root_only(os.fstat(fd)) or os.geteuid() != 0:
             raise PermissionError(f"{directory}: drain notices are written by root into a directory only root "
                                   "can write")
-        tmp = f".{node}.{os.getpid()}.tmp"
+        tmp = f".{name.lstrip('.')}.{os.getpid()}.tmp"
         out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=fd)
         try:
-            os.write(out, json.dumps({"node": node, "reason": reason[:200], "at": now}).encode() + b"\n")
+            os.write(out, data)
             os.fchmod(out, 0o644)  # whatever the umask: every job's controller reads it
         finally:
             os.close(out)
-        os.rename(tmp, node, src_dir_fd=fd, dst_dir_fd=fd)  # atomic: a watcher never sees half a notice
+        os.rename(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)  # atomic: a reader never sees half a file
     finally:
         os.close(fd)
-    return directory / node
+    return directory / name
+
+
+def read_root_file(directory: Path, name: str) -> Optional[tuple[bytes, int]]:
+    """(content, mtime_ns) of `directory`/`name` when the directory and the file are root's alone
+    and the file is a regular file (not a link); None otherwise or when missing."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        if not _root_only(os.fstat(fd)):
+            return None
+        try:
+            f = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=fd)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(f)
+            if not stat.S_ISREG(st.st_mode) or not _root_only(st):
+                return None
+            chunks = []
+            while chunk := os.read(f, 1 << 20):
+                chunks.append(chunk)
+            return b"".join(chunks), st.st_mtime_ns
+        finally:
+            os.close(f)
+    finally:
+        os.close(fd)
 
 
 class Watcher:
