@@ -39,7 +39,7 @@ def default_dir(slurm_conf: Optional[str]) -> Optional[Path]:
     return d if d.is_dir() else None
 
 
-def _root_only(st: os.stat_result) -> bool:
+def root_only(st: os.stat_result) -> bool:
     return st.st_uid == 0 and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
@@ -61,7 +61,7 @@ def write_root_file(directory: Path, name: str, data: bytes) -> Path:
         pass
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
-        if not _root_only(os.fstat(fd)) or os.geteuid() != 0:
+        if not root_only(os.fstat(fd)) or os.geteuid() != 0:
             raise PermissionError(f"{directory}: drain notices are written by root into a directory only root "
                                   "can write")
         tmp = f".{name.lstrip('.')}.{os.getpid()}.tmp"
@@ -85,7 +85,7 @@ def read_root_file(directory: Path, name: str) -> Optional[tuple[bytes, int]]:
     except OSError:
         return None
     try:
-        if not _root_only(os.fstat(fd)):
+        if not root_only(os.fstat(fd)):
             return None
         try:
             f = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=fd)
@@ -93,7 +93,7 @@ def read_root_file(directory: Path, name: str) -> Optional[tuple[bytes, int]]:
             return None
         try:
             st = os.fstat(f)
-            if not stat.S_ISREG(st.st_mode) or not _root_only(st):
+            if not stat.S_ISREG(st.st_mode) or not root_only(st):
                 return None
             chunks = []
             while chunk := os.read(f, 1 << 20):
@@ -138,7 +138,7 @@ class Watcher:
         try:
             st = os.fstat(fd)
             self._dir_mtime = st.st_mtime_ns
-            if not _root_only(st):
+            if not root_only(st):
                 self.refused = f"{self.directory} is not root's alone: its drain notices are ignored"
                 return []
             self.refused = ""
@@ -150,7 +150,7 @@ class Watcher:
                     fst = os.stat(name, dir_fd=fd, follow_symlinks=False)
                 except OSError:
                     continue
-                if not stat.S_ISREG(fst.st_mode) or not _root_only(fst):
+                if not stat.S_ISREG(fst.st_mode) or not root_only(fst):
                     continue
                 if self._seen.get(name) != fst.st_mtime_ns:
                     self._seen[name] = fst.st_mtime_ns

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import stat
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -48,11 +50,15 @@ class Shared:
     def read(self, now: float) -> Optional[tuple[float, dict[str, NodeInfo]]]:
         """(when the reader read it, node -> NodeInfo) while fresh; None when there is no fresh,
         trusted table (then the caller polls Slurm itself)."""
-        got = drain_notice.read_root_file(self.directory, FILE)
-        if got is None:
+        try:  # every loop turn: one lstat while the table is unchanged, a read when it changed
+            st = os.lstat(self.directory / FILE)
+        except OSError:
             return None
-        raw, mtime = got
-        if mtime != self._mtime:
+        if st.st_mtime_ns != self._mtime or not stat.S_ISREG(st.st_mode) or not drain_notice.root_only(st):
+            got = drain_notice.read_root_file(self.directory, FILE)
+            if got is None:
+                return None
+            raw, mtime = got
             try:
                 data = json.loads(raw)
                 nodes = {n: NodeInfo(n, a, s, r, tuple(f)) for n, (a, s, r, f) in data["nodes"].items()}
