@@ -58,8 +58,8 @@ class Job:
 
 def test_five_jobs_of_one_user_stay_within_the_rate_limit(load_cluster):
     info, client = load_cluster
-    if info.slurm < "23.02":
-        pytest.skip(f"Slurm {info.slurm} has no RPC rate limit (rl_enable came with 23.02)")
+    if tuple(int(x) for x in info.slurm_version.split(".")[:2]) < (23, 2):
+        pytest.skip(f"{info.slurm} has no RPC rate limit (rl_enable came with 23.02)")
     assert "SlurmctldParameters=rl_enable" in Path(info.slurm_conf).read_text().splitlines()
     log = Path(info.slurm_conf).parents[1] / "log" / "slurmctld.log"
     log_from = log.stat().st_size
