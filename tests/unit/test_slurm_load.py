@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from trainmover.controller.main import _notice_watcher, _PoolWatch
+from trainmover.controller.node_watch import NodeWatch, PoolWatch, notice_watcher
 from trainmover.errors import SlurmError
 from trainmover.healthcheck import notify
 from trainmover.slurm import CliSlurm, commands, drain_notice
@@ -81,11 +81,11 @@ def test_root_refuses_a_directory_a_user_could_write(tmp_path):
 def test_notice_directory_setting(tmp_path):
     conf = tmp_path / "etc" / "slurm.conf"
     conf.parent.mkdir()
-    assert drain_notice.default_dir(str(conf)) is None and _notice_watcher("auto", str(conf)) is None
+    assert drain_notice.default_dir(str(conf)) is None and notice_watcher("auto", str(conf)) is None
     (conf.parent / drain_notice.DIR_NAME).mkdir()
     assert drain_notice.default_dir(str(conf)) == conf.parent / drain_notice.DIR_NAME
-    assert _notice_watcher("off", str(conf)) is None
-    assert _notice_watcher("auto", str(conf)).directory == conf.parent / drain_notice.DIR_NAME
+    assert notice_watcher("off", str(conf)) is None
+    assert notice_watcher("auto", str(conf)).directory == conf.parent / drain_notice.DIR_NAME
 
 
 # --- the node query --------------------------------------------------------------------------------
@@ -141,16 +141,16 @@ def _info(name, state):
 
 def test_pool_gate_asks_slurm_only_when_a_spare_was_idle():
     slurm = _Slurm()
-    pool = _PoolWatch(slurm, "trainmover_standby")
+    pool = PoolWatch(slurm, "trainmover_standby")
     assert pool.none_idle() == ""  # not seen yet: ask
     assert pool.nodes() == ["spare1", "spare2"] and pool.nodes() == ["spare1", "spare2"] and slurm.asked == 1
     pool.saw({"spare1": _info("spare1", "ALLOCATED"), "spare2": _info("spare2", "IDLE+DRAIN")})
     assert "no idle node in reservation trainmover_standby" in pool.none_idle()
     pool.saw({"spare1": _info("spare1", "IDLE+RESERVED"), "spare2": _info("spare2", "ALLOCATED")})
     assert pool.none_idle() == ""
-    pool.refresh_later()  # after a request: the reservation is read again at the next poll
+    pool.asked()  # after a request: the reservation is read again at the next poll
     assert pool.nodes() == ["spare1", "spare2"] and slurm.asked == 2
-    assert _PoolWatch(object(), "r").nodes() == []  # a backend without reservations: never gated
+    assert PoolWatch(object(), "r").nodes() == []  # a backend without reservations: never gated
 
 
 @needs_root
@@ -198,3 +198,59 @@ def test_shared_node_states_fresh_stale_and_untrusted(tmp_path):
     assert not (d / drain_notice.DIR_NAME).exists() and drain_notice.Watcher(d).fresh(["train1"]) == []
     (d / node_states.FILE).chmod(0o666)  # writable by others: not trusted
     assert shared.read(101.0) is None
+
+
+class _Cluster(_Slurm):
+    """nodes() as Slurm would answer, counting the calls (each one RPC with tm_nodes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.state = {"train1": "ALLOCATED", "train2": "ALLOCATED", "spare1": "ALLOCATED", "spare2": "ALLOCATED"}
+        self.queries: list[list[str]] = []
+
+    def nodes(self, names=None):
+        self.queries.append(list(names))
+        return {n: _info(n, self.state[n]) for n in names}
+
+
+@needs_root
+def test_node_watch_polls_every_poll_s_and_hears_a_notice_at_once(tmp_path):
+    d = _dir(tmp_path)
+    slurm = _Cluster()
+    watch = NodeWatch(slurm, reservation="r", poll_s=10.0, notices=str(d), slurm_conf=None)
+    mine, ranks = ["train1", "train2"], ["train1", "train2"]
+    assert set(watch.turn(0.0, mine, ranks)) == {"train1", "train2"}  # first poll: the job's nodes
+    assert slurm.queries == [["train1", "train2", "spare1", "spare2"]]  # ...and the reservation's, one call
+    assert "no idle node" in watch.pool.none_idle()
+    for t in (0.2, 2.0, 4.9):
+        assert watch.turn(t, mine, ranks) == {}  # nothing between polls: no query
+    assert len(slurm.queries) == 1
+    slurm.state["train2"] = "ALLOCATED+DRAIN"
+    drain_notice.publish(d, "train2", "trainmover: healthcheck gpu", 5.0)
+    got = watch.turn(5.05, mine, ranks)
+    assert got["train2"].draining and slurm.queries[-1] == ["train2"]  # the notice, confirmed by one query
+    assert watch.turn(5.2, mine, ranks) == {}  # an old notice is not news again
+    slurm.state["spare1"] = "IDLE"
+    watch.turn(10.0, mine, ranks)
+    assert watch.pool.none_idle() == "" and len(slurm.queries) == 3
+    # a notice whose node Slurm says is fine: the states go to the policy, which sees no drain
+    drain_notice.publish(d, "train1", "forged?", 12.0)
+    assert not watch.turn(12.1, mine, ranks)["train1"].draining
+
+
+@needs_root
+def test_node_watch_takes_the_readers_table_instead_of_polling(tmp_path):
+    from trainmover.slurm import node_states
+    d = _dir(tmp_path)
+    slurm = _Cluster()
+    watch = NodeWatch(slurm, reservation="r", poll_s=10.0, notices=str(d), slurm_conf=None)
+    everything = {n: _info(n, s) for n, s in slurm.state.items()}
+    node_states.write(d, everything, 100.0, 2.0)
+    assert set(watch.turn(100.5, ["train1"], ["train1"])) == {"train1"} and slurm.queries == []
+    assert watch.turn(101.0, ["train1"], ["train1"]) == {}  # the same table: nothing new
+    everything["train1"] = _info("train1", "ALLOCATED+DRAIN")
+    node_states.write(d, everything, 102.0, 2.0)
+    assert watch.turn(102.1, ["train1"], ["train1"])["train1"].draining and slurm.queries == []
+    # the reader stopped: its table goes stale and the job polls for itself
+    assert set(watch.turn(102.0 + 3 * 2.0 + 0.5, ["train1"], ["train1"])) == {"train1"}
+    assert slurm.queries == [["train1", "spare1", "spare2"]]

@@ -26,12 +26,12 @@ from trainmover.control.messages import make
 from trainmover.controller import journal, records, tiers
 from trainmover.controller.actions import (AcquireStandby, CheckpointDone, Fence, Finish, LaunchStandby, Record,
                                           ReleaseNode, Rewind, Send)
+from trainmover.controller.node_watch import NodeWatch
 from trainmover.controller.policy import Policy
 from trainmover.controller.steps import KeeperSteps, LocalSteps
 from trainmover.controller.view import JobView
 from trainmover.errors import ConfigError, SlurmError, TrainMoverError
 from trainmover.control.spec import ENV as SPEC_ENV, WorkerSpec
-from trainmover.slurm import drain_notice, node_states
 from trainmover.slurm.client import CliSlurm
 from trainmover.slurm.model import BatchHostRelease, NoStandbyAvailable
 from trainmover.workloads import base as workloads
@@ -114,10 +114,8 @@ class Controller:
         self.conn_ranks: dict = {}                 # connection -> the ranks its process runs (from its messages)
         self.standby_launches = 0                  # for TM_INJECT die-in-warmup:<n>
         self.outcome: tuple[bool, str] | None = None
-        self.pool = _PoolWatch(self.slurm, cfg.reservation)
-        self.notices = _notice_watcher(cfg.drain_notices, self.environ.get("SLURM_CONF"))
-        self.shared = node_states.Shared(self.notices.directory) if self.notices is not None else None
-        self.shared_at = 0.0
+        self.watch = NodeWatch(self.slurm, reservation=cfg.reservation, poll_s=cfg.poll_s,
+                               notices=cfg.drain_notices, slurm_conf=self.environ.get("SLURM_CONF"))
 
     def _store(self):
         # TCPStore for gloo rendezvous, on a socket bound to this node's address: every node
@@ -175,14 +173,14 @@ class Controller:
         threading.Thread(target=run, name=f"tm-{name}", daemon=True).start()
 
     def _acquire(self):
-        idle = self.pool.none_idle()
+        idle = self.watch.pool.none_idle()
         if idle:  # the last node poll saw no free spare: asking slurmctld now would only cost RPCs
             return ("unavailable", idle)
-        self.pool.refresh_later()
+        self.watch.pool.asked()
         try:
             node = self.slurm.grow(self.job_id, reservation=self.cfg.reservation, timeout=self.cfg.standby_wait_s)
         except NoStandbyAvailable as exc:
-            self.pool.idle = []  # none was free: wait for a poll that sees one
+            self.watch.pool.none_granted()
             return ("unavailable", str(exc))
         except SlurmError as exc:
             return ("unavailable", f"taking a standby failed: {exc}")
@@ -388,7 +386,7 @@ class Controller:
             self._resume()
         else:
             self._begin()
-        next_poll = next_tick = 0.0
+        next_tick = 0.0
         # The policy's clock (liveness, phase deadlines, standby retries) ticks at least every
         # second, apart from the node poll, which slurmctld's load keeps to TM_POLL_S (10 s).
         tick_s = min(self.cfg.poll_s, TICK_S)
@@ -396,18 +394,13 @@ class Controller:
         while self.outcome is None:
             now = time.time()
             actions = []
-            if self._shared_states(now, actions):
-                next_poll = now + self.cfg.poll_s  # the cluster's reader stands in for our poll
-            if now >= next_poll:
-                next_poll = now + self.cfg.poll_s
-                try:  # one call (one RPC with tm_nodes) for the job's nodes and the reservation's
-                    actions += self._saw(now, self.slurm.nodes(self._watched()))
-                except SlurmError as exc:  # slurmctld slow or down: keep training, try again
-                    log.warning("node poll failed: %s", exc)
+            mine = self.view.train_nodes() + list(self.view.standbys) + self.view.released
+            states = self.watch.turn(now, mine, self.view.rank_node.values())  # controller/node_watch.py
+            if states:
+                actions += self.policy.on_nodes(now, states)
             if now >= next_tick:
                 next_tick = now + tick_s
                 actions += self.policy.on_tick(now, self._arrivals())
-            actions += self._drain_notices(now)
             for node, code in self.launcher.exited():
                 actions += self.policy.on_step_exit(now, node, code)
             while True:
@@ -418,7 +411,7 @@ class Controller:
                 actions += self._on_event(now, ev)
             self.apply(actions)
             try:
-                conn, msg = self.server.inbox.get(timeout=min(0.2, max(0.01, min(next_poll, next_tick) - time.time())))
+                conn, msg = self.server.inbox.get(timeout=min(0.2, max(0.01, next_tick - time.time())))
                 # then what queued up, without waiting, but bounded: step reports of many ranks
                 # arrive faster than one loop turn, and node polls and step exits must still run
                 budget = time.monotonic() + 0.1
@@ -437,49 +430,6 @@ class Controller:
                 self.files.write_text("status", status)
                 last_status = status
         return self.shutdown()
-
-    def _watched(self) -> list[str]:
-        """The nodes the poll reads: the job's (training, standby, released) and the reservation's."""
-        watched = self.view.train_nodes() + list(self.view.standbys) + self.view.released
-        return list(dict.fromkeys(watched + self.pool.nodes()))
-
-    def _saw(self, now: float, states: dict) -> list:
-        self.pool.saw(states)
-        mine = set(self.view.train_nodes()) | set(self.view.standbys) | set(self.view.released)
-        return self.policy.on_nodes(now, {n: i for n, i in states.items() if n in mine})
-
-    def _shared_states(self, now: float, actions: list) -> bool:
-        """The cluster's node-state reader (slurm/node_states.py), when it runs and its table is
-        fresh: a new table is taken as our poll's answer (no RPC). False: poll for ourselves."""
-        if self.shared is None:
-            return False
-        got = self.shared.read(now)
-        if got is None:
-            return False
-        at, table = got
-        wanted = self._watched()
-        if any(n not in table for n in wanted):
-            return False
-        if at != self.shared_at:
-            self.shared_at = at
-            actions += self._saw(now, {n: table[n] for n in wanted})
-        return True
-
-    def _drain_notices(self, now: float) -> list:
-        """A drain notice for one of our rank nodes (slurm/drain_notice.py): one stat while none
-        came; for a new one, one Slurm query about that node, and Slurm's answer decides."""
-        if self.notices is None:
-            return []
-        fresh = self.notices.fresh(self.view.rank_node.values())
-        if not fresh:
-            return []
-        try:
-            states = self.slurm.nodes(fresh)
-        except SlurmError as exc:  # the next poll tries again
-            log.warning("drain notice for %s: cannot confirm with Slurm: %s", fresh, exc)
-            return []
-        log.info("drain notice for %s; Slurm says %s", fresh, {n: i.state for n, i in states.items()})
-        return self.policy.on_nodes(now, states)
 
     def _arrivals(self) -> dict:
         """(node, pid) -> when its connection's reader last received a frame: a message still
@@ -545,52 +495,6 @@ class Controller:
         self.files.close()
         self.journal.close()
         return MOVED
-
-
-class _PoolWatch:
-    """The reservation's spare nodes, as the node poll last saw them: a standby is asked for
-    (salloc, several RPCs) only when one of them was idle, so a job whose pool is used up
-    costs slurmctld nothing more than its poll. The reservation's node list is read once,
-    and again after each request (an admin may have changed it)."""
-
-    def __init__(self, slurm, reservation: str):
-        self.slurm, self.reservation = slurm, reservation
-        self._nodes: list[str] | None = None
-        self.idle: list[str] | None = None  # None: not seen yet (then ask Slurm)
-
-    def nodes(self) -> list[str]:
-        if self._nodes is None and hasattr(self.slurm, "reservation_nodes"):
-            try:
-                self._nodes = self.slurm.reservation_nodes(self.reservation)
-            except SlurmError as exc:
-                log.warning("cannot read reservation %s: %s", self.reservation, exc)
-                self._nodes = []
-        return self._nodes or []
-
-    def saw(self, states: dict) -> None:
-        if self._nodes:
-            self.idle = [n for n in self._nodes if n in states and states[n].idle]
-
-    def none_idle(self) -> str:
-        """Why not to ask now ("" to ask)."""
-        if self.idle == []:
-            return f"no idle node in reservation {self.reservation} at the last node poll"
-        return ""
-
-    def refresh_later(self) -> None:
-        self._nodes = None
-
-
-def _notice_watcher(setting: str, slurm_conf: str | None):
-    if setting == "off":
-        return None
-    directory = drain_notice.default_dir(slurm_conf) if setting == "auto" else Path(setting)
-    if directory is None:
-        return None
-    watcher = drain_notice.Watcher(directory)
-    if watcher.refused:
-        log.warning("%s", watcher.refused)
-    return watcher
 
 
 TICK_S = 1.0  # the policy's tick at most this far apart (the node poll may be further)

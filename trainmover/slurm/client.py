@@ -106,7 +106,8 @@ class CliSlurm:
         proc = self._run(argv, check=False)
         found = parse.parse_nodes_text(proc.stdout)
         if proc.returncode != 0 and (names is None or not found) and " not found" not in proc.stdout + proc.stderr:
-            raise SlurmError(f"{os.path.basename(argv[0])} {' '.join(argv[1:3])} exited with {proc.returncode}: "
+            what = "scontrol show node" if argv[0] == "scontrol" else os.path.basename(argv[0])
+            raise SlurmError(f"{what} exited with {proc.returncode}: "
                              f"{(proc.stderr or proc.stdout).strip()[:300]}")
         if names is None:
             return found
