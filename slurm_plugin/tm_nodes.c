@@ -13,6 +13,7 @@
  * Exit 0: every named node printed; 1: slurmctld could not be asked (message on stderr);
  * 2: some named node is unknown ("Node X not found" on stdout, as scontrol says it).
  */
+#include <errno.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -31,7 +32,8 @@ int main(int argc, char **argv)
 	slurm_init(NULL);
 	/* SHOW_ALL: nodes of hidden partitions too, as scontrol -a; SHOW_MIXED: the MIXED state. */
 	if (slurm_load_node((time_t) 0, &msg, SHOW_ALL | SHOW_MIXED) != SLURM_SUCCESS) {
-		fprintf(stderr, PREFIX "slurm_load_node: %s\n", slurm_strerror(slurm_get_errno()));
+		/* libslurm sets errno (slurm_get_errno() is gone in 24.11) */
+		fprintf(stderr, PREFIX "slurm_load_node: %s\n", slurm_strerror(errno));
 		return 1;
 	}
 	for (int a = (argc > 1 ? 1 : 0); a < argc; a++) {
