@@ -7,6 +7,8 @@
     trainmover config                      (every TM_* variable, its default and meaning)
     trainmover demo [--steps N] [--slurm V] (cluster up, submit, drain, show the migration)
     trainmover healthcheck [--node N] ...  (node health; drains with a 'trainmover:' reason)
+    trainmover drain NODE --reason TEXT   (admin: drain, and tell the jobs there at once)
+    trainmover node-reader [--interval S]  (root service: every node's state for every job, one RPC)
     trainmover check-workload MODULE:CLASS [--steps N]  (would a migration be exact? one machine)
     trainmover submit [sbatch options] SCRIPT  (sbatch, refused at once if Slurm could never start it)
 """
@@ -126,6 +128,43 @@ def _migrate(args) -> int:
     return 0 if reply["ok"] else 2
 
 
+def _drain(args) -> int:
+    """`scontrol update State=DRAIN`, then the drain notice (root only: slurm/drain_notice.py)."""
+    import os
+    import time
+    from trainmover.slurm import drain_notice
+    from trainmover.slurm.client import CliSlurm
+    CliSlurm(timeout=10).drain(args.node, args.reason)
+    directory = (drain_notice.default_dir(os.environ.get("SLURM_CONF")) if args.notices == "auto"
+                 else Path(args.notices))
+    if directory is None:
+        print(f"{args.node} drained; no drain-notice directory: its jobs see the drain at their next node poll")
+        return 0
+    try:
+        drain_notice.publish(directory, args.node, args.reason, time.time())
+    except (OSError, ValueError) as exc:
+        print(f"{args.node} drained; drain notice not written ({exc}): its jobs see the drain at their next "
+              "node poll", file=sys.stderr)
+        return 0
+    print(f"{args.node} drained; its jobs were told through {directory}")
+    return 0
+
+
+def _node_reader(args) -> int:
+    """Runs until killed: slurm/node_states.py."""
+    import logging
+    import os
+    from trainmover.slurm import drain_notice, node_states
+    from trainmover.slurm.client import CliSlurm
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    directory = (drain_notice.default_dir(os.environ.get("SLURM_CONF")) if args.notices == "auto"
+                 else Path(args.notices))
+    if directory is None or args.interval <= 0:
+        raise TrainMoverError("node-reader needs a drain-notice directory (--notices) and --interval > 0")
+    node_states.serve(CliSlurm(timeout=max(5.0, args.interval), node_query="auto"), directory, args.interval)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trainmover", description="Live migration of training ranks inside Slurm jobs")
     sub = p.add_subparsers(dest="command", required=True)
@@ -141,6 +180,18 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--node", required=True)
     m.add_argument("--run-dir")
     m.add_argument("--timeout", type=float, default=10.0)
+    dr = sub.add_parser("drain", help="admin: drain a node and tell the TrainMover jobs there at once "
+                        "(a drain notice; they migrate within a second instead of at their next poll)")
+    dr.add_argument("node")
+    dr.add_argument("--reason", required=True)
+    dr.add_argument("--notices", metavar="DIR", default="auto",
+                    help="the drain-notice directory (default: trainmover-drains beside slurm.conf; "
+                         "docs/admin.md, \"Load on slurmctld\")")
+    nr = sub.add_parser("node-reader", help="root service: read every node's state in one RPC every few seconds "
+                        "for every job's controller (docs/admin.md, \"Load on slurmctld\")")
+    nr.add_argument("--interval", type=float, default=2.0, help="seconds between reads (default 2)")
+    nr.add_argument("--notices", metavar="DIR", default="auto", help="the drain-notice directory, where the "
+                    "table is written (default: trainmover-drains beside slurm.conf)")
     sub.add_parser("config", help="list every TM_* variable")
     d = sub.add_parser("demo", help="start the local cluster, submit the demo, drain a node, show the migration")
     d.add_argument("--steps", type=int, default=1500)
@@ -195,6 +246,10 @@ def main(argv=None) -> int:
             if not args.job.isdigit():
                 raise TrainMoverError(f"--job must be a Slurm job id, got {args.job!r}")
             return _migrate(args)
+        if args.command == "drain":
+            return _drain(args)
+        if args.command == "node-reader":
+            return _node_reader(args)
         if args.command == "demo":
             from trainmover.demo import main as demo_main
             return demo_main(steps=args.steps, slurm=args.slurm)

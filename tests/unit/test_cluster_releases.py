@@ -50,6 +50,13 @@ def test_accounting_only_where_the_release_needs_it():
     assert len({r.first_job_id for r in RELEASES.values()}) == len(RELEASES)
 
 
+def test_rate_limit_on_where_slurm_has_it():
+    """rl_enable (Slurm 23.02+) at its defaults, so that every e2e test runs under it."""
+    assert not any("rl_enable" in x for x in specmod.render_slurm_conf(_spec("22.05")).splitlines())
+    for v in ("24.11", "26.05"):
+        assert "SlurmctldParameters=rl_enable" in specmod.render_slurm_conf(_spec(v, root=f"/cache/{v}")).splitlines()
+
+
 def test_spec_records_its_slurm():
     s = _spec("24.11", root="/var/cache/trainmover/rootfs/24.11")
     assert ClusterSpec.from_json(s.to_json()) == s

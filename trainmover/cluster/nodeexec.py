@@ -40,6 +40,21 @@ def _inside(root: str, path: str) -> str:
     return os.path.join(root, path.lstrip("/"))
 
 
+def _searchable_as_outside(root: str, path: str) -> None:
+    """Each directory on the way to a bound `path` inside `root` lets others pass (o+x) where
+    the host's does: a job's user reaches the bound interpreter inside as outside (the root's
+    own /root is 0700, where pyenv's interpreter lives on the host, made o+x by setup.sh)."""
+    parts = os.path.normpath(path).strip("/").split("/")
+    for i in range(1, len(parts)):
+        outside = "/" + "/".join(parts[:i])
+        inside = _inside(root, outside)
+        try:
+            if os.stat(outside).st_mode & 0o001 and not os.lstat(inside).st_mode & 0o001:
+                os.chmod(inside, os.lstat(inside).st_mode & 0o7777 | 0o001)
+        except OSError:
+            return
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="nodeexec")
     p.add_argument("--root", help="root filesystem to chroot into")
@@ -60,6 +75,8 @@ def main(argv: list[str]) -> int:
     for source, target in mounts:
         if os.path.isdir(source):
             os.makedirs(target, exist_ok=True)
+            if args.root:
+                _searchable_as_outside(root, source)
         elif not os.path.exists(target):
             open(target, "a").close()
         _bind(source, target)

@@ -11,11 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainmover.cluster.releases import RELEASES, Release
+from trainmover.cluster.users import JOB_USER
 from trainmover.controller.keeper import KEEPER_FEATURE, TRAIN_FEATURE  # what the keeper and templates ask for
 
 PARTITION = "train"
 KEEPERS = 2                   # keeper nodes: one per TrainMover job running at the same time
 RESERVATION = "trainmover_standby"
+# Who may take the standbys: root (admins' tools) and the cluster's ordinary job user
+# (trainmover/cluster/users.py); a site names its own users or accounts (docs/admin.md).
+RESERVATION_USERS = ("root", JOB_USER)
 CLUSTER_NAME = "trainmover"
 # First host byte of the node addresses in the cluster's 127.0.N.0/24 (netblock.py). Debian
 # maps the machine's own hostname to 127.0.1.1, so the nodes start further up.
@@ -270,6 +274,7 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         "default_queue_depth=100",
         *_accounting_lines(s),
         "JobCompType=jobcomp/none",
+        *_rate_limit_lines(s),
         "# The health check, with the lines docs/admin.md gives admins (slurm_plugin/healthcheck.sh",
         "# copied next to its healthcheck.env), but on IDLE nodes only: with every slurmd on one",
         "# host, Slurm 22.05 requeued running jobs ('Batch JobId missing from batch node') in each",
@@ -300,6 +305,16 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _rate_limit_lines(s: ClusterSpec) -> list[str]:
+    """Slurm 23.02 and later: slurmctld's per-user RPC rate limit at its defaults (a bucket of 30
+    tokens per user, 2 refilled a second), as sites that guard slurmctld run it, so that every
+    test shows TrainMover's polling stays within it (docs/admin.md, "Load on slurmctld")."""
+    if tuple(int(x) for x in s.slurm.split(".")[:2]) < (23, 2):
+        return []
+    return ["# per-user RPC rate limit at its defaults (TrainMover must stay within it)",
+            "SlurmctldParameters=rl_enable"]
 
 
 def _accounting_lines(s: ClusterSpec) -> list[str]:
@@ -361,7 +376,7 @@ def reservation_args(spec: ClusterSpec) -> list[str]:
         f"Nodes={spec.spare_expr}",
         "StartTime=now",
         "Duration=infinite",
-        "Users=root",
+        f"Users={','.join(RESERVATION_USERS)}",
         "Flags=IGNORE_JOBS",
     ]
 

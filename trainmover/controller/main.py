@@ -26,6 +26,7 @@ from trainmover.control.messages import make
 from trainmover.controller import journal, records, tiers
 from trainmover.controller.actions import (AcquireStandby, CheckpointDone, Fence, Finish, LaunchStandby, Record,
                                           ReleaseNode, Rewind, Send)
+from trainmover.controller.node_watch import NodeWatch
 from trainmover.controller.policy import Policy
 from trainmover.controller.steps import KeeperSteps, LocalSteps
 from trainmover.controller.view import JobView
@@ -48,7 +49,7 @@ class Controller:
         keeper node (controller/keeper.py), which runs the steps; no rank runs there."""
         self.cfg, self.job_id, self.attempt = cfg, job_id, attempt
         self.faults = faults.Injector(cfg.inject, "controller", first_controller=attempt == 0)
-        self.slurm = slurm or CliSlurm()
+        self.slurm = slurm or CliSlurm(node_query=cfg.node_query)
         self.environ = dict(environ)
         job = self.slurm.job(job_id)
         self.job = job
@@ -113,6 +114,8 @@ class Controller:
         self.conn_ranks: dict = {}                 # connection -> the ranks its process runs (from its messages)
         self.standby_launches = 0                  # for TM_INJECT die-in-warmup:<n>
         self.outcome: tuple[bool, str] | None = None
+        self.watch = NodeWatch(self.slurm, reservation=cfg.reservation, poll_s=cfg.poll_s,
+                               notices=cfg.drain_notices, slurm_conf=self.environ.get("SLURM_CONF"))
 
     def _store(self):
         # TCPStore for gloo rendezvous, on a socket bound to this node's address: every node
@@ -170,9 +173,14 @@ class Controller:
         threading.Thread(target=run, name=f"tm-{name}", daemon=True).start()
 
     def _acquire(self):
+        idle = self.watch.pool.none_idle()
+        if idle:  # the last node poll saw no free spare: asking slurmctld now would only cost RPCs
+            return ("unavailable", idle)
+        self.watch.pool.asked()
         try:
             node = self.slurm.grow(self.job_id, reservation=self.cfg.reservation, timeout=self.cfg.standby_wait_s)
         except NoStandbyAvailable as exc:
+            self.watch.pool.none_granted()
             return ("unavailable", str(exc))
         except SlurmError as exc:
             return ("unavailable", f"taking a standby failed: {exc}")
@@ -380,18 +388,20 @@ class Controller:
             self._resume()
         else:
             self._begin()
-        next_poll = 0.0
+        next_tick = 0.0
+        # The policy's clock (liveness, phase deadlines, standby retries) ticks at least every
+        # second, apart from the node poll, which slurmctld's load keeps to TM_POLL_S (10 s).
+        tick_s = min(self.cfg.poll_s, TICK_S)
         last_status = None
         while self.outcome is None:
             now = time.time()
             actions = []
-            if now >= next_poll:
-                next_poll = now + self.cfg.poll_s
-                watched = self.view.train_nodes() + list(self.view.standbys) + self.view.released
-                try:
-                    actions += self.policy.on_nodes(now, self.slurm.nodes(watched))
-                except SlurmError as exc:  # slurmctld slow or down: keep training, try again
-                    log.warning("node poll failed: %s", exc)
+            mine = self.view.train_nodes() + list(self.view.standbys) + self.view.released
+            states = self.watch.turn(now, mine, self.view.rank_node.values())  # controller/node_watch.py
+            if states:
+                actions += self.policy.on_nodes(now, states)
+            if now >= next_tick:
+                next_tick = now + tick_s
                 actions += self.policy.on_tick(now, self._arrivals())
             for node, code in self.launcher.exited():
                 actions += self.policy.on_step_exit(now, node, code)
@@ -403,7 +413,7 @@ class Controller:
                 actions += self._on_event(now, ev)
             self.apply(actions)
             try:
-                conn, msg = self.server.inbox.get(timeout=min(0.2, max(0.01, next_poll - time.time())))
+                conn, msg = self.server.inbox.get(timeout=min(0.2, max(0.01, next_tick - time.time())))
                 # then what queued up, without waiting, but bounded: step reports of many ranks
                 # arrive faster than one loop turn, and node polls and step exits must still run
                 budget = time.monotonic() + 0.1
@@ -492,6 +502,7 @@ class Controller:
         return MOVED
 
 
+TICK_S = 1.0  # the policy's tick at most this far apart (the node poll may be further)
 RANK_STEPS = ("tm-worker", "tm-standby")  # the steps a fence kills: never the controller's own
 CRASHED = 70  # an unexpected exception (EX_SOFTWARE): the supervisor restarts the controller
 MOVED = 3     # its node leaves the job: the keeper resumes the controller elsewhere (controller/keeper.py)

@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"errors per second above which a link fails (repeatable; defaults {defaults})")
     p.add_argument("--rate-window", type=float, default=DEFAULT_WINDOW_S, metavar="S",
                    help=f"least time a counter rise is spread over (default {DEFAULT_WINDOW_S:g} s)")
+    p.add_argument("--drain-notices", metavar="DIR",
+                   help="root-owned directory, seen by every node, where a drain is announced to the jobs on the "
+                        "node at once (docs/admin.md, \"Load on slurmctld\"; default: none)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -66,7 +69,8 @@ def main(args: argparse.Namespace) -> int:
     opts = Options(node=node, state_dir=Path(args.state_dir), min_free_gb=args.min_free_gb,
                    disk_paths=tuple(args.disk) if args.disk else Options.disk_paths,
                    drain=not args.no_drain, gpu=not args.no_gpu, straggler=not args.no_straggler,
-                   gpu_source=args.gpu_source, policy=Policy(rates=rates))
+                   gpu_source=args.gpu_source, policy=Policy(rates=rates),
+                   drain_notices=Path(args.drain_notices) if args.drain_notices else None)
     report = run(opts)
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from trainmover.errors import TrainMoverError
-from trainmover.healthcheck import checks, inject, state
+from trainmover.healthcheck import checks, inject, notify, state
 from trainmover.healthcheck import source as sources
 from trainmover.healthcheck.checks import Finding
 from trainmover.healthcheck.decide import Action, decide
@@ -38,6 +38,7 @@ class Options:
     straggler: bool = False        # ask the TrainMover jobs on the node (the CLI turns it on)
     gpu_source: str = "auto"       # source.SPECS
     policy: Policy = field(default_factory=Policy)  # rate thresholds and window, critical XIDs
+    drain_notices: Optional[Path] = None  # where a drain is announced to the jobs (notify.py)
 
 
 @dataclass
@@ -173,6 +174,7 @@ def run(opts: Options, client=None, *, clock: Callable[[], float] = time.monoton
         try:
             client.drain(opts.node, report.action.reason)
             report.drained = True
+            report.notes += notify.announce(opts.drain_notices, opts.node, report.action.reason)
         except TrainMoverError as exc:
             report.notes.append(f"drain of {opts.node} failed: {exc}")
     report.seconds = clock() - t0

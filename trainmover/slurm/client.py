@@ -72,13 +72,15 @@ class CliSlurm:
 
     def __init__(self, *, slurm_conf: Optional[str] = None, timeout: float = 15.0,
                  wall_clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, node_query: str = "off"):
+        """`node_query`: the program nodes() asks (see node_query_program): "auto", "off" or a path."""
         self.timeout = timeout
         self._wall_clock, self._sleep, self._clock = wall_clock, sleep, clock
         self._released_at: dict[tuple[int, str], float] = {}
         self._env: Optional[dict[str, str]] = None
         if slurm_conf is not None:
             self._env = {**os.environ, "SLURM_CONF": str(slurm_conf)}
+        self.node_query = node_query_program(node_query, commands.build_env(self._env).get("SLURM_CONF"))
 
     # --- plumbing -----------------------------------------------------------------
     def _run(self, argv: list[str], *, timeout: Optional[float] = None, check: bool = True):
@@ -98,10 +100,14 @@ class CliSlurm:
         names = list(names) if names is not None else None
         if names == []:
             return {}
-        proc = self._run(build.show_nodes(names), check=False)
+        # One RPC with tm_nodes (node table only) where it is installed; scontrol also loads the
+        # partition table: two RPCs, each a token of the user's rate-limit bucket.
+        argv = [self.node_query, *(names or [])] if self.node_query else build.show_nodes(names)
+        proc = self._run(argv, check=False)
         found = parse.parse_nodes_text(proc.stdout)
         if proc.returncode != 0 and (names is None or not found) and " not found" not in proc.stdout + proc.stderr:
-            raise SlurmError(f"scontrol show node exited with {proc.returncode}: "
+            what = "scontrol show node" if argv[0] == "scontrol" else os.path.basename(argv[0])
+            raise SlurmError(f"{what} exited with {proc.returncode}: "
                              f"{(proc.stderr or proc.stdout).strip()[:300]}")
         if names is None:
             return found
@@ -299,6 +305,21 @@ class CliSlurm:
         if base is None:
             base = self._env if self._env is not None else commands.build_env(None)
         return build.step_env(job, base)
+
+
+NODE_QUERY = "tm_nodes"
+
+
+def node_query_program(setting: str, slurm_conf: Optional[str]) -> Optional[str]:
+    """The node-state program CliSlurm.nodes() runs instead of scontrol: None for "off"; for
+    "auto", tm_nodes beside `slurm_conf` (default /etc/slurm/slurm.conf) when installed there
+    (the embedded cluster builds it; docs/admin.md for a site); else the path given."""
+    if setting in ("", "off"):
+        return None
+    if setting != "auto":
+        return setting
+    path = os.path.join(os.path.dirname(slurm_conf or "/etc/slurm/slurm.conf"), NODE_QUERY)
+    return path if os.access(path, os.X_OK) else None
 
 
 def client(backend: str = "cli", **kwargs) -> SlurmClient:

@@ -1,0 +1,117 @@
+"""Where a controller learns the Slurm state of its nodes, at the least cost to slurmctld
+(docs/admin.md, "Load on slurmctld"):
+
+* the cluster's node-state reader (slurm/node_states.py), when it runs: its table, no RPC;
+* else its own poll every TM_POLL_S: one call for the job's nodes and the reservation's
+  (one RPC with tm_nodes);
+* and at once, a drain notice for one of its rank nodes (slurm/drain_notice.py), confirmed by
+  one query about that node: Slurm's answer decides, never the file.
+
+It also remembers whether the poll saw an idle spare in the reservation, so that a standby is
+asked for (salloc: several RPCs) only when one could be granted (`PoolWatch`).
+
+Effects only (Slurm queries, file stats); what the states mean is the policy's.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+from trainmover.errors import SlurmError
+from trainmover.slurm import drain_notice, node_states
+
+log = logging.getLogger("trainmover.controller")
+
+
+class PoolWatch:
+    """The reservation's spare nodes, as the node poll last saw them. The reservation's node
+    list is read once, and again after each standby request (an admin may have changed it)."""
+
+    def __init__(self, slurm, reservation: str):
+        self.slurm, self.reservation = slurm, reservation
+        self._nodes: list[str] | None = None
+        self.idle: list[str] | None = None  # None: not seen yet (then ask Slurm)
+
+    def nodes(self) -> list[str]:
+        if self._nodes is None and hasattr(self.slurm, "reservation_nodes"):
+            try:
+                self._nodes = self.slurm.reservation_nodes(self.reservation)
+            except SlurmError as exc:
+                log.warning("cannot read reservation %s: %s", self.reservation, exc)
+                self._nodes = []
+        return self._nodes or []
+
+    def saw(self, states: dict) -> None:
+        if self._nodes:
+            self.idle = [n for n in self._nodes if n in states and states[n].idle]
+
+    def none_idle(self) -> str:
+        """Why not to ask for a standby now ("": ask)."""
+        if self.idle == []:
+            return f"no idle node in reservation {self.reservation} at the last node poll"
+        return ""
+
+    def asked(self) -> None:
+        """A standby request is made: read the reservation again at the next poll."""
+        self._nodes = None
+
+    def none_granted(self) -> None:
+        """A request found none free: wait for a poll that sees one idle."""
+        self.idle = []
+
+
+def notice_watcher(setting: str, slurm_conf: str | None) -> drain_notice.Watcher | None:
+    """TM_DRAIN_NOTICES: "off", "auto" (beside slurm.conf, when there) or a directory."""
+    if setting == "off":
+        return None
+    directory = drain_notice.default_dir(slurm_conf) if setting == "auto" else Path(setting)
+    if directory is None:
+        return None
+    watcher = drain_notice.Watcher(directory)
+    if watcher.refused:
+        log.warning("%s", watcher.refused)
+    return watcher
+
+
+class NodeWatch:
+    def __init__(self, slurm, *, reservation: str, poll_s: float, notices: str, slurm_conf: str | None):
+        self.slurm, self.poll_s = slurm, poll_s
+        self.pool = PoolWatch(slurm, reservation)
+        self.notices = notice_watcher(notices, slurm_conf)
+        self.shared = node_states.Shared(self.notices.directory) if self.notices is not None else None
+        self._shared_at = 0.0
+        self._on_shared = False
+        self.next_poll = 0.0
+
+    def turn(self, now: float, mine: list[str], ranks: Iterable[str]) -> dict:
+        """States new this loop turn (node -> NodeInfo) of `mine` (the job's nodes), and of a rank
+        node in `ranks` whose drain notice just came; {} when nothing new."""
+        states = {}
+        wanted = list(dict.fromkeys(list(mine) + self.pool.nodes()))
+        table = self.shared.read(now) if self.shared is not None else None
+        if table is not None and all(n in table[1] for n in wanted):
+            self.next_poll = now + self.poll_s  # the cluster's reader stands in for our poll
+            self._on_shared = True
+            if table[0] != self._shared_at:
+                self._shared_at = table[0]
+                states = {n: table[1][n] for n in wanted}
+        elif now >= self.next_poll or self._on_shared:  # the reader's table just went stale: poll now
+            self._on_shared = False
+            self.next_poll = now + self.poll_s
+            try:
+                states = self.slurm.nodes(wanted)
+            except SlurmError as exc:  # slurmctld slow or down: keep training, try again
+                log.warning("node poll failed: %s", exc)
+        if states:
+            self.pool.saw(states)
+        states = {n: i for n, i in states.items() if n in set(mine)}
+        fresh = self.notices.fresh(ranks) if self.notices is not None else []
+        if fresh:
+            try:
+                confirmed = self.slurm.nodes(fresh)
+                log.info("drain notice for %s; Slurm says %s", fresh, {n: i.state for n, i in confirmed.items()})
+                states.update(confirmed)
+            except SlurmError as exc:  # the next poll finds the drain
+                log.warning("drain notice for %s: cannot confirm with Slurm: %s", fresh, exc)
+        return states
