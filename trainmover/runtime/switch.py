@@ -19,7 +19,7 @@ import time
 import torch.distributed as dist
 
 from trainmover.errors import MigrationError
-from trainmover.runtime import phase1, rng, transfer
+from trainmover.runtime import phase1, rng, transfer, xferplan
 from trainmover.runtime.plan import delta
 
 log = logging.getLogger("trainmover.worker")
@@ -62,6 +62,8 @@ class Switch:
                 if prep.error:
                     self.send("prepare_failed", epoch=prep.epoch, rank=self.rank, error=prep.error)
                 else:  # memory measured at step boundaries, where a steady step's usage repeats
+                    if prep.role == "leaver":
+                        self._plan_ahead(prep)
                     self.send("prepared", epoch=prep.epoch, rank=self.rank, groups=sorted(prep.backends),
                               seconds=prep.seconds, detail={"role": prep.role, "before": prep.memory_before,
                                                             "after": self.memory()})
@@ -91,17 +93,29 @@ class Switch:
                 self.store.set(cancel_key(prep.epoch, self.rank), "1")
             log.info("epoch %d aborted: %s", prep.epoch, msg["reason"])
 
+    def _plan_ahead(self, prep: phase1.Prepared, like: dict | None = None) -> None:
+        """The transfer's plan (xferplan.py), made at a step boundary before the pause: the
+        leaver's from the state it will send, the joiner's from the buffers it will fill."""
+        t0 = time.perf_counter()
+        try:
+            prep.plan = xferplan.of_state(like if like is not None else self.full_state(0))[1]
+        except (RuntimeError, ValueError) as exc:  # made again in the pause instead (slower, still exact)
+            log.warning("transfer plan not made ahead: %s", exc)
+            prep.plan = None
+        prep.plan_s = time.perf_counter() - t0
+
     def leave(self, prep: phase1.Prepared, step: int):
         state = self.full_state(step)
         if self.faults.at("leaver-state"):  # skip-optimizer-state: negative control for the digest tests
             state["workload"].pop("optimizer", None)
         self.store.set(go_key(prep.epoch, self.rank), "1")
         self.faults.at("copy")  # die-in-copy: the state must then come from a replica
-        stats = transfer.send_verified(state, prep.xfer, dst=1, corrupt=self.faults.at("transfer-send"))
+        stats = transfer.send_verified(state, prep.xfer, dst=1, corrupt=self.faults.at("transfer-send"),
+                                       plan=prep.plan)
         self.pending, self.state, self.switched_epoch = None, "left", prep.epoch
         self.send("switched", epoch=prep.epoch, rank=self.rank, role="leaver", step=step, t=time.time(),
                   detail={"send_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
-                          "tensors": stats.tensors})
+                          "tensors": stats.tensors, "plan_s": prep.plan_s, "parts": stats.parts})
         log.info("left at step %d: sent %d bytes in %.3fs", step, stats.bytes, stats.seconds)
 
     def join(self, msg: dict) -> int | None:
@@ -146,6 +160,8 @@ class Switch:
         if mismatch:
             self.send("prepare_failed", epoch=epoch, rank=rank, error=mismatch)
             return None
+        like = self.full_state(0)
+        self._plan_ahead(prep, like)
         self.send("prepared", epoch=epoch, rank=rank, groups=sorted(prep.backends), seconds=prep.seconds,
                   detail={"role": "joiner"})
         # Wait for the leaver's verdict: it either starts sending (go) or cancels.
@@ -164,14 +180,16 @@ class Switch:
                 return None
         t_switch = time.perf_counter()
         try:
-            state, stats = transfer.recv_verified(prep.xfer, src=0, like=self.full_state(0))
+            state, stats = transfer.recv_verified(prep.xfer, src=0, like=like, plan=prep.plan)
         except (MigrationError, RuntimeError) as exc:  # the leaver died mid-copy: a replica will send it
             self.rank = rank
             self.send("stalled", rank=rank, step=0, digest="", error=str(exc)[:500], role="joiner",
                       holds={"replicas": [], "own": [], "held": {}})
             return self.take_failed_rank(self._wait_recover(exc), rebind=False)
+        t_received = time.perf_counter()
         self.workload.load_state_dict(state["workload"])
         rng.restore(state["rng"])
+        t_loaded = time.perf_counter()
         for name, backend in prep.backends.items():
             self.retire(self.groups[name].swap(backend), int(state["step"]))
         # The transfer pair is done too; dropping its last reference here would abort the
@@ -181,7 +199,12 @@ class Switch:
         self.send("switched", epoch=epoch, rank=rank, role="joiner", step=int(state["step"]), t=time.time(),
                   detail={"recv_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
                           "apply_s": time.perf_counter() - t_switch, "prepare_s": prep.seconds,
-                          "attempts": stats.attempts,
+                          "attempts": stats.attempts, "plan_s": prep.plan_s,
+                          # the pause on this side, in parts: receive (manifest, copy, checks),
+                          # load into the workload, swap the groups in
+                          "pause_parts": {**(stats.parts or {}), "receive_s": round(t_received - t_switch, 5),
+                                          "load_s": round(t_loaded - t_received, 5),
+                                          "swap_s": round(time.perf_counter() - t_loaded, 5)},
                           "comms_created": self.comms_created(), **self.memory()})
         log.info("joined as rank %d at step %d (%d bytes in %.3fs)", rank, state["step"], stats.bytes, stats.seconds)
         self._trace_next_steps()
