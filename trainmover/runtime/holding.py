@@ -167,6 +167,7 @@ class Holding:
         self.last: dict = {}
         self.layout = layout  # the expected layout: both slabs allocated before the first version
         self.alloc_s: float | None = None
+        self.first_held_t: float | None = None  # wall time the first version was complete and verified
         self.thread = threading.Thread(target=self._run, args=(store_addr, host), name=f"tm-holding-r{ward}",
                                        daemon=True)
         self.thread.start()
@@ -263,11 +264,12 @@ class Holding:
             with self.lock:
                 self.held[int(meta["step"])] = Held(int(meta["step"]), meta["skeleton"], specs, slab)
                 steps = sorted(self.held)
+            self.first_held_t = self.first_held_t or time.time()
             store.set(f"{key}verdict{attempt}", str(OK))
             self.last = {"step": int(meta["step"]), "bytes": slab.bytes, "alloc_s": self.alloc_s,
                          "recv_s": round(t2 - t1, 4),
                          "verify_s": round(time.perf_counter() - t2, 4), "seconds": round(time.perf_counter() - t0, 4),
-                         "attempts": attempt, "pinned": slab.pinned}
+                         "attempts": attempt, "pinned": slab.pinned, "first_held_t": self.first_held_t}
             self.report(self.ward, steps, dict(self.last))
             return
         raise MigrationError(f"snapshot {meta['step']} of rank {self.ward}: checksum mismatch in all "
