@@ -280,6 +280,7 @@ def summarize_failure(ref: dict, run: dict, p2p: float | None, every: int = 0) -
         out["protection_first_step"] = first_row["step"]
         out["protection_goal_s"] = 5.0
         out["holder_alloc_s"] = held.get("alloc_s")
+        out["holder_pin"] = {k: held.get(k) for k in ("touch_s", "pin_mode", "recv_s", "verify_s")}
     if every and snap:
         taken = [x for v in snap.get("taken", {}).values() for x in v]
         copies = [x["copy_s"] for x in taken if x.get("copy_s")]

@@ -148,8 +148,8 @@ def test_manifest_with_a_forged_signature_is_refused():
 def test_gpu_checks_on_a_side_stream_match_the_word_sums():
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    s = big_state()
-    cuda = {"w": s["workload"]["model"]["0.weight"].cuda(), "h": s["workload"]["half"].cuda(),
+    # no optimizer step here: its graph-capture check touches CUDA in a forked test's child
+    cuda = {"w": torch.randn(600, 512, device="cuda"), "h": torch.randn(700, 800, device="cuda").to(torch.bfloat16),
             "small": torch.randn(7, device="cuda"), "rng": torch.get_rng_state()}
     plan = xferplan.of_state(cuda)[1]
     assert plan.cpu == [3] and plan.wire_dev == "cuda"
@@ -164,6 +164,11 @@ def test_gpu_checks_on_a_side_stream_match_the_word_sums():
     assert plan.sums.tolist() == want
     plan.peer_sums.copy_(plan.sums)
     assert plan.verdict() == (0, 0)
+    plan.warm()  # the checks once before the pause: same sums, nothing left behind
+    assert plan.sums.tolist() == want and plan.verdict() == (0, 0)
+    other = xferplan.into(plan.specs, None)  # host tensors travel packed in the manifest
+    other.unpack_host(plan.pack_host(plan.tensors))
+    assert torch.equal(other.tensors[3], cuda["rng"])
     cuda["w"][0, 0] = float("nan")
     plan.reset()
     for c in range(len(plan.chunks)):

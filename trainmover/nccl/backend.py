@@ -216,9 +216,15 @@ class NcclChannel:
             side = self._side_stream = torch.cuda.Stream()
         return side
 
-    def send_planned(self, plan, dst: int, corrupt: bool = False) -> None:
+    def early_sig(self, src: int) -> str | None:
+        return self.b.store.get(self._key("sig")).decode()
+
+    def send_planned(self, plan, dst: int, corrupt: bool = False, manifest=None) -> None:
         """Chunks of wire tensors, one NCCL group each, on the current stream; their word sums
-        on a side stream beside the sends (reads only), sent last."""
+        on a side stream beside the sends (reads only), sent last. The plan's signature goes
+        to the store first (a joiner with the same plan posts its receives at once), the
+        manifest (`manifest()`) once the sends are posted."""
+        self.b.store.set(self._key("sig"), plan.sig)
         main, side = torch.cuda.current_stream(), self._side()
         plan.pack()
         side.wait_stream(main)
@@ -238,13 +244,13 @@ class NcclChannel:
         main.wait_stream(side)
         with lib.group():
             self.b.comm.send(plan.sums, dst)
+        self.send_bytes(manifest(), dst)
         main.synchronize()
         self.group_s = time.perf_counter() - t0
 
-    def recv_planned(self, plan, src: int) -> dict:
+    def recv_planned(self, plan, src: int):
         """Chunks straight into the plan's buffers; after each, the side stream checks it while
-        the next one is on the wire. Device times from CUDA events: the copy (first receive
-        posted to the sender's sums landed) and the checks' tail after it."""
+        the next one is on the wire. Returns what `finish_planned` waits for."""
         main, side = torch.cuda.current_stream(), self._side()
         plan.reset()
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
@@ -266,8 +272,13 @@ class NcclChannel:
         ev[2].record(side)
         main.wait_stream(side)
         plan.unpack()
-        posted = time.perf_counter() - t0
-        main.synchronize()
+        return plan, ev, t0, time.perf_counter() - t0
+
+    def finish_planned(self, posted) -> dict:
+        """Wait for the posted receives and checks. Device times from CUDA events: the copy
+        (first receive posted to the sender's sums landed) and the checks' tail after it."""
+        plan, ev, t0, posted = posted
+        torch.cuda.current_stream().synchronize()
         self.group_s = ev[0].elapsed_time(ev[1]) / 1000
         return {"copy_s": round(self.group_s, 5), "verify_tail_s": round(max(0.0, ev[1].elapsed_time(ev[2])) / 1000, 5),
                 "post_s": round(posted, 5), "host_wait_s": round(time.perf_counter() - t0, 5)}

@@ -168,6 +168,7 @@ class Holding:
         self.layout = layout  # the expected layout: both slabs allocated before the first version
         self.alloc_s: float | None = None
         self.first_held_t: float | None = None  # wall time the first version was complete and verified
+        self.alloc_detail: dict = {}
         self.thread = threading.Thread(target=self._run, args=(store_addr, host), name=f"tm-holding-r{ward}",
                                        daemon=True)
         self.thread.start()
@@ -222,6 +223,8 @@ class Holding:
             with self.lock:
                 self.slabs = slabs
             self.alloc_s = time.perf_counter() - t0
+            self.alloc_detail = {"touch_s": round(sum(getattr(x, "touch_s", 0.0) for x in slabs), 3),
+                                 "pin_mode": slabs[0].pin_mode}
         n = 0
         while not self.stop.is_set():
             n += 1
@@ -269,7 +272,8 @@ class Holding:
             self.last = {"step": int(meta["step"]), "bytes": slab.bytes, "alloc_s": self.alloc_s,
                          "recv_s": round(t2 - t1, 4),
                          "verify_s": round(time.perf_counter() - t2, 4), "seconds": round(time.perf_counter() - t0, 4),
-                         "attempts": attempt, "pinned": slab.pinned, "first_held_t": self.first_held_t}
+                         "attempts": attempt, "pinned": slab.pinned, "first_held_t": self.first_held_t,
+                         **self.alloc_detail}
             self.report(self.ward, steps, dict(self.last))
             return
         raise MigrationError(f"snapshot {meta['step']} of rank {self.ward}: checksum mismatch in all "

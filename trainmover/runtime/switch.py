@@ -98,7 +98,10 @@ class Switch:
         leaver's from the state it will send, the joiner's from the buffers it will fill."""
         t0 = time.perf_counter()
         try:
-            prep.plan = xferplan.of_state(like if like is not None else self.full_state(0))[1]
+            state = like if like is not None else self.full_state(0)
+            prep.plan = xferplan.of_state(state)[1]
+            prep.plan.warm()
+            transfer.warm_manifest(state, prep.plan)
         except (RuntimeError, ValueError) as exc:  # made again in the pause instead (slower, still exact)
             log.warning("transfer plan not made ahead: %s", exc)
             prep.plan = None

@@ -155,7 +155,9 @@ class GlooChannel:
 
 
     # --- the planned protocol (runtime/xferplan.py): wire tensors in chunks, checked as they land
-    def send_planned(self, plan, dst: int, corrupt: bool = False) -> None:
+    def send_planned(self, plan, dst: int, corrupt: bool = False, manifest=None) -> None:
+        """`manifest()`: its bytes, sent first (gloo matches messages in order)."""
+        self.send_bytes(manifest(), dst)
         plan.pack()
         for c in range(len(plan.chunks)):
             plan.check_chunk(c, finite=False)
@@ -167,6 +169,12 @@ class GlooChannel:
             _wait(self.pg.send([t.reshape(-1)], dst, tag), f"wire tensor {tag - 2}")
         _wait(self.pg.send([plan.sums], dst, len(plan.wire) + 2), "word sums")
         self.group_s = time.perf_counter() - t0
+
+    def early_sig(self, src: int) -> str | None:
+        return None  # the plan is known from the manifest only
+
+    def finish_planned(self, posted) -> dict:
+        return posted
 
     def recv_planned(self, plan, src: int) -> dict:
         plan.reset()
@@ -296,17 +304,36 @@ def send_planned(state: dict, chan, plan, *, dst: int = 1, corrupt: bool = False
     if not ahead:
         skeleton, plan = xferplan.of_state(state)
         tensors = plan.tensors
-    cpu = [tensors[i] for i in plan.cpu]
+    t1 = time.perf_counter()
+    encoded = {}
+
+    def manifest() -> bytes:
+        # built while the wire tensors are on their way where the channel allows (NCCL)
+        cpu = plan.pack_host(tensors)
+        buf = io.BytesIO()
+        torch.save({"skeleton": skeleton, "specs": plan.specs, "sig": plan.sig, "cpu": cpu,
+                    "cpu_digest": digest_tensors(cpu)}, buf)
+        encoded["s"] = time.perf_counter() - t1
+        return buf.getvalue()
+    chan.send_planned(plan, dst, corrupt=corrupt, manifest=manifest)
+    t2 = time.perf_counter()
+    return TransferStats(plan.bytes, t2 - t0, len(plan.tensors), plan.sig, getattr(chan, "group_s", 0.0) or t2 - t1,
+                         parts={"state_walk_s": round(t1 - t0, 5), "manifest_at_s": round(encoded.get("s", 0.0), 5),
+                                "send_s": round(t2 - t1, 5), "plan_ahead": ahead,
+                                "chunks": len(plan.chunks), "wire_tensors": len(plan.wire)})
+
+
+def warm_manifest(state: dict, plan) -> None:
+    """Encode and decode a manifest of `state` once before the pause: the first weights-only
+    load of a process sets itself up (its allow-lists, hundreds of small host tensors' storages)."""
+    tensors: list[torch.Tensor] = []
+    skeleton = _flatten(state, tensors, [])
+    cpu = plan.pack_host(tensors)
     buf = io.BytesIO()
     torch.save({"skeleton": skeleton, "specs": plan.specs, "sig": plan.sig, "cpu": cpu,
                 "cpu_digest": digest_tensors(cpu)}, buf)
-    chan.send_bytes(buf.getvalue(), dst)
-    t1 = time.perf_counter()
-    chan.send_planned(plan, dst, corrupt=corrupt)
-    t2 = time.perf_counter()
-    return TransferStats(plan.bytes, t2 - t0, len(plan.tensors), plan.sig, getattr(chan, "group_s", 0.0) or t2 - t1,
-                         parts={"manifest_s": round(t1 - t0, 5), "send_s": round(t2 - t1, 5), "plan_ahead": ahead,
-                                "chunks": len(plan.chunks), "wire_tensors": len(plan.wire)})
+    meta = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    digest_tensors(meta["cpu"])
 
 
 def recv_planned(chan, guess, *, src: int = 0, like: dict | None = None):
@@ -315,9 +342,14 @@ def recv_planned(chan, guess, *, src: int = 0, like: dict | None = None):
     (state, stats, non-finite floating tensors); a word-sum mismatch raises ChecksumMismatch."""
     from trainmover.runtime import xferplan
     t0 = time.perf_counter()
+    # Where the channel tells the sender's signature ahead (NCCL: a store key set before its
+    # sends) and it is this joiner's Phase-1 plan's, the receives are posted at once and the
+    # manifest is read while the wire tensors land.
+    early = guess is not None and chan.early_sig(src) == guess.sig
+    posted = chan.recv_planned(guess, src) if early else None
     try:
         meta = torch.load(io.BytesIO(chan.recv_bytes(src)), weights_only=True)
-        if meta["sig"] != xferplan.signature(meta["specs"]):
+        if meta["sig"] != xferplan.signature(meta["specs"]) or (early and meta["sig"] != guess.sig):
             raise ValueError("the signature does not match the specs")
         plan = guess if guess is not None and guess.sig == meta["sig"] else xferplan.into(meta["specs"], like)
     except MigrationError:
@@ -325,14 +357,15 @@ def recv_planned(chan, guess, *, src: int = 0, like: dict | None = None):
     except Exception as exc:  # noqa: BLE001 - any decoding failure is a protocol error
         raise MigrationError(f"state transfer: undecodable manifest: {exc}", phase="switch") from exc
     cpu = meta["cpu"]
-    if len(cpu) != len(plan.cpu) or digest_tensors(cpu) != meta["cpu_digest"]:
+    if digest_tensors(cpu) != meta["cpu_digest"]:
         raise ChecksumMismatch("state transfer: the host tensors of the manifest do not match its digest",
                                phase="switch")
-    with torch.no_grad():
-        for i, got in zip(plan.cpu, cpu):
-            plan.tensors[i].copy_(got)
+    try:
+        plan.unpack_host(cpu)
+    except ValueError as exc:
+        raise MigrationError(f"state transfer: {exc}", phase="switch") from exc
     t1 = time.perf_counter()
-    parts = chan.recv_planned(plan, src)
+    parts = chan.finish_planned(posted if early else chan.recv_planned(plan, src))
     t2 = time.perf_counter()
     bad, nonfin = plan.verdict()
     t3 = time.perf_counter()
@@ -341,7 +374,7 @@ def recv_planned(chan, guess, *, src: int = 0, like: dict | None = None):
                                f"word sums than sent", phase="switch")
     state = _unflatten(meta["skeleton"], plan.tensors)
     nonfin += nonfinite(cpu)
-    parts = {**parts, "manifest_s": round(t1 - t0, 5), "recv_s": round(t2 - t1, 5),
+    parts = {**parts, "manifest_s": round(t1 - t0, 5), "recv_s": round(t2 - t1, 5), "posted_early": early,
              "verdict_read_s": round(t3 - t2, 5), "into_own_buffers": plan is guess,
              "chunks": len(plan.chunks), "wire_tensors": len(plan.wire)}
     stats = TransferStats(plan.bytes, time.perf_counter() - t0, len(plan.tensors), plan.sig,
