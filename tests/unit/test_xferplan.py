@@ -9,7 +9,7 @@ from tests.unit.test_transfer_groups import flat, pair, state, store  # noqa: F4
 from trainmover.errors import MigrationError
 from trainmover.runtime import transfer, xferplan
 
-pytestmark = pytest.mark.gloo_threads  # see tests/unit/conftest.py
+GLOO = pytest.mark.gloo_threads  # the gloo tests (see tests/unit/conftest.py); the GPU one runs in the GPU session
 
 
 def big_state():
@@ -52,6 +52,7 @@ def exchange(store, prefix, sent, like, send_plan=None, recv_plan=None, corrupt=
     return out
 
 
+@GLOO
 def test_planned_transfer_is_bit_exact_into_the_receivers_own_buffers(store, monkeypatch):
     monkeypatch.setattr(xferplan, "CHUNK_BYTES", 2 << 20)  # several chunks, each checked as it lands
     sent, like = big_state(), zeroed(big_state())
@@ -72,6 +73,7 @@ def test_planned_transfer_is_bit_exact_into_the_receivers_own_buffers(store, mon
     assert parts["chunks"] == len(send_plan.chunks) and got["stats"].attempts == 1
 
 
+@GLOO
 def test_other_layout_is_received_into_new_buffers_still_exact(store):
     sent = big_state()
     like = zeroed(big_state())
@@ -85,6 +87,7 @@ def test_other_layout_is_received_into_new_buffers_still_exact(store):
     assert transfer.digest_tensors(flat(got["state"])) == transfer.digest_tensors(flat(sent))
 
 
+@GLOO
 def test_sender_plan_is_remade_when_its_tensors_changed(store):
     sent = big_state()
     stale = xferplan.of_state(big_state())[1]  # another state's tensors: not this one's
@@ -93,6 +96,7 @@ def test_sender_plan_is_remade_when_its_tensors_changed(store):
     assert transfer.digest_tensors(flat(got["state"])) == transfer.digest_tensors(flat(sent))
 
 
+@GLOO
 def test_corrupted_chunk_is_caught_by_the_word_sums_and_sent_again(store):
     sent, like = big_state(), zeroed(big_state())
     got = exchange(store, "p4/", sent, like, xferplan.of_state(sent)[1], xferplan.for_receiving(like), corrupt=True)
@@ -100,6 +104,7 @@ def test_corrupted_chunk_is_caught_by_the_word_sums_and_sent_again(store):
     assert transfer.digest_tensors(flat(got["state"])) == transfer.digest_tensors(flat(sent))
 
 
+@GLOO
 def test_nonfinite_state_is_refused(store):
     sent = big_state()
     sent["workload"]["model"]["0.weight"][3, 4] = float("inf")

@@ -130,7 +130,7 @@ def nonfinite_count(tensors: list[torch.Tensor], via: torch.device | str | None 
 
 
 CHUNK_BYTES = 256 << 20  # host buffers are allocated (and pinned) in pieces of at most this
-PIN_THREADS = 8          # pieces pinned at once
+PIN_THREADS = 16         # pieces whose pages are touched at once (the pinning itself: one at a time)
 
 
 class Slab:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ from trainmover.errors import MigrationError
 log = logging.getLogger(__name__)
 
 ATTEMPTS = 3  # sends of one state before a persistent checksum mismatch is an error
+MANIFEST_TIMEOUT_S = 300.0  # bound on a manifest fetched beside the posted receives (the store's own timeout applies too)
 
 
 class ChecksumMismatch(MigrationError):
@@ -346,9 +348,26 @@ def recv_planned(chan, guess, *, src: int = 0, like: dict | None = None):
     # sends) and it is this joiner's Phase-1 plan's, the receives are posted at once and the
     # manifest is read while the wire tensors land.
     early = guess is not None and chan.early_sig(src) == guess.sig
+    fetched: dict = {}
+    if early:
+        # the manifest is fetched and decoded in a thread while this one posts the receives
+        # (posting a grouped NCCL receive returns only once the sender's sends are matched)
+        def fetch():
+            try:
+                fetched["meta"] = torch.load(io.BytesIO(chan.recv_bytes(src)), weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - reported below, as a protocol error
+                fetched["error"] = exc
+        reader = threading.Thread(target=fetch, name="tm-manifest", daemon=True)
+        reader.start()
     posted = chan.recv_planned(guess, src) if early else None
     try:
-        meta = torch.load(io.BytesIO(chan.recv_bytes(src)), weights_only=True)
+        if early:
+            reader.join(MANIFEST_TIMEOUT_S)
+            if "error" in fetched or "meta" not in fetched:
+                raise ValueError(fetched.get("error") or f"no manifest within {MANIFEST_TIMEOUT_S:g}s")
+            meta = fetched["meta"]
+        else:
+            meta = torch.load(io.BytesIO(chan.recv_bytes(src)), weights_only=True)
         if meta["sig"] != xferplan.signature(meta["specs"]) or (early and meta["sig"] != guess.sig):
             raise ValueError("the signature does not match the specs")
         plan = guess if guess is not None and guess.sig == meta["sig"] else xferplan.into(meta["specs"], like)
