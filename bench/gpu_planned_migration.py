@@ -195,6 +195,12 @@ def summarize(ref: dict, mig: dict, p2p: float | None) -> dict:
         "state_copy_GBps": joined["bytes"] / copy_s / 1e9 if copy_s else None,
         "leaver_send_s": leaver.get("send_s"), "joiner_recv_s": joined["recv_s"], "joiner_apply_s": joined["apply_s"],
         "joiner_prepare_s": joined.get("prepare_s"),
+        # the pause on the joiner's side, in parts (runtime/xferplan.py): manifest, copy (device
+        # time, CUDA events), the checks' tail after the copy, the verdict's read back, loading
+        # into the workload, swapping the groups; then the first step against a steady one
+        "pause_parts": joined.get("pause_parts"), "leaver_parts": leaver.get("parts"),
+        "plan_made_ahead_s": {"joiner": joined.get("plan_s"), "leaver": leaver.get("plan_s")},
+        "first_step_extra_s": (round(joiner_first - steady_step_s, 5) if joiner_first else None),
         "p2p_GBps": p2p,
         "comm_inits_per_stayer": [e["comms_created"] - e["comms_created_before"] for e in switched],
         "first_step_ratio": joiner_first / steady_step_s if joiner_first else None,
@@ -265,6 +271,16 @@ def summarize_failure(ref: dict, run: dict, p2p: float | None, every: int = 0) -
     out.update(losses_equal_except_lost=eq["losses_equal"], first_differing_steps=eq["first_differing_steps"],
                digest_equal=eq["digest_equal"])
     snap = ((run.get("status") or {}).get("protection") or {}).get("snapshots") or {}
+    held = run["trigger"].get("held_detail_at_kill") or snap.get("held_detail") or {}
+    first_row = min(run["metrics"], key=lambda r: r["step"]) if run["metrics"] else None
+    if held.get("first_held_t") and first_row:
+        # from the end of the job's first step to the standby holding a verified version: until
+        # then a SIGKILL of the one worker loses the job's progress
+        out["protection_ready_s"] = round(held["first_held_t"] - first_row["t"], 3)
+        out["protection_first_step"] = first_row["step"]
+        out["protection_goal_s"] = 5.0
+        out["holder_alloc_s"] = held.get("alloc_s")
+        out["holder_pin"] = {k: held.get(k) for k in ("touch_s", "pin_mode", "recv_s", "verify_s")}
     if every and snap:
         taken = [x for v in snap.get("taken", {}).values() for x in v]
         copies = [x["copy_s"] for x in taken if x.get("copy_s")]

@@ -209,6 +209,81 @@ class NcclChannel:
         torch.cuda.current_stream().synchronize()
 
 
+    # --- the planned protocol (runtime/xferplan.py) ------------------------------------------
+    def _side(self) -> torch.cuda.Stream:
+        side = getattr(self, "_side_stream", None)
+        if side is None:
+            side = self._side_stream = torch.cuda.Stream()
+        return side
+
+    def early_sig(self, src: int) -> str | None:
+        return self.b.store.get(self._key("sig")).decode()
+
+    def send_planned(self, plan, dst: int, corrupt: bool = False, manifest=None) -> None:
+        """Chunks of wire tensors, one NCCL group each, on the current stream; their word sums
+        on a side stream beside the sends (reads only), sent last. The plan's signature goes
+        to the store first (a joiner with the same plan posts its receives at once), the
+        manifest (`manifest()`) once the sends are posted."""
+        self.b.store.set(self._key("sig"), plan.sig)
+        main, side = torch.cuda.current_stream(), self._side()
+        plan.pack()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for c in range(len(plan.chunks)):
+                plan.check_chunk(c, finite=False)
+        chunks = plan.chunks
+        if corrupt and chunks:  # fault injection: the first wire tensor arrives with a flipped byte
+            bad = chunks[0][0].clone()
+            bad.view(-1).view(torch.uint8)[0] ^= 0xFF
+            chunks = [[bad] + chunks[0][1:]] + chunks[1:]
+        t0 = time.perf_counter()
+        for chunk in chunks:
+            with lib.group():
+                for t in chunk:
+                    self.b.comm.send(t, dst)
+        main.wait_stream(side)
+        with lib.group():
+            self.b.comm.send(plan.sums, dst)
+        self.send_bytes(manifest(), dst)
+        main.synchronize()
+        self.group_s = time.perf_counter() - t0
+
+    def recv_planned(self, plan, src: int):
+        """Chunks straight into the plan's buffers; after each, the side stream checks it while
+        the next one is on the wire. Returns what `finish_planned` waits for."""
+        main, side = torch.cuda.current_stream(), self._side()
+        plan.reset()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        side.wait_stream(main)  # the buffers' earlier users come first
+        ev[0].record(main)
+        t0 = time.perf_counter()
+        for c, chunk in enumerate(plan.chunks):
+            with lib.group():
+                for t in chunk:
+                    self.b.comm.recv(t, src)
+            landed = torch.cuda.Event()
+            landed.record(main)
+            side.wait_event(landed)
+            with torch.cuda.stream(side):
+                plan.check_chunk(c)
+        with lib.group():
+            self.b.comm.recv(plan.peer_sums, src)
+        ev[1].record(main)
+        ev[2].record(side)
+        main.wait_stream(side)
+        plan.unpack()
+        return plan, ev, t0, time.perf_counter() - t0
+
+    def finish_planned(self, posted) -> dict:
+        """Wait for the posted receives and checks. Device times from CUDA events: the copy
+        (first receive posted to the sender's sums landed) and the checks' tail after it."""
+        plan, ev, t0, posted = posted
+        torch.cuda.current_stream().synchronize()
+        self.group_s = ev[0].elapsed_time(ev[1]) / 1000
+        return {"copy_s": round(self.group_s, 5), "verify_tail_s": round(max(0.0, ev[1].elapsed_time(ev[2])) / 1000, 5),
+                "post_s": round(posted, 5), "host_wait_s": round(time.perf_counter() - t0, 5)}
+
+
 PACK_BELOW_BYTES = 1 << 20  # smaller tensors travel packed: one message per dtype, not hundreds
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -129,6 +130,7 @@ def nonfinite_count(tensors: list[torch.Tensor], via: torch.device | str | None 
 
 
 CHUNK_BYTES = 256 << 20  # host buffers are allocated (and pinned) in pieces of at most this
+PIN_THREADS = 16         # pieces whose pages are touched at once (the pinning itself: one at a time)
 
 
 class Slab:
@@ -139,37 +141,85 @@ class Slab:
     def __init__(self, specs: list[tuple[str, tuple, str]], pin: bool, device: str | None = None):
         self.specs = [(p, tuple(s), str(d)) for p, s, d in specs]
         self.pinned = pin
-        # Buffers of at most CHUNK_BYTES (a bigger tensor alone), pinned one after the other:
-        # pinning gigabytes at once stalled the whole process for seconds on an H200 machine
-        # (its memory grows as it is touched), long enough for its heartbeat to fall silent.
+        # Buffers of at most CHUNK_BYTES (a bigger tensor alone), PIN_THREADS of them pinned at
+        # a time: pinning gigabytes in one call stalled the whole process for seconds on an H200
+        # machine (its memory grows as it is touched), long enough for its heartbeat to fall
+        # silent; small pieces in parallel keep each call short and the total too.
         views: list[torch.Tensor | None] = [None] * len(self.specs)
         by_dtype: dict[str, list[int]] = {}
         for i, (_, _, dtype) in enumerate(self.specs):
             by_dtype.setdefault(dtype, []).append(i)
         pinned = pin and device is None
+        pieces: list[tuple[torch.dtype, list[int]]] = []  # (dtype, member indices) of each buffer
         for dtype, members in by_dtype.items():
             size = torch.empty((), dtype=_dtype(dtype)).element_size()
             group: list[int] = []
             for i in members + [None]:
                 full = i is None or (group and sum(_numel(self.specs[j][1]) for j in group + [i]) * size > CHUNK_BYTES)
                 if full and group:
-                    chunk = torch.empty(max(sum(_numel(self.specs[j][1]) for j in group), 1), dtype=_dtype(dtype),
-                                        device=device, pin_memory=pinned)
-                    at = 0
-                    for j in group:
-                        n = _numel(self.specs[j][1])
-                        views[j] = chunk[at:at + n].view(self.specs[j][1])
-                        at += n
+                    pieces.append((_dtype(dtype), group))
                     group = []
-                    if pinned:
-                        time.sleep(0.001)  # let the process's other threads run between two pins
                 if i is not None:
                     group.append(i)
+
+        def alloc(piece):
+            dt, group = piece
+            n = max(sum(_numel(self.specs[j][1]) for j in group), 1)
+            if pinned:
+                return _touched(n, dt)
+            return torch.empty(n, dtype=dt, device=device)
+        t0 = time.perf_counter()
+        # Pinned: each piece's pages first written from PIN_THREADS threads at once (the kernel
+        # zeroes a page at its first touch: the slow part, no CUDA lock held), then registered
+        # with CUDA one piece at a time (pins pages that exist). cudaHostAlloc did both in the
+        # driver, serially: 24 s for 29 GB on an H100 host, and from several threads at once it
+        # held the training thread's CUDA calls up for 9 s.
+        with ThreadPoolExecutor(max_workers=PIN_THREADS if pinned else 1, thread_name_prefix="tm-pin") as pool:
+            chunks = list(pool.map(alloc, pieces))
+        self.touch_s = time.perf_counter() - t0
+        if pinned:
+            chunks = [_register(c) for c in chunks]
+        self.alloc_s = time.perf_counter() - t0
+        self.pin_mode = ("registered" if all(c.is_pinned() for c in chunks) else "mixed") if pinned else "none"
+        for chunk, (_, group) in zip(chunks, pieces):
+            at = 0
+            for j in group:
+                n = _numel(self.specs[j][1])
+                views[j] = chunk[at:at + n].view(self.specs[j][1])
+                at += n
         self.views = views
         self.bytes = sum(t.numel() * t.element_size() for t in self.views)
 
     def matches(self, specs: list[tuple[str, tuple, str]]) -> bool:
         return self.specs == [(p, tuple(s), str(d)) for p, s, d in specs]
+
+
+PAGE = 4096
+_REGISTERED: list[torch.Tensor] = []  # host memory registered with CUDA: kept for the process's life (freeing it
+#                                       would need cudaHostUnregister first; a slab outlives its versions anyway)
+
+
+def _touched(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """n elements of pageable host memory, page aligned, every page written once."""
+    size = torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(n * size + PAGE, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % PAGE
+    buf = raw[off:off + n * size]
+    buf.zero_()
+    return buf.view(dtype)
+
+
+def _register(t: torch.Tensor) -> torch.Tensor:
+    """`t` pinned in place (cudaHostRegister); where that fails, a pinned copy allocated by CUDA."""
+    try:
+        rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
+    except (AttributeError, RuntimeError, TypeError):  # a torch without it: CUDA allocates it pinned
+        rc = -1
+    time.sleep(0.001)  # let the process's other threads at the driver between two pieces
+    if rc == 0:
+        _REGISTERED.append(t)
+        return t
+    return torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
 
 
 def _numel(shape) -> int:

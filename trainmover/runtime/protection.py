@@ -43,6 +43,7 @@ class Protection:
                 # layout is known once the optimizer has its state, after a first step)
                 cap.prepare(self.full_state(step))
         due_s, due_c = every_s and step % every_s == 0, every_c and step % every_c == 0
+        due_s = due_s or self._first_for_holder()
         if step >= self.spec.steps or not (due_s or due_c):
             return
         if due_s:
@@ -72,6 +73,17 @@ class Protection:
             wait = self.snapshots.capture.last_gate_wait_s()
             self.send("snapshot_taken", rank=self.rank, step=int(numbers.pop("step")),
                       detail={**numbers, "gate_wait_s": wait, "skipped": self.snapshots.skipped})
+
+    def _first_for_holder(self) -> bool:
+        """One node on GPUs: the first version goes to the standby holder as soon as the link is
+        built and the host buffers are pinned, not at the next multiple of the interval: until a
+        holder has one, a SIGKILL loses the job's progress (measured as protection_ready_s)."""
+        keeper = self.snapshots
+        if self.device != "cuda" or keeper is None or not keeper.one_node or keeper.standby is None:
+            return False
+        link = keeper.standby
+        return (link.built.is_set() and link.pair is not None and link.version == 0 and bool(keeper.capture.slabs)
+                and keeper.capture.ready() and not any(t.is_alive() for t in keeper.threads))
 
     def on_hold(self, msg: dict) -> None:
         """A worker of a one-node job: the controller names the standby that holds its snapshots

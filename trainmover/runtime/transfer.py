@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ from trainmover.errors import MigrationError
 log = logging.getLogger(__name__)
 
 ATTEMPTS = 3  # sends of one state before a persistent checksum mismatch is an error
+MANIFEST_TIMEOUT_S = 300.0  # bound on a manifest fetched beside the posted receives (the store's own timeout applies too)
 
 
 class ChecksumMismatch(MigrationError):
@@ -154,6 +156,44 @@ class GlooChannel:
                     t.copy_(part.view_as(t))
 
 
+    # --- the planned protocol (runtime/xferplan.py): wire tensors in chunks, checked as they land
+    def send_planned(self, plan, dst: int, corrupt: bool = False, manifest=None) -> None:
+        """`manifest()`: its bytes, sent first (gloo matches messages in order)."""
+        self.send_bytes(manifest(), dst)
+        plan.pack()
+        for c in range(len(plan.chunks)):
+            plan.check_chunk(c, finite=False)
+        t0 = time.perf_counter()
+        for tag, t in enumerate(plan.wire, start=2):
+            if corrupt and tag == 2:  # fault injection: the first wire tensor arrives with a flipped byte
+                t = t.clone()
+                t.view(-1).view(torch.uint8)[0] ^= 0xFF
+            _wait(self.pg.send([t.reshape(-1)], dst, tag), f"wire tensor {tag - 2}")
+        _wait(self.pg.send([plan.sums], dst, len(plan.wire) + 2), "word sums")
+        self.group_s = time.perf_counter() - t0
+
+    def early_sig(self, src: int) -> str | None:
+        return None  # the plan is known from the manifest only
+
+    def finish_planned(self, posted) -> dict:
+        return posted
+
+    def recv_planned(self, plan, src: int) -> dict:
+        plan.reset()
+        t0 = time.perf_counter()
+        tag = 2
+        for c, chunk in enumerate(plan.chunks):
+            for t in chunk:
+                _wait(self.pg.recv([t.view(-1)], src, tag), f"wire tensor {tag - 2}")
+                tag += 1
+            plan.check_chunk(c)  # on the CPU in line: the checks of the last chunk are the tail
+        t1 = time.perf_counter()
+        _wait(self.pg.recv([plan.peer_sums], src, tag), "word sums")
+        plan.unpack()
+        self.group_s = time.perf_counter() - t0
+        return {"copy_s": self.group_s, "verify_tail_s": 0.0, "checks_inline_s": t1 - t0}
+
+
 def channel_for(xfer):
     """The channel for a transfer group: NCCL backends bring their own."""
     return xfer.channel() if hasattr(xfer, "channel") else GlooChannel(xfer)
@@ -167,6 +207,7 @@ class TransferStats:
     digest: str
     copy_s: float = 0.0  # moving the tensors alone
     attempts: int = 1    # sends needed (more than 1: a checksum mismatch was retried)
+    parts: dict | None = None  # planned protocol: where the time went (manifest, copy, verify, ...)
 
 
 def pack(state: dict) -> tuple[bytes, list[torch.Tensor], str]:
@@ -252,16 +293,128 @@ def recv_state(xfer, *, src: int = 0, like: dict | None = None, chan=None) -> tu
     return state, TransferStats(nbytes, time.perf_counter() - t0, len(into), got, copy_s)
 
 
+# --- the planned protocol: layout worked out in Phase 1 (xferplan.py) ----------------------
+def send_planned(state: dict, chan, plan, *, dst: int = 1, corrupt: bool = False):
+    """Send `state` by `plan` (made ahead from this very state's tensors; rebuilt here if they
+    changed since). The manifest carries the skeleton, the specs and their signature, and the
+    host tensors (RNG states, step counters) with their digest; the wire carries the rest."""
+    from trainmover.runtime import xferplan
+    t0 = time.perf_counter()
+    tensors: list[torch.Tensor] = []
+    skeleton = _flatten(state, tensors, [])
+    ahead = plan is not None and plan.still_describes(tensors)
+    if not ahead:
+        skeleton, plan = xferplan.of_state(state)
+        tensors = plan.tensors
+    t1 = time.perf_counter()
+    encoded = {}
+
+    def manifest() -> bytes:
+        # built while the wire tensors are on their way where the channel allows (NCCL)
+        cpu = plan.pack_host(tensors)
+        buf = io.BytesIO()
+        torch.save({"skeleton": skeleton, "specs": plan.specs, "sig": plan.sig, "cpu": cpu,
+                    "cpu_digest": digest_tensors(cpu)}, buf)
+        encoded["s"] = time.perf_counter() - t1
+        return buf.getvalue()
+    chan.send_planned(plan, dst, corrupt=corrupt, manifest=manifest)
+    t2 = time.perf_counter()
+    return TransferStats(plan.bytes, t2 - t0, len(plan.tensors), plan.sig, getattr(chan, "group_s", 0.0) or t2 - t1,
+                         parts={"state_walk_s": round(t1 - t0, 5), "manifest_at_s": round(encoded.get("s", 0.0), 5),
+                                "send_s": round(t2 - t1, 5), "plan_ahead": ahead,
+                                "chunks": len(plan.chunks), "wire_tensors": len(plan.wire)})
+
+
+def warm_manifest(state: dict, plan) -> None:
+    """Encode and decode a manifest of `state` once before the pause: the first weights-only
+    load of a process sets itself up (its allow-lists, hundreds of small host tensors' storages)."""
+    tensors: list[torch.Tensor] = []
+    skeleton = _flatten(state, tensors, [])
+    cpu = plan.pack_host(tensors)
+    buf = io.BytesIO()
+    torch.save({"skeleton": skeleton, "specs": plan.specs, "sig": plan.sig, "cpu": cpu,
+                "cpu_digest": digest_tensors(cpu)}, buf)
+    meta = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    digest_tensors(meta["cpu"])
+
+
+def recv_planned(chan, guess, *, src: int = 0, like: dict | None = None):
+    """Receive by the sender's plan: into `guess` (the joiner's Phase-1 plan of its own buffers)
+    when the signatures match, else into a plan made now from the sender's specs. Returns
+    (state, stats, non-finite floating tensors); a word-sum mismatch raises ChecksumMismatch."""
+    from trainmover.runtime import xferplan
+    t0 = time.perf_counter()
+    # Where the channel tells the sender's signature ahead (NCCL: a store key set before its
+    # sends) and it is this joiner's Phase-1 plan's, the receives are posted at once and the
+    # manifest is read while the wire tensors land.
+    early = guess is not None and chan.early_sig(src) == guess.sig
+    fetched: dict = {}
+    if early:
+        # the manifest is fetched and decoded in a thread while this one posts the receives
+        # (posting a grouped NCCL receive returns only once the sender's sends are matched)
+        def fetch():
+            try:
+                fetched["meta"] = torch.load(io.BytesIO(chan.recv_bytes(src)), weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - reported below, as a protocol error
+                fetched["error"] = exc
+        reader = threading.Thread(target=fetch, name="tm-manifest", daemon=True)
+        reader.start()
+    posted = chan.recv_planned(guess, src) if early else None
+    try:
+        if early:
+            reader.join(MANIFEST_TIMEOUT_S)
+            if "error" in fetched or "meta" not in fetched:
+                raise ValueError(fetched.get("error") or f"no manifest within {MANIFEST_TIMEOUT_S:g}s")
+            meta = fetched["meta"]
+        else:
+            meta = torch.load(io.BytesIO(chan.recv_bytes(src)), weights_only=True)
+        if meta["sig"] != xferplan.signature(meta["specs"]) or (early and meta["sig"] != guess.sig):
+            raise ValueError("the signature does not match the specs")
+        plan = guess if guess is not None and guess.sig == meta["sig"] else xferplan.into(meta["specs"], like)
+    except MigrationError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any decoding failure is a protocol error
+        raise MigrationError(f"state transfer: undecodable manifest: {exc}", phase="switch") from exc
+    cpu = meta["cpu"]
+    if digest_tensors(cpu) != meta["cpu_digest"]:
+        raise ChecksumMismatch("state transfer: the host tensors of the manifest do not match its digest",
+                               phase="switch")
+    try:
+        plan.unpack_host(cpu)
+    except ValueError as exc:
+        raise MigrationError(f"state transfer: {exc}", phase="switch") from exc
+    t1 = time.perf_counter()
+    parts = chan.finish_planned(posted if early else chan.recv_planned(plan, src))
+    t2 = time.perf_counter()
+    bad, nonfin = plan.verdict()
+    t3 = time.perf_counter()
+    if bad:
+        raise ChecksumMismatch(f"state transfer: {bad} of {len(plan.wire)} wire tensors arrived with other "
+                               f"word sums than sent", phase="switch")
+    state = _unflatten(meta["skeleton"], plan.tensors)
+    nonfin += nonfinite(cpu)
+    parts = {**parts, "manifest_s": round(t1 - t0, 5), "recv_s": round(t2 - t1, 5), "posted_early": early,
+             "verdict_read_s": round(t3 - t2, 5), "into_own_buffers": plan is guess,
+             "chunks": len(plan.chunks), "wire_tensors": len(plan.wire)}
+    stats = TransferStats(plan.bytes, time.perf_counter() - t0, len(plan.tensors), plan.sig,
+                          parts.get("copy_s") or t2 - t1, parts=parts)
+    return state, stats, nonfin
+
+
 # --- verified transfer: checksum, retry, refuse non-finite state -------------------------
 OK, AGAIN, REFUSED = 1, 2, 3
 
 
-def send_verified(state: dict, xfer, *, dst: int = 1, corrupt: bool = False) -> TransferStats:
+def send_verified(state: dict, xfer, *, dst: int = 1, corrupt: bool = False, plan=False) -> TransferStats:
     """`send_state`, then wait for the receiver's verdict: on a checksum mismatch send again
-    (up to ATTEMPTS times). `corrupt` (fault injection) spoils the first attempt only."""
+    (up to ATTEMPTS times). `corrupt` (fault injection) spoils the first attempt only.
+    `plan` (not False): the planned protocol, by this plan made ahead (None: made now); the
+    receiver must call `recv_verified` with a `plan` too."""
     chan = channel_for(xfer)
     for attempt in range(1, ATTEMPTS + 1):
-        stats = send_state(state, xfer, dst=dst, corrupt=corrupt and attempt == 1, chan=chan)
+        bad = corrupt and attempt == 1
+        stats = (send_state(state, xfer, dst=dst, corrupt=bad, chan=chan) if plan is False
+                 else send_planned(state, chan, plan, dst=dst, corrupt=bad))
         verdict = chan.recv_verdict(dst)
         if verdict == OK:
             stats.attempts = attempt
@@ -273,19 +426,25 @@ def send_verified(state: dict, xfer, *, dst: int = 1, corrupt: bool = False) -> 
     raise MigrationError(f"state transfer: checksum mismatch in all {ATTEMPTS} attempts", phase="switch")
 
 
-def recv_verified(xfer, *, src: int = 0, like: dict | None = None) -> tuple[dict, TransferStats]:
+def recv_verified(xfer, *, src: int = 0, like: dict | None = None, plan=False) -> tuple[dict, TransferStats]:
     """`recv_state` with the receiver's side of `send_verified`: a checksum mismatch asks for
-    the state again; NaN or Inf in floating-point state is refused (an error, never loaded)."""
+    the state again; NaN or Inf in floating-point state is refused (an error, never loaded).
+    `plan` (not False): the planned protocol, received into this plan's buffers when the
+    sender's layout is the same (None: into `like`'s, planned now)."""
     chan = channel_for(xfer)
     for attempt in range(1, ATTEMPTS + 1):
         try:
-            state, stats = recv_state(xfer, src=src, like=like, chan=chan)
+            if plan is False:
+                state, stats = recv_state(xfer, src=src, like=like, chan=chan)
+                bad = None
+            else:
+                state, stats, bad = recv_planned(chan, plan, src=src, like=like)
         except ChecksumMismatch as exc:
             log.warning("state transfer attempt %d: %s; asking again", attempt, exc)
             chan.send_verdict(AGAIN, src)
             chan.next_attempt()
             continue
-        bad = nonfinite(tensors_of(state))
+        bad = nonfinite(tensors_of(state)) if bad is None else bad
         if bad:
             chan.send_verdict(REFUSED, src)
             raise MigrationError(f"state transfer: refused: {bad} tensor(s) hold NaN or Inf", phase="switch")
