@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import TEST_JOB_PREFIX, as_user, assert_runs_as_user, job_ended, user_dir, wait_for
+from tests.e2e.conftest import (JOB_USER, OTHER_USER, TEST_JOB_PREFIX, as_user, assert_runs_as_user, job_ended, job_process_uids, user_dir,
+                                wait_for)
+from trainmover.cluster.procs import step_pid
 from trainmover.slurm import commands
 
 pytestmark = pytest.mark.slurm
@@ -80,11 +82,11 @@ def demo(slurm_cluster, job_user):
            "PYTHONPATH": str(ROOT)}
     env = {k: v for k, v in env.items() if not k.startswith("TM_") or k == "TM_PYTHON"}
 
-    def submit(name: str, **tm_env) -> Run:
-        workdir = user_dir(name)
+    def submit(name: str, user: str = JOB_USER, sbatch_args: tuple = (), **tm_env) -> Run:
+        workdir = user_dir(name, user)
         job_env = {**env, "TM_STEPS": str(STEPS), **{k: str(v) for k, v in tm_env.items()}}
         out = as_user(["sbatch", "--parsable", f"--job-name={TEST_JOB_PREFIX}{name}", f"--chdir={workdir}",
-                       str(TEMPLATE)], job_env).stdout
+                       *sbatch_args, str(TEMPLATE)], job_env, user=user).stdout
         run = Run(int(out.strip().split(";")[0]), workdir, job_env)
         runs.append(run)
         return run
@@ -166,6 +168,11 @@ def test_drain_moves_the_rank_to_a_standby_bit_exactly(demo, reference, slurm_cl
     moved_after = time.monotonic() - t0
     joiner = run.metrics()[-1]["nodes"][1]
     assert joiner.startswith("spare")
+    # The joiner trains at the job's priority: only its warm-up thread was niced (TM_STANDBY_NICE),
+    # which its user could not have undone (runtime/standby.py).
+    trainer = step_pid(run.job_id, joiner)
+    assert os.getpriority(os.PRIO_PROCESS, trainer) == 0, "the joiner's training thread runs niced"
+    assert standby["shadow"]["limits"]["nice"] == 10 and job_process_uids(run.job_id)[trainer][0] != 0
     wait_for(f"{leaver} to leave the job and reach 'drained'",
              lambda: leaver not in slurm_client.job(run.job_id).nodes and slurm_client.nodes([leaver])[leaver].drained,
              timeout=30)
@@ -243,6 +250,19 @@ def test_malformed_configuration_fails_at_start_with_a_clear_message(demo, slurm
     run = demo("badconfig", TM_STEPS="lots")
     assert run.wait_done(slurm_client, timeout=60) == "FAILED"
     assert "TM_STEPS='lots': expected int" in run.slurm_out()
+
+
+def test_a_reservation_that_refuses_the_user_fails_the_job_at_start_and_says_why(demo, slurm_client):
+    """OTHER_USER is not among the standby reservation's Users=: a clear error at start, in the
+    log and status.json, not a standby asked for again and again."""
+    run = demo("refused", user=OTHER_USER)
+    assert run.wait_done(slurm_client, timeout=90) == "FAILED", run.slurm_out()[-3000:]
+    why = f"reservation trainmover_standby has Users=root,{JOB_USER}, which does not admit {OTHER_USER}"
+    assert why in run.slurm_out()
+    status = json.loads((run.dir / "status.json").read_text())
+    assert status["capabilities"]["grow"] is False and why in status["capabilities"]["why"]["grow"]
+    assert status["outcome"]["ok"] is False and "cannot take standbys" in status["outcome"]["message"]
+    assert not (run.dir / "metrics.jsonl").exists() or not run.metrics()  # no rank started
 
 
 def test_hostile_control_messages_are_rejected_and_the_job_is_unaffected(demo, reference, slurm_client):
@@ -364,3 +384,29 @@ def test_a_reported_straggler_fails_the_health_check_which_drains_and_migrates_i
         if slow_node is not None:
             slurm_client.resume(slow_node)  # its reason is not the tests' prefix: the fixture would leave it
 
+
+
+def test_two_jobs_share_the_standby_pool_and_a_drain_moves_only_its_own_job(demo, slurm_client):
+    """Two jobs of JOB_USER (2 training nodes each, one standby each from the one reservation):
+    a drain of a node of the first moves its rank to its own standby; the second, identical and
+    left alone, is the first's uninterrupted reference (same seed, layout and steps)."""
+    small = ("--nodes=3", "--constraint=[tm_keeper*1&tm_train*2]")
+    moved, alone = demo("pool-a", sbatch_args=small), demo("pool-b", sbatch_args=small)
+    for run in (moved, alone):
+        start_training(run, slurm_client)
+        wait_for(f"job {run.job_id}'s standby warm", lambda r=run: any(s["state"] == "ready" for s in r.status()["standbys"]),
+                 timeout=90, explain=run.explain)
+    standbys = {r.job_id: r.status()["standbys"][0]["node"] for r in (moved, alone)}
+    assert sorted(standbys.values()) == ["spare1", "spare2"]  # one each, from the one pool
+    leaver = leaver_of(moved)
+    commands.run(["scontrol", "update", f"nodename={leaver}", "state=drain", f"reason={DRAIN_REASON}"],
+                 timeout=10, env=moved.env)
+    for run in (moved, alone):
+        assert run.wait_done(slurm_client) == "COMPLETED", run.slurm_out()[-3000:]
+    (m,) = moved.status()["migrations"]
+    assert (m["leaver"], m["joiner"], m["state"]) == (leaver, standbys[moved.job_id], "done")
+    assert alone.status()["migrations"] == []
+    ref = {x["step"]: x["losses"] for x in alone.metrics()}
+    got = {x["step"]: x["losses"] for x in moved.metrics()}
+    assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1)) and got == ref
+    assert moved.final()["digest"] == alone.final()["digest"]

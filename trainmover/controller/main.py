@@ -24,6 +24,7 @@ from trainmover.config import Config, parse_tiers
 from trainmover.control import channel, checkpoints, endpoint
 from trainmover.control.messages import make
 from trainmover.controller import journal, records, tiers
+from trainmover.controller.fencing import FencedNodes
 from trainmover.controller.actions import (AcquireStandby, CheckpointDone, Fence, Finish, LaunchStandby, Record,
                                           ReleaseNode, Rewind, Send)
 from trainmover.controller.node_watch import NodeWatch
@@ -92,6 +93,10 @@ class Controller:
         self.files = records.RunFiles(root)
         self.checkpoint_root = self.files.root / "checkpoints"
         self.policy.checkpoint_steps = checkpoints.complete(self.checkpoint_root)[-checkpoints.KEEP:]
+        self.capabilities: dict = {}
+        self.fencing = FencedNodes()
+        if not resume:  # a resuming controller checks in the background: a move must stay quick
+            self._check_rights()
         if resume:
             self.key = channel.read_secret(str(self.files.secret))  # the ranks hold it: same job, same key
         else:
@@ -116,6 +121,37 @@ class Controller:
         self.outcome: tuple[bool, str] | None = None
         self.watch = NodeWatch(self.slurm, reservation=cfg.reservation, poll_s=cfg.poll_s,
                                notices=cfg.drain_notices, slurm_conf=self.environ.get("SLURM_CONF"))
+
+    # --- what the job's user may do (slurm/rights.py) ----------------------------------------
+    def _check_rights(self) -> None:
+        """Ask Slurm what this job's user may do; say what is missing and what follows, in the
+        log and status.json. A reservation that refuses the user, with standbys wanted, is a clear
+        error now (ConfigError), not a standby request retried for ever."""
+        if not hasattr(self.slurm, "capabilities"):
+            return
+        try:
+            caps = self.slurm.capabilities(self.job_id, self.cfg.reservation)
+        except SlurmError as exc:  # not known: try each action, and hold a fenced node whose drain fails
+            log.warning("could not check what this job may do (%s): a fenced node is held if its drain fails", exc)
+            self.capabilities = {"unknown": str(exc)[:300]}
+            return
+        self.capabilities = caps.as_status()
+        self.fencing.may_drain, self.fencing.why_not = caps.drain, caps.why.get("drain", "")
+        lines = caps.consequences(self.cfg.standbys)
+        log.info("user %s may: grow %s, shrink %s, drain %s", caps.user, *("yes" if x else "no"
+                                                                           for x in (caps.grow, caps.shrink, caps.drain)))
+        for line in lines:
+            log.warning("%s", line)
+        if not caps.grow and self.cfg.standbys > 0:
+            message = (f"cannot take standbys: {caps.why['grow']}. Ask an admin to admit user {caps.user} to "
+                       f"reservation {self.cfg.reservation} (Users= or Accounts=), or set TM_STANDBYS=0 to run "
+                       "without migration")
+            self.files.write("status", {**self.status(), "outcome": {"ok": False, "message": message}})
+            raise ConfigError(message)
+
+    def status(self) -> dict:
+        """The policy's status with what only the executor knows: the user's rights, fenced nodes."""
+        return {**self.policy.status(), "capabilities": self.capabilities, "fenced_nodes": self.fencing.status()}
 
     def _store(self):
         # TCPStore for gloo rendezvous, on a socket bound to this node's address: every node
@@ -206,6 +242,10 @@ class Controller:
 
     def apply(self, actions: list) -> None:
         self._journal_decisions()
+        actions, held = self.fencing.route(actions)  # a fenced node leaves the job only drained
+        for node, why in held:
+            log.warning("%s stays in the job: %s", node, why)
+            self.events.put(("released", node, False, why))
         for a in actions:
             if isinstance(a, AcquireStandby):
                 self._background("acquire", self._acquire)
@@ -261,9 +301,13 @@ class Controller:
             if (conn.identity or {}).get("pid") == a.pid:
                 self.conns[a.node].remove(conn)
                 self._refuse(conn, a.reason)
-        self._background("fence", lambda: self._kill_and_drain(a))
+        drain = self.fencing.fence(a.node, a.reason)
+        if not drain:
+            log.warning("fenced %s is not drained (%s): held in the job until it ends", a.node,
+                        self.fencing.nodes[a.node].held or "drained already")
+        self._background("fence", lambda: self._kill_and_drain(a, drain))
 
-    def _kill_and_drain(self, a: Fence):
+    def _kill_and_drain(self, a: Fence, drain: bool = True):
         errors = []
         proc = self.launcher.get(a.node)
         try:
@@ -274,11 +318,13 @@ class Controller:
                 proc.kill()
         except (SlurmError, OSError) as exc:  # a partitioned node: its slurmd cannot be reached
             errors.append(f"kill: {exc}")
-        try:
-            self.slurm.drain(a.node, f"trainmover: {a.reason}"[:200])
-        except SlurmError as exc:
-            errors.append(f"drain: {exc}")
-        return ("fenced", a.node, "; ".join(errors))
+        drain_error = ""
+        if drain:
+            try:
+                self.slurm.drain(a.node, f"trainmover: {a.reason}"[:200])
+            except SlurmError as exc:
+                drain_error = str(exc)[:300]
+        return ("fenced", a.node, "; ".join(errors), drain, drain_error)
 
     def handle_peer(self, conn, msg, now: float) -> list:
         kind = msg["type"]
@@ -300,7 +346,7 @@ class Controller:
             else:
                 ok, text, actions = True, "", []
             try:
-                conn.send(make("reply", ok=ok, message=text, data=self.policy.status()))
+                conn.send(make("reply", ok=ok, message=text, data=self.status()))
             except OSError as exc:  # the requester is gone (or was dropped for a bad message): its loss
                 log.warning("could not reply to %s: %s", conn.peer, exc)
             return actions
@@ -369,12 +415,19 @@ class Controller:
         self.durable = self.policy.durable()
         # every node the journal accounts for: ranks, standbys, released, a leaver whose release is
         # due (the node a moving controller left), and the keeper, which never trains
+        fenced = {n for n, _ in self.policy.fenced_pids}
         known = (set(self.view.rank_node.values()) | set(self.view.standbys) | set(self.view.released)
-                 | {m.leaver for m in self.policy.migrations if m.active} | {self.keeper})
+                 | {m.leaver for m in self.policy.migrations if m.active} | {self.keeper} | fenced)
+        job_nodes = self.slurm.job(self.job_id).nodes
+        in_job = set(job_nodes)
+        # a fenced node still in the job, running no rank: its drain was refused (fencing.py)
+        self.fencing.restore(sorted(n for n in fenced & in_job if n not in self.view.rank_node.values()
+                                    and n not in self.view.standbys and n != self.keeper), "fenced")
+        self._background("rights", lambda: (self._check_rights(), ("rights",))[1])
         for node, rec in j.steps.items():
             if node in known and node not in self.view.released:
                 self.launcher.adopt(node, rec["pid"])
-        for node in self.slurm.job(self.job_id).nodes:
+        for node in job_nodes:
             if node not in known:
                 log.warning("%s joined the job but is not in the journal (taken while the controller died): "
                             "made a standby", node)
@@ -427,7 +480,7 @@ class Controller:
                 pass
             # Compared as text: status() shares nested dicts with the policy (its straggler
             # verdict is updated in place), so a kept dict would always compare equal.
-            status = json.dumps(self.policy.status(), indent=1, sort_keys=True)
+            status = json.dumps(self.status(), indent=1, sort_keys=True)
             if status != last_status:
                 self.files.write_text("status", status)
                 last_status = status
@@ -444,6 +497,16 @@ class Controller:
         if kind == "fenced":
             if ev[2]:
                 log.warning("fencing %s incomplete: %s", ev[1], ev[2])
+            if not ev[3]:
+                return []
+            actions, held = self.fencing.drained(ev[1], ev[4])
+            if ev[4]:
+                log.warning("drain of fenced %s refused (%s): held in the job, out of training and of the "
+                            "standby pool, until the job ends", ev[1], ev[4])
+            for node, why in held:
+                actions += self.policy.on_released(now, node, False, why)
+            return actions
+        if kind == "rights":
             return []
         if kind == "acquired":
             log.info("standby %s joined the allocation", ev[1])
@@ -464,7 +527,7 @@ class Controller:
         # First, durably: the job ended on purpose. Whatever happens to this process from here
         # on, no keeper or supervisor starts a controller again (journal.ended).
         self.journal.write(time.time(), [{"kind": "end", "ok": bool(ok), "message": message[:2000]}])
-        status = self.policy.status()
+        status = self.status()
         status["outcome"] = {"ok": ok, "message": message}
         self.files.write("status", status)
         log.info("controller: %s", message)
@@ -492,7 +555,7 @@ class Controller:
         """Leave the job to a successor on another node (the keeper starts it): everything it needs
         is in the journal, and the ranks find it through controller.json. No `bye`: they wait for it."""
         log.info("controller on %s hands over: %s", self.home, why)
-        self.files.write("status", self.policy.status())
+        self.files.write("status", self.status())
         for conns in self.conns.values():
             for conn in conns:
                 conn.close()

@@ -64,6 +64,11 @@ class SingleHostAllocation:
     def drain(self, node: str, reason: str) -> None:
         self.drained.add(node)
 
+    def capabilities(self, job_id: int, reservation: str):
+        """Everything: the allocation is this process's own (its "drain" is a set of names)."""
+        from trainmover.slurm.rights import Capabilities
+        return Capabilities(user=str(os.getuid()), grow=True, shrink=True, drain=True)
+
     def step_argv(self, job_id: int, node: str, argv: Sequence[str], *, ntasks: int = 1,
                   env_overrides: Mapping[str, str] | None = None, name: str = "") -> list[str]:
         if ntasks != 1:

@@ -7,9 +7,11 @@ steady, reports `ready` and waits. When a role's live rank records a new version
 A `prepare` makes it a joiner (switch.py), a `recover` takes a vanished rank (recovery.py).
 
 On a host it shares with live ranks (the GPU machines' one-host allocation, the CPU demo's
-local cluster) a standby's warm-up must not slow them: it runs niced (`TM_STANDBY_NICE`) with
-few torch.compile workers (`TM_STANDBY_COMPILE_THREADS`) and one intra-op thread (worker.main),
-and asks for its priority back when it takes a rank. In a one-node job it also binds itself to
+local cluster) a standby's warm-up must not slow them: the warm-up runs in a thread of its own
+at `TM_STANDBY_NICE` (niceness is per thread on Linux; threads it starts inherit it), with few
+torch.compile workers (`TM_STANDBY_COMPILE_THREADS`) and one intra-op thread (worker.main). The
+main thread, which joins and trains, is never niced: an unprivileged process could not lower
+its niceness back (that needs CAP_SYS_NICE), and a joiner must train at the job's priority. In a one-node job it also binds itself to
 the rank it will take and builds that rank's groups ahead (ahead.py), and holds the node's
 snapshots when the controller names it (`hold`, holding.py).
 """
@@ -19,6 +21,7 @@ import contextlib
 import logging
 import os
 import queue
+import threading
 import time
 from pathlib import Path
 
@@ -38,7 +41,41 @@ class StandbyRole:
 
     def standby(self) -> int:
         t0 = time.perf_counter()
-        limits = limit_warmup(self.spec.standby_nice, self.spec.standby_compile_threads)
+        limits = limit_warmup(self.spec.standby_compile_threads)
+        expected, shadow, steps, limits["nice"] = niced(self.spec.standby_nice, self._warm_up)
+        if expected is not None and self.spec.standby_warmup != "cold":
+            self.ahead = ahead.Ahead(self, expected)
+        self.send("ready", node=self.spec.node, local=self.local, warmup_s=time.perf_counter() - t0,
+                  shadow_steps=steps, detail={**shadow, "limits": limits,
+                                              "bound_rank": expected if expected is not None else self.rehearsed})
+        log.info("standby on %s warm after %.2fs", self.spec.node, time.perf_counter() - t0)
+        while True:
+            try:
+                msg = self.inbox.get(timeout=REWARM_POLL_S)
+            except queue.Empty:
+                niced(self.spec.standby_nice, self._rewarm_if_newer, t0)
+                continue
+            if msg is None:
+                log.info("controller closed the channel; standby exits")
+                return 0
+            if msg["type"] == "prepare":
+                start = self.join(msg)  # on this thread, at the job's priority: the job's critical path
+                if start is not None:
+                    self._now_a_worker(start)
+                    return self.train(start)
+                self.send("ready", node=self.spec.node, local=self.local, warmup_s=time.perf_counter() - t0,
+                          shadow_steps=0, detail={})
+            elif msg["type"] == "recover" and str(self.local) in msg["assign"]:
+                start = self.take_failed_rank(msg)
+                self._now_a_worker(start)
+                return self.train(start)
+            elif msg["type"] == "hold":
+                self.hold_for(msg)
+
+    def _warm_up(self) -> tuple:
+        """The warm-up proper (run niced, in its own thread): replay the recordings, rehearse
+        the role it will take, shadow steps until steady. Returns (bound rank or None, replay
+        report, shadow steps)."""
         self.faults.at("warmup")  # die-in-warmup: the controller gives it to the chosen launch only
         shadow = self._replay()
         expected = ahead.anticipated_rank(self.spec.world_size, self.spec.ranks_per_node, self.local)
@@ -51,37 +88,7 @@ class StandbyRole:
             self._rehearse(expected, self._make_groups(expected, sandbox=True))
         with self._warm_stance():
             steps = self.shadow_until_steady(self.spec.shadow_steps)
-        if expected is not None and self.spec.standby_warmup != "cold":
-            self.ahead = ahead.Ahead(self, expected)
-        self.send("ready", node=self.spec.node, local=self.local, warmup_s=time.perf_counter() - t0,
-                  shadow_steps=steps, detail={**shadow, "limits": limits,
-                                              "bound_rank": expected if expected is not None else self.rehearsed})
-        log.info("standby on %s warm after %.2fs", self.spec.node, time.perf_counter() - t0)
-        while True:
-            try:
-                msg = self.inbox.get(timeout=REWARM_POLL_S)
-            except queue.Empty:
-                self._rewarm_if_newer(t0)
-                continue
-            if msg is None:
-                log.info("controller closed the channel; standby exits")
-                return 0
-            if msg["type"] == "prepare":
-                self._full_priority(True)  # a join is on the job's critical path
-                start = self.join(msg)
-                if start is not None:
-                    self._now_a_worker(start)
-                    return self.train(start)
-                self._full_priority(False)
-                self.send("ready", node=self.spec.node, local=self.local, warmup_s=time.perf_counter() - t0,
-                          shadow_steps=0, detail={})
-            elif msg["type"] == "recover" and str(self.local) in msg["assign"]:
-                self._full_priority(True)
-                start = self.take_failed_rank(msg)
-                self._now_a_worker(start)
-                return self.train(start)
-            elif msg["type"] == "hold":
-                self.hold_for(msg)
+        return expected, shadow, steps
 
     ahead: ahead.Ahead | None = None  # groups built ahead for the rank it will take (one-node jobs)
 
@@ -105,17 +112,6 @@ class StandbyRole:
             for backend in self.ahead.rest():
                 self.retire(backend, step)
             self.ahead = None
-
-    def _full_priority(self, full: bool) -> None:
-        """A standby asks for its priority back as it takes a rank (join or recovery: the job's
-        critical path, then its training) and lowers it again if the join is cancelled. On Linux
-        niceness is per thread: this is the main thread, the one that joins and trains."""
-        if not self.spec.standby_nice:
-            return
-        try:
-            os.setpriority(os.PRIO_PROCESS, 0, 0 if full else self.spec.standby_nice)
-        except OSError as exc:  # lowering niceness needs CAP_SYS_NICE
-            log.info("stays at nice %d: %s", self.spec.standby_nice, exc)
 
     def _roles(self) -> dict[str, int]:
         """The roles a standby rehearses and the ranks that record them ({} if not recording)."""
@@ -215,15 +211,45 @@ class StandbyRole:
                              host=self.spec.node)
 
 
-def limit_warmup(nice: int, compile_threads: int) -> dict:
-    """A standby's process on a shared host: lower its CPU priority and its torch.compile
-    worker pool (set before its first compile: the pool is made then). Returns what applied."""
-    out = {}
-    if nice:
+def thread_nice(tid: int | None = None) -> int:
+    """The niceness of thread `tid` (a native thread id; None: the calling thread)."""
+    return os.getpriority(os.PRIO_PROCESS, tid if tid is not None else threading.get_native_id())
+
+
+def niced(nice: int, fn, *args):
+    """`fn(*args)` in a thread of its own at niceness `nice` (0: as this thread), waited for;
+    returns (what fn returned, unpacked when a tuple) + the niceness it ran at, or raises what
+    it raised. Only that thread and the threads it starts are niced: the caller keeps its
+    priority, which an unprivileged process could not get back. The CUDA device is per thread:
+    the caller's is carried over. Each call is bounded by fn's own deadlines (the warm-up's
+    group and phase timeouts); a thread cannot be cut short from outside."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    out: dict = {}
+
+    def body():
         try:
-            out["nice"] = os.nice(nice)
-        except OSError as exc:
-            out["nice_error"] = str(exc)
+            if nice:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)  # raising it needs no privilege
+            out["nice"] = thread_nice()
+            if device is not None:
+                torch.cuda.set_device(device)
+            out["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            out["error"] = exc
+
+    t = threading.Thread(target=body, name="tm-warmup", daemon=True)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    value = out["value"]
+    return (*value, out["nice"]) if isinstance(value, tuple) else (value, out["nice"])
+
+
+def limit_warmup(compile_threads: int) -> dict:
+    """A standby's process on a shared host: its torch.compile worker pool (set before its
+    first compile: the pool is made then). Returns what applied (the warm-up's niceness: niced())."""
+    out = {}
     if compile_threads:
         import torch._inductor.config as inductor
         inductor.compile_threads = compile_threads

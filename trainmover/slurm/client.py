@@ -8,15 +8,17 @@ the pyslurm release (see docs/admin.md); `client(backend=...)` picks one.
 
 from __future__ import annotations
 
+import grp
 import math
 import os
+import pwd
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Optional, Protocol, runtime_checkable
 
 from trainmover.errors import SlurmError
 from trainmover.slurm import argv as build
-from trainmover.slurm import commands, parse
+from trainmover.slurm import commands, parse, rights
 from trainmover.slurm.model import BatchHostRelease, JobInfo, NodeInfo, NoStandbyAvailable, UnknownNodes
 
 __all__ = ["SlurmClient", "CliSlurm", "client"]
@@ -46,6 +48,10 @@ class SlurmClient(Protocol):
     def drain(self, node: str, reason: str) -> None: ...
 
     def resume(self, node: str) -> None: ...
+
+    def capabilities(self, job_id: int, reservation: str) -> rights.Capabilities:
+        """What this process's user may do to job `job_id` and its nodes (slurm/rights.py),
+        from Slurm's records: nothing is changed to find out."""
 
     def free_standbys(self, reservation: str) -> list[str]: ...
 
@@ -144,6 +150,37 @@ class CliSlurm:
     def free_standbys(self, reservation: str) -> list[str]:
         names = self.reservation_nodes(reservation)
         return [n for n, info in self.nodes(names).items() if info.idle]
+
+    def capabilities(self, job_id: int, reservation: str) -> rights.Capabilities:
+        """See SlurmClient.capabilities: `scontrol show config`, the job's account, the
+        reservation and (with accounting) the user's AdminLevel, judged by rights.decide."""
+        uid = os.getuid()
+        try:
+            user = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            raise SlurmError(f"uid {uid} has no name here: Slurm cannot tell what it may do") from None
+        groups = []
+        for gid in sorted({os.getgid(), *os.getgroups()}):
+            try:
+                groups.append(grp.getgrgid(gid).gr_name)
+            except KeyError:
+                pass
+        config = rights.parse_config(self._run(["scontrol", "show", "config"]).stdout)
+        line = next((ln for ln in self._run(build.show_job(job_id)).stdout.splitlines() if ln.startswith("JobId=")), "")
+        account = parse.parse_kv(line).get("Account", "") if line else ""
+        accounting = config.get("AccountingStorageType", "").endswith("slurmdbd")
+        level = None
+        if accounting and uid != 0:
+            proc = self._run(["sacctmgr", "-nP", "show", "user", user, "format=AdminLevel"], check=False)
+            level = rights.parse_admin_level(proc.stdout) if proc.returncode == 0 else None
+        proc = self._run(build.show_reservation(reservation), check=False)
+        found = parse.parse_reservation_text(proc.stdout).get(reservation)
+        return rights.decide(rights.Facts(
+            user=user, uid=uid, groups=tuple(groups), account="" if account == "(null)" else account,
+            slurm_user=rights.slurm_user_name(config.get("SlurmUser", "root")),
+            scheduler_parameters=config.get("SchedulerParameters", ""), admin_level=level, accounting=accounting,
+            reservation=reservation, reservation_fields=found,
+            reservation_error="" if found else (proc.stderr or proc.stdout).strip()[:200]))
 
     # --- changes --------------------------------------------------------------------
     def drain(self, node: str, reason: str) -> None:

@@ -1,0 +1,76 @@
+"""What the job's user may do (trainmover/slurm/rights.py): Slurm's answers parsed, and the
+decision from them. Pure: facts in, capabilities out."""
+from __future__ import annotations
+
+from trainmover.slurm import rights
+from trainmover.slurm.parse import parse_reservation_text
+
+CONFIG = """Configuration data as of 2026-11-26T13:00:00
+AccountingStorageType   = accounting_storage/slurmdbd
+SchedulerParameters     = permit_job_expansion,batch_sched_delay=0
+SlurmUser               = slurm(64030)
+"""
+RESV = ("ReservationName=trainmover_standby StartTime=2026-11-26T12:00:00 EndTime=2027-11-26T12:00:00 "
+        "Duration=365-00:00:00 Nodes=spare[1-2] NodeCnt=2 CoreCnt=8 Features=(null) PartitionName=(null) "
+        "Flags=IGNORE_JOBS,SPEC_NODES TRES=cpu=8 Users=root,tmuser Groups=(null) Accounts=(null) Licenses=(null) "
+        "State=ACTIVE BurstBuffer=(null) Watts=n/a MaxStartDelay=(null)\n")
+
+
+def facts(**kw) -> rights.Facts:
+    base = dict(user="tmuser", uid=940, groups=("tmuser",), account="", slurm_user="slurm",
+                scheduler_parameters="permit_job_expansion,batch_sched_delay=0", admin_level=None, accounting=False,
+                reservation="trainmover_standby", reservation_fields=parse_reservation_text(RESV)["trainmover_standby"])
+    return rights.Facts(**{**base, **kw})
+
+
+def test_config_and_admin_level_are_parsed():
+    c = rights.parse_config(CONFIG)
+    assert c["SchedulerParameters"] == "permit_job_expansion,batch_sched_delay=0"
+    assert rights.slurm_user_name(c["SlurmUser"]) == "slurm"
+    assert rights.parse_admin_level("Operator|\n") == "Operator"
+    assert rights.parse_admin_level("\n") is None
+
+
+def test_an_ordinary_user_admitted_by_the_reservation_may_grow_and_shrink_but_not_drain():
+    caps = rights.decide(facts())
+    assert (caps.grow, caps.shrink, caps.drain) == (True, True, False)
+    assert "tmuser is not root, not the SlurmUser (slurm)" in caps.why["drain"]
+    lines = caps.consequences(standbys=1)
+    assert len(lines) == 1 and lines[0].startswith("drain: no") and "held in the job" in lines[0]
+
+
+def test_root_the_slurm_user_and_operators_may_drain():
+    assert rights.decide(facts(user="root", uid=0)).drain
+    assert rights.decide(facts(user="slurm", uid=64030)).drain
+    assert rights.decide(facts(admin_level="Operator", accounting=True)).drain
+    assert rights.decide(facts(admin_level="Administrator", accounting=True)).drain
+    none = rights.decide(facts(admin_level="None", accounting=True))
+    assert not none.drain and "has AdminLevel None" in none.why["drain"]
+    assert "not in the accounting database" in rights.decide(facts(accounting=True)).why["drain"]
+
+
+def test_a_reservation_that_refuses_the_user_means_no_grow_with_the_reason():
+    other = parse_reservation_text(RESV.replace("Users=root,tmuser", "Users=root,alice"))["trainmover_standby"]
+    caps = rights.decide(facts(reservation_fields=other))
+    assert not caps.grow and "Users=root,alice, which does not admit tmuser" in caps.why["grow"]
+    assert "no migration or recovery is possible" in caps.consequences(standbys=1)[0]
+    assert "not needed: TM_STANDBYS=0" in caps.consequences(standbys=0)[0]
+    missing = rights.decide(facts(reservation_fields=None, reservation_error="Reservation x not found"))
+    assert not missing.grow and "not found" in missing.why["grow"]
+
+
+def test_reservation_lists_users_excluded_accounts_and_groups():
+    def grow(**fields) -> bool:
+        r = {"ReservationName": "r", "Users": "(null)", "Accounts": "(null)", "Groups": "(null)", **fields}
+        return rights.decide(facts(reservation_fields=r, account="ml")).grow
+    assert grow(Users="-bob")                     # everyone but bob
+    assert not grow(Users="-tmuser")
+    assert grow(Accounts="ml,cv") and not grow(Accounts="cv")
+    assert grow(Groups="tmuser") and not grow(Groups="wheel")
+    assert not grow(Users="tmuser", Accounts="cv")  # every list that is set must admit
+    assert not grow()                               # a reservation naming nobody
+
+
+def test_without_permit_job_expansion_nothing_can_grow():
+    caps = rights.decide(facts(scheduler_parameters="batch_sched_delay=0"))
+    assert not caps.grow and "permit_job_expansion" in caps.why["grow"]

@@ -1,0 +1,133 @@
+"""What the job's user may do to the job and the cluster, decided from Slurm's own records
+before the job relies on it: take standbys from the reservation (grow), give nodes back
+(shrink), drain a node (fence). Pure: `CliSlurm.capabilities()` gathers the facts (one
+`scontrol show config`, the reservation, AdminLevel where accounting runs) and `decide()`
+judges them, so that a refusal is said at start, with its reason, instead of seen later as a
+failed command.
+
+Slurm's rules, as used here:
+* drain: root, the SlurmUser, or an AdminLevel of Operator/Administrator in the accounting
+  database (`scontrol update nodename=... state=drain` is refused to anyone else: "Invalid
+  user id").
+* shrink: the owner of a job may always reduce it (`scontrol update jobid=... nodelist=...`).
+* grow: needs SchedulerParameters=permit_job_expansion (a donor job merged into the job) and a
+  reservation that admits the user: every one of its Users=, Accounts= and Groups= that is set
+  must admit them (a leading '-' excludes: Users=-bob admits everyone but bob).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Optional
+
+DRAIN_LEVELS = ("operator", "administrator")
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What Slurm says about the job's user, the cluster and the reservation."""
+
+    user: str
+    uid: int
+    groups: tuple[str, ...] = ()
+    account: str = ""
+    slurm_user: str = "root"                 # scontrol show config: SlurmUser (name)
+    scheduler_parameters: str = ""
+    admin_level: Optional[str] = None        # sacctmgr's AdminLevel; None: not known there
+    accounting: bool = False                 # whether a slurmdbd keeps AdminLevels at all
+    reservation: str = ""
+    reservation_fields: Optional[Mapping[str, str]] = None  # None: the reservation does not exist
+    reservation_error: str = ""              # why it could not be read
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    user: str
+    grow: bool
+    shrink: bool
+    drain: bool
+    why: dict = field(default_factory=dict)  # capability -> why it is missing
+
+    def as_status(self) -> dict:
+        return {"user": self.user, "grow": self.grow, "shrink": self.shrink, "drain": self.drain, "why": dict(self.why)}
+
+    def consequences(self, standbys: int) -> list[str]:
+        """One line per missing capability: what is missing and what follows for this job."""
+        out = []
+        if not self.grow:
+            follows = ("the job cannot take standbys: no migration or recovery is possible" if standbys
+                       else "not needed: TM_STANDBYS=0")
+            out.append(f"grow: no ({self.why.get('grow', '')}); {follows}")
+        if not self.shrink:
+            out.append(f"shrink: no ({self.why.get('shrink', '')}); a node that left keeps its place in the job")
+        if not self.drain:
+            out.append(f"drain: no ({self.why.get('drain', '')}); a fenced node is not drained but held in the job, "
+                       "out of training and of the standby pool, until the job ends (docs/recovery.md)")
+        return out
+
+
+def _admits(spec: str, names: Iterable[str]) -> Optional[bool]:
+    """Whether a reservation list (Users=a,b / Users=-a) admits any of `names`; None when unset."""
+    items = [x for x in (spec or "").split(",") if x and x != "(null)"]
+    if not items:
+        return None
+    names = set(names)
+    if all(x.startswith("-") for x in items):
+        return not names & {x[1:] for x in items}
+    return bool(names & {x.lstrip("-") for x in items if not x.startswith("-")})
+
+
+def reservation_refusal(f: Facts) -> str:
+    """Why the reservation refuses the user ('' when it admits them)."""
+    if f.reservation_fields is None:
+        return f"reservation {f.reservation} not found" + (f" ({f.reservation_error})" if f.reservation_error else "")
+    r = f.reservation_fields
+    checks = (("Users", [f.user]), ("Accounts", [f.account] if f.account else []), ("Groups", list(f.groups)))
+    for key, names in checks:
+        if _admits(r.get(key, ""), names) is False:
+            return f"reservation {f.reservation} has {key}={r.get(key)}, which does not admit {f.user}" + (
+                f" (account {f.account})" if key == "Accounts" else "")
+    if all(_admits(r.get(k, ""), n) is None for k, n in checks):
+        return f"reservation {f.reservation} names no users, accounts or groups"
+    return ""
+
+
+def decide(f: Facts) -> Capabilities:
+    why = {}
+    level = (f.admin_level or "").lower()
+    drain = f.uid == 0 or f.user == f.slurm_user or level in DRAIN_LEVELS
+    if not drain:
+        why["drain"] = (f"{f.user} is not root, not the SlurmUser ({f.slurm_user}) and "
+                        + (f"has AdminLevel {f.admin_level}" if f.admin_level is not None
+                           else "not in the accounting database" if f.accounting
+                           else "there is no accounting database to make it an operator"))
+    grow = True
+    if "permit_job_expansion" not in f.scheduler_parameters.split(","):
+        grow, why["grow"] = False, "SchedulerParameters lacks permit_job_expansion: Slurm cannot merge a node into a job"
+    else:
+        refusal = reservation_refusal(f)
+        if refusal:
+            grow, why["grow"] = False, refusal
+    return Capabilities(f.user, grow, True, drain, why)
+
+
+def parse_config(text: str) -> dict[str, str]:
+    """`scontrol show config` ('Key    = Value' lines) -> {Key: Value}."""
+    out = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.strip() and " " not in key.strip():
+            out[key.strip()] = value.strip()
+    return out
+
+
+def slurm_user_name(value: str) -> str:
+    """'root(0)' or 'slurm(64030)' -> the name."""
+    return value.split("(", 1)[0].strip()
+
+
+def parse_admin_level(text: str) -> Optional[str]:
+    """`sacctmgr -nP show user NAME format=AdminLevel` -> 'None'/'Operator'/'Administrator';
+    None when the user is not in the database (no association: no level)."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[0].split("|")[0] if lines else None
