@@ -97,12 +97,13 @@ class Keeper:
         self.conn = None
         self.inbox = queue.Queue()
 
-    def _start_successor(self) -> None:
+    def _start_successor(self, avoid: frozenset = frozenset()) -> None:
         """A warm successor on another node (docs/admin.md, "No special node"): it imports, binds
         and waits for `takeover <attempt>` on its stdin (srun forwards it to the task)."""
         if self.successor is not None or self.successor_starts > 2 * (self.cfg.controller_restarts + 1):
             return
-        avoid = {self.controller[0]} if self.controller else set()
+        # never the node of a lost controller being fenced: its step kill picks steps by name
+        avoid = set(avoid) | ({self.controller[0]} if self.controller else set())
         try:
             home = self._next_home(avoid)
         except TrainMoverError as exc:
@@ -155,7 +156,7 @@ class Keeper:
                 log.warning("controller on %s %s: warm successor on %s takes over (attempt %d)", old, p.why, home,
                             self.attempt)
                 self._became_primary(home, succ)
-                self._start_successor()
+                self._start_successor(frozenset({old}))
                 return True
         home = self._next_home({old})
         if home is None:
@@ -163,7 +164,7 @@ class Keeper:
             return False
         log.warning("controller on %s %s: resuming it cold on %s", old, p.why, home)
         self._start_controller(home, resume=True)
-        self._start_successor()
+        self._start_successor(frozenset({old}))
         return True
 
     # --- the channel to the controller ----------------------------------------------------
@@ -251,6 +252,9 @@ class Keeper:
                         self.conn = None
                         verdict = self.primary.channel_closed(now)
             verdict = verdict or self.primary.check(time.monotonic())
+            if verdict is not None and verdict.fence and self._outcome() is not None:
+                self.primary.ending(time.monotonic())  # it ends the job: silent or gone on purpose
+                verdict = None
             if verdict is not None and not self._promote(verdict):
                 return 1
             self._watch_successor()

@@ -9,11 +9,13 @@ the successor and starts a new one:
         │                        │                                                       ├─> promote
         └──(start deadline)──────┴──(silent past the deadline, channel closed,           │
                                       step ended without an outcome)──> LOST ────────────┘
-    any state ──(status.json has an outcome)──> ENDED
+    STARTING, SERVING, LOST ──(status.json has an outcome)──> ENDING ──(its step ends)──> ENDED
 
 Silence is measured from the last frame the keeper received from the primary (it probes every
 PROBE_S; a reply, or any frame, counts). A channel that closes is a loss at once: a controller
-that ends on purpose writes its outcome first, and one that moves says `moving` first.
+that moves says `moving` first, and one that ends the job writes its outcome (status.json) before
+it closes anything: the keeper checks for it before it acts on a loss (`ending`), and a primary
+ENDING is never replaced (its shutdown may be silent for a while: it waits for the steps).
 
 Fencing is not decided here: the promoted successor's first act is its claim in the journal
 (controller/journal.py), after which the old primary can act on nothing, and the keeper kills
@@ -36,14 +38,16 @@ class State(enum.Enum):
     SERVING = "serving"
     HANDING_OVER = "handing_over"
     LOST = "lost"
+    ENDING = "ending"
     ENDED = "ended"
 
 
 ALLOWED = {
-    State.STARTING: {State.SERVING, State.HANDING_OVER, State.LOST, State.ENDED},
-    State.SERVING: {State.HANDING_OVER, State.LOST, State.ENDED},
+    State.STARTING: {State.SERVING, State.HANDING_OVER, State.LOST, State.ENDING, State.ENDED},
+    State.SERVING: {State.HANDING_OVER, State.LOST, State.ENDING, State.ENDED},
     State.HANDING_OVER: {State.ENDED, State.LOST},
-    State.LOST: {State.ENDED},
+    State.LOST: {State.ENDING, State.ENDED},
+    State.ENDING: {State.ENDED, State.LOST},
     State.ENDED: set(),
 }
 
@@ -90,6 +94,11 @@ class Primary:
             return Promote(f"hands over: {why}", fence=False)
         return None
 
+    def ending(self, now: float) -> None:
+        """Its outcome is written: it ends the job; wait for its step to end, never replace it."""
+        if self.state not in (State.ENDING, State.ENDED, State.HANDING_OVER):
+            self._to(State.ENDING, now, "it wrote the job's outcome")
+
     def channel_closed(self, now: float) -> Promote | None:
         """Its channel closed without `moving`. A moving controller closes it after its word."""
         if self.state is State.SERVING:
@@ -104,8 +113,9 @@ class Primary:
             if self.state is not State.ENDED:
                 self._to(State.ENDED, now, f"ended the job (exit code {final})")
             return final
-        if self.state is State.HANDING_OVER:
-            return None
+        if self.state in (State.HANDING_OVER, State.ENDING):  # ENDING without an outcome: read it torn
+            return None if self.state is State.HANDING_OVER else self._lost(now, f"its step ended (exit code {code}) "
+                                                                              "with no readable outcome")
         if code == MOVED and self.state in (State.STARTING, State.SERVING):
             return self.moving(now, "its step ended with MOVED")
         if self.state in (State.STARTING, State.SERVING):
@@ -121,7 +131,7 @@ class Primary:
         return None
 
     def _lost(self, now: float, why: str) -> Promote:
-        self._to(State.LOST, now, why)
+        self._to(State.LOST, now, why)  # the keeper checks for an outcome before it acts (`ending`)
         return Promote(why, fence=True)
 
 
