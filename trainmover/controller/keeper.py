@@ -43,7 +43,8 @@ log = logging.getLogger("trainmover.keeper")
 
 CONTROLLER_STEP = "tm-controller"  # the controller's step name (kill_steps picks it by name)
 MOVED = succession.MOVED  # the controller's exit code when its home leaves the job (controller/main.py)
-PROBE_S = 0.25       # the keeper asks the controller for its status this often (any frame proves it alive)
+PROBE_S = 1.0        # the keeper asks the controller for its status this often (a failed send: channel
+                     # closed); the controller's own beats (`alive`, every 0.25 s) prove it alive
 START_DEADLINE_S = 120.0  # a controller that never writes its endpoint is lost too
 
 

@@ -116,6 +116,25 @@ class Controller:
         self.conn_ranks: dict = {}                 # connection -> the ranks its process runs (from its messages)
         self.standby_launches = 0                  # for TM_INJECT die-in-warmup:<n>
         self.outcome: tuple[bool, str] | None = None
+        self.loop_at = time.monotonic()            # the main loop's last turn (see _beat_keeper)
+        if keeper:
+            threading.Thread(target=self._beat_keeper, name="tm-keeper-beat", daemon=True).start()
+
+    def _beat_keeper(self) -> None:
+        """Tell the keeper we live, every KEEPER_BEAT_S, from a thread of our own: the keeper
+        promotes the warm successor after TM_CONTROLLER_DEADLINE_S of silence (controller/
+        succession.py), and the main loop may block longer than that in one Slurm command on a
+        slow slurmctld. A loop that has not turned for LOOP_STALL_S (longer than any Slurm
+        command's deadline) is hung: the beats stop and the keeper replaces us."""
+        while self.outcome is None or self.outcome[0] is not None:
+            time.sleep(KEEPER_BEAT_S)
+            conn = getattr(self.launcher, "conn", None)
+            if conn is None or time.monotonic() - self.loop_at > LOOP_STALL_S:
+                continue
+            try:
+                conn.send(make("alive"))
+            except OSError:
+                pass  # the keeper's channel is gone: the loop hears of it (handle_gone)
 
     def _store(self):
         # TCPStore for gloo rendezvous, on a socket bound to this node's address: every node
@@ -385,6 +404,7 @@ class Controller:
             # once, writing nothing more; the successor owns the job, its files and the ranks.
             log.error("controller on %s (attempt %d) was replaced: %s; it stops without acting", self.home,
                       self.attempt, exc)
+            self.outcome = (None, "replaced")  # its beats to the keeper stop too
             self.server.close()
             return SUPERSEDED
 
@@ -397,6 +417,7 @@ class Controller:
         last_status = None
         while self.outcome is None:
             now = time.time()
+            self.loop_at = time.monotonic()
             actions = []
             if now >= next_poll:
                 next_poll = now + self.cfg.poll_s
@@ -512,6 +533,8 @@ class Controller:
         return MOVED
 
 
+KEEPER_BEAT_S = 0.25  # the controller's beat to the keeper (controller/keeper.py)
+LOOP_STALL_S = 30.0   # a main loop that has not turned for this long is hung: no more beats
 RANK_STEPS = ("tm-worker", "tm-standby")  # the steps a fence kills: never the controller's own
 CRASHED = 70  # an unexpected exception (EX_SOFTWARE): the supervisor restarts the controller
 MOVED = 3     # its node leaves the job: the keeper resumes the controller elsewhere (controller/keeper.py)

@@ -11,8 +11,8 @@ the successor and starts a new one:
                                       step ended without an outcome)──> LOST ────────────┘
     STARTING, SERVING, LOST ──(status.json has an outcome)──> ENDING ──(its step ends)──> ENDED
 
-Silence is measured from the last frame the keeper received from the primary (it probes every
-PROBE_S; a reply, or any frame, counts). A channel that closes is a loss at once: a controller
+Silence is measured from the last frame the keeper received from the primary (it beats every
+0.25 s from a thread of its own, and answers the keeper's probes; any frame counts). A channel that closes is a loss at once: a controller
 that moves says `moving` first, and one that ends the job writes its outcome (status.json) before
 it closes anything: the keeper checks for it before it acts on a loss (`ending`), and a primary
 ENDING is never replaced (its shutdown may be silent for a while: it waits for the steps).
