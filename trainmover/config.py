@@ -102,6 +102,7 @@ class Config:
     checkpoint_every: int = field(default=0, metadata={"env": "TM_CHECKPOINT_EVERY", "doc": "every N steps each rank writes its full state to <run dir>/checkpoints (HDF5, off the training thread); 2 kept (0: off)"})
     recovery_tiers: str = field(default="replica,snapshot,checkpoint", metadata={"env": "TM_RECOVERY_TIERS", "doc": "where a vanished rank's state may come from, in order of preference: replica, snapshot, checkpoint (comma-separated subset)"})
     controller_restarts: int = field(default=3, metadata={"env": "TM_CONTROLLER_RESTARTS", "doc": "times the controller is restarted from its journal after it died (0: never)"})
+    controller_deadline_s: float = field(default=2.0, metadata={"env": "TM_CONTROLLER_DEADLINE_S", "doc": "the keeper takes a controller silent this long for lost and promotes its warm successor (it beats every 0.25 s); a lost controller is replaced within about this plus 1 s"})
     reconnect_timeout_s: float = field(default=60.0, metadata={"env": "TM_RECONNECT_TIMEOUT_S", "doc": "after the controller died: how long ranks try to reach its successor, and it waits for them"})
     heartbeat_s: float = field(default=0.5, metadata={"env": "TM_HEARTBEAT_S", "doc": "every process sends a heartbeat this often, from a thread of its own (runtime/heartbeat.py)"})
     heartbeat_timeout_s: float = field(default=3.0, metadata={"env": "TM_HEARTBEAT_TIMEOUT_S", "doc": "a process not heard from for this long is judged dead (frozen, cut off), fenced and replaced; see docs/recovery.md for the trade-off"})
@@ -118,6 +119,7 @@ class Config:
             (self.standby_losses >= 0, "TM_STANDBY_LOSSES must be >= 0"),
             (self.poll_s > 0, "TM_POLL_S must be > 0"),
             (self.controller_restarts >= 0, "TM_CONTROLLER_RESTARTS must be >= 0"),
+            (self.controller_deadline_s >= 0.5, "TM_CONTROLLER_DEADLINE_S must be >= 0.5 (the controller beats every 0.25 s)"),
             (min(self.reconnect_timeout_s, self.phase1_timeout_s, self.group_timeout_s, self.switch_timeout_s, self.standby_wait_s, self.recovery_timeout_s,
                  self.standby_retry_s, self.release_timeout_s) > 0, "timeouts must be > 0"),
             (self.record_iterations >= 0, "TM_RECORD_ITERATIONS must be >= 0"),

@@ -8,6 +8,8 @@ same template.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import pytest
@@ -44,7 +46,9 @@ def test_the_batch_script_runs_on_the_keeper_and_the_controller_on_a_training_no
 
 def test_the_controllers_node_drained_leaves_the_job_like_any_other(demo, reference, slurm_client):
     """Drain the node that runs the controller (and rank 0): its rank moves to the standby, the
-    controller moves to another node, and the node leaves the job and ends `drained` within 30 s."""
+    controller hands over to its warm successor on another node, and the node leaves the job and
+    ends `drained` within 30 s. Right after the move the new controller is SIGKILLed: the next
+    warm successor takes over and the job still ends bit-exact."""
     run = demo("drain-controller")
     start_training(run, slurm_client, min_step=60)
     warm(run)
@@ -58,15 +62,22 @@ def test_the_controllers_node_drained_leaves_the_job_like_any_other(demo, refere
     left_after = time.monotonic() - drained_at
     info = slurm_client.nodes([node])[node]
     assert "DRAIN" in info.flags and not info.busy, info.state  # drained: idle, no job left on it
-    assert controller_node(run) != node
+    moved = json.loads((run.dir / "controller.json").read_text())
+    assert moved["node"] != node and moved["attempt"] == 1
+    # A failure right after the move: the new controller dies (every node is on this host).
+    os.kill(int(moved["pid"]), signal.SIGKILL)
+    wait_for("the next successor to take over", lambda: json.loads(
+        (run.dir / "controller.json").read_text())["attempt"] == 2, timeout=60, interval=0.2)
+    assert controller_node(run) not in (node, moved["node"])
     assert run.wait_done(slurm_client) == "COMPLETED", run.slurm_out()[-3000:]
     job = slurm_client.job(run.job_id)
     assert job.restart_count == 0 and node not in job.nodes
     (m,) = run.status()["migrations"]
     assert m["leaver"] == node and m["state"] == "done"
+    assert run.status()["controller"]["restarts"] == 2  # the hand-over, then the loss
     assert_same_training(run, reference)
     print(f"\n{node} (controller and rank 0) drained: out of the job after {left_after:.1f}s, "
-          f"downtime {m['downtime_s']}s")
+          f"downtime {m['downtime_s']}s; the new controller killed right after, replaced")
 
 
 def test_the_controllers_node_lost_whole_the_controller_comes_back_elsewhere(demo, reference, slurm_client,

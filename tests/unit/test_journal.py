@@ -49,8 +49,10 @@ def resync(node, ranks, role="worker", step=50, pending=0, switched=0, state="tr
 
 
 def restarted(w, now=20.0, **cfg):
+    """A successor's resume: the journal as it left it, ending in the successor's claim."""
     p = new_policy(**cfg)
-    acts = p.resume(now, fold(w.lines), metrics_through=45)
+    claim = '{"v": 1, "seq": 999, "t": %s, "a": 1, "kind": "restart", "attempt": 1}\n' % now
+    acts = p.resume(now, fold(w.lines + [claim]), metrics_through=45)
     return p, acts
 
 

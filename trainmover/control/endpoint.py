@@ -49,3 +49,11 @@ def read(path: str | Path) -> Endpoint | None:
                         str(d.get("node", "")), int(d.get("attempt", 0)))
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def mtime(path: str | Path) -> int | None:
+    """The file's modification time (ns), None when missing: cheap news that a successor wrote it."""
+    try:
+        return os.stat(path).st_mtime_ns if path else None
+    except OSError:
+        return None

@@ -57,6 +57,10 @@ SCHEMA: dict[str, dict[str, object]] = {
     "step_exit": {"node": _STR, "role": _STR, "code": _INT},
     # controller -> keeper: run one step (`argv` of its srun, its environment, its log file)
     "launch": {"node": _STR, "role": _STR, "argv": _LIST, "env": _DICT, "log": _STR},
+    # controller -> keeper: its last word before it exits MOVED (its node leaves): promote now
+    "moving": {"reason": _STR},
+    # controller -> keeper: it lives (every 0.25 s, from a thread of its own)
+    "alive": {},
     # controller -> worker / agent
     # a one-node job's snapshots of `wards` (its ranks) go to standby `holder` ("": to nobody),
     # over links built under the store prefix `prefix` (controller/holder.py)

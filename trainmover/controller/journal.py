@@ -12,7 +12,9 @@ kinds:
   view       what changed of the controller's view: rank -> node, standbys, released, epoch,
              fenced processes (controller/liveness.py)
   migration  a migration's record after a change (phase, epoch, leaver, joiner, times ...)
-  restart    a controller took over from a dead one (attempt number)
+  restart    a controller took over (attempt number): its *claim*. Every record carries its
+             writer's attempt (`a`); once a claim is in the journal, records of a lower attempt
+             after it are a demoted controller's and are ignored on replay (see `Journal`)
   end        the controller ended the job on purpose (ok, message): written first at its shutdown,
              so that no keeper or supervisor starts a controller again (`ended`)
 
@@ -70,6 +72,7 @@ class Replayed:
     records: int = 0
     seq: int = 0              # the last record's sequence number
     torn_tail: bool = False
+    stale: int = 0            # records a demoted controller wrote after a successor's claim (ignored)
 
 
 def _check(n: int, rec: object) -> dict:
@@ -99,6 +102,7 @@ def fold(lines: list[str]) -> Replayed:
     complete = lines[:-1] if lines and not lines[-1].endswith("\n") else lines
     if len(complete) < len(lines):
         out.torn_tail = True  # the writer died inside its last write: that decision was never acted on
+    claim = 0  # the highest attempt that has claimed the journal so far
     for n, line in enumerate(complete, 1):
         if not line.strip():
             continue
@@ -107,6 +111,11 @@ def fold(lines: list[str]) -> Replayed:
         except ValueError as exc:
             raise JournalError(f"journal line {n} is corrupt ({exc}); it is not the last line, so it is not "
                                "a write cut short by a crash: refusing to guess the job's state") from None
+        if rec["kind"] == "restart":
+            claim = max(claim, rec["attempt"])
+        elif int(rec.get("a", claim)) < claim:  # written after a successor's claim: never acted on
+            out.stale += 1
+            continue
         out.records += 1
         out.seq = int(rec.get("seq", out.seq))
         kind = rec["kind"]
@@ -182,14 +191,29 @@ def diff(before: dict, after: dict) -> list[dict]:
     return out
 
 
-class Journal:
-    """The writer: append, flush and fsync per decision (a batch of records)."""
+class Superseded(TrainMoverError):
+    """Another controller claimed the journal: this one must stop acting at once."""
 
-    def __init__(self, path: Path, seq: int = 0):
+
+class Journal:
+    """The writer: append, flush and fsync per decision (a batch of records).
+
+    The journal is also the controllers' lease. Only one controller acts at a time: each writes
+    its decisions before acting on them, and a successor's first write is its claim (`claim`).
+    A writer knows where the file ends (only it appends while it holds the lease); after each
+    append it reads back where its bytes landed. If anything else was appended first (a
+    successor's claim), its bytes are not there: it is demoted and raises `Superseded` before
+    acting (and replay ignores what it wrote after the claim, `fold`). `held()` is the cheap
+    check (one fstat) made before acting on anything not journaled. O_APPEND writes of one
+    line are atomic on a local file system and on NFS with one client per file; the read-back
+    does not depend on it."""
+
+    def __init__(self, path: Path, seq: int = 0, attempt: int = 0):
         self.path = Path(path)
-        self.seq = seq
+        self.seq, self.attempt = seq, attempt
         self._trim_torn_tail()
-        self.f = open(self.path, "a", encoding="utf-8")
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self.end = os.fstat(self.fd).st_size
 
     def _trim_torn_tail(self) -> None:
         """Cut a torn last line, so that the next record starts on a line of its own."""
@@ -201,17 +225,38 @@ class Journal:
             with open(self.path, "r+b") as f:
                 f.truncate(data.rfind(b"\n") + 1)
 
-    def write(self, now: float, records: list[dict]) -> None:
+    def held(self) -> bool:
+        """Whether nobody else appended since our last write (a successor's claim would have)."""
+        return os.fstat(self.fd).st_size == self.end
+
+    def claim(self, now: float) -> None:
+        """A successor's first act: its `restart` record, appended whatever the file's end (the
+        demoted controller's next write then finds it, `write`)."""
+        self.end = os.fstat(self.fd).st_size
+        self.write(now, [{"kind": "restart", "attempt": self.attempt}], claiming=True)
+
+    def write(self, now: float, records: list[dict], claiming: bool = False) -> None:
         if not records:
             return
+        if not claiming and not self.held():
+            raise Superseded(f"{self.path}: another controller claimed the journal")
         lines = []
         for r in records:
             self.seq += 1
-            lines.append(json.dumps({"v": VERSION, "seq": self.seq, "t": round(now, 6), **r}, sort_keys=True,
-                                    separators=(",", ":")) + "\n")
-        self.f.write("".join(lines))
-        self.f.flush()
-        os.fsync(self.f.fileno())
+            lines.append(json.dumps({"v": VERSION, "seq": self.seq, "t": round(now, 6), "a": self.attempt, **r},
+                                    sort_keys=True, separators=(",", ":")) + "\n")
+        data = "".join(lines).encode()
+        os.write(self.fd, data)
+        os.fsync(self.fd)
+        if claiming:
+            self.end = os.fstat(self.fd).st_size
+            return
+        with open(self.path, "rb") as f:  # did our bytes land right after our last write?
+            f.seek(self.end)
+            landed = f.read(len(data)) == data
+        if not landed:
+            raise Superseded(f"{self.path}: another controller claimed the journal before this write")
+        self.end += len(data)
 
     def close(self) -> None:
-        self.f.close()
+        os.close(self.fd)

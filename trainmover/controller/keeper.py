@@ -6,10 +6,12 @@ launched it. So a job asks for one small keeper node besides its training nodes 
 --constraint="[tm_keeper*1&...]" --batch=tm_keeper`), and its batch script runs this process
 there, which:
 
-* runs the controller as a step on a training node (its "home"), and starts it again on another
-  one when it moves away (exit code MOVED: its home is leaving the job) or is lost (its step ended
-  abnormally, or it stopped answering: fenced with SIGKILL first); each successor resumes from the
-  journal on the shared run directory;
+* runs the controller as a step on a training node (its "home") and, from the start, a warm
+  successor on another (imported, bound, waiting for one word on its stdin); when the controller
+  moves away (it says `moving`: its home is leaving the job) or is lost (its channel closed, its
+  step ended without an outcome, or it was silent past TM_CONTROLLER_DEADLINE_S: fenced with
+  SIGKILL), the keeper tells the successor `takeover <attempt>` and starts a new successor
+  (controller/succession.py decides; the successor's claim in the journal fences the old one);
 * runs every other step the controller asks for (`launch`), so that the sruns outlive any
   controller, and tells the controller of each step's end (`step_exit`);
 * ends with the controller's final exit code: the job's own state (COMPLETED on success).
@@ -24,6 +26,7 @@ import logging
 import os
 import queue
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -32,16 +35,16 @@ from pathlib import Path
 from trainmover.config import Config
 from trainmover.control import channel, endpoint
 from trainmover.control.messages import make
-from trainmover.controller import journal, records
+from trainmover.controller import journal, records, succession
 from trainmover.controller.steps import start_srun
 from trainmover.errors import ProtocolError, TrainMoverError
 
 log = logging.getLogger("trainmover.keeper")
 
 CONTROLLER_STEP = "tm-controller"  # the controller's step name (kill_steps picks it by name)
-MOVED = 3            # the controller's exit code when its home leaves the job (controller/main.py)
-PROBE_S = 1.0        # the keeper asks the controller for its status this often
-LOST_AFTER = 3       # unanswered probes in a row: the controller is lost
+MOVED = succession.MOVED  # the controller's exit code when its home leaves the job (controller/main.py)
+PROBE_S = 1.0        # the keeper asks the controller for its status this often (a failed send: channel
+                     # closed); the controller's own beats (`alive`, every 0.25 s) prove it alive
 START_DEADLINE_S = 120.0  # a controller that never writes its endpoint is lost too
 END_WAIT_S = 60.0    # a controller that ended the job (journal `end`) gets this long to exit
 
@@ -64,27 +67,59 @@ class Keeper:
         self.root = Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id))
         self.root.mkdir(parents=True, exist_ok=True)
         self.steps: dict[str, tuple[str, object]] = {}  # node -> (role, Popen)
-        self.controller = None          # (node, Popen) of the controller's step
+        self.controller = None          # (node, Popen) of the primary controller's step
+        self.primary: succession.Primary | None = None
+        self.successor = None           # (node, Popen) of the warm successor's step, or None
+        self.successor_starts = 0
+        self.retired: list = []         # sruns of former primaries, reaped as they end
         self.attempt = 0
         self.conn = None
         self.inbox: queue.Queue = queue.Queue()
         self.stopping = False
-        self.misses = 0
         self.unreported: list[dict] = []  # step ends no controller has heard of yet
         self.ended_at: float | None = None  # when we saw the controller had ended the job on purpose
         self.why = ""                       # why the keeper itself ended the job, if it did
 
-    # --- the controller's step ----------------------------------------------------------
+    # --- the controller's steps ---------------------------------------------------------
+    def _srun(self, home: str, argv: list[str], successor: bool):
+        env = self.slurm.step_env(self.slurm.job(self.job_id), self.environ)
+        srun = self.slurm.step_argv(self.job_id, home, argv, ntasks=1, name=CONTROLLER_STEP)
+        return start_srun(srun, env, None, stdin_pipe=successor)  # the job's output file, as without a keeper
+
     def _start_controller(self, home: str, resume: bool) -> None:
+        """A cold start (the first controller, or no warm successor to promote)."""
         argv = [sys.executable, "-m", "trainmover.controller.supervisor", "--keeper", self.node]
         if resume:
             argv += ["--resume", "--attempt", str(self.attempt)]
-        env = self.slurm.step_env(self.slurm.job(self.job_id), self.environ)
-        srun = self.slurm.step_argv(self.job_id, home, argv, ntasks=1, name=CONTROLLER_STEP)
-        proc = start_srun(srun, env, None)  # the job's output file, as without a keeper
-        self.controller = (home, proc)
-        self.started_at, self.misses, self.conn, self.lost_at = time.monotonic(), 0, None, None
+        self._became_primary(home, self._srun(home, argv, successor=False))
         log.info("controller started on %s (attempt %d%s)", home, self.attempt, ", resuming" if resume else "")
+
+    def _became_primary(self, home: str, proc) -> None:
+        self.controller = (home, proc)
+        self.primary = succession.Primary(home, self.attempt, time.monotonic(), self.cfg.controller_deadline_s,
+                                          START_DEADLINE_S)
+        self.conn = None
+        self.inbox = queue.Queue()
+
+    def _start_successor(self, avoid: frozenset = frozenset()) -> None:
+        """A warm successor on another node (docs/admin.md, "No special node"): it imports, binds
+        and waits for `takeover <attempt>` on its stdin (srun forwards it to the task)."""
+        if self.successor is not None or self.successor_starts > 2 * (self.cfg.controller_restarts + 1):
+            return
+        # never the node of a lost controller being fenced: its step kill picks steps by name
+        avoid = set(avoid) | ({self.controller[0]} if self.controller else set())
+        try:
+            home = self._next_home(avoid)
+        except TrainMoverError as exc:
+            log.warning("no warm successor for now (node query failed: %s)", exc)
+            return
+        if home is None:
+            log.warning("no node besides the controller's for a warm successor: a move starts one cold")
+            return
+        argv = [sys.executable, "-m", "trainmover.controller.supervisor", "--keeper", self.node, "--successor"]
+        self.successor = (home, self._srun(home, argv, successor=True))
+        self.successor_starts += 1
+        log.info("warm successor controller starting on %s", home)
 
     def _fence(self, node: str) -> None:
         try:
@@ -98,76 +133,85 @@ class Keeper:
         states = {n: i.state for n, i in self.slurm.nodes(candidates).items()}
         return choose_home(candidates, avoid, states)
 
-    def _replace_controller(self, why: str) -> bool:
-        """Start a successor elsewhere; False when there is nowhere or no restart left. Never
-        after a controller ended the job on purpose (its journal's `end`): it only finishes
-        its shutdown, which answers no probe; it gets END_WAIT_S to exit."""
+    def _promote(self, p: succession.Promote) -> bool:
+        """Hand the job to the warm successor (or, with none, start one cold elsewhere); False when
+        there is nowhere or no restart left."""
         old, proc = self.controller
-        end = journal.ended(self.root / "journal.jsonl")
-        if end is not None:
-            if self.ended_at is None:
-                self.ended_at = time.monotonic()
-                log.info("controller on %s ended the job (%s); not starting another", old, end["message"][:200])
-            return True
-        if proc.poll() is None:  # lost but running (frozen, cut off): it must never act again
+        if p.fence and proc.poll() is None:  # lost but running (frozen, cut off): it must never act again
             proc.kill()  # its srun: Slurm ends the step (its node may not hear of it: fenced below)
             # Slurm may wait on a dead node's slurmd for seconds: not before the successor starts.
             threading.Thread(target=self._fence, args=(old,), name="tm-fence-controller", daemon=True).start()
-        if self.attempt >= self.cfg.controller_restarts and why != "moved":
-            self.why = f"controller on {old} {why}; no restart left (TM_CONTROLLER_RESTARTS={self.cfg.controller_restarts})"
-            log.error("%s", self.why)
-            return False
-        home = self._next_home({old})
-        if home is None:
-            self.why = f"controller on {old} {why}, and no other node of the job can take it"
+        # (the successor's claim in the journal demotes the old one even if both kills miss it)
+        self.retired.append(proc)
+        if not succession.may_promote(p.fence, self.attempt, self.cfg.controller_restarts):
+            self.why = (f"controller on {old} {p.why}; no restart left "
+                        f"(TM_CONTROLLER_RESTARTS={self.cfg.controller_restarts})")
             log.error("%s", self.why)
             return False
         self.attempt += 1
-        log.warning("controller on %s %s: resuming it on %s", old, why, home)
+        if self.successor is not None and self.successor[1].poll() is None and self.successor[0] != old:
+            home, succ = self.successor
+            self.successor = None
+            try:
+                succ.stdin.write(f"takeover {self.attempt}\n".encode())
+                succ.stdin.flush()
+            except OSError as exc:
+                log.warning("warm successor on %s is gone (%s): starting one cold", home, exc)
+            else:
+                log.warning("controller on %s %s: warm successor on %s takes over (attempt %d)", old, p.why, home,
+                            self.attempt)
+                self._became_primary(home, succ)
+                self._start_successor(frozenset({old}))
+                return True
+        home = self._next_home({old})
+        if home is None:
+            self.why = f"controller on {old} {p.why}, and no other node of the job can take it"
+            log.error("%s", self.why)
+            return False
+        log.warning("controller on %s %s: resuming it cold on %s", old, p.why, home)
         self._start_controller(home, resume=True)
+        self._start_successor(frozenset({old}))
         return True
 
     # --- the channel to the controller ----------------------------------------------------
     def _connect(self) -> None:
         ep = endpoint.read(self.root / endpoint.NAME)
-        if ep is None or ep.node != self.controller[0]:
+        if ep is None or ep.node != self.controller[0] or ep.attempt != self.attempt:
             return  # the new controller has not written where it is yet
         try:
             key = channel.read_secret(str(self.root / "secret"))
             self.conn = channel.connect(ep.address, key, make("hello", role="keeper", node=self.node, ranks=[],
-                                                             pid=os.getpid()), timeout=2.0, source=None)
+                                                             pid=os.getpid()), timeout=1.0, source=None)
             self.conn.send(make("steps", running={n: role for n, (role, p) in self.steps.items()}))
             for msg in self.unreported:  # ends while no controller ran: its successor must know
                 self.conn.send(msg)
             self.unreported = []
             self.inbox = queue.Queue()
             threading.Thread(target=_read, args=(self.conn, self.inbox), name="tm-keeper-reader", daemon=True).start()
-            self.lost_at = None
+            self.primary.heard(time.monotonic())
             log.info("connected to the controller on %s", ep.node)
         except (TrainMoverError, OSError) as exc:
             log.info("controller on %s not reachable yet: %s", self.controller[0], exc)
             self.conn = None
 
-    def _serve(self) -> None:
+    def _serve(self) -> succession.Promote | None:
         """What the controller sent: launches to run; any frame (a reply to a probe) proves it alive."""
         while True:
             try:
                 msg = self.inbox.get_nowait()
             except queue.Empty:
-                return
+                return None
             if msg is None:
-                self._lost_channel()
-                return
-            self.misses = 0
+                self.conn = None
+                return self.primary.channel_closed(time.monotonic())
+            self.primary.heard(time.monotonic())
             if msg["type"] == "launch":
                 self._launch(msg)
+            elif msg["type"] == "moving":
+                self.conn = None
+                return self.primary.moving(time.monotonic(), msg["reason"])
             elif msg["type"] == "bye":
                 log.info("controller says bye: %s", msg["reason"])
-
-    def _lost_channel(self) -> None:
-        self.conn = None
-        if self.lost_at is None:
-            self.lost_at = time.monotonic()
 
     def _launch(self, msg: dict) -> None:
         node, role = msg["node"], msg["role"]
@@ -186,8 +230,6 @@ class Keeper:
                     raise OSError("no controller")
                 self.conn.send(msg)
             except OSError:
-                if self.conn is not None:
-                    self._lost_channel()
                 self.unreported.append(msg)  # sent to the next controller that connects
 
     # --- the loop -----------------------------------------------------------------------
@@ -197,70 +239,89 @@ class Keeper:
             log.error("job %d has no node besides the keeper %s to run the controller on", self.job_id, self.node)
             return 2
         self._start_controller(home, resume=False)
+        self._start_successor()
         next_probe = 0.0
         while True:
-            home, proc = self.controller
-            code = proc.poll()
-            if code is not None:
-                final = self._outcome()
-                end = journal.ended(self.root / "journal.jsonl") if final is None else None
-                if end is not None:  # it ended the job but died before its status was written
-                    final = 0 if end["ok"] else 1
-                if final is None and code == 2:  # a configuration or journal error: no other node helps
-                    final = 2
-                if final is not None or self.stopping:
-                    return self._finish(final if final is not None else code)
-                # No outcome written: it moved (MOVED), crashed, or its node failed (srun may
-                # then exit 0: its code alone cannot say the job ended).
-                if self._replace_controller("moved" if code == MOVED else f"ended (srun exit code {code}) "
-                                            "without an outcome"):
-                    continue
-                return 1
-            if self.ended_at is not None:  # it ended the job: wait for it to exit, bounded
-                if time.monotonic() - self.ended_at > END_WAIT_S:
-                    log.warning("controller still running %.0fs after it ended the job; killing its step", END_WAIT_S)
-                    proc.kill()
-            elif self.conn is None:
+            now = time.monotonic()
+            verdict = self._primary_exit(now) if self.controller[1].poll() is not None else None
+            if isinstance(verdict, int):
+                return self._finish(verdict)
+            if verdict is None and self.conn is None:
                 self._connect()
-                if self.conn is None and self.lost_at is not None and time.monotonic() - self.lost_at > LOST_AFTER * PROBE_S:
-                    # its channel broke and nobody answers at its address: its node died or is cut
-                    # off (a crashed controller is back at the same address within a second)
-                    if not self._replace_controller(f"unreachable for {LOST_AFTER * PROBE_S:.0f}s"):
-                        return 1
-                    continue
-                if self.conn is None and time.monotonic() - self.started_at > START_DEADLINE_S:
-                    if not self._replace_controller(f"never answered within {START_DEADLINE_S:.0f}s"):
-                        return 1
-                    continue
-            else:
-                self._serve()
-                if self.conn is not None and time.monotonic() >= next_probe:
-                    next_probe = time.monotonic() + PROBE_S
-                    self.misses += 1  # any frame from it resets this
+            elif verdict is None:
+                verdict = self._serve()
+                if verdict is None and self.conn is not None and now >= next_probe:
+                    next_probe = now + PROBE_S
                     try:
                         self.conn.send(make("status"))
                     except OSError:
-                        self._lost_channel()
-                    if self.misses > LOST_AFTER:
-                        if not self._replace_controller(f"did not answer for {LOST_AFTER * PROBE_S:.0f}s"):
-                            return 1
-                        continue
+                        self.conn = None
+                        verdict = self.primary.channel_closed(now)
+            verdict = verdict or self.primary.check(time.monotonic())
+            if verdict is not None and verdict.fence and self._outcome() is not None:
+                self.primary.ending(time.monotonic())  # it ends the job: silent or gone on purpose
+                verdict = None
+            if self.primary.state is succession.State.ENDING:  # its shutdown gets END_WAIT_S, bounded
+                self.ended_at = self.ended_at or time.monotonic()
+                if time.monotonic() - self.ended_at > END_WAIT_S and self.controller[1].poll() is None:
+                    log.warning("controller still running %.0fs after it ended the job; killing its step", END_WAIT_S)
+                    self.controller[1].kill()
+            if verdict is not None and not self._promote(verdict):
+                return 1
+            self._watch_successor()
             self._report_exits()
-            time.sleep(0.05)
+            self.retired = [p for p in self.retired if p.poll() is None]
+            time.sleep(0.02)
+
+    def _primary_exit(self, now: float):
+        """The primary's step ended: the job's exit code (it ended the job), or a promotion."""
+        code = self.controller[1].returncode
+        final = self._final_code(code)
+        if final is None and self.stopping:
+            final = code
+        return self.primary.exited(now, code, final)
+
+    def _final_code(self, code: int) -> int | None:
+        """The job's exit code if the controller ended the job for good, else None (it moved,
+        crashed, or its node failed: srun may then exit 0, so its code alone cannot say)."""
+        final = self._outcome()
+        if final is None and code == 2:  # a configuration or journal error: no other node helps
+            final = 2
+        return final
+
+    def _watch_successor(self) -> None:
+        """A successor whose step ended (its node left the job or died) is started again elsewhere."""
+        if self.successor is not None and self.successor[1].poll() is not None:
+            log.warning("warm successor on %s ended (srun exit code %s)", self.successor[0],
+                        self.successor[1].returncode)
+            self.successor = None
+        if self.successor is None and self.primary.state is succession.State.SERVING:
+            self._start_successor()
 
     def _outcome(self) -> int | None:
-        """The job's exit code if a controller ended it for good (status.json's outcome, written
-        last at its shutdown: 0 trained, 1 stopped with an error), else None."""
+        """The job's exit code if a controller ended it for good, else None: status.json's outcome
+        (written last at its shutdown: 0 trained, 1 stopped with an error) or, before that is
+        written, the journal's `end` (written first: a controller that ended the job and then
+        died or hung in its shutdown is never replaced)."""
         try:
             outcome = json.loads((self.root / "status.json").read_text()).get("outcome")
-        except (OSError, ValueError):
-            return None
-        return None if not outcome else (0 if outcome.get("ok") else 1)
+        except (OSError, ValueError, AttributeError):
+            outcome = None
+        if outcome:
+            return 0 if outcome.get("ok") else 1
+        end = journal.ended(self.root / "journal.jsonl")
+        return None if end is None else (0 if end["ok"] else 1)
 
     def _finish(self, code: int) -> int:
         """The controller ended for good: let the remaining steps end (bounded), then end too. A
         step on a node that left the job (a lost node, released) has no process to wait for: its
         srun may wait on a dead slurmd for minutes."""
+        successor, self.successor = self.successor, None
+        if successor is not None:  # EOF on its stdin: it exits (waited for below)
+            try:
+                successor[1].stdin.close()
+            except OSError:
+                pass
         try:
             nodes = set(self.slurm.job(self.job_id).nodes)
             for node in [n for n in self.steps if n not in nodes]:
@@ -274,6 +335,11 @@ class Keeper:
         for node, (role, proc) in self.steps.items():
             log.warning("%s step on %s still running at the end; killing its srun", role, node)
             proc.kill()
+        for proc in self.retired + ([successor[1]] if successor else []):
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
         return code
 
 

@@ -70,8 +70,11 @@ class Controller:
         self.replayed: journal.Replayed | None = None
         self.metrics_through = 0
         k = cfg.ranks_per_node
-        if resume:  # before anything is appended: what the dead controller left
-            self.replayed = j = journal.read(root / "journal.jsonl")
+        if resume:  # claim the journal (the predecessor is demoted by it), then read what it left
+            self.journal = journal.Journal(root / "journal.jsonl", seq=journal.read(root / "journal.jsonl").seq,
+                                           attempt=attempt)
+            self.journal.claim(time.time())
+            self.replayed = j = journal.read(root / "journal.jsonl")  # everything before our claim
             if j.job_id != job_id:
                 raise ConfigError(f"{root}/journal.jsonl belongs to job {j.job_id}, not {job_id}")
             self.metrics_through = records.trim_torn(root / "metrics.jsonl")
@@ -108,8 +111,8 @@ class Controller:
                                   "to a new one; TrainMover never reuses another controller's secret.") from None
         self.server = channel.Server(self.host, self.key, sock=listen)
         self.store, (self.store_host, self.store_port) = (None, store) if store else self._store()
-        self.journal = journal.Journal(self.files.root / "journal.jsonl",
-                                       seq=self.replayed.seq if self.replayed else 0)
+        if not resume:
+            self.journal = journal.Journal(self.files.root / "journal.jsonl", attempt=attempt)
         self.durable: dict = {}
         endpoint.write(self.files.root, endpoint.Endpoint(self.server.address[0], self.server.address[1],
                                                           self.store_host, self.store_port, self.home, attempt),
@@ -121,6 +124,9 @@ class Controller:
         self.outcome: tuple[bool, str] | None = None
         self.watch = NodeWatch(self.slurm, reservation=cfg.reservation, poll_s=cfg.poll_s,
                                notices=cfg.drain_notices, slurm_conf=self.environ.get("SLURM_CONF"))
+        self.loop_at = time.monotonic()            # the main loop's last turn (see _beat_keeper)
+        if keeper:
+            threading.Thread(target=self._beat_keeper, name="tm-keeper-beat", daemon=True).start()
 
     # --- what the job's user may do (slurm/rights.py) ----------------------------------------
     def _check_rights(self) -> None:
@@ -152,6 +158,23 @@ class Controller:
     def status(self) -> dict:
         """The policy's status with what only the executor knows: the user's rights, fenced nodes."""
         return {**self.policy.status(), "capabilities": self.capabilities, "fenced_nodes": self.fencing.status()}
+
+
+    def _beat_keeper(self) -> None:
+        """Tell the keeper we live, every KEEPER_BEAT_S, from a thread of our own: the keeper
+        promotes the warm successor after TM_CONTROLLER_DEADLINE_S of silence (controller/
+        succession.py), and the main loop may block longer than that in one Slurm command on a
+        slow slurmctld. A loop that has not turned for LOOP_STALL_S (longer than any Slurm
+        command's deadline) is hung: the beats stop and the keeper replaces us."""
+        while self.outcome is None or self.outcome[0] is not None:
+            time.sleep(KEEPER_BEAT_S)
+            conn = getattr(self.launcher, "conn", None)
+            if conn is None or time.monotonic() - self.loop_at > LOOP_STALL_S:
+                continue
+            try:
+                conn.send(make("alive"))
+            except OSError:
+                pass  # the keeper's channel is gone: the loop hears of it (handle_gone)
 
     def _store(self):
         # TCPStore for gloo rendezvous, on a socket bound to this node's address: every node
@@ -241,6 +264,8 @@ class Controller:
         self.durable = now_durable
 
     def apply(self, actions: list) -> None:
+        if not self.journal.held():  # a successor claimed the journal: act on nothing more
+            raise journal.Superseded("another controller claimed the journal")
         self._journal_decisions()
         actions, held = self.fencing.route(actions)  # a fenced node leaves the job only drained
         for node, why in held:
@@ -409,8 +434,7 @@ class Controller:
         """Take over from a dead controller: its view from the journal, its steps adopted, any
         node Slurm gave the job that the journal does not know of treated as a new standby."""
         j = self.replayed
-        t0 = time.time()
-        self.journal.write(t0, [{"kind": "restart", "attempt": self.attempt}])
+        t0 = time.time()  # the `restart` record is our claim, written in __init__
         actions = self.policy.resume(t0, j, self.metrics_through)
         self.durable = self.policy.durable()
         # every node the journal accounts for: ranks, standbys, released, a leaver whose release is
@@ -437,6 +461,18 @@ class Controller:
         self.apply(actions)
 
     def run(self) -> int:
+        try:
+            return self._run()
+        except journal.Superseded as exc:
+            # Demoted (we were frozen or cut off and the keeper promoted a successor): stop at
+            # once, writing nothing more; the successor owns the job, its files and the ranks.
+            log.error("controller on %s (attempt %d) was replaced: %s; it stops without acting", self.home,
+                      self.attempt, exc)
+            self.outcome = (None, "replaced")  # its beats to the keeper stop too
+            self.server.close()
+            return SUPERSEDED
+
+    def _run(self) -> int:
         if self.replayed is not None:
             self._resume()
         else:
@@ -448,6 +484,7 @@ class Controller:
         last_status = None
         while self.outcome is None:
             now = time.time()
+            self.loop_at = time.monotonic()
             actions = []
             mine = self.view.train_nodes() + list(self.view.standbys) + self.view.released
             states = self.watch.turn(now, mine, self.view.rank_node.values())  # controller/node_watch.py
@@ -481,7 +518,7 @@ class Controller:
             # Compared as text: status() shares nested dicts with the policy (its straggler
             # verdict is updated in place), so a kept dict would always compare equal.
             status = json.dumps(self.status(), indent=1, sort_keys=True)
-            if status != last_status:
+            if status != last_status and self.journal.held():
                 self.files.write_text("status", status)
                 last_status = status
         return self.shutdown()
@@ -555,6 +592,8 @@ class Controller:
         """Leave the job to a successor on another node (the keeper starts it): everything it needs
         is in the journal, and the ranks find it through controller.json. No `bye`: they wait for it."""
         log.info("controller on %s hands over: %s", self.home, why)
+        self.files.append("timeline", {"t": time.time(), "event": "controller_hand_over", "node": self.home,
+                                       "attempt": self.attempt, "migration": None})
         self.files.write("status", self.status())
         for conns in self.conns.values():
             for conn in conns:
@@ -562,13 +601,24 @@ class Controller:
         self.server.close()
         self.files.close()
         self.journal.close()
+        # Last: the keeper promotes the warm successor on this word (controller/keeper.py),
+        # without waiting for this process and its step to end. We act on nothing after it.
+        keeper = getattr(self.launcher, "conn", None)
+        if keeper is not None:
+            try:
+                keeper.send(make("moving", reason=why[:500]))
+            except OSError as exc:
+                log.warning("could not tell the keeper we hand over (it sees the step end): %s", exc)
         return MOVED
 
 
 TICK_S = 1.0  # the policy's tick at most this far apart (the node poll may be further)
+KEEPER_BEAT_S = 0.25  # the controller's beat to the keeper (controller/keeper.py)
+LOOP_STALL_S = 30.0   # a main loop that has not turned for this long is hung: no more beats
 RANK_STEPS = ("tm-worker", "tm-standby")  # the steps a fence kills: never the controller's own
 CRASHED = 70  # an unexpected exception (EX_SOFTWARE): the supervisor restarts the controller
 MOVED = 3     # its node leaves the job: the keeper resumes the controller elsewhere (controller/keeper.py)
+SUPERSEDED = 4  # demoted: a successor claimed the journal (journal.Journal); not an end of the job
 
 
 def main(argv=None) -> int:
@@ -586,6 +636,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=os.environ.get("TM_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     if args.spare_fd is not None:  # imports are done: a takeover costs only the journal and Slurm queries
+        log.info("controller pid %d warm (imports done): waiting to take over", os.getpid())
         with os.fdopen(args.spare_fd, "rb") as pipe:
             word = pipe.readline().strip()
         if not word:

@@ -54,7 +54,7 @@ class Resuming:
         self.migrations = [Migration.from_record(j.migrations[i]) for i in sorted(j.migrations)]
         self.metrics_through = metrics_through
         self.resuming = {"since": now, "seen": {}, "nodes": {}}
-        self.restarts = j.restarts + 1
+        self.restarts = j.restarts  # the journal ends in our own claim (`restart`, journal.Journal.claim)
         flight = self.in_flight()
         if flight is not None and not flight.recovery:  # who must report: recomputed as _dispatch did
             flight.expected = ({(r, "stayer") for r in range(v.world_size) if r not in flight.leaver_ranks}
@@ -62,7 +62,7 @@ class Resuming:
         log.info("resuming job %d from its journal (%d records): %d migrations, in flight: %s", v.job_id, j.records,
                  len(self.migrations), f"migration {flight.id} epoch {flight.epoch} ({flight.phase.value})"
                  if flight else "none")
-        actions = [Record("timeline", {"t": now, "event": "controller_resumed", "attempt": j.restarts + 1,
+        actions = [Record("timeline", {"t": now, "event": "controller_resumed", "attempt": j.restarts,
                                        "in_flight": flight.id if flight else None, "migration": None})]
         # a release its predecessor left due (it moved off that very node, or died before)
         actions += [ReleaseNode(m.leaver) for m in self.migrations if m.phase is Phase.RELEASING and m.leaver_exited]

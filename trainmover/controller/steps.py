@@ -61,10 +61,12 @@ class Adopted:
             pass
 
 
-def start_srun(argv: list[str], env: dict, log_path: Path | None) -> subprocess.Popen:
-    """One step's srun, its output appended to `log_path` (None: this process's own output)."""
+def start_srun(argv: list[str], env: dict, log_path: Path | None, stdin_pipe: bool = False) -> subprocess.Popen:
+    """One step's srun, its output appended to `log_path` (None: this process's own output).
+    `stdin_pipe`: a pipe to the step's task (srun forwards its stdin: the keeper's word to a warm
+    successor controller)."""
     if log_path is None:
-        return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
+        return subprocess.Popen(argv, env=env, stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL)
     with open(log_path, "ab") as out:
         return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 

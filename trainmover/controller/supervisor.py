@@ -39,8 +39,10 @@ from trainmover.errors import ConfigError, TrainMoverError
 log = logging.getLogger("trainmover.supervisor")
 
 MOVED = 3
+SUPERSEDED = 4
 FINAL = {0: "training finished", 1: "the job stopped with an error", 2: "a configuration or journal error",
-         MOVED: "its node leaves the job: the controller moves to another node"}
+         MOVED: "its node leaves the job: the controller moves to another node",
+         SUPERSEDED: "another controller took the job over (it claimed the journal)"}
 
 
 def restart_decision(code: int, restarts_done: int, limit: int, stopping: bool,
@@ -90,6 +92,9 @@ def main(argv=None) -> int:
     p.add_argument("--keeper", help="the job's keeper node (it runs no rank)")
     p.add_argument("--resume", action="store_true", help="take the job over from the journal")
     p.add_argument("--attempt", type=int, default=0, help="controllers of this job before this one")
+    p.add_argument("--successor", action="store_true",
+                   help="a warm successor (controller/keeper.py): bind, start the controller idle, and take the job "
+                        "over on `takeover <attempt>` read from stdin (EOF: not needed, exit 0)")
     args = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("TM_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
@@ -136,8 +141,10 @@ def main(argv=None) -> int:
     base = [sys.executable, "-m", "trainmover.controller.main", "--listen-fd", str(listen.fileno()),
             "--store", f"{host}:{store_port}"] + (["--keeper", args.keeper] if args.keeper else [])
 
-    def start_spare():
-        if cfg.controller_restarts == 0:
+    def start_spare(force=False):
+        # With a keeper, the warm successor on another node is the spare (controller/keeper.py):
+        # the keeper alone decides who takes over, so no local restart races it.
+        if not force and (cfg.controller_restarts == 0 or args.keeper):
             return None
         r, w = os.pipe()
         proc = subprocess.Popen(base + ["--spare-fd", str(r)], pass_fds=(listen.fileno(), r))
@@ -145,8 +152,21 @@ def main(argv=None) -> int:
         return proc, w
 
     restarts = args.attempt
-    child = subprocess.Popen(base + ["--attempt", str(restarts)] + (["--resume"] if args.resume else []),
-                             pass_fds=(listen.fileno(),))
+    if args.successor:
+        child, w = start_spare(force=True)
+        log.info("warm successor on %s: controller pid %d waits for the keeper's word", me, child.pid)
+        word = sys.stdin.readline().split()  # blocks for the job's life; EOF when the keeper ends it
+        if word[:1] != ["takeover"] or len(word) != 2 or not word[1].isdigit():
+            os.close(w)  # EOF: the idle controller exits
+            child.wait(timeout=30)
+            return 0
+        restarts = int(word[1])
+        log.info("warm successor on %s takes over (attempt %d)", me, restarts)
+        os.write(w, f"{restarts}\n".encode())
+        os.close(w)
+    else:
+        child = subprocess.Popen(base + ["--attempt", str(restarts)] + (["--resume"] if args.resume else []),
+                                 pass_fds=(listen.fileno(),))
     spare = start_spare()
     try:
         while True:

@@ -24,18 +24,23 @@ from trainmover.errors import TrainMoverError
 
 log = logging.getLogger("trainmover.link")
 
-BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
+# Short: a successor serves within a second of a hand-over (controller/keeper.py), and a pause
+# also ends as soon as `news()` changes (controller.json rewritten by a successor).
+BACKOFF_S = (0.05, 0.1, 0.2, 0.5)
 
 
 class Link:
     def __init__(self, address: tuple[str, int], key: bytes, hello: Callable[[], dict],
                  resync_messages: Callable[[], list[dict]], on_message: Callable[[dict], None],
                  *, connect_timeout: float, reconnect_timeout: float, on_gone: Callable[[], None] = lambda: None,
-                 source: str | None = None, where: Callable[[], tuple[str, int]] | None = None):
+                 source: str | None = None, where: Callable[[], tuple[str, int]] | None = None,
+                 news: Callable[[], object] = lambda: None):
         """`where()`: the controller's address now, asked before each reconnection attempt
-        (a successor may run on another node: control/endpoint.py)."""
+        (a successor may run on another node: control/endpoint.py). `news()`: a cheap token
+        that changes when `where()` may have (the endpoint file's mtime): a backoff pause ends
+        early then."""
         self.address, self.key, self.source = address, key, source
-        self.where = where or (lambda: self.address)
+        self.where, self.news = where or (lambda: self.address), news
         self.hello, self.resync_messages, self.on_message = hello, resync_messages, on_message
         self.reconnect_timeout, self.on_gone = reconnect_timeout, on_gone
         self.inbox: queue.Queue = queue.Queue()
@@ -107,6 +112,7 @@ class Link:
                 log.error("no controller at %s:%d within %.0fs: going on without one", *self.address,
                           self.reconnect_timeout)
                 return False
+            seen = self.news()
             self.address = self.where()
             try:
                 # short attempts: a successor elsewhere is looked for again soon
@@ -114,7 +120,9 @@ class Link:
                                        source=self.source)
             except TrainMoverError as exc:
                 log.info("reconnect attempt %d: %s", attempt + 1, exc)
-                time.sleep(min(BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)], max(0.0, deadline - time.monotonic())))
+                until = min(time.monotonic() + BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)], deadline)
+                while time.monotonic() < until and self.news() == seen:
+                    time.sleep(0.02)
                 attempt += 1
                 continue
             with self.lock:  # nothing else is sent between the hello and the last re-sent message

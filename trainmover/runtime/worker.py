@@ -84,7 +84,8 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
         self.link = Link(tuple(spec.controller), channel.read_secret(spec.secret_file), self._hello,
                          self.resync_messages, self._on_control, connect_timeout=spec.group_timeout_s,
                          reconnect_timeout=spec.reconnect_timeout_s, on_gone=self._controller_gone,
-                         source=spec.node_addr, where=self._controller_address)
+                         source=spec.node_addr, where=self._controller_address,
+                         news=lambda: endpoint.mtime(spec.controller_file))
         # Beats from the moment the controller knows this process: building the workload
         # (imports, a model) may take longer than the silence that would judge it dead.
         if spec.heartbeat_s > 0:

@@ -1,0 +1,182 @@
+"""The controller moves: planned hand-over and loss, on the CPU local cluster (docs/admin.md,
+"No special node").
+
+    flock /tmp/tm-e2e.lock .venv/bin/python bench/cpu_controller_move.py [--repeats 3] \
+        [--cluster-dir /var/tmp/trainmover-cluster-e2e]
+
+One demo job (sbatch_templates/demo_gpt_cpu.sbatch: keeper node + 3 training nodes, one standby),
+trained long enough for every trial, then cancelled. Per repeat, with a warm standby and a warm
+successor controller in place:
+
+* **planned**: the controller's node is drained. Measured: the old controller's hand-over (its
+  timeline `controller_hand_over`) to the successor serving (its `controller_resumed`: journal
+  claimed and read, endpoint written, about to run its loop), and the drain to the node out of
+  the job (polled in Slurm every 0.1 s). The node is resumed afterwards (back to the pool).
+* **killed**: the controller process SIGKILLed (its pid from controller.json; every node of this
+  cluster is on this host). Measured: the kill to the successor serving.
+* **frozen**: the controller process SIGSTOPped (it answers nothing, its sockets stay open).
+  Measured: the stop to the successor serving (the keeper's silence deadline is most of it).
+
+Writes bench/results/cpu-controller-move-<time>.json (shared/reference/bench-results.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import results_io  # noqa: E402
+from bench.cpu_checkpoint_restart import machine  # noqa: E402
+from bench.polling import read_jsonl, wait  # noqa: E402
+from trainmover import cluster  # noqa: E402
+from trainmover.slurm import commands  # noqa: E402
+from trainmover.slurm.client import CliSlurm  # noqa: E402
+
+REASON = "trainmover-bench controller move"
+TEMPLATE = ROOT / "sbatch_templates" / "demo_gpt_cpu.sbatch"
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):  # not written yet, or being replaced
+        return {}
+
+
+class Job:
+    def __init__(self, env: dict, workdir: Path, slurm: CliSlurm):
+        self.env, self.slurm = env, slurm
+        out = commands.run(["sbatch", "--parsable", "--job-name=tm-bench-ctlmove", f"--chdir={workdir}",
+                            str(TEMPLATE)], timeout=15, env=env).stdout
+        self.id = int(out.strip().split(";")[0])
+        self.run = workdir / "runs" / str(self.id)
+        self.out = workdir / f"slurm-{self.id}.out"
+
+    def controller(self) -> dict:
+        return read_json(self.run / "controller.json")
+
+    def resumed(self, attempt: int) -> dict | None:
+        """The timeline's `controller_resumed` of that attempt (the successor serving)."""
+        return next((e for e in read_jsonl(self.run / "timeline.jsonl")
+                     if e["event"] == "controller_resumed" and e["attempt"] == attempt), None)
+
+    def warm_successor(self) -> bool:
+        """A successor is warm: more controllers reported their imports done than took over."""
+        text = self.out.read_text() if self.out.exists() else ""
+        return len(re.findall(r"warm \(imports done\)", text)) > len(re.findall(r"warm successor on \S+ takes over",
+                                                                               text))
+
+    def ready(self) -> bool:
+        st = read_json(self.run / "status.json")
+        return (any(s["state"] == "ready" for s in st.get("standbys", [])) and self.warm_successor()
+                and not st.get("controller", {}).get("resuming", True) and not any(
+                    m["state"] not in ("done", "aborted", "failed") for m in st.get("migrations", [])))
+
+    def step(self) -> int:
+        return (read_jsonl(self.run / "metrics.jsonl") or [{}])[-1].get("step", 0)
+
+
+def serving_after(job: Job, attempt: int, timeout: float) -> dict:
+    wait(f"controller attempt {attempt + 1} serving", lambda: job.resumed(attempt + 1), timeout, 0.05)
+    return job.resumed(attempt + 1)
+
+
+def planned(job: Job, timeout: float) -> dict:
+    ctl = job.controller()
+    node, attempt = ctl["node"], ctl["attempt"]
+    t_drain = time.time()
+    commands.run(["scontrol", "update", f"nodename={node}", "state=drain", f"reason={REASON}"], timeout=10,
+                 env=job.env)
+    wait(f"{node} to leave the job", lambda: node not in job.slurm.job(job.id).nodes, timeout, 0.1)
+    out_s = time.time() - t_drain
+    serving = serving_after(job, attempt, timeout)
+    hand = [e for e in read_jsonl(job.run / "timeline.jsonl")
+            if e["event"] == "controller_hand_over" and e["attempt"] == attempt][-1]
+    job.slurm.resume(node)  # back to the pool, for the next trials
+    return {"node": node, "to": job.controller()["node"], "attempt": attempt + 1,
+            "drain_to_hand_over_s": round(hand["t"] - t_drain, 3),
+            "hand_over_to_serving_s": round(serving["t"] - hand["t"], 3), "drain_to_node_out_s": round(out_s, 3)}
+
+
+def lost(job: Job, how: str, timeout: float) -> dict:
+    ctl = job.controller()
+    node, attempt, pid = ctl["node"], ctl["attempt"], int(ctl["pid"])
+    t_stop = time.time()
+    os.kill(pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+    serving = serving_after(job, attempt, timeout)
+    return {"node": node, "to": job.controller()["node"], "attempt": attempt + 1, "how": how,
+            "stopped_to_serving_s": round(serving["t"] - t_stop, 3)}
+
+
+def summary(xs: list[float]) -> dict:
+    return {"median": round(statistics.median(xs), 3), "max": round(max(xs), 3), "all": xs}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cluster-dir", default="/var/tmp/trainmover-cluster-e2e",
+                    help="embedded cluster state (the e2e tests' cluster: run under /tmp/tm-e2e.lock)")
+    ap.add_argument("--timeout", type=float, default=120, help="longest one wait may take")
+    args = ap.parse_args()
+    info = cluster.up(nodes=4, standby=2, state_dir=args.cluster_dir)
+    slurm = CliSlurm(slurm_conf=str(info.slurm_conf))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TM_")}
+    # Many controller moves in one job: TM_CONTROLLER_RESTARTS bounds losses (default 3).
+    env.update(SLURM_CONF=str(info.slurm_conf), TM_STEPS="1000000", TM_PYTHON=sys.executable,
+               PYTHONPATH=str(ROOT), TM_CONTROLLER_RESTARTS="50")
+    workdir = ROOT / "runs" / "bench-controller-move"
+    workdir.mkdir(parents=True, exist_ok=True)
+    job = Job(env, workdir, slurm)
+    trials: dict[str, list] = {"planned": [], "killed": [], "frozen": []}
+    try:
+        wait(f"job {job.id} to train", lambda: job.step() >= 20, 180, 0.5)
+        for _ in range(args.repeats):
+            for kind in trials:
+                wait("a warm standby and a warm successor", job.ready, 180, 0.2)
+                time.sleep(1.0)  # a few steps at the steady state
+                trials[kind].append(planned(job, args.timeout) if kind == "planned" else lost(job, kind, args.timeout))
+                print(kind, trials[kind][-1], flush=True)
+        steps_before = job.step()
+        time.sleep(3)
+        trained_on = job.step() > steps_before
+    finally:
+        commands.run(["scancel", str(job.id)], timeout=10, env=env, check=False)
+        wait(f"job {job.id} to end", lambda: slurm.job(job.id).state not in ("RUNNING", "COMPLETING"), 120, 1.0)
+        for name, node in slurm.nodes().items():  # leave no node of the cluster drained
+            if "DRAIN" in node.flags and node.reason == REASON:
+                slurm.resume(name)
+    st = read_json(job.run / "status.json")
+    result = {
+        "scenario": "controller-move-cpu", **machine(),
+        "machine": "cpu-local (2 cores, every node on one host)",
+        "commit": results_io.commit(),
+        "command": " ".join(["python", "bench/cpu_controller_move.py", *sys.argv[1:]]),
+        "when": results_io.now(),
+        "settings": {"template": "demo_gpt_cpu.sbatch", "training_nodes": 3, "standbys": 1, "repeats": args.repeats,
+                     "TM_CONTROLLER_RESTARTS": 50, "controller_deadline_s": 2.0, "job_id": job.id},
+        "metrics": {
+            "hand_over_to_serving_s": summary([t["hand_over_to_serving_s"] for t in trials["planned"]]),
+            "drain_to_node_out_s": summary([t["drain_to_node_out_s"] for t in trials["planned"]]),
+            "killed_to_serving_s": summary([t["stopped_to_serving_s"] for t in trials["killed"]]),
+            "frozen_to_serving_s": summary([t["stopped_to_serving_s"] for t in trials["frozen"]]),
+            "trained_on_after_the_last_move": trained_on,
+            "controller_restarts": st.get("controller", {}).get("restarts"),
+            "migrations_done": sum(m["state"] == "done" for m in st.get("migrations", [])),
+        },
+        "trials": trials,
+    }
+    results_io.write(results_io.stamped("cpu-controller-move"), result)
+
+
+if __name__ == "__main__":
+    main()
