@@ -103,6 +103,8 @@ def _controller() -> int:
     import logging
     import os
     from trainmover.controller import keeper, supervisor
+    from trainmover.control import files
+    files.private_umask()  # the job's files are its user's alone (docs/security.md)
     node, job = os.environ.get("SLURMD_NODENAME", ""), os.environ.get("SLURM_JOB_ID", "")
     if node and job.isdigit():
         from trainmover.config import Config
@@ -119,9 +121,13 @@ def _migrate(args) -> int:
     from trainmover.control import channel
     from trainmover.control.messages import make
     path = _run_dir(args.job, args.run_dir)
-    where = _read_run_file(path / "controller.json", args.job, "controller address")
+    from trainmover.control import endpoint
     key = channel.read_secret(str(path / "secret"))
-    reply = channel.request((where["host"], where["port"]), key, make("migrate", node=args.node), timeout=args.timeout)
+    where = endpoint.read(path / endpoint.NAME, key)
+    if where is None:
+        print(f"trainmover: job {args.job}: no controller address sealed with the job's key in {path}", file=sys.stderr)
+        return 2
+    reply = channel.request(where.address, key, make("migrate", node=args.node), timeout=args.timeout)
     print(reply["message"])
     return 0 if reply["ok"] else 2
 

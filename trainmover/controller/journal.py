@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainmover.control import files
 from trainmover.errors import TrainMoverError
 
 log = logging.getLogger("trainmover.journal")
@@ -171,7 +172,7 @@ class Journal:
         self.path = Path(path)
         self.seq = seq
         self._trim_torn_tail()
-        self.f = open(self.path, "a", encoding="utf-8")
+        self.f = files.open_append(self.path)  # 0600, never through a link
 
     def _trim_torn_tail(self) -> None:
         """Cut a torn last line, so that the next record starts on a line of its own."""

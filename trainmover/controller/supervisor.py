@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from trainmover.config import Config
+from trainmover.control import files
 from trainmover.controller import records
 from trainmover.errors import ConfigError
 
@@ -67,6 +68,7 @@ def main(argv=None) -> int:
     p.add_argument("--resume", action="store_true", help="take the job over from the journal")
     p.add_argument("--attempt", type=int, default=0, help="controllers of this job before this one")
     args = p.parse_args(argv)
+    files.private_umask()  # the job's files are its user's alone (docs/security.md)
     logging.basicConfig(level=os.environ.get("TM_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     try:
@@ -80,8 +82,9 @@ def main(argv=None) -> int:
     from trainmover.slurm.client import CliSlurm
     slurm = CliSlurm()
     job = slurm.job(job_id)
-    done = records.completed_before(Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id)),
-                                    job_id, cfg.steps)
+    # verified first: a run directory someone else planted (with a final.json saying "done") is refused
+    root = files.private_dir(Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id)))
+    done = records.completed_before(root, job_id, cfg.steps)
     if done:
         log.warning("%s", done)
         return 0
