@@ -22,5 +22,21 @@ if [ -f /usr/local/cuda/include/cuda_runtime.h ] || command -v nvcc >/dev/null 2
   .venv/bin/pip install -q --disable-pip-version-check --no-deps "nvidia-nccl-cu13==2.28.9" \
     || echo "setup: nvidia-nccl-cu13 not installed; cuda/ will build its plan-only library" >&2
 fi
+# The end-to-end tests run jobs as an ordinary user (trainmover/cluster/users.py) with this
+# interpreter: every directory on the way to it and to its base installation (pyenv's under
+# /root, 0700) must be searchable by others: o+x only, which lets nobody list or write them.
+if [ "$(id -u)" = 0 ]; then
+  .venv/bin/python -I -c '
+import os, stat, sys
+for target in {os.path.realpath(sys.executable), sys.base_prefix, os.path.abspath(".venv")}:
+    p = target
+    while p != "/":
+        p = os.path.dirname(p)
+        mode = os.stat(p).st_mode
+        if not mode & stat.S_IXOTH:
+            os.chmod(p, stat.S_IMODE(mode) | stat.S_IXOTH)
+            print(f"setup: {p} searchable by others (o+x) for the tests of ordinary users", file=sys.stderr)
+'
+fi
 touch .venv/.installed
 echo "setup: .venv ready ($(.venv/bin/python -c 'import torch, trainmover; print("torch", torch.__version__, "trainmover", trainmover.__version__)'))"

@@ -12,25 +12,42 @@ $TM_E2E_SLURM names a Slurm release for these clusters (`make test` runs the
 Slurm contract, the drain migration and the SPANK tests once more on each
 release the host does not have; the clusters then run from Debian root
 filesystems, state in <the directory above>-<release>). Unset: the host's Slurm.
+
+Jobs run as the cluster's ordinary user JOB_USER (trainmover/cluster/users.py), as on a
+production cluster: `user_dir()` makes a submit directory of theirs (0700 under /var/tmp),
+`as_user()` runs a Slurm command as them through the choke point (`runuser`), and the
+`job_user` fixture checks that they can run the checkout's interpreter. Admin steps (drains,
+resumes, killing a node's processes) stay root's, as an admin's would.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from trainmover.cluster.users import JOB_USER, OTHER_USER, host_account
 from trainmover.errors import SlurmError
 from trainmover.slurm import CliSlurm, JobInfo, commands
+
+__all__ = ["JOB_USER", "OTHER_USER", "user_dir", "as_user", "job_process_uids", "assert_runs_as_user"]
 
 TEST_JOB_PREFIX = "tm-e2e-"
 E2E_SLURM = os.environ.get("TM_E2E_SLURM") or None
 _SUFFIX = f"-{E2E_SLURM}" if E2E_SLURM else ""
 E2E_DIR = (os.environ.get("TM_E2E_CLUSTER_DIR") or "/var/tmp/trainmover-cluster-e2e") + _SUFFIX
 DRAIN_PREFIX = "tm-e2e"
+# Submit directories of the users' test jobs: root's directory (0755), one 0700 directory per
+# job owned by its user, so that no other user reads or writes a job's files.
+USER_JOBS_DIR = Path(os.environ.get("TM_E2E_JOBS_DIR") or "/var/tmp/trainmover-e2e-jobs")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def pytest_report_header(config):
@@ -95,6 +112,71 @@ def own_cluster(nodes: int, standby: int, state_dir: str, drain_reason: str, kee
     resume_drained(client, drain_reason)
     yield info, client
     resume_drained(client, drain_reason)
+
+
+def user_dir(name: str, user: str = JOB_USER) -> Path:
+    """A fresh submit directory owned by `user`, mode 0700, under USER_JOBS_DIR."""
+    acct = host_account(user)
+    assert acct is not None, f"user {user} missing: the e2e cluster's up() creates it"
+    USER_JOBS_DIR.mkdir(mode=0o755, parents=True, exist_ok=True)
+    os.chmod(USER_JOBS_DIR, 0o755)
+    d = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=USER_JOBS_DIR))
+    os.chown(d, acct.uid, acct.gid)
+    os.chmod(d, 0o700)
+    return d
+
+
+def as_user(argv: list[str], env: dict, *, user: str = JOB_USER, timeout: float = 15,
+            check: bool = True) -> subprocess.CompletedProcess:
+    """A Slurm command (`sbatch`, `scancel`, `squeue`...) run as `user`, through the choke point."""
+    return commands.run(argv, timeout=timeout, env=env, check=check, user=user)
+
+
+def job_process_uids(job_id: int) -> dict[int, tuple[int, str]]:
+    """pid -> (real uid, program) of every process on this machine running for job `job_id`
+    (its environment names the job: batch script, controller, srun, ranks, standbys; Slurm's
+    own slurmstepd is not one). Every node of the embedded cluster is a process tree here."""
+    want = f"SLURM_JOB_ID={job_id}".encode()
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if want not in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                continue
+            status = Path(f"/proc/{entry}/status").read_text().splitlines()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status if ":" in line)
+        out[int(entry)] = (int(fields["Uid"].split()[0]), fields["Name"].strip())
+    return out
+
+
+def assert_runs_as_user(job_id: int, env: dict, user: str = JOB_USER) -> None:
+    """Slurm says the job is `user`'s and none of its processes runs as root."""
+    owner = commands.run(["squeue", "-h", "-j", str(job_id), "-o", "%u"], timeout=10, env=env).stdout.strip()
+    assert owner == user, f"job {job_id} belongs to {owner!r}, not {user}"
+    procs = job_process_uids(job_id)
+    assert procs, f"no process of job {job_id} found"
+    root = {pid: name for pid, (uid, name) in procs.items() if uid == 0}
+    assert not root, f"processes of {user}'s job {job_id} run as root: {root}"
+
+
+@pytest.fixture(scope="session")
+def job_user(slurm_cluster) -> str:
+    """JOB_USER, once it is known to run the interpreter the jobs use (TM_PYTHON: the
+    checkout's root-owned .venv, whose base interpreter must be reachable by others)."""
+    proc = subprocess.run(["runuser", "-u", JOB_USER, "--", sys.executable, "-c", "import torch, trainmover"],
+                          capture_output=True, text=True, timeout=120, cwd="/", env={**os.environ, "PYTHONPATH": str(ROOT)})
+    # earlier sessions' submit directories (an hour old: none of a running session's)
+    for old in USER_JOBS_DIR.glob("*-*") if USER_JOBS_DIR.is_dir() else []:
+        if time.time() - old.stat().st_mtime > 3600:
+            shutil.rmtree(old, ignore_errors=True)
+    if proc.returncode != 0:
+        pytest.fail(f"{JOB_USER} cannot run {sys.executable} (real {os.path.realpath(sys.executable)}): "
+                    f"{proc.stderr.strip()[-500:]}; every directory on the way must be searchable by others "
+                    "(scripts/setup.sh does `chmod o+x` on them)")
+    return JOB_USER
 
 
 @pytest.fixture

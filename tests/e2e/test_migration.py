@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import TEST_JOB_PREFIX, job_ended, wait_for
+from tests.e2e.conftest import TEST_JOB_PREFIX, as_user, assert_runs_as_user, job_ended, user_dir, wait_for
 from trainmover.slurm import commands
 
 pytestmark = pytest.mark.slurm
@@ -72,18 +72,19 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def demo(slurm_cluster, tmp_path_factory):
-    """submit(name, **env) -> Run: the demo template as a user submits it."""
+def demo(slurm_cluster, job_user):
+    """submit(name, **env) -> Run: the demo template as the ordinary user JOB_USER submits it,
+    from a submit directory of theirs (0700), with the checkout's interpreter."""
     runs: list[Run] = []
     env = {**os.environ, "SLURM_CONF": str(slurm_cluster.slurm_conf), "TM_PYTHON": sys.executable,
            "PYTHONPATH": str(ROOT)}
     env = {k: v for k, v in env.items() if not k.startswith("TM_") or k == "TM_PYTHON"}
 
     def submit(name: str, **tm_env) -> Run:
-        workdir = tmp_path_factory.mktemp(name)
+        workdir = user_dir(name)
         job_env = {**env, "TM_STEPS": str(STEPS), **{k: str(v) for k, v in tm_env.items()}}
-        out = commands.run(["sbatch", "--parsable", f"--job-name={TEST_JOB_PREFIX}{name}", f"--chdir={workdir}", str(TEMPLATE)],
-                           timeout=15, env=job_env).stdout
+        out = as_user(["sbatch", "--parsable", f"--job-name={TEST_JOB_PREFIX}{name}", f"--chdir={workdir}",
+                       str(TEMPLATE)], job_env).stdout
         run = Run(int(out.strip().split(";")[0]), workdir, job_env)
         runs.append(run)
         return run
@@ -124,6 +125,7 @@ def start_training(run: Run, client, min_step=40):
              interval=0.2)
     job = client.job(run.job_id)
     assert job.state == "RUNNING"
+    assert_runs_as_user(run.job_id, run.env)  # the job is JOB_USER's, and no process of it is root's
     return job
 
 

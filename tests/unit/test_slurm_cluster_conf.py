@@ -57,7 +57,7 @@ def test_slurmdbd_conf_and_reservation():
     assert "StoragePort=16306" in dbd and "DbdPort=16819" in dbd and "StoragePass=pw" in dbd
     assert specmod.reservation_args(_spec()) == [
         "ReservationName=trainmover_standby", "Nodes=spare[1-2]", "StartTime=now", "Duration=infinite",
-        "Users=root", "Flags=IGNORE_JOBS"]
+        "Users=root,tmuser", "Flags=IGNORE_JOBS"]
 
 
 def test_hosts_file_drops_conflicting_lines():

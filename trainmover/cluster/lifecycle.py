@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from trainmover.cluster import daemons, install, netblock, plugin, rootfs, spec as specmod
+from trainmover.cluster import daemons, install, netblock, plugin, rootfs, spec as specmod, users
 from trainmover.cluster.daemons import STEP_TIMEOUT
 from trainmover.cluster.procs import ClusterError, find_pids, flocked, running_pid, tail, terminate, wait_until
 from trainmover.cluster.releases import release
@@ -218,15 +218,31 @@ def _all_nodes_ready(spec: ClusterSpec) -> bool:
                for n in spec.all_nodes)
 
 
-def _reservation_exists(spec: ClusterSpec) -> bool:
+def _reservation_users(spec: ClusterSpec) -> Optional[set[str]]:
+    """The users the standby reservation admits, or None when it does not exist."""
     proc = daemons.slurm(spec, "scontrol", "-o", "show", "reservation", specmod.RESERVATION, check=False)
-    return proc.returncode == 0 and f"ReservationName={specmod.RESERVATION}" in proc.stdout
+    if proc.returncode != 0 or f"ReservationName={specmod.RESERVATION}" not in proc.stdout:
+        return None
+    field = next((f for f in proc.stdout.split() if f.startswith("Users=")), "Users=")
+    return set(field.split("=", 1)[1].split(","))
+
+
+def _reservation_exists(spec: ClusterSpec) -> bool:
+    return _reservation_users(spec) is not None
 
 
 def _ensure_reservation(spec: ClusterSpec) -> None:
-    if spec.standby == 0 or _reservation_exists(spec):
+    """The standby reservation, admitting RESERVATION_USERS (a cluster started before the
+    cluster had ordinary users gets them added)."""
+    if spec.standby == 0:
         return
-    daemons.slurm(spec, "scontrol", "create", "reservation", *specmod.reservation_args(spec))
+    have = _reservation_users(spec)
+    if have is None:
+        daemons.slurm(spec, "scontrol", "create", "reservation", *specmod.reservation_args(spec))
+    elif have != set(specmod.RESERVATION_USERS):
+        daemons.slurm(spec, "scontrol", "update", f"ReservationName={specmod.RESERVATION}",
+                      f"Users={','.join(specmod.RESERVATION_USERS)}")
+        _log(f"reservation {specmod.RESERVATION}: Users={','.join(specmod.RESERVATION_USERS)}")
 
 
 def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = None,
@@ -268,6 +284,8 @@ def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = 
             running, live = {}, {}
         if old and len(live) == len(running) and daemons.ctld_up(old) and _all_nodes_ready(old) \
                 and (old.standby == 0 or _reservation_exists(old)):
+            users.ensure(Path(old.root) if old.root else None, _log)
+            _ensure_reservation(old)
             _write_slurm_access(old)
             plugin.install(old, _log)  # sbatch/srun/slurmstepd read plugstack.conf at every call
             _refresh_conf(old)
@@ -295,6 +313,8 @@ def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = 
                 net=netblock.claim(state_dir, preferred=old.net if old else None), keepers=keepers,
             )
         _log(f"{spec.describe_slurm()}")
+        # before slurmctld starts: it resolves the reservation's Users= and slurmd the jobs' uids
+        users.ensure(Path(spec.root) if spec.root else None, _log)
         _write_files(spec, old)
         _start_all(spec, running)
         return _info(spec, already=False, installed=installed, t0=t0)

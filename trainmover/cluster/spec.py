@@ -11,11 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainmover.cluster.releases import RELEASES, Release
+from trainmover.cluster.users import JOB_USER
 from trainmover.controller.keeper import KEEPER_FEATURE, TRAIN_FEATURE  # what the keeper and templates ask for
 
 PARTITION = "train"
 KEEPERS = 2                   # keeper nodes: one per TrainMover job running at the same time
 RESERVATION = "trainmover_standby"
+# Who may take the standbys: root (admins' tools) and the cluster's ordinary job user
+# (trainmover/cluster/users.py); a site names its own users or accounts (docs/admin.md).
+RESERVATION_USERS = ("root", JOB_USER)
 CLUSTER_NAME = "trainmover"
 # First host byte of the node addresses in the cluster's 127.0.N.0/24 (netblock.py). Debian
 # maps the machine's own hostname to 127.0.1.1, so the nodes start further up.
@@ -361,7 +365,7 @@ def reservation_args(spec: ClusterSpec) -> list[str]:
         f"Nodes={spec.spare_expr}",
         "StartTime=now",
         "Duration=infinite",
-        "Users=root",
+        f"Users={','.join(RESERVATION_USERS)}",
         "Flags=IGNORE_JOBS",
     ]
 

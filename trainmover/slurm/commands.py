@@ -149,8 +149,13 @@ def run(
     timeout: float,
     env: Optional[Mapping[str, str]] = None,
     check: bool = True,
+    user: Optional[str] = None,
 ) -> subprocess.CompletedProcess:
     """Run one Slurm command and return its CompletedProcess (stdout/stderr as text).
+
+    `user`: run it as that user (`runuser -u USER --`, so only from root: tests and admin
+    tools acting as an ordinary user; inside a root filesystem when the cluster's Slurm lives
+    in one, where the user exists too). The environment is kept (SLURM_CONF, TM_*).
 
     Raises SlurmError when the command cannot be started, runs past `timeout`
     seconds, or (with `check=True`) exits non-zero. The message names the
@@ -172,7 +177,8 @@ def run(
     started = time.monotonic()
     try:
         # An intercepting runner stands in for Slurm itself: it gets the command as written.
-        proc = hook(argv, timeout, full_env) if hook else _execute(prefix + argv, timeout, full_env)
+        as_user = ["runuser", "-u", user, "--"] if user else []
+        proc = hook(as_user + argv, timeout, full_env) if hook else _execute(prefix + as_user + argv, timeout, full_env)
     except subprocess.TimeoutExpired as exc:
         raise SlurmError(
             f"{name} timed out after {timeout:g}s: {' '.join(argv)}"
