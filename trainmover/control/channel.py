@@ -51,9 +51,17 @@ def write_secret(path: str) -> bytes:
 
 def read_secret(path: str) -> bytes:
     """The job's secret, once per process (callers keep it): a regular file of this user's,
-    readable by nobody else; anything else is refused, never used."""
+    readable by nobody else; anything else is refused, never used. Root (an admin's
+    `trainmover migrate`) takes it only as the run directory's owner's, in a directory nobody
+    else can write."""
     try:
-        data = files.read_limited(path, 256, owner=os.geteuid())
+        owner = os.geteuid()
+        if owner == 0:
+            st = os.stat(os.path.dirname(os.path.abspath(path)))
+            if st.st_mode & 0o022:
+                raise OSError("its directory is writable by group or others")
+            owner = st.st_uid
+        data = files.read_limited(path, 256, owner=owner)
         if os.stat(path, follow_symlinks=False).st_mode & 0o077:
             raise OSError("readable or writable by group or others")
         key = bytes.fromhex(data.decode().strip())
@@ -62,6 +70,10 @@ def read_secret(path: str) -> bytes:
         return key
     except (OSError, ValueError) as exc:
         raise ProtocolError(f"cannot use the job secret at {path}: {exc}") from exc
+
+
+class AuthenticationFailed(ProtocolError):
+    """A frame whose MAC does not match: a peer without the job's secret, a replay, corruption."""
 
 
 class _Framer:
@@ -100,7 +112,7 @@ class _Framer:
             raise ProtocolError("connection closed inside a frame")
         body, mac = data[:length], data[length:]
         if not hmac.compare_digest(mac, self._mac(self.rx_dir, self.rx_seq, body)):
-            raise ProtocolError("message authentication failed (wrong secret, replay or corruption)")
+            raise AuthenticationFailed("message authentication failed (wrong secret, replay or corruption)")
         self.rx_seq += 1
         try:
             return validate(json.loads(body))
@@ -253,7 +265,13 @@ class Server:
                 self.inbox.put((conn, msg))
         except (ProtocolError, OSError, socket.timeout) as exc:
             self.rejected += 1
-            log.warning("control: dropped connection from %s: %s", peer, exc)
+            # a peer that never got through the handshake (a scan, a flood) is noise: counted,
+            # summed up every 100; a failed MAC or a known peer's loss is worth a line each
+            loud = isinstance(exc, AuthenticationFailed) or (conn is not None and conn.identity is not None)
+            log.log(logging.WARNING if loud else logging.DEBUG, "control: dropped connection from %s: %s", peer, exc)
+            if not loud and self.rejected % 100 == 0:
+                log.warning("control: %d connections dropped before authenticating so far (%d pushed out while "
+                            "waiting)", self.rejected, self.evicted)
         except Exception as exc:  # noqa: BLE001 - whatever a peer sends, this thread ends cleanly
             self.rejected += 1
             log.warning("control: dropped connection from %s: %s: %s", peer, type(exc).__name__, exc)

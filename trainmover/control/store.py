@@ -65,6 +65,7 @@ class AuthStore(dist.Store):
         self.inner, self.key = inner, key
         super().set_timeout(inner.timeout)
         self.forged = 0  # forged values seen (tests, logs)
+        self._warned: set[str] = set()  # keys already logged (a poll loop would repeat it)
 
     # --- writes ---------------------------------------------------------------------------
     def set(self, name: str, value) -> None:
@@ -94,7 +95,9 @@ class AuthStore(dist.Store):
             return open_value(self.key, name, raw)
         except ForgedValue as exc:
             self.forged += 1
-            log.warning("%s", exc)
+            if name not in self._warned:
+                self._warned.add(name)
+                log.warning("%s", exc)
             return None
 
     def get(self, name: str) -> bytes:
