@@ -94,12 +94,14 @@ if ! trusted "$python" || ! trusted "$(readlink -f -- "$python")"; then
     say "$python not used: it, its target or their directories are not root's, or are writable by group or others"
     exit 2
 fi
-# trusted_tree DIR: DIR and every directory above it root's and not writable by group or
-# others, and nothing under DIR either (what Python would import from there runs as root).
+# trusted_tree DIR: DIR and everything under it root's and not writable by group or others
+# (what Python would import from there runs as root), and every directory above it root's and
+# not writable by others unless sticky (/tmp: others cannot rename or replace what is root's).
 trusted_tree() {
-    d=$1
+    trusted_one "$1" || return 1
+    d=$(dirname -- "$1")
     while :; do
-        trusted_one "$d" || return 1
+        trusted_one "$d" || trusted_sticky "$d" || return 1
         [ "$d" = / ] && break
         d=$(dirname -- "$d")
     done
@@ -113,8 +115,16 @@ trusted_one() {
         *) return 1 ;;
     esac
 }
-# -S: the site directories' names without running their .pth files (checked before anything runs)
-sites=$(timeout -k 1 3 "$python" -I -S -c 'import sysconfig; p = sysconfig.get_paths(); print(p["purelib"]); print(p["platlib"])')
+trusted_sticky() {
+    info=$(stat -L -c '%u %a' -- "$1" 2>/dev/null) || return 1
+    case $info in
+        "0 "[1357]???) return 0 ;;  # root's, sticky
+        *) return 1 ;;
+    esac
+}
+# -S: the site directories' names (a virtual environment's too) without running their .pth
+# files, which are checked before anything there runs
+sites=$(timeout -k 1 3 "$python" -I -S -c 'import site; site.venv(None); print("\n".join(site.getsitepackages()))')
 rc=$?
 case $rc in 0) ;; 124 | 137) exit 124 ;; *) say "$python cannot name its site-packages"; exit 2 ;; esac
 for site in $sites; do
