@@ -37,10 +37,18 @@ def _run_dir(job: str, run_dir: str | None) -> Path:
 
 
 def _read_run_file(path: Path, job: str, what: str) -> dict:
+    """A job's file as its user wrote it: bounded, never through a link or blocking on a FIFO
+    (an admin may run this as root on any user's job)."""
+    from trainmover.control import files
     try:
-        return json.loads(path.read_text())
+        data = json.loads(files.read_limited(path, 16 << 20))
     except FileNotFoundError:
         raise TrainMoverError(f"job {job} has not written its {what} yet ({path})") from None
+    except (OSError, ValueError) as exc:
+        raise TrainMoverError(f"job {job}: its {what} at {path} is unreadable: {exc}") from None
+    if not isinstance(data, dict):
+        raise TrainMoverError(f"job {job}: its {what} at {path} is not a JSON object")
+    return data
 
 
 def _role(report: dict) -> str:

@@ -66,7 +66,7 @@ class Adopted:
 # tokens and the like, is not sent to the keeper nor given to the step): Slurm's, TrainMover's,
 # the interpreter's and the accelerator libraries' settings.
 STEP_ENV_NAMES = {"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "TZ", "TMPDIR", "TERM", "PWD",
-                  "LD_LIBRARY_PATH", "VIRTUAL_ENV"}
+                  "LD_LIBRARY_PATH", "LD_PRELOAD", "VIRTUAL_ENV", "CONDA_PREFIX"}
 STEP_ENV_PREFIXES = ("TM_", "SLURM_", "SLURMD_", "CUDA_", "NCCL_", "NVIDIA_", "GLOO_", "TORCH", "PYTORCH_", "OMP_",
                      "MKL_", "OPENBLAS_", "PYTHON", "LC_", "HF_", "UCX_", "FI_", "TRITON_")
 
