@@ -467,3 +467,53 @@ def test_a_launched_step_gets_only_what_it_needs():
            "AWS_SECRET_ACCESS_KEY": "s3cr3t", "GITHUB_TOKEN": "t", "SSH_AUTH_SOCK": "/tmp/agent"}
     assert step_environment(env) == {"PATH": "/bin", "SLURM_JOB_ID": "9", "TM_STEPS": "5", "NCCL_DEBUG": "WARN",
                                      "HOME": "/h"}
+
+
+# --- the keeper -------------------------------------------------------------------------------------
+
+class _Slurm:
+    def __init__(self, work_dir):
+        self.work_dir = work_dir
+
+    def job(self, job_id):
+        from trainmover.slurm.model import JobInfo
+        return JobInfo(job_id=job_id, state="RUNNING", nodes=("keeper1", "train1"), batch_host="keeper1",
+                       restart_count=0, work_dir=str(self.work_dir), partition="p", num_nodes=2,
+                       nodelist="keeper1,train1", name="j", reason="")
+
+
+@as_root
+def test_the_keeper_refuses_a_run_directory_planted_before_the_job(tmp_path):
+    from trainmover.config import Config
+    from trainmover.controller.keeper import Keeper
+    planted = tmp_path / "runs" / "12"
+    planted.mkdir(parents=True)
+    os.chown(planted, OTHER_UID, OTHER_UID)
+    (planted / "final.json").write_text('{"job_id": 12}')
+    with pytest.raises(files.UnsafePath, match="Refusing to use it"):
+        Keeper(Config.from_env({}), _Slurm(tmp_path), 12, "keeper1")
+
+
+def test_the_keeper_reads_the_key_once_and_launches_only_into_the_run_directory(tmp_path, monkeypatch):
+    from trainmover.config import Config
+    from trainmover.controller import keeper as keeper_mod
+    k = keeper_mod.Keeper(Config.from_env({}), _Slurm(tmp_path), 12, "keeper1")
+    assert stat.S_IMODE(k.root.stat().st_mode) == 0o700
+    key = channel.write_secret(str(k.root / "secret"))
+    k.controller = ("train1", None)
+    endpoint.write(k.root, endpoint.Endpoint("127.0.0.1", 1, "127.0.0.1", 2, "other-node"), key)
+    k._connect()  # the endpoint names another node: nothing to connect to, but the key is read
+    assert k.key == key
+    (k.root / "secret").unlink()
+    channel.write_secret(str(k.root / "secret"))  # replaced on disk: the keeper keeps what it read
+    k._connect()
+    assert k.key == key
+    started = []
+    monkeypatch.setattr(keeper_mod, "start_srun", lambda argv, env, log: started.append((argv, env, log)))
+    k.steps = {}
+    k._launch(make("launch", node="train1", role="worker", argv=["srun", "x"], env={"PATH": "/bin", "TOKEN": "t"},
+                   log="/tmp/elsewhere.log"))
+    assert started == []  # a log outside the run directory: refused
+    k._launch(make("launch", node="train1", role="worker", argv=["srun", "x"], env={"PATH": "/bin", "TOKEN": "t"},
+                   log=str(k.root / "worker-train1.log")))
+    assert started == [(["srun", "x"], {"PATH": "/bin"}, k.root / "worker-train1.log")]
