@@ -158,10 +158,12 @@ def test_another_user_can_neither_read_change_nor_steer_a_job(env, slurm_client,
         attacker = subprocess.Popen(
             ["runuser", "-u", OTHER_USER, "--", "env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "tests.e2e.hostile",
              "--control", f"{ep['host']}:{ep['port']}", "--store", f"{ep['store_host']}:{ep['store_port']}",
-             "--conns", str(CONNS), "--ranks", "3", "--seconds", "240", "--stop", str(stop), "--out", str(report)],
+             "--conns", str(CONNS), "--reopen", "5", "--ranks", "3", "--seconds", "240", "--stop", str(stop),
+             "--out", str(report)],
             cwd=str(theirs), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         wait_for("the flood to be on", lambda: Path(f"{report}.started").exists() or attacker.poll() is not None,
                  timeout=60)
+        assert attacker.poll() is None, attacker.communicate()[0][-2000:]
         assert json.loads(Path(f"{report}.started").read_text())["opened"] >= CONNS * 0.95
 
         # a drain migration under attack
