@@ -18,15 +18,19 @@
 #   * it works from / and reads nothing relative to the directory it was started in;
 #   * a healthcheck.env is used only when root owns it and its directory and neither is
 #     writable by group or others (else it is ignored, with a message on stderr); the same
-#     holds for the Python interpreter, which must be root's and not writable by others;
+#     holds for the Python interpreter, which must be root's and not writable by others, and
+#     for what it imports: its site-packages (where .pth files and an editable install's
+#     finder live) and the trainmover package tree it finds (an editable install imports the
+#     checkout), every file in them and every directory up to /;
 #   * Python runs isolated (-I: no PYTHON* variables, no user site, neither the script's
 #     directory nor the working directory on sys.path) in a clean environment holding only
 #     PATH, SLURM_CONF and SLURMD_NODENAME;
-#   * the run never takes longer than 10 s (timeout 9 s, then SIGKILL 1 s later).
+#   * the run never takes longer than 10 s (timeout 9 s in all, then SIGKILL 1 s later).
 # Exit 0: healthy; 1: fault (node drained with a reason starting "trainmover:" unless
 # --no-drain); 2: not run (no trusted interpreter); 124/137: killed at the time limit.
 PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 export PATH
+started_ms=$(date +%s%3N)
 umask 077
 set -f  # no globbing when TRAINMOVER_HEALTHCHECK_ARGS is split into words
 here=$(CDPATH='' cd -- "$(dirname -- "$0")" && pwd -P) || exit 2
@@ -90,7 +94,57 @@ if ! trusted "$python" || ! trusted "$(readlink -f -- "$python")"; then
     say "$python not used: it, its target or their directories are not root's, or are writable by group or others"
     exit 2
 fi
+# trusted_tree DIR: DIR and everything under it root's and not writable by group or others
+# (what Python would import from there runs as root), and every directory above it root's and
+# not writable by others unless sticky (/tmp: others cannot rename or replace what is root's).
+trusted_tree() {
+    trusted_one "$1" || return 1
+    d=$(dirname -- "$1")
+    while :; do
+        trusted_one "$d" || trusted_sticky "$d" || return 1
+        [ "$d" = / ] && break
+        d=$(dirname -- "$d")
+    done
+    [ -z "$(find "$1" \( ! -user 0 -o -perm /022 \) -print -quit 2>/dev/null)" ]
+}
+trusted_one() {
+    info=$(stat -L -c '%u %a' -- "$1" 2>/dev/null) || return 1
+    case $info in
+        "0 "*[2367]? | "0 "*[2367]) return 1 ;;
+        "0 "*) return 0 ;;
+        *) return 1 ;;
+    esac
+}
+trusted_sticky() {
+    info=$(stat -L -c '%u %a' -- "$1" 2>/dev/null) || return 1
+    case $info in
+        "0 "[1357]???) return 0 ;;  # root's, sticky
+        *) return 1 ;;
+    esac
+}
+# -S: the site directories' names (a virtual environment's too) without running their .pth
+# files, which are checked before anything there runs
+sites=$(timeout -k 1 3 "$python" -I -S -c 'import site; site.venv(None); print("\n".join(site.getsitepackages()))')
+rc=$?
+case $rc in 0) ;; 124 | 137) exit 124 ;; *) say "$python cannot name its site-packages"; exit 2 ;; esac
+for site in $sites; do
+    [ -d "$site" ] || continue
+    if ! trusted_tree "$site"; then
+        say "$site not used: it, a file in it or a directory above it is not root's, or is writable by group or others"
+        exit 2
+    fi
+done
+pkg=$(timeout -k 1 3 "$python" -I -c 'import importlib.util as u; s = u.find_spec("trainmover"); print(s.submodule_search_locations[0] if s and s.submodule_search_locations else "")')
+case $? in 124 | 137) exit 124 ;; esac
+if [ -z "$pkg" ] || ! trusted_tree "$pkg"; then
+    say "trainmover package ${pkg:-(not found)} not used: it, a file in it or a directory above it is not root's, or is writable by group or others"
+    exit 2
+fi
 node=${SLURMD_NODENAME:-$(hostname -s)}
+# what is left of the 9 s (the checks above took some of it)
+left_ms=$((9000 - ($(date +%s%3N) - started_ms)))
+[ "$left_ms" -gt 0 ] || exit 124
+left=$((left_ms / 1000)).$(printf %03d $((left_ms % 1000)))
 # shellcheck disable=SC2086
 exec env -i PATH="$PATH" SLURM_CONF="$SLURM_CONF" SLURMD_NODENAME="$node" \
-    timeout -k 1 9 "$python" -I -m trainmover.cli healthcheck --node "$node" $TRAINMOVER_HEALTHCHECK_ARGS "$@"
+    timeout -k 1 "$left" "$python" -I -m trainmover.cli healthcheck --node "$node" $TRAINMOVER_HEALTHCHECK_ARGS "$@"

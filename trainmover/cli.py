@@ -39,10 +39,18 @@ def _run_dir(job: str, run_dir: str | None) -> Path:
 
 
 def _read_run_file(path: Path, job: str, what: str) -> dict:
+    """A job's file as its user wrote it: bounded, never through a link or blocking on a FIFO
+    (an admin may run this as root on any user's job)."""
+    from trainmover.control import files
     try:
-        return json.loads(path.read_text())
+        data = json.loads(files.read_limited(path, 16 << 20))
     except FileNotFoundError:
         raise TrainMoverError(f"job {job} has not written its {what} yet ({path})") from None
+    except (OSError, ValueError) as exc:
+        raise TrainMoverError(f"job {job}: its {what} at {path} is unreadable: {exc}") from None
+    if not isinstance(data, dict):
+        raise TrainMoverError(f"job {job}: its {what} at {path} is not a JSON object")
+    return data
 
 
 def _role(report: dict) -> str:
@@ -105,6 +113,8 @@ def _controller() -> int:
     import logging
     import os
     from trainmover.controller import keeper, supervisor
+    from trainmover.control import files
+    files.private_umask()  # the job's files are its user's alone (docs/security.md)
     node, job = os.environ.get("SLURMD_NODENAME", ""), os.environ.get("SLURM_JOB_ID", "")
     if node and job.isdigit():
         from trainmover.config import Config
@@ -121,9 +131,13 @@ def _migrate(args) -> int:
     from trainmover.control import channel
     from trainmover.control.messages import make
     path = _run_dir(args.job, args.run_dir)
-    where = _read_run_file(path / "controller.json", args.job, "controller address")
+    from trainmover.control import endpoint
     key = channel.read_secret(str(path / "secret"))
-    reply = channel.request((where["host"], where["port"]), key, make("migrate", node=args.node), timeout=args.timeout)
+    where = endpoint.read(path / endpoint.NAME, key)
+    if where is None:
+        print(f"trainmover: job {args.job}: no controller address sealed with the job's key in {path}", file=sys.stderr)
+        return 2
+    reply = channel.request(where.address, key, make("migrate", node=args.node), timeout=args.timeout)
     print(reply["message"])
     return 0 if reply["ok"] else 2
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from trainmover.runtime import capture, holding, transfer
 from trainmover.runtime.snapshot import Snapshots
 
+KEY = b"k" * 32  # the job's key: the rendezvous values are tagged with it (control/store.py)
 TIMEOUT_S = 20
 
 
@@ -84,8 +85,8 @@ def _held(reports, n, deadline_s=TIMEOUT_S):
 def test_the_standby_holds_the_two_newest_verified_versions_and_a_spoilt_copy_is_sent_again():
     _master, addr = _store()
     reports = []
-    holder = holding.Holding(addr, "tm/hold/a1/", 0, "127.0.0.1", TIMEOUT_S, lambda r, s, d: reports.append((r, s, d)))
-    link = holding.StandbyLink(addr, "tm/hold/a1/", 0, "spare1", "127.0.0.1", TIMEOUT_S)
+    holder = holding.Holding(addr, "tm/hold/a1/", 0, "127.0.0.1", TIMEOUT_S, lambda r, s, d: reports.append((r, s, d)), key=KEY)
+    link = holding.StandbyLink(addr, "tm/hold/a1/", 0, "spare1", "127.0.0.1", TIMEOUT_S, key=KEY)
     cap = capture.Capture("cpu", slabs=1)
     states = {}
     for step in (40, 80, 120):

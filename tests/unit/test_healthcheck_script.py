@@ -154,3 +154,42 @@ def test_scripts_are_root_installable_as_is():
         mode = stat.S_IMODE(f.stat().st_mode)
         assert not mode & 0o022, f"{f} is writable by group or others in the checkout"
     assert SCRIPT.stat().st_mode & stat.S_IXUSR
+
+
+def _venv_importing(tmp_path: Path, checkout: Path) -> Path:
+    """A virtual environment whose site-packages points at `checkout` (as an editable install's
+    .pth does); its interpreter is root's."""
+    venv = tmp_path / "venv"
+    subprocess.run([os.path.realpath(sys.executable), "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+    (site,) = venv.glob("lib/python*/site-packages")
+    (site / "__editable__.trainmover.pth").write_text(f"{checkout}\n")
+    return venv / "bin" / "python"
+
+
+def test_a_package_tree_others_can_write_is_not_imported(installed, tmp_path):
+    """An editable install imports the checkout: if anyone but root can change a file there,
+    root must not run it."""
+    checkout = tmp_path / "checkout"
+    (checkout / "trainmover").mkdir(parents=True)
+    marker = tmp_path / "pwned"
+    (checkout / "trainmover" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n")
+    (checkout / "trainmover" / "cli.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n")
+    python = _venv_importing(tmp_path, checkout)
+    installed.env.write_text(f"TRAINMOVER_PYTHON={python}\n")
+    (checkout / "trainmover" / "cli.py").chmod(0o666)  # one file anyone can change
+    p = installed("--no-drain")
+    assert p.returncode == 2 and f"trainmover package {checkout / 'trainmover'} not used" in p.stderr, p.stderr
+    assert not marker.exists()
+    (checkout / "trainmover" / "cli.py").chmod(0o644)
+    checkout.chmod(0o777)  # a directory above the package anyone can write
+    p = installed("--no-drain")
+    assert p.returncode == 2 and "not used" in p.stderr and not marker.exists(), p.stderr
+
+
+def test_site_packages_others_can_write_are_not_used(installed, tmp_path):
+    python = _venv_importing(tmp_path, tmp_path / "nowhere")
+    (site,) = (tmp_path / "venv").glob("lib/python*/site-packages")
+    site.chmod(0o777)
+    installed.env.write_text(f"TRAINMOVER_PYTHON={python}\n")
+    p = installed("--no-drain")
+    assert p.returncode == 2 and f"{site} not used" in p.stderr, p.stderr

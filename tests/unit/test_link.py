@@ -18,7 +18,8 @@ def accept_one(listen, key):
     sock, _ = listen.accept()
     challenge = b"c" * channel._CHALLENGE
     sock.sendall(challenge)
-    conn = channel.Connection(channel._Framer(sock, key, challenge, is_server=True), "peer")
+    nonce = channel._read_exact(sock, channel._CHALLENGE)  # the client's own
+    conn = channel.Connection(channel._Framer(sock, key, challenge + nonce, is_server=True), "peer")
     return conn, conn.framer.recv()
 
 

@@ -334,7 +334,7 @@ def test_grow_without_free_standby_withdraws_the_donor(fake):
     with pytest.raises(NoStandbyAvailable, match="no free standby node in reservation trainmover_standby.*"
                        "reserved nodes now: spare1 ALLOCATED\\+RESERVED, spare2 ALLOCATED\\+RESERVED"):
         CliSlurm().grow(9, reservation="trainmover_standby", timeout=3)
-    assert ["squeue", "-h", "--name=trainmover-donor-9", "-o", "%i"] in f.seen
+    assert ["squeue", "-h", "--me", "--name=trainmover-donor-9", "-o", "%i"] in f.seen
     assert ["scancel", "14"] in f.seen
     assert not any(a[:2] == ["scontrol", "update"] for a in f.seen)
 

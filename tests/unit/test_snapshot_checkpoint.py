@@ -14,6 +14,8 @@ from trainmover.runtime import checkpoint, transfer
 from trainmover.runtime.groups import gloo_group
 from trainmover.runtime.snapshot import Snapshots, holder_of, ward_of
 
+KEY = b"k" * 32  # the job's key (control/files.py seals the manifest with it)
+
 TIMEOUT = datetime.timedelta(seconds=20)
 WORLD = 3
 
@@ -114,11 +116,11 @@ def test_a_checkpoint_is_written_atomically_read_back_verified_and_pruned(tmp_pa
             out = checkpoint.write_rank(root, step, rank, s)
             digests[rank] = out["digest"]
             assert out["bytes"] > 0 and not list(root.glob("**/.*.tmp"))
-        assert layout.complete(root) == [x for x in (100, 200) if x < step]
-        layout.write_manifest(root, step, digests)
-        layout.prune(root, layout.complete(root)[-2:])
-    assert layout.complete(root) == [200, 300] and not layout.step_dir(root, 100).exists()
-    got = checkpoint.read_rank(root, 300, 1)
+        assert layout.complete(root, KEY) == [x for x in (100, 200) if x < step]
+        layout.write_manifest(root, step, digests, KEY)
+        layout.prune(root, layout.complete(root, KEY)[-2:])
+    assert layout.complete(root, KEY) == [200, 300] and not layout.step_dir(root, 100).exists()
+    got = checkpoint.read_rank(root, 300, 1, KEY)
     assert same(got, {**state(1, 300), "workload": {**state(1, 300)["workload"],
                                                      "half": torch.arange(6, dtype=torch.bfloat16)}})
     assert got["step"] == 300 and got["workload"]["half"].dtype == torch.bfloat16
@@ -128,21 +130,44 @@ def test_a_corrupted_or_missing_checkpoint_file_and_nan_are_refused(tmp_path):
     import h5py
     root = tmp_path / "checkpoints"
     out = checkpoint.write_rank(root, 100, 0, state(0, 100))
-    layout.write_manifest(root, 100, {0: out["digest"], 1: "x"})
+    layout.write_manifest(root, 100, {0: out["digest"], 1: "x"}, KEY)
     with h5py.File(out["path"], "r+") as f:  # one flipped byte in one tensor
         f["t/000000"][0] ^= 0xFF
     with pytest.raises(transfer.ChecksumMismatch):
-        checkpoint.read_rank(root, 100, 0)
+        checkpoint.read_rank(root, 100, 0, KEY)
     with pytest.raises(MigrationError, match="unreadable"):
-        checkpoint.read_rank(root, 100, 1)
-    with pytest.raises(MigrationError, match="no readable manifest"):
-        checkpoint.read_rank(root, 200, 0)
+        checkpoint.read_rank(root, 100, 1, KEY)
+    with pytest.raises(MigrationError, match="no valid manifest"):
+        checkpoint.read_rank(root, 200, 0, KEY)
     bad = state(0, 300)
     bad["workload"]["model"]["bias"][0] = float("inf")
     out = checkpoint.write_rank(root, 300, 0, bad)
-    layout.write_manifest(root, 300, {0: out["digest"]})
+    layout.write_manifest(root, 300, {0: out["digest"]}, KEY)
     with pytest.raises(MigrationError, match="NaN or Inf"):
-        checkpoint.read_rank(root, 300, 0)
+        checkpoint.read_rank(root, 300, 0, KEY)
+
+
+def test_a_manifest_not_sealed_with_the_jobs_key_is_not_read(tmp_path):
+    """Someone who can write the checkpoint directory replaces a rank file and writes a manifest
+    with its checksum: without the job's key the manifest is refused, the checkpoint incomplete."""
+    import json
+    root = tmp_path / "checkpoints"
+    real = checkpoint.write_rank(root, 100, 0, state(0, 100))
+    layout.write_manifest(root, 100, {0: real["digest"]}, KEY)
+    assert layout.complete(root, KEY) == [100]
+    assert layout.complete(root, b"x" * 32) == []                  # another key: not this job's
+    forged = checkpoint.write_rank(tmp_path / "other", 100, 0, state(1, 100))
+    path = layout.step_dir(root, 100) / layout.MANIFEST
+    meta = json.loads(path.read_text())
+    meta["digests"]["0"] = forged["digest"]                         # the planted file's checksum
+    path.write_text(json.dumps(meta))
+    with pytest.raises(MigrationError, match="MAC does not match"):
+        checkpoint.read_rank(root, 100, 0, KEY)
+    path.write_text(json.dumps({"step": 100, "ranks": 1, "digests": {"0": forged["digest"]}}))  # unsealed
+    with pytest.raises(MigrationError, match="no MAC"):
+        checkpoint.read_rank(root, 100, 0, KEY)
+    assert layout.complete(root, KEY) == []
+    assert oct(real_mode := (root / "step-000000100" / "rank-00000.h5").stat().st_mode & 0o777) == "0o600", real_mode
 
 
 def test_the_writer_reports_each_file_off_the_calling_thread(tmp_path):

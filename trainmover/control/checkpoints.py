@@ -6,7 +6,9 @@ rank files; the controller writes the manifest once every rank reported its file
     <run dir>/checkpoints/step-000000200/manifest.json    step, ranks, per-rank checksums
 
 A checkpoint counts only with its manifest, written last: a rank file without one (a write
-cut by a failure) is never read.
+cut by a failure) is never read. The manifest is sealed with the job's key (control/files.py):
+its per-rank checksums are then the job's own, so a rank file replaced by anyone else fails
+its checksum on recovery, and a manifest forged or altered without the key is not read.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import os
 import shutil
 from pathlib import Path
 
-from trainmover.errors import MigrationError
+from trainmover.control import files
+from trainmover.errors import MigrationError, ProtocolError
 
 KEEP = 2  # complete checkpoints kept on the shared directory (the controller prunes older ones)
 MANIFEST = "manifest.json"
@@ -37,25 +40,24 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(root: Path, step: int, digests: dict[int, str]) -> Path:
-    """The manifest of a checkpoint every rank wrote: written last, atomically."""
+_PURPOSE = "trainmover checkpoint manifest"
+
+
+def write_manifest(root: Path, step: int, digests: dict[int, str], key: bytes) -> Path:
+    """The manifest of a checkpoint every rank wrote: written last, atomically, sealed with `key`."""
     path = step_dir(root, step) / MANIFEST
-    tmp = path.with_name(f".{MANIFEST}.tmp")
-    tmp.write_text(json.dumps({"step": step, "ranks": len(digests),
-                               "digests": {str(r): d for r, d in sorted(digests.items())}}, sort_keys=True))
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    body = {"step": step, "ranks": len(digests), "digests": {str(r): d for r, d in sorted(digests.items())}}
+    files.write_atomic(path, json.dumps(files.seal(key, _PURPOSE, body), sort_keys=True), fsync=True)
     fsync_dir(path.parent)
     return path
 
 
-def read_manifest(root: Path, step: int) -> dict:
+def read_manifest(root: Path, step: int, key: bytes) -> dict:
     path = step_dir(root, step) / MANIFEST
     try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise MigrationError(f"checkpoint of step {step}: no readable manifest at {path}: {exc}",
+        meta = files.unseal(key, _PURPOSE, json.loads(files.read_limited(path, 1 << 20)))
+    except (OSError, ValueError, ProtocolError) as exc:
+        raise MigrationError(f"checkpoint of step {step}: no valid manifest at {path}: {exc}",
                              phase="recover") from exc
     if meta.get("step") != step or not isinstance(meta.get("digests"), dict):
         raise MigrationError(f"checkpoint of step {step}: manifest {path} names step {meta.get('step')}",
@@ -63,13 +65,13 @@ def read_manifest(root: Path, step: int) -> dict:
     return meta
 
 
-def complete(root: Path) -> list[int]:
+def complete(root: Path, key: bytes) -> list[int]:
     """Steps of the checkpoints under `root` that have a valid manifest, oldest first."""
     steps = []
     for d in Path(root).glob("step-*"):
         try:
             step = int(d.name.removeprefix("step-"))
-            read_manifest(root, step)
+            read_manifest(root, step, key)
         except (ValueError, MigrationError):
             continue
         steps.append(step)

@@ -4,13 +4,22 @@ A controller can move (its node drained or lost: docs/admin.md, "No special node
 that takes over binds its control socket and rendezvous store on its own node and writes this
 file (temp + rename). A rank that lost its controller reads it on every reconnection attempt,
 so it finds the successor wherever it is; the launch spec's address holds until the first move.
+
+The file is sealed with the job's key (control/files.py): a process that moves its channel and
+rendezvous store by what it says must know the job's controller wrote it.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from trainmover.control import files
+from trainmover.errors import ProtocolError
+
+log = logging.getLogger(__name__)
 
 NAME = "controller.json"
 
@@ -33,20 +42,24 @@ class Endpoint:
         return self.store_host, self.store_port
 
 
-def write(root: Path, ep: Endpoint, **extra) -> None:
-    path = Path(root) / NAME
-    tmp = path.with_name(f".{NAME}.tmp")
-    tmp.write_text(json.dumps({**asdict(ep), **extra}, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)  # a reader never sees half a file
+_PURPOSE = "trainmover controller endpoint"
 
 
-def read(path: str | Path) -> Endpoint | None:
+def write(root: Path, ep: Endpoint, key: bytes, **extra) -> None:
+    record = files.seal(key, _PURPOSE, {**asdict(ep), **extra})
+    files.write_atomic(Path(root) / NAME, json.dumps(record, indent=1, sort_keys=True) + "\n")
+
+
+def read(path: str | Path, key: bytes) -> Endpoint | None:
     """The endpoint the file names, or None (missing, half-copied by a slow filesystem, or not
-    ours): the caller keeps what it knew."""
+    sealed with the job's `key`): the caller keeps what it knew."""
     try:
-        d = json.loads(Path(path).read_text())
+        d = files.unseal(key, _PURPOSE, json.loads(files.read_limited(Path(path), 64 << 10)))
         return Endpoint(str(d["host"]), int(d["port"]), str(d["store_host"]), int(d["store_port"]),
                         str(d.get("node", "")), int(d.get("attempt", 0)))
+    except ProtocolError as exc:
+        log.warning("%s ignored: %s", path, exc)
+        return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

@@ -212,7 +212,8 @@ class Journal:
         self.path = Path(path)
         self.seq, self.attempt = seq, attempt
         self._trim_torn_tail()
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        # 0600, never through a link (docs/security.md)
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         self.end = os.fstat(self.fd).st_size
 
     def _trim_torn_tail(self) -> None:

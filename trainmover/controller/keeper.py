@@ -33,10 +33,10 @@ import time
 from pathlib import Path
 
 from trainmover.config import Config
-from trainmover.control import channel, endpoint
+from trainmover.control import channel, endpoint, files
 from trainmover.control.messages import make
 from trainmover.controller import journal, records, succession
-from trainmover.controller.steps import start_srun
+from trainmover.controller.steps import start_srun, step_environment
 from trainmover.errors import ProtocolError, TrainMoverError
 
 log = logging.getLogger("trainmover.keeper")
@@ -64,8 +64,9 @@ class Keeper:
         self.cfg, self.slurm, self.job_id, self.node = cfg, slurm, job_id, node
         self.environ = dict(environ)
         job = slurm.job(job_id)
-        self.root = Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id))
-        self.root.mkdir(parents=True, exist_ok=True)
+        # the job's user's alone; one someone else made first is refused (control/files.py)
+        self.root = files.private_dir(Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id)))
+        self.key: bytes | None = None  # the job's secret: read once, when the controller has made it
         self.steps: dict[str, tuple[str, object]] = {}  # node -> (role, Popen)
         self.controller = None          # (node, Popen) of the primary controller's step
         self.primary: succession.Primary | None = None
@@ -175,13 +176,20 @@ class Keeper:
 
     # --- the channel to the controller ----------------------------------------------------
     def _connect(self) -> None:
-        ep = endpoint.read(self.root / endpoint.NAME)
+        if self.key is None:
+            if not (self.root / "secret").exists():
+                return  # the first controller has not made it yet
+            try:
+                self.key = channel.read_secret(str(self.root / "secret"))
+            except ProtocolError as exc:
+                log.error("%s", exc)
+                return
+        ep = endpoint.read(self.root / endpoint.NAME, self.key)
         if ep is None or ep.node != self.controller[0] or ep.attempt != self.attempt:
             return  # the new controller has not written where it is yet
         try:
-            key = channel.read_secret(str(self.root / "secret"))
-            self.conn = channel.connect(ep.address, key, make("hello", role="keeper", node=self.node, ranks=[],
-                                                             pid=os.getpid()), timeout=1.0, source=None)
+            self.conn = channel.connect(ep.address, self.key, make("hello", role="keeper", node=self.node, ranks=[],
+                                                             pid=os.getpid()), timeout=2.0, source=None)
             self.conn.send(make("steps", running={n: role for n, (role, p) in self.steps.items()}))
             for msg in self.unreported:  # ends while no controller ran: its successor must know
                 self.conn.send(msg)
@@ -215,7 +223,11 @@ class Keeper:
 
     def _launch(self, msg: dict) -> None:
         node, role = msg["node"], msg["role"]
-        self.steps[node] = (role, start_srun(msg["argv"], {**msg["env"]}, Path(msg["log"])))
+        log_path = Path(msg["log"])
+        if log_path.resolve().parent != self.root.resolve():  # an authenticated controller of this job writes only there
+            log.error("launch of %s on %s refused: its log %s is outside the run directory", role, node, log_path)
+            return
+        self.steps[node] = (role, start_srun(msg["argv"], step_environment(msg["env"]), log_path))
         log.info("launched %s on %s for the controller", role, node)
 
     def _report_exits(self) -> None:

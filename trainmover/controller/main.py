@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from trainmover import faults
 from trainmover.config import Config, parse_tiers
-from trainmover.control import channel, checkpoints, endpoint
+from trainmover.control import channel, checkpoints, endpoint, files
 from trainmover.control.messages import make
 from trainmover.controller import journal, records, tiers
 from trainmover.controller.fencing import FencedNodes
@@ -29,7 +29,7 @@ from trainmover.controller.actions import (AcquireStandby, CheckpointDone, Fence
                                           ReleaseNode, Rewind, Send)
 from trainmover.controller.node_watch import NodeWatch
 from trainmover.controller.policy import Policy
-from trainmover.controller.steps import KeeperSteps, LocalSteps
+from trainmover.controller.steps import KeeperSteps, LocalSteps, step_environment
 from trainmover.controller.view import JobView
 from trainmover.errors import ConfigError, SlurmError, TrainMoverError
 from trainmover.control.spec import ENV as SPEC_ENV, WorkerSpec
@@ -95,11 +95,6 @@ class Controller:
         self.policy.snapshot_every = self.snapshot_every
         self.files = records.RunFiles(root)
         self.checkpoint_root = self.files.root / "checkpoints"
-        self.policy.checkpoint_steps = checkpoints.complete(self.checkpoint_root)[-checkpoints.KEEP:]
-        self.capabilities: dict = {}
-        self.fencing = FencedNodes()
-        if not resume:  # a resuming controller checks in the background: a move must stay quick
-            self._check_rights()
         if resume:
             self.key = channel.read_secret(str(self.files.secret))  # the ranks hold it: same job, same key
         else:
@@ -109,6 +104,11 @@ class Controller:
                 raise ConfigError(f"{self.files.root} already holds a job secret: a controller of job {job_id} ran "
                                   "there before (a requeued job?). Move that directory away, or set TM_RUN_DIR "
                                   "to a new one; TrainMover never reuses another controller's secret.") from None
+        self.policy.checkpoint_steps = checkpoints.complete(self.checkpoint_root, self.key)[-checkpoints.KEEP:]
+        self.capabilities: dict = {}
+        self.fencing = FencedNodes()
+        if not resume:  # a resuming controller checks in the background: a move must stay quick
+            self._check_rights()
         self.server = channel.Server(self.host, self.key, sock=listen)
         self.store, (self.store_host, self.store_port) = (None, store) if store else self._store()
         if not resume:
@@ -116,7 +116,7 @@ class Controller:
         self.durable: dict = {}
         endpoint.write(self.files.root, endpoint.Endpoint(self.server.address[0], self.server.address[1],
                                                           self.store_host, self.store_port, self.home, attempt),
-                       job_id=job_id, batch_host=self.batch_host, keeper=keeper or "", pid=os.getpid())
+                       self.key, job_id=job_id, batch_host=self.batch_host, keeper=keeper or "", pid=os.getpid())
         self.events: queue.Queue = queue.Queue()   # results of background Slurm work
         self.conns: dict[str, list] = {}           # node -> authenticated worker connections
         self.conn_ranks: dict = {}                 # connection -> the ranks its process runs (from its messages)
@@ -214,7 +214,7 @@ class Controller:
         spec = self._spec(role, node, ranks)
         argv = self.slurm.step_argv(self.job_id, node, [sys.executable, "-m", "trainmover.runtime.worker"],
                                     ntasks=self.cfg.ranks_per_node, name=f"tm-{role}")
-        env = self.slurm.step_env(self.slurm.job(self.job_id), self.environ)
+        env = step_environment(self.slurm.step_env(self.slurm.job(self.job_id), self.environ))  # no tokens
         env[SPEC_ENV] = spec.to_env()
         log_path = self.files.root / f"{role}-{node}.log"
         pid = self.launcher.launch(node, role, argv, env, log_path)
@@ -303,7 +303,7 @@ class Controller:
                 log.info("rolled back to step %d: %d metrics rows of later steps dropped (they are redone)",
                          a.step, dropped)
             elif isinstance(a, CheckpointDone):
-                checkpoints.write_manifest(self.checkpoint_root, a.step, a.digests)
+                checkpoints.write_manifest(self.checkpoint_root, a.step, a.digests, self.key)
                 gone = checkpoints.prune(self.checkpoint_root, list(a.keep))
                 log.info("checkpoint of step %d complete; pruned %s", a.step, [d.name for d in gone])
             elif isinstance(a, Fence):
@@ -625,6 +625,7 @@ def main(argv=None) -> int:
     """One controller process, started by `controller.supervisor` (`trainmover controller`)."""
     import argparse
     p = argparse.ArgumentParser(prog="python -m trainmover.controller.main")
+    files.private_umask()  # the job's files are its user's alone (docs/security.md)
     p.add_argument("--listen-fd", type=int, help="the supervisor's listening control socket")
     p.add_argument("--store", help="host:port of the supervisor's rendezvous store")
     p.add_argument("--attempt", type=int, default=0, help="0 for the first controller, n for the n-th restart")

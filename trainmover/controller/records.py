@@ -4,14 +4,18 @@ metrics.jsonl   one line per step: step, loss, per-rank losses, step time, node 
 timeline.jsonl  every migration event with its wall-clock time
 status.json     the controller's view (what `trainmover status` prints), replaced atomically
 final.json      step count and the digest of all parameters and optimizer state
-controller.json where the controller listens (address from Slurm, port)
-secret          the job's channel key, mode 0600
+controller.json where the controller listens (address from Slurm, port), sealed with the job's key
+secret          the job's channel key
+
+The directory is the job's user's alone (0700, refused if someone else made it first) and
+every file in it 0600: control/files.py, docs/security.md.
 """
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from trainmover.control import files
 
 
 def write_json(path: Path, obj: dict) -> None:
@@ -19,16 +23,14 @@ def write_json(path: Path, obj: dict) -> None:
 
 
 def write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text + "\n")
-    os.replace(tmp, path)  # readers never see a half-written file
+    files.write_atomic(path, text + "\n")  # readers never see a half-written file
 
 
 class RunFiles:
     def __init__(self, root: Path):
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._streams = {name: open(self.root / f"{name}.jsonl", "a", buffering=1) for name in ("metrics", "timeline")}
+        self.root = files.private_dir(Path(root))
+        self._streams = {name: files.open_append(self.root / f"{name}.jsonl", buffering=1)
+                         for name in ("metrics", "timeline")}
 
     def append(self, stream: str, row: dict) -> None:
         self._streams[stream].write(json.dumps(row, sort_keys=True) + "\n")
@@ -43,8 +45,8 @@ class RunFiles:
         if keep:
             write_text(path, "".join(keep).rstrip("\n"))
         else:
-            path.write_text("")
-        self._streams[stream] = open(path, "a", buffering=1)
+            files.write_atomic(path, b"")
+        self._streams[stream] = files.open_append(path, buffering=1)
         return len(lines) - len(keep)
 
     def write(self, name: str, obj: dict) -> None:

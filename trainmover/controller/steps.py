@@ -19,6 +19,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from trainmover.control import files
 from trainmover.control.messages import make
 
 log = logging.getLogger("trainmover.controller")
@@ -61,13 +62,27 @@ class Adopted:
             pass
 
 
+# What a launched step's environment may hold (the rest of the controller's environment, access
+# tokens and the like, is not sent to the keeper nor given to the step): Slurm's, TrainMover's,
+# the interpreter's and the accelerator libraries' settings.
+STEP_ENV_NAMES = {"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "TZ", "TMPDIR", "TERM", "PWD",
+                  "LD_LIBRARY_PATH", "LD_PRELOAD", "VIRTUAL_ENV", "CONDA_PREFIX"}
+STEP_ENV_PREFIXES = ("TM_", "SLURM_", "SLURMD_", "CUDA_", "NCCL_", "NVIDIA_", "GLOO_", "TORCH", "PYTORCH_", "OMP_",
+                     "MKL_", "OPENBLAS_", "PYTHON", "LC_", "HF_", "UCX_", "FI_", "TRITON_")
+
+
+def step_environment(env: dict) -> dict:
+    """The part of `env` a step needs (STEP_ENV_NAMES and STEP_ENV_PREFIXES)."""
+    return {k: v for k, v in env.items() if k in STEP_ENV_NAMES or k.startswith(STEP_ENV_PREFIXES)}
+
+
 def start_srun(argv: list[str], env: dict, log_path: Path | None, stdin_pipe: bool = False) -> subprocess.Popen:
-    """One step's srun, its output appended to `log_path` (None: this process's own output).
-    `stdin_pipe`: a pipe to the step's task (srun forwards its stdin: the keeper's word to a warm
-    successor controller)."""
+    """One step's srun, its output appended to `log_path` (None: this process's own output),
+    a 0600 file never opened through a link. `stdin_pipe`: a pipe to the step's task (srun
+    forwards its stdin: the keeper's word to a warm successor controller)."""
     if log_path is None:
         return subprocess.Popen(argv, env=env, stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL)
-    with open(log_path, "ab") as out:
+    with files.open_append(log_path, encoding="latin-1") as out:
         return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 

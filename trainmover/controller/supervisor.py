@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from trainmover.config import Config
+from trainmover.control import files
 from trainmover.controller import journal, records
 from trainmover.errors import ConfigError, TrainMoverError
 
@@ -96,6 +97,7 @@ def main(argv=None) -> int:
                    help="a warm successor (controller/keeper.py): bind, start the controller idle, and take the job "
                         "over on `takeover <attempt>` read from stdin (EOF: not needed, exit 0)")
     args = p.parse_args(argv)
+    files.private_umask()  # the job's files are its user's alone (docs/security.md)
     logging.basicConfig(level=os.environ.get("TM_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     try:
@@ -108,7 +110,8 @@ def main(argv=None) -> int:
     from trainmover.slurm.client import CliSlurm
     slurm = CliSlurm()
     job = slurm.job(job_id)
-    root = Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id))
+    # verified first: a run directory someone else planted (with a final.json saying "done") is refused
+    root = files.private_dir(Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id)))
     try:
         with user_code("construction"):  # constructing the workload runs the user's code
             preflight(cfg)  # options the workload does not take, TM_CHECK_WORKLOAD: before anything starts

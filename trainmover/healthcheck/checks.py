@@ -57,23 +57,38 @@ def check_disk(paths: Sequence[str], min_free_gb: float,
 def straggler_findings(node: str, statuses: Sequence[dict]) -> list[Finding]:
     """The controllers' straggler verdicts about `node`, from the status of each TrainMover job
     running there (`runs/<job>/status.json`). Only `report` mode is a fault here: in `evict`
-    mode the controller moves the node's ranks itself."""
+    mode the controller moves the node's ranks itself.
+
+    Those files are written by the jobs' users, any of whom could name this node: as root this
+    check runs only when the operator asks for it (`--straggler`; docs/security.md)."""
     out = []
     for st in statuses:
-        verdict = st.get("straggler") or {}
+        if not isinstance(st, dict):
+            continue
+        verdict = st.get("straggler")
+        if not isinstance(verdict, dict):
+            continue
         if verdict.get("mode") == "report" and verdict.get("target") == node:
-            out.append(Finding("straggler", False, f"job {st.get('job_id')}: {verdict.get('verdict', '')}"))
+            out.append(Finding("straggler", False, f"job {st.get('job_id')}: {str(verdict.get('verdict', ''))[:200]}"))
     return out
 
 
+STATUS_MAX_BYTES = 1 << 20  # a controller's status.json is a few KiB
+
+
 def read_statuses(jobs: Sequence[tuple[int, str]]) -> list[dict]:
-    """status.json of each (job id, work dir) that is a TrainMover job; others are skipped."""
+    """status.json of each (job id, work dir) that is a TrainMover job; others are skipped.
+    The files are the jobs' users': read without following a final link, without blocking on
+    a FIFO, at most STATUS_MAX_BYTES; anything odd (a list, bad JSON) is skipped, never raised."""
     import json
+    from trainmover.control import files
     out = []
     for job, work_dir in jobs:
         path = Path(work_dir) / "runs" / str(job) / "status.json"
         try:
-            out.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
+            status = json.loads(files.read_limited(path, STATUS_MAX_BYTES))
+        except (OSError, ValueError, RecursionError):
             continue  # not a TrainMover job, or its status is being replaced: nothing to say
+        if isinstance(status, dict):
+            out.append(status)
     return out

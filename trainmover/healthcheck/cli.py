@@ -42,7 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-free-gb", type=float, default=1.0, help="least free space per --disk path (default 1)")
     p.add_argument("--no-drain", action="store_true", help="report only (for NHC, which drains by itself)")
     p.add_argument("--no-gpu", action="store_true", help="skip the GPU checks")
-    p.add_argument("--no-straggler", action="store_true",
+    p.add_argument("--straggler", dest="straggler", action="store_true", default=None,
+                   help="read the TrainMover controllers' straggler verdicts about this node (default: on, except "
+                        "as root: those files are the jobs' users', so root trusts them only when told: "
+                        "docs/security.md)")
+    p.add_argument("--no-straggler", dest="straggler", action="store_false",
                    help="skip the TrainMover controllers' straggler verdicts about this node")
     p.add_argument("--gpu-source", type=_source, default="auto", metavar="SOURCE",
                    help="auto (DCGM where dcgmi is installed, else NVML), nvml, dcgm, or file:PATH "
@@ -68,7 +72,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     opts = Options(node=node, state_dir=Path(args.state_dir), min_free_gb=args.min_free_gb,
                    disk_paths=tuple(args.disk) if args.disk else Options.disk_paths,
-                   drain=not args.no_drain, gpu=not args.no_gpu, straggler=not args.no_straggler,
+                   drain=not args.no_drain, gpu=not args.no_gpu,
+                   straggler=args.straggler if args.straggler is not None else os.geteuid() != 0,
                    gpu_source=args.gpu_source, policy=Policy(rates=rates),
                    drain_notices=Path(args.drain_notices) if args.drain_notices else None)
     report = run(opts)

@@ -35,7 +35,7 @@ class Options:
     deadline_s: float = 6.0        # all checks together
     slurm_timeout_s: float = 1.5   # each Slurm command
     gpu: bool = True
-    straggler: bool = False        # ask the TrainMover jobs on the node (the CLI turns it on)
+    straggler: bool = False        # ask the TrainMover jobs on the node (the CLI turns it on unless root)
     gpu_source: str = "auto"       # source.SPECS
     policy: Policy = field(default_factory=Policy)  # rate thresholds and window, critical XIDs
     drain_notices: Optional[Path] = None  # where a drain is announced to the jobs (notify.py)
@@ -115,6 +115,11 @@ def _straggler_checks(opts: Options) -> list[Finding]:
     return checks.straggler_findings(opts.node, checks.read_statuses(jobs))
 
 
+# Checks that read what users write (their jobs' files): an error or a timeout there says
+# nothing about the node, so it is "skipped", never a fault (a FIFO, a hung mount, bad JSON).
+USER_DATA_CHECKS = frozenset({"straggler"})
+
+
 def collect(opts: Options, extra: Sequence[tuple[str, Callable[[], list[Finding]]]] = (),
             gpu_check: Optional[GpuCheck] = None) -> list[Finding]:
     hook = gpu_check.hook if gpu_check else inject.read_hook(opts.state_dir, opts.node)
@@ -134,7 +139,8 @@ def collect(opts: Options, extra: Sequence[tuple[str, Callable[[], list[Finding]
         try:
             results[name] = fn()
         except Exception as exc:  # a broken check is reported, not hidden
-            results[name] = [Finding(name, False, f"check failed: {type(exc).__name__}: {exc}")]
+            results[name] = [Finding(name, False, f"check failed: {type(exc).__name__}: {exc}",
+                                     skipped=name in USER_DATA_CHECKS)]
 
     # Daemon threads: a check stuck in a driver call must not keep the process alive.
     threads = [(name, threading.Thread(target=work, args=(name, fn), daemon=True, name=f"healthcheck-{name}"))
@@ -145,7 +151,8 @@ def collect(opts: Options, extra: Sequence[tuple[str, Callable[[], list[Finding]
     for name, t in threads:
         t.join(timeout=max(0.0, deadline - time.monotonic()))
         if t.is_alive():
-            out.append(Finding(name, False, f"check did not finish within {opts.deadline_s:g}s"))
+            out.append(Finding(name, False, f"check did not finish within {opts.deadline_s:g}s",
+                               skipped=name in USER_DATA_CHECKS))
         else:
             out += results[name]
     return out

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from trainmover.errors import MigrationError
+from trainmover.control import files
 from trainmover.control.checkpoints import fsync_dir, rank_file, read_manifest
 from trainmover.runtime import transfer
 
@@ -39,9 +40,9 @@ def write_rank(root: Path, step: int, rank: int, state: dict) -> dict:
     import h5py
     t0 = time.perf_counter()
     path = rank_file(root, step, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=files.DIR_MODE)
     manifest, tensors, digest = transfer.pack(state)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = files.temp_path(path)  # a unique 0600 name: never a planted link
     with h5py.File(tmp, "w") as f:
         f.create_dataset("manifest", data=np.frombuffer(manifest, dtype=np.uint8))
         for i, t in enumerate(tensors):
@@ -55,11 +56,12 @@ def write_rank(root: Path, step: int, rank: int, state: dict) -> dict:
     return {"path": str(path), "digest": digest, "bytes": nbytes, "seconds": time.perf_counter() - t0}
 
 
-def read_rank(root: Path, step: int, rank: int, like: dict | None = None) -> dict:
+def read_rank(root: Path, step: int, rank: int, key: bytes, like: dict | None = None) -> dict:
     """Rank `rank`'s state of the complete checkpoint `step`, verified against the file's and the
-    manifest's checksum; NaN or Inf refused. Every failure is a MigrationError naming the file."""
+    manifest's checksum (the manifest sealed with the job's `key`); NaN or Inf refused. Every
+    failure is a MigrationError naming the file."""
     import h5py
-    expected = read_manifest(root, step)["digests"].get(str(rank))
+    expected = read_manifest(root, step, key)["digests"].get(str(rank))
     path = rank_file(root, step, rank)
     if expected is None:
         raise MigrationError(f"checkpoint of step {step} has no file of rank {rank}", phase="recover", rank=rank)

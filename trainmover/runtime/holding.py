@@ -42,6 +42,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from trainmover.control.store import AuthStore
 from trainmover.errors import MigrationError
 from trainmover.runtime import capture, transfer
 from trainmover.runtime.groups import gloo_group
@@ -57,9 +58,10 @@ def ward_prefix(prefix: str, rank: int) -> str:
     return f"{prefix}r{rank}/"
 
 
-def _client(store_addr: tuple[str, int], timeout_s: float) -> dist.TCPStore:
-    return dist.TCPStore(store_addr[0], store_addr[1], is_master=False, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
+def _client(store_addr: tuple[str, int], timeout_s: float, key: bytes) -> AuthStore:
+    """A store client of this side's own, its values tagged with the job's key (control/store.py)."""
+    return AuthStore(dist.TCPStore(store_addr[0], store_addr[1], is_master=False, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=timeout_s)), key)
 
 
 def _wait_key(store, key: str, deadline: float, stop: threading.Event | None = None, poll_s: float = 0.01) -> bool:
@@ -81,8 +83,9 @@ def _sendable(views: list[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
 class StandbyLink:
     """The worker's side: sends each captured version to its standby holder (member 0)."""
 
-    def __init__(self, store_addr, prefix: str, rank: int, holder: str, host: str, timeout_s: float):
+    def __init__(self, store_addr, prefix: str, rank: int, holder: str, host: str, timeout_s: float, *, key: bytes):
         self.prefix, self.rank, self.holder, self.timeout_s = ward_prefix(prefix, rank), rank, holder, timeout_s
+        self.key = key
         self.version = 0
         self.pair = None
         self.error = ""
@@ -93,7 +96,7 @@ class StandbyLink:
 
     def _build(self, store_addr, host) -> None:
         try:
-            self.store = _client(store_addr, self.timeout_s)
+            self.store = _client(store_addr, self.timeout_s, self.key)
             self.pair = gloo_group(self.store, self.prefix + "pair/", 0, 2, host=host,
                                    timeout=datetime.timedelta(seconds=self.timeout_s))
             KEPT.append(self.pair)
@@ -154,9 +157,10 @@ class Holding:
     """The standby's side: receives the versions of ward rank `ward` (member 1) into slabs of its
     own, keeps the newest 2 complete ones and reports each (`report(ward, steps, detail)`)."""
 
-    def __init__(self, store_addr, prefix: str, ward: int, host: str, timeout_s: float, report,
+    def __init__(self, store_addr, prefix: str, ward: int, host: str, timeout_s: float, report, *, key: bytes,
                  verify_on: str | None = None, layout: list | None = None):
         self.prefix, self.ward, self.timeout_s, self.report = ward_prefix(prefix, ward), ward, timeout_s, report
+        self.key = key
         self.verify_on = verify_on if verify_on == "cuda" and torch.cuda.is_available() else None
         self.pin = self.verify_on is not None
         self.held: dict[int, Held] = {}
@@ -224,7 +228,7 @@ class Holding:
 
     def _run(self, store_addr, host) -> None:
         try:
-            store = _client(store_addr, self.timeout_s)
+            store = _client(store_addr, self.timeout_s, self.key)
             pair = gloo_group(store, self.prefix + "pair/", 1, 2, host=host,
                               timeout=datetime.timedelta(seconds=self.timeout_s))
             KEPT.append(pair)

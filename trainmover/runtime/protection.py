@@ -96,7 +96,7 @@ class Protection:
         keeper.standby = None
         if msg["holder"] and self.rank in msg["wards"]:
             keeper.standby = holding.StandbyLink(tuple(self.spec.store), msg["prefix"], self.rank, msg["holder"],
-                                                 self.spec.node_addr, self.spec.group_timeout_s)
+                                                 self.spec.node_addr, self.spec.group_timeout_s, key=self.key)
             log.info("snapshots of rank %d go to standby %s", self.rank, msg["holder"])
 
     def hold_for(self, msg: dict) -> None:
@@ -114,7 +114,7 @@ class Protection:
         # the worker's state has this standby's own layout (same rank, same model): slabs allocated now
         _, paths, tensors = capture.flatten(self.full_state(0))
         self.holding = holding.Holding(tuple(self.spec.store), msg["prefix"], ward, self.spec.node_addr,
-                                       self.spec.group_timeout_s, report, verify_on=self.device,
+                                       self.spec.group_timeout_s, report, key=self.key, verify_on=self.device,
                                        layout=capture.specs_of(paths, tensors))
         log.info("holding the snapshots of rank %d", ward)
 

@@ -152,7 +152,7 @@ def _from_checkpoint(agent, msg: dict, role: str) -> dict:
     step = msg["step"]
     if agent.snapshots is not None:
         agent.snapshots.rolled_back(step)
-    return _roll_back(agent, role, lambda: checkpoint.read_rank(Path(agent.spec.checkpoint_dir), step, agent.rank))
+    return _roll_back(agent, role, lambda: checkpoint.read_rank(Path(agent.spec.checkpoint_dir), step, agent.rank, agent.key))
 
 
 STATE_FROM = {"replica": _from_replica, "snapshot": _from_snapshot, "checkpoint": _from_checkpoint}

@@ -32,9 +32,10 @@ import torch
 import torch.distributed as dist
 
 from trainmover import faults
-from trainmover.control import channel, endpoint
+from trainmover.control import channel, endpoint, files
 from trainmover.control.messages import make
 from trainmover.control.spec import WorkerSpec
+from trainmover.control.store import AuthStore
 from trainmover.runtime import checkpoint, heartbeat, phase1, rng, snapshot, transfer, usercode
 from trainmover.runtime.groups import CONTROL, SNAPSHOT, Revoked, SandboxBackend, SwappableGroup, gloo_group
 from trainmover.runtime.link import Link
@@ -67,9 +68,9 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
         self.device, self.backend = spec.resolved()
         if self.device == "cuda":
             torch.cuda.set_device(local_index % torch.cuda.device_count())
+        self.key = channel.read_secret(spec.secret_file)  # once: kept for the process's life
         self.store_addr = tuple(spec.store)  # moves with the controller (see _controller_address)
-        self.store = dist.TCPStore(spec.store[0], spec.store[1], is_master=False,
-                                   timeout=self.timeout, wait_for_workers=False)
+        self.store = self._store_client(*spec.store)
         # what a restarted controller is told (see resync_messages)
         self.state = "training" if self.role == "worker" else "starting"
         self.joining = 0        # a standby: the epoch it is joining
@@ -81,7 +82,7 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
         self.groups: dict[str, SwappableGroup] = {}
         self.train_thread = threading.get_native_id()  # the heartbeat reports its CPU time
         # From this node's address, as every connection of the node: a node is its address.
-        self.link = Link(tuple(spec.controller), channel.read_secret(spec.secret_file), self._hello,
+        self.link = Link(tuple(spec.controller), self.key, self._hello,
                          self.resync_messages, self._on_control, connect_timeout=spec.group_timeout_s,
                          reconnect_timeout=spec.reconnect_timeout_s, on_gone=self._controller_gone,
                          source=spec.node_addr, where=self._controller_address,
@@ -133,18 +134,23 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
         """Where the controller is now (asked by the link before each reconnection attempt):
         controller.json names a successor on another node together with its rendezvous store,
         to which this process's store client then moves (groups already built need no store)."""
-        ep = endpoint.read(self.spec.controller_file) if self.spec.controller_file else None
-        if ep is None:
+        ep = endpoint.read(self.spec.controller_file, self.key) if self.spec.controller_file else None
+        if ep is None:  # none, or not sealed with the job's key: stay where we are
             return self.link.address
         if ep.store != self.store_addr:
             try:
-                self.store = dist.TCPStore(ep.store_host, ep.store_port, is_master=False, timeout=self.timeout,
-                                           wait_for_workers=False)
+                self.store = self._store_client(ep.store_host, ep.store_port)
                 self.store_addr = ep.store
                 log.info("rendezvous store moved to %s:%d", *ep.store)
             except (RuntimeError, dist.DistStoreError) as exc:  # not listening yet: next attempt
                 log.info("rendezvous store at %s:%d not reachable yet: %s", *ep.store, exc)
         return ep.address
+
+    def _store_client(self, host: str, port: int) -> AuthStore:
+        """A client of the job's rendezvous store whose every value is tagged with the job's key
+        (control/store.py): nobody else can cancel, misdirect or feed a migration through it."""
+        return AuthStore(dist.TCPStore(host, port, is_master=False, timeout=self.timeout, wait_for_workers=False),
+                         self.key)
 
     def _beat(self, now: float) -> dict:
         """What the heartbeat thread says of this process (runtime/heartbeat.py)."""
@@ -241,8 +247,7 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
 
         def build(name: str, prefix: str, grank: int, size: int):
             if not clients:  # made in the Phase 1 thread: a connect is off the training path
-                clients.append(dist.TCPStore(self.store_addr[0], self.store_addr[1], is_master=False,
-                                             timeout=self.timeout, wait_for_workers=False))
+                clients.append(self._store_client(*self.store_addr))
             return self.build_backend(name, prefix, grank, size, store=clients[0])
         return build
 
@@ -316,6 +321,7 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
         return self.standby()
 
 def main() -> int:
+    files.private_umask()  # what this rank writes (logs, recordings, checkpoints) is its user's alone
     logging.basicConfig(level=os.environ.get("TM_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(name)s[" + os.environ.get("SLURMD_NODENAME", "?") + "] %(message)s")
     torch.set_num_threads(1)  # determinism and fair sharing of the node's cores

@@ -80,7 +80,9 @@ def jobs_on_node(node: str) -> list[str]:
 
 
 def jobs_named(name: str) -> list[str]:
-    return ["squeue", "-h", f"--name={name}", "-o", "%i"]
+    """This user's jobs named `name` (--me: a job of someone else's that took the name is never
+    touched, even when root or an operator runs this)."""
+    return ["squeue", "-h", "--me", f"--name={name}", "-o", "%i"]
 
 
 def scancel(job_ids: Sequence[int]) -> list[str]:

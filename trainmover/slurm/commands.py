@@ -83,6 +83,9 @@ def exec_prefix(env: Mapping[str, str]) -> list[str]:
     cached = _exec_cache.get(path)
     if cached and cached[0] == mtime:
         return cached[1]
+    why = untrusted(path)
+    if why:  # its prefix would run as whoever runs this (root, for the health check)
+        raise SlurmError(f"{path} not used: {why}")
     try:
         with open(path) as f:
             spec = json.load(f)
@@ -95,6 +98,30 @@ def exec_prefix(env: Mapping[str, str]) -> list[str]:
     with _lock:
         _exec_cache[path] = (mtime, prefix)
     return prefix
+
+
+def untrusted(path: str) -> str:
+    """Why `path` cannot be trusted to say what to run ('' if it can): it and every directory
+    above it must belong to root (or to this process's own user, who could run anything anyway)
+    and be writable by nobody else (a sticky directory such as /tmp excepted, above the file)."""
+    me = os.geteuid()
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return str(exc)
+    if st.st_uid not in (0, me) or st.st_mode & 0o022:
+        return f"it belongs to uid {st.st_uid} or is writable by group or others"
+    d = os.path.dirname(os.path.abspath(path))
+    while True:
+        try:
+            st = os.stat(d)
+        except OSError as exc:
+            return str(exc)
+        if st.st_uid not in (0, me) or (st.st_mode & 0o022 and not st.st_mode & 0o1000):
+            return f"{d} belongs to uid {st.st_uid} or is writable by group or others"
+        if d == "/":
+            return ""
+        d = os.path.dirname(d)
 
 
 def _execute(argv: list[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess:

@@ -76,13 +76,47 @@ def parse_nodes_text(text: str) -> dict[str, NodeInfo]:
     return out
 
 
+# The job's own free text (JobName, the 2nd field; Command, WorkDir, Comment, StdOut... at the
+# end) may hold "Key=value" look-alikes: a job named `x NodeList=evil[1-2] BatchHost=evil1` must
+# not move where TrainMover thinks the job runs. Slurm prints JobName right before this run of
+# fields, in this order, in every release:
+_AFTER_NAME = ("UserId", "GroupId", "MCS_label")
+_TAIL_KEYS = ("WorkDir",)  # the free-text fields read from the end of the line
+
+
+def parse_job_fields(line: str) -> dict[str, str]:
+    """The fields of one `scontrol -o show job` line, none taken from the job's own free text:
+    JobName ends where the one run UserId= GroupId= MCS_label= starts; every other field is its
+    first occurrence after that (the free-text fields Command, WorkDir, StdOut... come after
+    all of Slurm's own), and WorkDir must occur there once. A line where the job's text
+    imitates that run, or WorkDir, cannot be read safely: SlurmError, never a guess."""
+    matches = list(_KEY.finditer(line))
+    keys = [m.group(1) for m in matches]
+    runs = [i for i in range(len(keys) - 2) if tuple(keys[i:i + 3]) == _AFTER_NAME]
+    if len(runs) != 1 or keys[:2] != ["JobId", "JobName"]:
+        raise SlurmError(f"job line not in Slurm's field order (the job's name or text imitates it?): {line[:200]!r}")
+    start = runs[0]
+    out = {"JobId": line[matches[0].end():matches[1].start()].strip(),
+           "JobName": line[matches[1].end():matches[start].start()].strip()}
+    later = matches[start:]
+    for m, nxt in zip(later, later[1:] + [None]):
+        key = m.group(1)
+        value = line[m.end():nxt.start() if nxt else len(line)].strip()
+        if key in _TAIL_KEYS and key in out:
+            raise SlurmError(f"job line holds {key}= twice after its name (its command or output path imitates "
+                             f"a field?): {line[:200]!r}")
+        out.setdefault(key, value)
+    return out
+
+
 def parse_job_text(text: str) -> JobInfo:
     """Parse `scontrol -o show job J` (the first line; later lines are further
-    components of an array or heterogeneous job)."""
+    components of an array or heterogeneous job). No field comes from the job's own
+    name, comment or command (parse_job_fields)."""
     line = next((ln for ln in text.splitlines() if ln.startswith("JobId=")), None)
     if line is None:
         raise SlurmError(f"no job in scontrol output: {text[:200]!r}")
-    kv = parse_kv(line)
+    kv = parse_job_fields(line)
     nodelist = _null(kv.get("NodeList"))
     return JobInfo(
         job_id=_int(kv.get("JobId")),

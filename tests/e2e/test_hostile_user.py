@@ -1,0 +1,206 @@
+"""Another user against a job on the same cluster (docs/security.md), for real: JOB_USER's demo
+job on the embedded Slurm cluster, OTHER_USER (an ordinary user, no Slurm rights) attacking it
+with what they can reach, root's health check run as slurmd would run it.
+
+The attacks, each of which must fail while the job migrates off a drained node and completes
+bit-exactly (equal to an uninterrupted run of the same template), nothing drained but the
+test's own node and nothing lost:
+
+* a `runs/<job>` planted before the job: in JOB_USER's submit directory OTHER_USER cannot make
+  one; in a shared sticky directory they can, with a final.json saying "done", and that job
+  refuses it (a clear error, exit 2) instead of ending "COMPLETED" untrained;
+* a forged `status.json` of OTHER_USER's own job naming its node a straggler: root's health
+  check stays healthy and drains nothing (the negative control: told to trust the jobs'
+  verdicts, it would call it a fault);
+* forged values on every rendezvous key a migration uses, planted again and again;
+* 1,000 connections held open on the controller's port that never authenticate, during the
+  drain migration (reopened when dropped; bounded in count and time);
+* a spoofing job name (`x NodeList=evil[1-2] BatchHost=evil1 WorkDir=/tmp/a`), and a held
+  job named like the attacked job's donor requests (trainmover-donor-<job>).
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import (DRAIN_PREFIX, OTHER_USER, TEST_JOB_PREFIX, as_user, assert_runs_as_user, job_ended,
+                                user_dir, wait_for)
+from tests.e2e.test_migration import (STEPS, TEMPLATE, Run, assert_same_training, leaver_of, start_training)
+from trainmover.cluster.users import host_account
+from trainmover.slurm import commands
+from trainmover.slurm import argv as build
+
+pytestmark = pytest.mark.slurm
+
+ROOT = Path(__file__).resolve().parents[2]
+DRAIN_REASON = f"{DRAIN_PREFIX} hostile"
+SPOOF_NAME = "x NodeList=evil[1-2] BatchHost=evil1 WorkDir=/tmp/a"
+CONNS = 1000
+
+
+@pytest.fixture
+def env(slurm_cluster, job_user):
+    base = {**os.environ, "SLURM_CONF": str(slurm_cluster.slurm_conf), "TM_PYTHON": sys.executable,
+            "PYTHONPATH": str(ROOT)}
+    return {k: v for k, v in base.items() if not k.startswith("TM_") or k == "TM_PYTHON"}
+
+
+def submit(env: dict, workdir: Path, name: str, *extra: str, user: str | None = None, **tm_env) -> Run:
+    job_env = {**env, "TM_STEPS": str(STEPS), **{k: str(v) for k, v in tm_env.items()}}
+    out = as_user(["sbatch", "--parsable", f"--job-name={TEST_JOB_PREFIX}{name}", f"--chdir={workdir}", *extra,
+                   str(TEMPLATE)], job_env, **({"user": user} if user else {})).stdout
+    return Run(int(out.strip().split(";")[0]), workdir, job_env)
+
+
+def as_other(argv: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(["runuser", "-u", OTHER_USER, "--", *argv], capture_output=True, text=True, timeout=30, **kw)
+
+
+def chown_other(*paths: Path) -> None:
+    acct = host_account(OTHER_USER)
+    for p in paths:
+        os.chown(p, acct.uid, acct.gid, follow_symlinks=False)
+
+
+def private_tree(root: Path) -> list[str]:
+    """Paths under `root` that another user could read or write (dirs not 0700, files not 0600)."""
+    bad = []
+    for p in [root, *root.rglob("*")]:
+        mode = stat.S_IMODE(p.lstat().st_mode)
+        if p.is_dir() and mode != 0o700 or p.is_file() and mode != 0o600:
+            bad.append(f"{p} {mode:o}")
+    return bad
+
+
+def test_another_user_can_neither_read_change_nor_steer_a_job(env, slurm_client, tmp_path):
+    ids: list[int] = []
+    attacker = None
+    leaver = None
+    drained_before = {n: i.reason for n, i in slurm_client.nodes().items() if i.drained or i.draining}
+    try:
+        # --- a run directory planted before the job -----------------------------------------
+        home = user_dir("hostile")  # JOB_USER's submit directory, 0700
+        probe = as_other(["mkdir", "-p", str(home / "runs" / "1")])
+        assert probe.returncode != 0 and "Permission denied" in probe.stderr, probe
+        shared = user_dir("shared")  # a site's shared scratch: sticky and writable by all
+        os.chown(shared, 0, 0)
+        shared.chmod(0o1777)
+        (shared / "runs").mkdir()
+        (shared / "runs").chmod(0o1777)
+        refused = submit(env, shared, "planted", "--hold", "--nodes=2", "--constraint=[tm_keeper*1&tm_train*1]")
+        ids.append(refused.job_id)
+        planted = shared / "runs" / str(refused.job_id)
+        assert as_other(["mkdir", "-m", "0777", str(planted)]).returncode == 0
+        forged_final = json.dumps({"job_id": refused.job_id, "steps": STEPS, "digest": "0" * 64})
+        for name, text in (("final.json", forged_final), ("status.json", json.dumps({"outcome": {"ok": True}}))):
+            assert as_other(["sh", "-c", f"cat > {planted / name}"], input=text).returncode == 0
+        as_user(["scontrol", "release", str(refused.job_id)], env)
+
+        # --- the uninterrupted reference, beside it ------------------------------------------
+        reference = submit(env, user_dir("hostile-ref"), "hostile-ref")
+        ids.append(reference.job_id)
+        assert refused.wait_done(slurm_client, timeout=120) == "FAILED", refused.slurm_out()[-2000:]
+        out = refused.slurm_out()
+        assert f"belongs to uid {host_account(OTHER_USER).uid}" in out and "Refusing to use it" in out, out[-2000:]
+        assert sorted(p.name for p in planted.iterdir()) == ["final.json", "status.json"]  # nothing of the job's
+        assert (planted / "final.json").read_text() == forged_final
+        assert reference.wait_done(slurm_client, timeout=240) == "COMPLETED", reference.slurm_out()[-3000:]
+
+        # --- the attacked job ----------------------------------------------------------------
+        run = submit(env, home, "hostile")
+        ids.append(run.job_id)
+        start_training(run, slurm_client)  # also: JOB_USER's, no process of it root's
+        assert private_tree(run.dir) == [], "the run directory is the job's user's alone"
+        assert as_other(["cat", str(run.dir / "secret")]).returncode != 0
+
+        # OTHER_USER's own job on the free training node: a spoofing name, a forged status.json
+        theirs = user_dir("theirs", user=OTHER_USER)
+        sleeper = as_user(["sbatch", "--parsable", f"--job-name={SPOOF_NAME}", "--nodes=1", "--constraint=tm_train",
+                           f"--chdir={theirs}", "--wrap", "sleep 600"], env, user=OTHER_USER).stdout
+        their_job = int(sleeper.strip().split(";")[0])
+        donor_like = as_user(["sbatch", "--parsable", "--hold", f"--job-name={build.donor_name(run.job_id)}",
+                              f"--chdir={theirs}", "--wrap", "sleep 1"], env, user=OTHER_USER).stdout
+        donor_like_id = int(donor_like.strip().split(";")[0])
+        ids += [their_job, donor_like_id]
+        wait_for("the other user's job to run", lambda: slurm_client.job(their_job).state == "RUNNING", timeout=60)
+        info = slurm_client.job(their_job)  # real scontrol output: the name spoofs no field
+        their_node = info.batch_host
+        assert info.nodes == (their_node,) and not their_node.startswith("evil"), info
+        assert info.work_dir == str(theirs) and info.name == SPOOF_NAME
+        forged = theirs / "runs" / str(their_job)
+        forged.mkdir(parents=True)
+        (forged / "status.json").write_text(json.dumps({"job_id": their_job, "straggler": {
+            "mode": "report", "target": their_node, "verdict": "forged: 99% slower"}}))
+        chown_other(forged.parent, forged, forged / "status.json")
+
+        # root's health check as slurmd runs it (isolated Python, nothing but the node's name)
+        def healthcheck(*args):
+            return subprocess.run(["env", "-i", f"SLURM_CONF={env['SLURM_CONF']}", f"SLURMD_NODENAME={their_node}",
+                                   "PATH=/usr/sbin:/usr/bin:/sbin:/bin", sys.executable, "-I", "-m", "trainmover.cli",
+                                   "healthcheck", "--node", their_node, "--no-gpu", "--state-dir", str(tmp_path),
+                                   *args], capture_output=True, text=True, timeout=30, cwd="/")
+        check = healthcheck()
+        assert check.returncode == 0 and "healthy" in check.stdout, check.stdout + check.stderr
+        control = healthcheck("--straggler", "--no-drain")  # negative control: the forgery is there
+        assert control.returncode == 1 and f"straggler: FAULT: job {their_job}: forged" in control.stdout, control.stdout
+        assert not slurm_client.nodes([their_node])[their_node].drained
+
+        # the flood and the forged rendezvous values, from the other user
+        ep = json.loads((run.dir / "controller.json").read_text())  # what a port scan finds
+        report, stop = theirs / "attack.json", theirs / "stop"
+        attacker = subprocess.Popen(
+            ["runuser", "-u", OTHER_USER, "--", "env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "tests.e2e.hostile",
+             "--control", f"{ep['host']}:{ep['port']}", "--store", f"{ep['store_host']}:{ep['store_port']}",
+             "--conns", str(CONNS), "--reopen", "5", "--ranks", "3", "--seconds", "240", "--stop", str(stop),
+             "--out", str(report)],
+            cwd=str(theirs), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wait_for("the flood to be on", lambda: Path(f"{report}.started").exists() or attacker.poll() is not None,
+                 timeout=60)
+        assert attacker.poll() is None, attacker.communicate()[0][-2000:]
+        assert json.loads(Path(f"{report}.started").read_text())["opened"] >= CONNS * 0.95
+
+        # a drain migration under attack
+        wait_for("a warm standby", lambda: any(s["state"] == "ready" for s in run.status()["standbys"]),
+                 timeout=120, explain=run.explain)
+        leaver = leaver_of(run)
+        commands.run(["scontrol", "update", f"nodename={leaver}", "state=drain", f"reason={DRAIN_REASON}"],
+                     timeout=10, env=run.env)
+        wait_for("rank 1 to run on a standby", lambda: run.metrics()[-1]["nodes"][1] != leaver, timeout=60,
+                 interval=0.2, explain=run.explain)
+        assert run.wait_done(slurm_client, timeout=240) == "COMPLETED", run.slurm_out()[-3000:]
+        stop.touch()
+        attacker.wait(timeout=30)
+        did = json.loads(report.read_text())
+        assert did["opened"] >= CONNS and did["dropped_by_server"] >= CONNS * 0.9, did
+        assert did["drops_within_s"][-1] < 15, "no unauthenticated connection outlives the handshake deadline"
+        assert did["store_claims"] > 0, did
+
+        (m,) = run.status()["migrations"]
+        assert (m["leaver"], m["trigger"], m["state"]) == (leaver, "drain", "done"), m
+        assert slurm_client.job(run.job_id).restart_count == 0
+        assert_same_training(run, reference)  # every step once, losses and final digest equal
+        logs = "".join(p.read_text(errors="replace") for p in run.dir.glob("*.log"))
+        assert "holds a value not written by this job" in logs, "the forged rendezvous values reached the job"
+        assert private_tree(run.dir) == []
+        drained = {n: i.reason for n, i in slurm_client.nodes().items() if i.drained or i.draining}
+        assert drained == {**drained_before, leaver: DRAIN_REASON}, drained  # root's health check drained nothing
+        assert not job_ended(slurm_client, donor_like_id)  # the other user's job is not the donor clean-up's
+        print(f"\nflood: {did['opened']} connections opened, {did['dropped_by_server']} dropped by the server "
+              f"(longest held {did['drops_within_s'][-1]:.1f}s); {did['store_claims']} forged store claims; "
+              f"migration downtime {m['downtime_s']:.3f}s")
+    finally:
+        if attacker is not None and attacker.poll() is None:
+            attacker.kill()
+        if ids:
+            commands.run(["scancel", *map(str, ids)], timeout=10, env=env, check=False)
+            wait_for("the test's jobs to end", lambda: all(job_ended(slurm_client, j) for j in ids), timeout=90,
+                     interval=1.0)
+        if leaver is not None:
+            slurm_client.resume(leaver)

@@ -1,0 +1,176 @@
+"""A job's files on a shared filesystem, made and read so that other users can neither read,
+replace nor plant them (docs/security.md).
+
+* `private_dir`: the run directory `runs/<job>` is the job's user's, mode 0700. One that
+  exists already and belongs to someone else, is a symbolic link, or is writable by group or
+  others is refused with a clear error (job ids are sequential: another user can create
+  `runs/<next id>` before the job starts and plant files in it).
+* `write_atomic` / `open_append`: files are 0600, temporaries get unique names (mkstemp: in the
+  same directory, O_EXCL, 0600) and are renamed over the target; nothing follows a symbolic link
+  (O_NOFOLLOW), so a link planted where a file will be written is an error, not a redirection.
+* `seal` / `unseal`: a JSON record authenticated with the job's key (HMAC-SHA256 over a
+  purpose label and the canonical JSON), for files that steer the job (controller.json,
+  checkpoint manifests).
+* `read_limited`: a bounded read of a file someone else may control (a FIFO, a huge file or a
+  link is refused at once, without blocking).
+
+The module has no policy beyond "refuse": callers decide what a refusal means.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+from trainmover.errors import ConfigError, ProtocolError
+
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+
+class UnsafePath(ConfigError):
+    """A path that someone other than the job's user could have made or can change."""
+
+
+def private_umask() -> None:
+    """Every file and directory this process creates is its user's alone (logs, recordings and
+    checkpoints that libraries such as h5py open by name included)."""
+    os.umask(0o077)
+
+
+def _trusted_owner(uid: int) -> bool:
+    return uid == os.geteuid() or uid == 0
+
+
+def check_parents(path: Path, levels: int | None = None) -> None:
+    """The directories above `path` (all, or the nearest `levels`) must be root's or ours, and not
+    writable by others unless sticky (/tmp): else another user could move our directory away and
+    put theirs in its place."""
+    for parent in list(Path(os.path.abspath(path)).parents)[:levels]:
+        try:
+            st = os.stat(parent)
+        except OSError as exc:
+            raise UnsafePath(f"cannot inspect {parent}: {exc}") from exc
+        writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        if not _trusted_owner(st.st_uid) or (writable and not st.st_mode & stat.S_ISVTX):
+            raise UnsafePath(f"{parent} (above {path}) belongs to uid {st.st_uid} or is writable by others: "
+                             "a job's files are not kept under a directory another user controls")
+
+
+def private_dir(path: Path, *, parents: bool = True) -> Path:
+    """Make `path` (0700, ours) or accept an existing one only if it is a real directory, ours,
+    and not writable by group or others (its mode is then tightened to 0700)."""
+    path = Path(path)
+    if parents:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+    try:
+        os.mkdir(path, DIR_MODE)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise UnsafePath(f"{path} is not a directory (a symbolic link or a file): refusing to use it as a job's "
+                         "run directory")
+    if st.st_uid != os.geteuid():
+        raise UnsafePath(f"{path} belongs to uid {st.st_uid}, not to this job's user (uid {os.geteuid()}): someone "
+                         "made it before the job started. Refusing to use it: remove it, or set TM_RUN_DIR")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafePath(f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}): its files "
+                         "could have been planted. Refusing to use it: remove it, or set TM_RUN_DIR")
+    check_parents(path, levels=1)  # runs/ itself: nobody else may swap our directory
+    if stat.S_IMODE(st.st_mode) != DIR_MODE:
+        os.chmod(path, DIR_MODE)
+    return path
+
+
+def write_atomic(path: Path, data: bytes | str, *, fsync: bool = False) -> None:
+    """Replace `path` with `data` (0600): a unique temporary in the same directory, renamed over
+    the target (readers never see half a file; a planted `.x.tmp` link is never followed)."""
+    path = Path(path)
+    if isinstance(data, str):
+        data = data.encode()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # O_EXCL, 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def temp_path(path: Path) -> Path:
+    """A fresh, unique, empty 0600 file beside `path` for a library that writes by name (h5py);
+    the caller renames it over `path` (os.replace) or removes it."""
+    fd, tmp = tempfile.mkstemp(dir=Path(path).parent, prefix=f".{Path(path).name}.", suffix=".tmp")
+    os.close(fd)
+    return Path(tmp)
+
+
+def open_append(path: Path, encoding: str = "utf-8", buffering: int = -1):
+    """A text file opened for appending, created 0600; a symbolic link there is an error."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    return os.fdopen(fd, "a", encoding=encoding, buffering=buffering)
+
+
+def read_limited(path: Path, max_bytes: int, *, owner: int | None = None) -> bytes:
+    """The bytes of a regular file of at most `max_bytes`, read without following a final
+    symbolic link and without blocking on a FIFO. `owner`: the uid it must belong to.
+    Raises OSError (the caller treats it as 'nothing to read')."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{path}: not a regular file")
+        if owner is not None and st.st_uid != owner:
+            raise OSError(f"{path}: belongs to uid {st.st_uid}, not {owner}")
+        if st.st_size > max_bytes:
+            raise OSError(f"{path}: {st.st_size} bytes, more than {max_bytes}")
+        chunks, left = [], max_bytes + 1
+        while left > 0:
+            chunk = os.read(fd, left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+        if len(data) > max_bytes:
+            raise OSError(f"{path}: more than {max_bytes} bytes")
+        return data
+    finally:
+        os.close(fd)
+
+
+# --- records authenticated with the job's key ------------------------------------------------
+
+def _mac(key: bytes, purpose: str, body: dict) -> str:
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(key, purpose.encode() + b"\0" + canon, hashlib.sha256).hexdigest()
+
+
+def seal(key: bytes, purpose: str, body: dict) -> dict:
+    """`body` with a `mac` field: HMAC-SHA256 under the job's key over `purpose` and the
+    canonical JSON (a record cannot be moved to another purpose, or changed, without the key)."""
+    if "mac" in body:
+        raise ValueError("a sealed record has no field of its own named 'mac'")
+    return {**body, "mac": _mac(key, purpose, body)}
+
+
+def unseal(key: bytes, purpose: str, record: object) -> dict:
+    """The body of a record `seal` made with `key` for `purpose`; ProtocolError otherwise."""
+    if not isinstance(record, dict) or not isinstance(record.get("mac"), str):
+        raise ProtocolError(f"{purpose}: record carries no MAC (not written by this job)")
+    body = {k: v for k, v in record.items() if k != "mac"}
+    if not hmac.compare_digest(record["mac"], _mac(key, purpose, body)):
+        raise ProtocolError(f"{purpose}: MAC does not match the job's key (changed or not written by this job)")
+    return body

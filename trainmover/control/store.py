@@ -1,0 +1,141 @@
+"""The job's rendezvous store with every value authenticated by the job's key.
+
+The store (a TCPStore on the controller's node) is reachable by anyone who can reach its port,
+and its address is no secret. Whoever could write to it could cancel a migration (the switch's
+`cancel` keys), forge a holder's verdict, overwrite the CPU tensors a joiner loads, or race
+gloo's and NCCL's address keys to receive the state stream. So every TrainMover process talks
+to it through `AuthStore`: `set` stores value || HMAC-SHA256(key, name || value) and every read
+(`get`, `check`, `wait`, `compare_set`) accepts a value only with a valid tag for that very
+name, under the full name the server sees (a PrefixStore above this one adds its prefix first,
+so gloo's own address keys, which go through `set`/`get`/`wait` of the store handed to
+ProcessGroupGloo, are covered too).
+
+A forged value is never used: a read waits (within its deadline) for a genuine one, and `check`
+says False. What the store cannot stop is someone deleting or overwriting the genuine value
+after it was set: that is a denial of service (the wait times out and the migration fails
+with a named error), never a misdirection (docs/security.md).
+
+`add` is refused: a counter cannot carry a tag, and no TrainMover code relies on one.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import logging
+import time
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+_TAG = 32
+_POLL_S = 0.02  # between reads of a key that holds a forged value
+
+
+class ForgedValue(RuntimeError):
+    """A value in the store that the job's key did not tag."""
+
+
+def _tag(key: bytes, name: str, value: bytes) -> bytes:
+    return hmac.new(key, b"trainmover store\0" + name.encode() + b"\0" + value, hashlib.sha256).digest()
+
+
+def seal(key: bytes, name: str, value: bytes) -> bytes:
+    return value + _tag(key, name, value)
+
+
+def open_value(key: bytes, name: str, raw: bytes) -> bytes:
+    """The value `seal` made for `name`; ForgedValue otherwise."""
+    if len(raw) < _TAG or not hmac.compare_digest(raw[-_TAG:], _tag(key, name, raw[:-_TAG])):
+        raise ForgedValue(f"rendezvous key {name!r} holds a value not written by this job (ignored)")
+    return raw[:-_TAG]
+
+
+def _bytes(value) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+class AuthStore(dist.Store):
+    """A `torch.distributed.Store` over `inner` (a TCPStore client) whose values are tagged with
+    the job's `key`; usable wherever a store is (PrefixStore, ProcessGroupGloo)."""
+
+    def __init__(self, inner: dist.Store, key: bytes):
+        super().__init__()
+        self.inner, self.key = inner, key
+        super().set_timeout(inner.timeout)
+        self.forged = 0  # forged values seen (tests, logs)
+        self._warned: set[str] = set()  # keys already logged (a poll loop would repeat it)
+
+    # --- writes ---------------------------------------------------------------------------
+    def set(self, name: str, value) -> None:
+        self.inner.set(name, seal(self.key, name, _bytes(value)))
+
+    def compare_set(self, name: str, expected, desired) -> bytes:
+        """As TCPStore.compare_set, on genuine values (a forged value reads as absent, empty):
+        `desired` is stored if the key's genuine value equals `expected`; returns the genuine
+        value held afterwards."""
+        expected, desired = _bytes(expected), _bytes(desired)
+        raw = self.inner.get(name) if self.inner.check([name]) else b""
+        current = (self._genuine(name, raw) or b"") if raw else b""
+        if current != expected:
+            return current
+        got = self.inner.compare_set(name, raw, seal(self.key, name, desired))  # atomic: raw unchanged
+        return (self._genuine(name, got) or b"") if got else b""
+
+    def add(self, name: str, amount: int) -> int:
+        raise NotImplementedError("AuthStore: counters cannot be authenticated; use set/get")
+
+    def delete_key(self, name: str) -> bool:
+        return self.inner.delete_key(name)
+
+    # --- reads ----------------------------------------------------------------------------
+    def _genuine(self, name: str, raw: bytes) -> bytes | None:
+        try:
+            return open_value(self.key, name, raw)
+        except ForgedValue as exc:
+            self.forged += 1
+            if name not in self._warned:
+                self._warned.add(name)
+                log.warning("%s", exc)
+            return None
+
+    def get(self, name: str) -> bytes:
+        """The genuine value of `name`, waiting up to the store's timeout for one (as TCPStore.get
+        waits for the key to exist)."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while True:
+            value = self._genuine(name, self.inner.get(name))
+            if value is not None:
+                return value
+            if time.monotonic() >= deadline:
+                raise dist.DistStoreError(f"rendezvous key {name!r}: no genuine value within "
+                                          f"{self.timeout.total_seconds():.0f}s (a forged one is there)")
+            time.sleep(_POLL_S)
+
+    def check(self, names: list[str]) -> bool:
+        """Whether every key holds a genuine value (a forged one counts as absent)."""
+        if not self.inner.check(names):
+            return False
+        return all(self._genuine(n, self.inner.get(n)) is not None for n in names)
+
+    def wait(self, names: list[str], timeout: datetime.timedelta | None = None) -> None:
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout.total_seconds()
+        for name in names:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise dist.DistStoreError(f"rendezvous wait for {name!r} timed out after "
+                                              f"{timeout.total_seconds():.3f}s")
+                self.inner.wait([name], datetime.timedelta(seconds=left))  # raises at its deadline
+                if self._genuine(name, self.inner.get(name)) is not None:
+                    break
+                time.sleep(min(_POLL_S, max(0.0, deadline - time.monotonic())))
+
+    def num_keys(self) -> int:
+        return self.inner.num_keys()
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self.inner.set_timeout(timeout)
+        super().set_timeout(timeout)
