@@ -15,7 +15,7 @@ def choose(train_nodes: int, site: SiteRates) -> dict:
     would gain fewer training GPUs than the one node it costs, clamped to the site's bounds."""
     gpus = train_nodes * site.gpus_per_node
     job = site.job(gpus)
-    best = best_size(job, limit=site.max_standbys)
+    best = best_size(job)
     k = min(max(best, site.min_standbys), site.max_standbys)
     e_k, blocked, _ = ettr(job, k)
     nxt = (ettr(job, k + 1)[0] - e_k) * gpus
