@@ -138,7 +138,7 @@ def format_text(result: dict) -> str:
                f"{p['standby_gpu_hours_per_week']:16,.0f} {p['total_gpu_hours_per_week']:14,.0f} {value:>22}")
         if p["standbys"] in mc:
             m = mc[p["standbys"]]
-            row += f" {m['ettr']:11.4f} +-{m['ettr_stderr']:.4f}"
+            row += f" {m['ettr']:10.4f} +-{m['ettr_stderr']:.5f}"
         lines.append(row + ("  <- best" if p["standbys"] == b["standbys"] else ""))
     nxt = "" if b["next_standby_gpus"] is None else (f": one more would add {b['next_standby_gpus']:,.1f} training GPUs, "
                                                      f"less than the {b['cost_gpus']} it costs")
