@@ -48,6 +48,10 @@ def test_poisson_quantile():
     assert poisson_quantile(0.0, 0.99) == 0
     assert poisson_quantile(1.0, 0.5) == 1          # P(<=0) = 0.37, P(<=1) = 0.74
     assert poisson_quantile(68.4, 0.99) >= 68 + 2 * math.sqrt(68.4)
+    exact = poisson_quantile(499.0, 0.99)                  # summed
+    approx = poisson_quantile(501.0, 0.99)                 # normal approximation
+    assert exact == 552 and abs(approx - (exact + 2)) <= 1
+    assert poisson_quantile(2303.6, 0.99) == math.ceil(2303.6 + 2.3263 * math.sqrt(2303.6) - 0.5)
 
 
 def test_no_standby_is_checkpoint_restart_and_a_pool_that_never_empties_is_trainmover():
@@ -238,6 +242,19 @@ def test_rates_from_journals(tmp_path):
     assert out["inputs"]["history"]["unplanned"] == 1
 
 
+def test_refill_times_from_the_journals_pool_records():
+    """The pool as the journal records it (the demo's own run: spare1 warm, joins at 335.6,
+    spare2 warm at 339.8), then a lost standby and an aborted migration (ready again: no refill)."""
+    views = [(325.9, {"spare1": "starting"}), (332.8, {"spare1": "ready"}), (335.4, {"spare1": "joining"}),
+             (335.6, {}), (336.2, {"spare2": "starting"}), (339.8, {"spare2": "ready"}),
+             (400.0, {"spare2": "joining"}), (401.0, {"spare2": "ready"}),        # aborted: still a standby
+             (500.0, {}), (530.0, {"spare3": "ready"})]                          # lost, refilled
+    recs = [{"kind": "view", "t": t, "standbys": pool} for t, pool in views]
+    assert [round(h * 3600, 1) for h in history.refill_times(recs)] == [4.2, 30.0]
+    h = history.History(1.0, 1, 0, 1, "x", tuple(history.refill_times(recs)))
+    assert h.replenish_h * 3600 == pytest.approx(17.1)
+
+
 def test_history_without_interruptions_is_an_error_not_a_guess(tmp_path):
     _journal(tmp_path / "runs" / "1", 1e9, 3.0, 2, [("n1", "rebalance")])
     with pytest.raises(ConfigError, match="no interruption in 6.0 node-hours of 1 job"):
@@ -294,7 +311,7 @@ def test_plan_text_and_a_set_of_jobs():
     text = _plan(["--gpus", "1024", "--jobs", "32768,8192x4,1024x10"])
     assert "best pool: 1 standby(s): one more would add 4.1 training GPUs, less than the 8 it costs" in text
     assert "reservation for 1x 32,768 GPUs (5 standby(s) each), 4x 8,192 GPUs (3 standby(s) each), " \
-           "10x 1,024 GPUs (1 standby(s) each): 27 held as standbys" in text
+           "10x 1,024 GPUs (1 standby(s) each), as TM_STANDBYS=auto picks: 27 held as standbys" in text
     out = _plan(["--gpus", "1024", "--jobs", "32768,8192x4,1024x10", "--json"])
     assert [j["gpus"] for j in out["reservation"]["jobs"]] == [32768] + [8192] * 4 + [1024] * 10
 

@@ -7,7 +7,7 @@ standby is refilled (controller/policy.py). The choice and its reason go to stat
 from __future__ import annotations
 
 from trainmover.standbys.model import best_size, ettr
-from trainmover.standbys.site import SiteRates
+from trainmover.standbys.site import SiteRates, hours
 
 
 def choose(train_nodes: int, site: SiteRates) -> dict:
@@ -19,7 +19,7 @@ def choose(train_nodes: int, site: SiteRates) -> dict:
     k = min(max(best, site.min_standbys), site.max_standbys)
     e_k, blocked, _ = ettr(job, k)
     nxt = (ettr(job, k + 1)[0] - e_k) * gpus
-    why = (f"{train_nodes} nodes x {site.gpus_per_node} GPUs = {gpus} GPUs, job MTTF {1 / job.rate_per_h:,.2f} h "
+    why = (f"{train_nodes} nodes x {site.gpus_per_node} GPUs = {gpus} GPUs, job MTTF {hours(1 / job.rate_per_h)} "
            f"({site.describe()}): best size {best}")
     if k != best:
         why += f", clamped to the site's {site.min_standbys}..{site.max_standbys}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from trainmover.errors import ConfigError
 from trainmover.simulate.inputs import TM_PROFILES
@@ -57,17 +58,22 @@ def rates_from_args(args: argparse.Namespace) -> tuple[site_rates.SiteRates, dic
     given = {k: getattr(args, k) for k in ("gpus_per_node", "node_mtbf_h", "job_rate_per_h", "planned_fraction",
                                            "replenish_h", "repair_h", "checkpoint_interval_min", "tm_profile")
              if getattr(args, k) is not None}
-    past = None
+    past, sources = None, [base.source]
     if args.from_runs or args.from_sacct:
         h = history.from_journals(args.from_runs) if args.from_runs else history.from_sacct(args.from_sacct)
+        sources.append(f"the history of {h.source}")
         given.setdefault("node_mtbf_h", h.node_mtbf_h())
         given.setdefault("job_rate_per_h", 0.0)
         if args.from_runs:
             given.setdefault("planned_fraction", h.planned / h.events)
+            if h.replenish_h is not None:
+                given.setdefault("replenish_h", h.replenish_h)
         past = h.to_json()
     if not given:
         return base, past
-    return site_rates.from_mapping(given, f"{base.source} and the command line", base), past
+    if any(getattr(args, k) is not None for k in given):
+        sources.append("the command line")
+    return site_rates.from_mapping(given, ", ".join(sources), base), past
 
 
 def plan(args: argparse.Namespace) -> dict:
@@ -121,14 +127,18 @@ def format_text(result: dict) -> str:
     i, b, res = result["inputs"], result["best"], result["reservation"]
     r = i["rates"]
     rates = site_rates.SiteRates(**r)
-    lines = [f"{i['gpus']:,} GPUs ({i['nodes']:,} nodes x {r['gpus_per_node']}), job MTTF {i['job_mttf_h']:,.2f} h: "
+    lines = [f"{i['gpus']:,} GPUs ({i['nodes']:,} nodes x {r['gpus_per_node']}), job MTTF {site_rates.hours(i['job_mttf_h'])}: "
              f"{rates.describe()}",
              f"checkpoint-restart {i['restart_s']:.0f} s + progress since a checkpoint (every {r['checkpoint_interval_min']:g} min); "
              f"TrainMover {i['tm_planned_s']:g} s planned / {i['tm_unplanned_s']:g} s unplanned"]
     if i["history"]:
         h = i["history"]
         lines.append(f"history: {h['planned']} planned + {h['unplanned']} unplanned interruptions in "
-                     f"{h['node_hours']:,.1f} node-hours ({h['source']})")
+                     f"{site_rates.hours(h['node_hours'])} of node time ({h['source']})"
+                     + (f"; {h['refills']} standby refill(s), {site_rates.hours(h['replenish_h'])} on average"
+                        if h.get("refills") else "")
+                     # a count of n events pins a rate to about 1/sqrt(n) (Poisson)
+                     + f"; the rate is known to about +-{100 / math.sqrt(h['planned'] + h['unplanned']):.0f}%")
     mc = {m["standbys"]: m for m in result.get("monte_carlo", [])}
     head = f"{'standbys':>8} {'ETTR':>8} {'no standby':>10} {'GPU-h lost/wk':>14} {'standby GPU-h/wk':>16} {'total GPU-h/wk':>14} {'value of this standby':>22}"
     lines.append(head + (f" {'Monte-Carlo ETTR':>18}" if mc else ""))
@@ -147,7 +157,7 @@ def format_text(result: dict) -> str:
     for j in res["jobs"]:
         sizes[(j["gpus"], j["standbys"])] = sizes.get((j["gpus"], j["standbys"]), 0) + 1
     which = ", ".join(f"{n}x {g:,} GPUs ({k} standby(s) each)" for (g, k), n in sizes.items())
-    lines.append(f"reservation for {which}: {res['held_standbys']} held as standbys + {res['spare_nodes']} for refills "
+    lines.append(f"reservation for {which}, as TM_STANDBYS=auto picks: {res['held_standbys']} held as standbys + {res['spare_nodes']} for refills "
                  f"({res['events_per_h']:.2f} interruptions/h, a node back after {res['repair_h']:g} h: "
                  f"{res['nodes_out_mean']:.1f} out on average, {res['quantile']:.0%} quantile) = {res['nodes']} nodes")
     return "\n".join(lines)

@@ -4,7 +4,8 @@
   nodes x the span of its records (wall-clock `t`); interruptions = its migrations by trigger:
   `failure` unplanned; `drain`, `healthcheck` (the health check's own drains) and `straggler`
   planned; `rebalance` and `manual` are the user's choice, not interruptions. A node counts once
-  per job and trigger (a retried migration is one interruption).
+  per job and trigger (a retried migration is one interruption). They also give the standby
+  refill time: from a slot emptied to the next new standby warm (`refill_times`).
 * sacct (`--from-sacct`, where accounting runs): exposure = the node-hours of every job that
   ran; interruptions = jobs that ended NODE_FAIL (unplanned only: accounting does not say what a
   drain interrupted, so the planned share stays the site's).
@@ -33,6 +34,11 @@ class History:
     unplanned: int
     jobs: int
     source: str
+    refills_h: tuple[float, ...] = ()    # measured standby refill times (journals only)
+
+    @property
+    def replenish_h(self) -> float | None:
+        return sum(self.refills_h) / len(self.refills_h) if self.refills_h else None
 
     @property
     def events(self) -> int:
@@ -47,11 +53,35 @@ class History:
 
     def to_json(self) -> dict:
         return {"node_hours": self.node_hours, "planned": self.planned, "unplanned": self.unplanned, "jobs": self.jobs,
-                "source": self.source, "node_mtbf_h": self.node_hours / self.events if self.events else None}
+                "source": self.source, "node_mtbf_h": self.node_hours / self.events if self.events else None,
+                "refills": len(self.refills_h), "replenish_h": self.replenish_h}
 
 
-def journal_exposure(lines: list[str]) -> tuple[float, int, int]:
-    """(node-hours, planned, unplanned) of one job's journal lines (a torn last line is skipped)."""
+def refill_times(recs: list[dict]) -> list[float]:
+    """Hours from a standby slot emptied (its node joined the ranks, or was lost) to a new
+    standby warm: each emptied slot, in order, paired with the next node that is ready for the
+    first time. The journal's `view` records carry the whole standby pool when it changes."""
+    pool: dict = {}
+    emptied: list[float] = []
+    warm: set = set()
+    out: list[float] = []
+    for r in recs:
+        if r.get("kind") != "view" or "standbys" not in r:
+            continue
+        now = r["standbys"]
+        emptied += [r["t"]] * len(set(pool) - set(now))
+        for node, state in now.items():
+            if state == "ready" and node not in warm:
+                warm.add(node)
+                if emptied:
+                    out.append((r["t"] - emptied.pop(0)) / 3600.0)
+        pool = now
+    return out
+
+
+def journal_exposure(lines: list[str]) -> tuple[float, int, int, list[float]]:
+    """(node-hours, planned, unplanned, refill hours) of one job's journal lines (a torn last
+    line is skipped)."""
     recs = []
     for n, line in enumerate(lines):
         try:
@@ -63,7 +93,7 @@ def journal_exposure(lines: list[str]) -> tuple[float, int, int]:
     times = [r["t"] for r in recs if isinstance(r.get("t"), (int, float))]
     start = next((r for r in recs if r.get("kind") == "start"), None)
     if start is None or len(times) < 2:
-        return 0.0, 0, 0
+        return 0.0, 0, 0, []
     nodes = len(set(start["rank_node"].values()))
     seen: set[tuple[str, str]] = set()
     for r in recs:
@@ -71,7 +101,7 @@ def journal_exposure(lines: list[str]) -> tuple[float, int, int]:
             seen.add((r["m"]["leaver"], r["m"]["trigger"]))
     planned = sum(1 for _, trig in seen if trig in PLANNED)
     unplanned = sum(1 for _, trig in seen if trig in UNPLANNED)
-    return nodes * (max(times) - min(times)) / 3600.0, planned, unplanned
+    return nodes * (max(times) - min(times)) / 3600.0, planned, unplanned, refill_times(recs)
 
 
 def from_journals(dirs: list[str]) -> History:
@@ -88,13 +118,16 @@ def from_journals(dirs: list[str]) -> History:
     if not paths:
         raise ConfigError(f"--from-runs {' '.join(dirs)}: no journal.jsonl found (expected runs/<job id>/journal.jsonl)")
     hours = planned = unplanned = 0.0
+    refills: list[float] = []
     for path in paths:
         try:
-            h, p, u = journal_exposure(path.read_text(errors="replace").splitlines())
+            h, p, u, r = journal_exposure(path.read_text(errors="replace").splitlines())
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(f"{path}: not a readable journal ({type(exc).__name__}: {exc})") from None
         hours, planned, unplanned = hours + h, planned + p, unplanned + u
-    return History(hours, int(planned), int(unplanned), len(paths), f"{len(paths)} journal(s) under {', '.join(dirs)}")
+        refills += r
+    return History(hours, int(planned), int(unplanned), len(paths), f"{len(paths)} journal(s) under {', '.join(dirs)}",
+                   tuple(refills))
 
 
 def parse_sacct(text: str) -> tuple[float, int, int]:

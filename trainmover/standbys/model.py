@@ -22,6 +22,7 @@ states the agreement with the Monte-Carlo.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 HOURS_PER_WEEK = 168.0
@@ -123,9 +124,12 @@ def best_size(job: Job, limit: int = 64) -> int:
 
 
 def poisson_quantile(mean: float, q: float) -> int:
-    """Smallest n with P(Poisson(mean) <= n) >= q."""
+    """Smallest n with P(Poisson(mean) <= n) >= q (normal approximation above a mean of 500,
+    where e^-mean underflows)."""
     if mean <= 0:
         return 0
+    if mean > 500:
+        return math.ceil(mean + statistics.NormalDist().inv_cdf(q) * math.sqrt(mean) - 0.5)
     term = cdf = math.exp(-mean)
     n = 0
     while cdf < q and n < 100000:

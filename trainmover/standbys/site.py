@@ -78,8 +78,8 @@ class SiteRates:
         if self.node_mtbf_h is None:
             rates = "published rates (affine fit: 7.9 h job MTTF at 1K GPUs, 2.7 h at 16K)"
         else:
-            rates = f"node MTBF {self.node_mtbf_h:,.0f} h" + (f" + {self.job_rate_per_h:g}/h per job" if self.job_rate_per_h else "")
-        return (f"{rates}, {self.planned_fraction:.1%} planned, standby warm again after {self.replenish_h:g} h "
+            rates = f"node MTBF {hours(self.node_mtbf_h)}" + (f" + {self.job_rate_per_h:g}/h per job" if self.job_rate_per_h else "")
+        return (f"{rates}, {self.planned_fraction:.1%} planned, standby warm again after {hours(self.replenish_h)} "
                 f"(from {self.source})")
 
     def job(self, gpus: int) -> Job:
@@ -89,6 +89,15 @@ class SiteRates:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+def hours(h: float) -> str:
+    """A duration in hours, readable from seconds to years: 4.2 s, 12.5 min, 1.59 h, 7,900 h."""
+    if h < 1 / 60:
+        return f"{h * 3600:.1f} s"
+    if h < 1:
+        return f"{h * 60:.1f} min"
+    return f"{h:,.2f} h" if h < 100 else f"{h:,.0f} h"
 
 
 _KEYS = {f.name: f for f in fields(SiteRates) if f.name != "source"}
