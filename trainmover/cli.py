@@ -11,6 +11,8 @@
     trainmover node-reader [--interval S]  (root service: every node's state for every job, one RPC)
     trainmover check-workload MODULE:CLASS [--steps N]  (would a migration be exact? one machine)
     trainmover submit [sbatch options] SCRIPT  (sbatch, refused at once if Slurm could never start it)
+    trainmover simulate --gpus N ...       (Monte-Carlo ETTR of three downtime models)
+    trainmover plan --gpus N [--gpus-per-node G] ...  (how many standbys; docs/simulator.md)
 """
 from __future__ import annotations
 
@@ -65,6 +67,9 @@ def _status(args) -> int:
     print(f"job {status['job_id']}  world size {status['world_size']}  batch host {status['batch_host']}")
     for n in status["nodes"]:
         print(f"  node {n['name']:<10} {n['role']:<9} ranks {n['ranks']}  slurm: {n['slurm_state']}")
+    choice = status.get("standby_pool", {}).get("choice")
+    if choice:
+        print(f"  standby pool: {choice['standbys']} ({choice['setting']}): {choice['why']}")
     for s in status["standbys"]:
         warm = f"warm in {s['warmup_s']:.1f}s" if s["warmup_s"] is not None else "warming up"
         shadow = s.get("shadow") or {}
@@ -222,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(one machine, gloo; exit 0 only if so)"))
     from trainmover.simulate.cli import add_arguments as simulate_arguments
     simulate_arguments(sub.add_parser("simulate", help="Monte-Carlo ETTR of checkpoint-restart, elastic and TrainMover"))
+    from trainmover.standbys.cli import add_arguments as plan_arguments
+    plan_arguments(sub.add_parser("plan", help="how many standbys: ETTR and GPU-hours lost per pool size, the best "
+                                  "size, the reservation for a set of jobs"))
     return p
 
 
@@ -276,6 +284,9 @@ def main(argv=None) -> int:
         if args.command == "simulate":
             from trainmover.simulate.cli import main as simulate_main
             return simulate_main(args)
+        if args.command == "plan":
+            from trainmover.standbys.cli import main as plan_main
+            return plan_main(args)
         if args.command == "config":
             from trainmover.config import describe
             print(describe())

@@ -69,7 +69,8 @@ class Config:
     dp: int = field(default=0, metadata={"env": "TM_DP", "doc": "Megatron data-parallel size"})
     distributed_optimizer: int = field(default=0, metadata={"env": "TM_DISTRIBUTED_OPTIMIZER", "doc": "Megatron: 1 shards the optimizer state over DP (0: off)"})
     ranks_per_node: int = field(default=1, metadata={"env": "TM_RANKS_PER_NODE", "doc": "worker processes per node"})
-    standbys: int = field(default=1, metadata={"env": "TM_STANDBYS", "doc": "warm standby nodes kept in the job"})
+    standbys: int | str = field(default=1, metadata={"env": "TM_STANDBYS", "doc": "warm standby nodes kept in the job, or auto: the controller picks the number at start from the job's size and the site's failure rates (TM_SITE_CONFIG; docs/simulator.md) and status says why"})
+    site_config: str = field(default="/etc/trainmover/site.toml", metadata={"env": "TM_SITE_CONFIG", "doc": "the admin's site file: failure rates and standby bounds for TM_STANDBYS=auto and `trainmover plan` (read only if root's or yours and not writable by others; missing: the published rates)"})
     reservation: str = field(default="trainmover_standby", metadata={"env": "TM_RESERVATION", "doc": "Slurm reservation holding the standby nodes"})
     poll_s: float = field(default=10.0, metadata={"env": "TM_POLL_S", "doc": "interval of node-state polls of slurmctld: one RPC each with tm_nodes, two with scontrol (docs/admin.md, \"Load on slurmctld\"); a drain by TrainMover's health check or `trainmover drain` reaches the job at once through its drain notice"})
     node_query: str = field(default="auto", metadata={"env": "TM_NODE_QUERY", "doc": "the program that reads node states in one RPC (slurm_plugin/tm_nodes.c); auto: tm_nodes beside slurm.conf if there; off: scontrol (two RPCs)"})
@@ -115,7 +116,8 @@ class Config:
         checks = [
             (self.steps > 0, "TM_STEPS must be > 0"),
             (self.ranks_per_node > 0, "TM_RANKS_PER_NODE must be > 0"),
-            (self.standbys >= 0, "TM_STANDBYS must be >= 0"),
+            (self.standbys == "auto" or (type(self.standbys) is int and self.standbys >= 0),
+             f"TM_STANDBYS={self.standbys!r}: expected auto or an integer >= 0"),
             (self.standby_losses >= 0, "TM_STANDBY_LOSSES must be >= 0"),
             (self.poll_s > 0, "TM_POLL_S must be > 0"),
             (self.controller_restarts >= 0, "TM_CONTROLLER_RESTARTS must be >= 0"),
@@ -191,7 +193,9 @@ class Config:
 def _parse(f, raw: str):
     env = f.metadata["env"]
     try:
-        if f.type in ("int", int):
+        if f.name == "standbys" and raw.strip().lower() == "auto":
+            return "auto"
+        if f.type in ("int", int, "int | str"):
             return int(raw)
         if f.type in ("float", float):
             return float(raw)
@@ -199,7 +203,7 @@ def _parse(f, raw: str):
             return tuple(x.strip() for x in raw.split(",") if x.strip())
         return raw
     except ValueError:
-        raise ConfigError(f"{env}={raw!r}: expected {f.type}") from None
+        raise ConfigError(f"{env}={raw!r}: expected " + ("auto or an integer" if f.name == "standbys" else f.type)) from None
 
 
 def describe() -> str:

@@ -6,6 +6,7 @@ This is the only place of the controller with effects: Slurm calls (through
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -35,6 +36,7 @@ from trainmover.errors import ConfigError, SlurmError, TrainMoverError
 from trainmover.control.spec import ENV as SPEC_ENV, WorkerSpec
 from trainmover.slurm.client import CliSlurm
 from trainmover.slurm.model import BatchHostRelease, NoStandbyAvailable
+from trainmover.standbys import auto as auto_pool, site
 from trainmover.workloads import base as workloads
 
 log = logging.getLogger("trainmover.controller")
@@ -84,6 +86,11 @@ class Controller:
         else:
             self.view = JobView(job_id, len(nodes) * k, k, self.batch_host,
                                 {i * k + j: n for i, n in enumerate(nodes) for j in range(k)})
+        pool_choice = None
+        if cfg.standbys == "auto":  # once, from the job's size and the site's rates (pure; a restart gets the same)
+            pool_choice = auto_pool.choose(len(set(self.view.rank_node.values())), site.load(cfg.site_config))
+            self.cfg = cfg = dataclasses.replace(cfg, standbys=pool_choice["standbys"])
+            log.info("TM_STANDBYS=auto: %d standby(s): %s", cfg.standbys, pool_choice["why"])
         # A layout that cannot fit the job (TP x PP x DP != ranks) fails here, before any launch.
         workload = workloads.load(cfg.workload, cfg.workload_kwargs())
         specs = workload.group_specs(self.view.world_size)
@@ -92,6 +99,7 @@ class Controller:
         self.snapshot_every = cfg.snapshot_every if tiers.snapshots_needed(
             parse_tiers(cfg.recovery_tiers), replica, self.view.world_size, self.view.ranks_per_node) else 0
         self.policy = Policy(cfg, self.view)
+        self.policy.pool_choice = pool_choice
         self.policy.snapshot_every = self.snapshot_every
         self.files = records.RunFiles(root)
         self.checkpoint_root = self.files.root / "checkpoints"

@@ -56,6 +56,7 @@ class Policy(Recovering, Resuming, StandbyLoss, Liveness, SnapshotHolder):
         self.fenced: list[dict] = []         # their verdicts, for status
         self.last_progress_at: float | None = None  # when any rank last completed a step (controller's clock)
         self.last_tick: float | None = None
+        self.pool_choice: dict | None = None  # TM_STANDBYS=auto: the size picked at start and why (standbys/auto.py)
 
     # --- helpers -----------------------------------------------------------------------
     def active(self) -> Migration | None:
@@ -457,7 +458,9 @@ class Policy(Recovering, Resuming, StandbyLoss, Liveness, SnapshotHolder):
             "standbys": [{"node": s.node, "state": s.state, "warmup_s": s.warmup_s, "shadow_steps": s.shadow_steps,
                           "shadow": s.shadow, "slurm_state": v.node_state.get(s.node, "")} for s in v.standbys.values()],
             "recordings": self.recordings,
-            "standby_pool": {"wanted": self.cfg.standbys, "acquiring": self.acquiring, "note": self.pool_note() or self.acquire_note},
+            "standby_pool": {"wanted": self.cfg.standbys, "acquiring": self.acquiring, "note": self.pool_note() or self.acquire_note,
+                             "choice": self.pool_choice or {"setting": "fixed", "standbys": self.cfg.standbys,
+                                                            "why": f"TM_STANDBYS={self.cfg.standbys}"}},
             "waiting_for_standby": [m.leaver for m in waiting],
             "message": (f"waiting for a standby: the job keeps running on {', '.join(m.leaver for m in waiting)}"
                         + (f" ({self.pool_note()})" if self.pool_exhausted() else "") if waiting else ""),
