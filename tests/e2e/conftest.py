@@ -12,6 +12,8 @@ $TM_E2E_SLURM names a Slurm release for these clusters (`make test` runs the
 Slurm contract, the drain migration and the SPANK tests once more on each
 release the host does not have; the clusters then run from Debian root
 filesystems, state in <the directory above>-<release>). Unset: the host's Slurm.
+$TM_E2E_INSIDE_ROOT=1: this session runs inside the cluster's root filesystem (the pyslurm
+contract: test_slurm_contract.py), where the cluster is only attached to, never started.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ E2E_SLURM = os.environ.get("TM_E2E_SLURM") or None
 _SUFFIX = f"-{E2E_SLURM}" if E2E_SLURM else ""
 E2E_DIR = (os.environ.get("TM_E2E_CLUSTER_DIR") or "/var/tmp/trainmover-cluster-e2e") + _SUFFIX
 DRAIN_PREFIX = "tm-e2e"
+INSIDE_ROOT = os.environ.get("TM_E2E_INSIDE_ROOT") == "1"
 
 
 def pytest_report_header(config):
@@ -43,7 +46,7 @@ def slurm_cluster():
         pytest.skip("the embedded Slurm cluster needs root (private munged, slurmd in namespaces)")
     from trainmover import cluster
 
-    info = cluster.up(nodes=4, standby=2, state_dir=E2E_DIR, slurm=E2E_SLURM)
+    info = cluster.attach(E2E_DIR) if INSIDE_ROOT else cluster.up(nodes=4, standby=2, state_dir=E2E_DIR, slurm=E2E_SLURM)
     client = CliSlurm(slurm_conf=str(info.slurm_conf))
     _clean(client, info.slurm_conf)
     print(f"\ne2e cluster on {info.slurm}")

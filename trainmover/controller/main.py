@@ -31,7 +31,7 @@ from trainmover.controller.steps import KeeperSteps, LocalSteps
 from trainmover.controller.view import JobView
 from trainmover.errors import ConfigError, SlurmError, TrainMoverError
 from trainmover.control.spec import ENV as SPEC_ENV, WorkerSpec
-from trainmover.slurm.client import CliSlurm
+from trainmover.slurm.client import client
 from trainmover.slurm.model import BatchHostRelease, NoStandbyAvailable
 from trainmover.workloads import base as workloads
 
@@ -48,7 +48,7 @@ class Controller:
         keeper node (controller/keeper.py), which runs the steps; no rank runs there."""
         self.cfg, self.job_id, self.attempt = cfg, job_id, attempt
         self.faults = faults.Injector(cfg.inject, "controller", first_controller=attempt == 0)
-        self.slurm = slurm or CliSlurm()
+        self.slurm = slurm or client(cfg.slurm_backend)
         self.environ = dict(environ)
         job = self.slurm.job(job_id)
         self.job = job

@@ -77,8 +77,8 @@ def main(argv=None) -> int:
     from trainmover.controller.preflight import preflight
     preflight(cfg)  # options the workload does not take, TM_CHECK_WORKLOAD: before anything starts
     import torch.distributed as dist
-    from trainmover.slurm.client import CliSlurm
-    slurm = CliSlurm()
+    from trainmover.slurm.client import client
+    slurm = client(cfg.slurm_backend)
     job = slurm.job(job_id)
     done = records.completed_before(Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id)),
                                     job_id, cfg.steps)
