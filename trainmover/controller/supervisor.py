@@ -79,6 +79,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
     from trainmover.slurm.client import client
     slurm = client(cfg.slurm_backend)
+    log.info("Slurm backend: %s (TM_SLURM_BACKEND)", cfg.slurm_backend)
     job = slurm.job(job_id)
     done = records.completed_before(Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id)),
                                     job_id, cfg.steps)
