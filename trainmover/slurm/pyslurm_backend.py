@@ -8,7 +8,7 @@ so a controller there imports it; a process outside the root cannot load that li
 
 | method                  | how                                                          |
 |-------------------------|--------------------------------------------------------------|
-| nodes                   | pyslurm `Nodes.load()`: one RPC, filtered here               |
+| nodes                   | pyslurm `Nodes.load()`: node and partition RPCs, filtered here |
 | job                     | pyslurm `Job.load(id)`                                       |
 | hostnames               | pyslurm `nodelist_from_range_str` (libslurm's hostlist, no RPC) |
 | reservation_nodes, free_standbys | pyslurm `Reservation.load(name)`, then nodes()      |
