@@ -50,13 +50,16 @@ slurm-matrix: $(VENV)/.installed
 
 # pyslurm (the extra trainmover[pyslurm]) built against Slurm $(PYSLURM_SLURM)'s headers and library in
 # its root filesystem (built first when missing: from source, see docs/admin.md). The library
-# loads inside that root, where the cluster's jobs and their controllers run.
+# loads inside that root, where the cluster's jobs and their controllers run. Only the root's
+# slurm/ headers are put on the include path (a directory of its own: the root's C library
+# headers would clash with the host compiler's).
 pyslurm: $(VENV)/.installed
 	@set -e; root=$$($(VENV)/bin/python -m trainmover.cluster build --slurm $(PYSLURM_SLURM)); \
 	if $(VENV)/bin/python -c 'import sys, importlib.metadata as m; sys.exit(m.version("pyslurm") != "25.11.2")' 2>/dev/null; then \
 	  echo "pyslurm: pyslurm 25.11.2 already installed in $(VENV)"; \
-	else start=$$(date +%s); \
-	  SLURM_INCLUDE_DIR=$$root/usr/include SLURM_LIB_DIR=$$root/usr/lib PYSLURM_BUILD_JOBS=2 \
+	else start=$$(date +%s); inc=$$(mktemp -d); trap 'rm -rf "$$inc"' EXIT; \
+	  ln -s "$$root/usr/include/slurm" "$$inc/slurm"; \
+	  SLURM_INCLUDE_DIR=$$inc SLURM_LIB_DIR=$$root/usr/lib PYSLURM_BUILD_JOBS=2 \
 	    nice -n 19 $(VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt -e ".[pyslurm]"; \
 	  echo "pyslurm: pyslurm 25.11.2 built against $$root in $$(( $$(date +%s) - start ))s"; fi
 
