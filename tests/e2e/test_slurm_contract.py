@@ -113,7 +113,7 @@ def test_errors_name_what_failed(backend):
         backend.job(999999999)
 
 
-def test_pyslurm_contract_inside_root(slurm_cluster):
+def test_pyslurm_contract_inside_root(slurm_cluster, tmp_path):
     """pyslurm's cases where a root filesystem cluster's controller runs: inside the root,
     this module again with the venv's interpreter (bind-mounted there, as for jobs)."""
     if INSIDE_ROOT:
@@ -131,7 +131,8 @@ def test_pyslurm_contract_inside_root(slurm_cluster):
     here = Path(__file__).resolve()
     checkout = here.parents[2]
     argv = [*rootfs.launcher(root, rootfs.binds(slurm_cluster.state_dir), chdir=str(checkout)),
-            sys.executable, "-m", "pytest", str(here), "-k", "not inside_root", "-q", "-ra", "-p", "no:cacheprovider"]
+            sys.executable, "-m", "pytest", str(here), "-k", "not inside_root", "-q", "-ra",
+            "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'inside'}"]
     env = {**os.environ, "TM_E2E_INSIDE_ROOT": "1"}
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, cwd=checkout)
     out = proc.stdout + proc.stderr
