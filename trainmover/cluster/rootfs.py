@@ -292,7 +292,9 @@ def locate(requested: Optional[str], *, cache: Path, log: Callable[[str], None],
                                    "a supported one from a Debian root filesystem") from None
         return _host(rel, log)
     rel = release(requested)
-    if not force_root and rel.source is None and ((host is not None and _same(host, rel)) or (host is None and host_suite() == rel.suite)):
+    # A release built from source (25.11) is the host's only where the host runs it already.
+    if not force_root and ((host is not None and _same(host, rel))
+                           or (host is None and rel.source is None and host_suite() == rel.suite)):
         return _host(rel, log)
     root = ensure_built(rel, cache, log=log)
     return rel.version, built(root)["slurm"], str(root), False
