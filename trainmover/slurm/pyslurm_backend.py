@@ -57,6 +57,8 @@ def load(slurm_conf: Optional[str]):
     finally:
         sys.setdlopenflags(flags)
     conf = slurm_conf or os.environ.get("SLURM_CONF") or ""
+    if conf and not os.path.isfile(conf):  # libslurm would exit the process (fatal()) on it
+        raise SlurmError(f"pyslurm: slurm.conf {conf} does not exist")
     with _init_lock:
         if _inited != conf:
             if _inited is not None:
