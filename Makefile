@@ -5,9 +5,10 @@
 VENV := .venv
 PYTEST_ARGS ?=
 # The Slurm matrix: on each supported release the host does not have (its cluster runs from a
-# Debian root filesystem, built once into /var/cache/trainmover/rootfs/<release>): the Slurm
-# contract, the embedded cluster's own tests (grow/shrink repeated, no standby, down/up), the
-# drain migration compared bit for bit with an uninterrupted run, and the SPANK plugin.
+# Debian root filesystem, built once into /var/cache/trainmover/rootfs/<release>; 25.11's from
+# source: $TM_SLURM_SOURCE or ../shared/vendor): the Slurm contract, the embedded cluster's own
+# tests (grow/shrink repeated, no standby, down/up), the drain migration compared bit for bit
+# with an uninterrupted run, and the SPANK plugin. On 25.11 with the pyslurm backend (make pyslurm).
 SLURM_MATRIX_TESTS := tests/e2e/test_slurm_contract.py tests/e2e/test_cluster.py \
 	tests/e2e/test_migration.py::test_drain_moves_the_rank_to_a_standby_bit_exactly tests/e2e/test_spank.py
 
