@@ -5,13 +5,18 @@
 VENV := .venv
 PYTEST_ARGS ?=
 # The Slurm matrix: on each supported release the host does not have (its cluster runs from a
-# Debian root filesystem, built once into /var/cache/trainmover/rootfs/<release>): the Slurm
-# contract, the embedded cluster's own tests (grow/shrink repeated, no standby, down/up), the
-# drain migration compared bit for bit with an uninterrupted run, and the SPANK plugin.
+# Debian root filesystem, built once into /var/cache/trainmover/rootfs/<release>; 25.11's from
+# source: $TM_SLURM_SOURCE or ../shared/vendor): the Slurm contract, the embedded cluster's own
+# tests (grow/shrink repeated, no standby, down/up), the drain migration compared bit for bit
+# with an uninterrupted run, and the SPANK plugin. On 25.11 with the pyslurm backend (make pyslurm).
 SLURM_MATRIX_TESTS := tests/e2e/test_slurm_contract.py tests/e2e/test_cluster.py \
 	tests/e2e/test_migration.py::test_drain_moves_the_rank_to_a_standby_bit_exactly tests/e2e/test_spank.py
 
-.PHONY: demo test unit setup slurm-matrix cluster-down clean
+# The Slurm release pyslurm is built against (PyPI's pyslurm 25.11.2 needs Slurm 25.11, which
+# no Debian suite ships: its root filesystem builds it from source, see docs/admin.md).
+PYSLURM_SLURM := 25.11
+
+.PHONY: demo test unit setup slurm-matrix pyslurm cluster-down clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt scripts/setup.sh
 	scripts/setup.sh
@@ -36,10 +41,28 @@ slurm-matrix: $(VENV)/.installed
 	@set -e; releases="$${SLURM_RELEASES:-$$($(VENV)/bin/python -m trainmover.cluster releases --besides-host)}"; \
 	test -n "$$releases" || { echo "slurm-matrix: no Slurm release to run" >&2; exit 1; }; \
 	for v in $$releases; do \
-	  echo "== Slurm $$v: $(SLURM_MATRIX_TESTS)"; start=$$(date +%s); \
-	  TM_E2E_SLURM=$$v $(VENV)/bin/python -m pytest $(SLURM_MATRIX_TESTS) -ra $(PYTEST_ARGS); \
+	  start=$$(date +%s); $(VENV)/bin/python -m trainmover.cluster build --slurm $$v >/dev/null; \
+	  backend=cli; if [ "$$v" = "$(PYSLURM_SLURM)" ]; then $(MAKE) --no-print-directory pyslurm; backend=pyslurm; fi; \
+	  echo "== Slurm $$v: ready in $$(( $$(date +%s) - start ))s; $(SLURM_MATRIX_TESTS) (TM_SLURM_BACKEND=$$backend)"; \
+	  start=$$(date +%s); \
+	  TM_E2E_SLURM=$$v TM_SLURM_BACKEND=$$backend $(VENV)/bin/python -m pytest $(SLURM_MATRIX_TESTS) -ra $(PYTEST_ARGS); \
 	  echo "== Slurm $$v: $$(( $$(date +%s) - start ))s"; \
 	done
+
+# pyslurm (the extra trainmover[pyslurm]) built against Slurm $(PYSLURM_SLURM)'s headers and library in
+# its root filesystem (built first when missing: from source, see docs/admin.md). The library
+# loads inside that root, where the cluster's jobs and their controllers run. Only the root's
+# slurm/ headers are put on the include path (a directory of its own: the root's C library
+# headers would clash with the host compiler's).
+pyslurm: $(VENV)/.installed
+	@set -e; root=$$($(VENV)/bin/python -m trainmover.cluster build --slurm $(PYSLURM_SLURM)); \
+	if $(VENV)/bin/python -c 'import sys, importlib.metadata as m; sys.exit(m.version("pyslurm") != "25.11.2")' 2>/dev/null; then \
+	  echo "pyslurm: pyslurm 25.11.2 already installed in $(VENV)"; \
+	else start=$$(date +%s); inc=$$(mktemp -d); trap 'rm -rf "$$inc"' EXIT; \
+	  ln -s "$$root/usr/include/slurm" "$$inc/slurm"; \
+	  SLURM_INCLUDE_DIR=$$inc SLURM_LIB_DIR=$$root/usr/lib PYSLURM_BUILD_JOBS=2 \
+	    nice -n 19 $(VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt -e ".[pyslurm]"; \
+	  echo "pyslurm: pyslurm 25.11.2 built against $$root in $$(( $$(date +%s) - start ))s"; fi
 
 unit: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest tests/unit -q

@@ -53,7 +53,7 @@ def _scalar(value: str):
 
 # Variables that belong to the runtime or tools, not to the job's configuration.
 _NOT_CONFIG = {"TM_WORKER_SPEC", "TM_LOG_LEVEL", "TM_TRACE_COLLECTIVES", "TM_CLUSTER_DIR", "TM_PYTHON", "TM_E2E_CLUSTER_DIR",
-               "TM_E2E_SLURM", "TM_ROOTFS_CACHE"}
+               "TM_E2E_SLURM", "TM_ROOTFS_CACHE", "TM_SLURM_SOURCE", "TM_E2E_INSIDE_ROOT"}
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,7 @@ class Config:
     progress_timeout_s: float = field(default=5.0, metadata={"env": "TM_PROGRESS_TIMEOUT_S", "doc": "no step completed for max(this, TM_PROGRESS_STEPS x the median step): a rank the others wait on whose training thread idles is judged stuck"})
     progress_steps: float = field(default=10.0, metadata={"env": "TM_PROGRESS_STEPS", "doc": "see TM_PROGRESS_TIMEOUT_S: the stuck deadline in typical steps"})
     inject: tuple[str, ...] = field(default=(), metadata={"env": "TM_INJECT", "doc": "comma-separated fault injections: " + ", ".join(INJECTIONS)})
+    slurm_backend: str = field(default="cli", metadata={"env": "TM_SLURM_BACKEND", "doc": "how the controller talks to Slurm: cli (scontrol, squeue, salloc, srun) or pyslurm (the Slurm C API in-process for job and node reads and updates, the CLI for the rest; needs pyslurm built against the cluster's Slurm: `make pyslurm`, Slurm 25.11; see docs/admin.md)"})
     run_dir: str = field(default="", metadata={"env": "TM_RUN_DIR", "doc": "output directory (default: <submit dir>/runs/<job id>)"})
 
     def __post_init__(self):
@@ -130,6 +131,7 @@ class Config:
             (self.progress_timeout_s > 0 and self.progress_steps > 0, "TM_PROGRESS_TIMEOUT_S and TM_PROGRESS_STEPS must be > 0"),
             (self.shadow_steps >= 2, "TM_SHADOW_STEPS must be >= 2 (steadiness needs two steps to compare)"),
             (bool(self.reservation), "TM_RESERVATION must not be empty"),
+            (self.slurm_backend in ("cli", "pyslurm"), f"TM_SLURM_BACKEND={self.slurm_backend!r}: expected cli or pyslurm"),
             (self.device in ("auto", "cpu", "cuda"), f"TM_DEVICE={self.device!r}: expected auto, cpu or cuda"),
             (self.backend in ("auto", "gloo", "nccl"), f"TM_BACKEND={self.backend!r}: expected auto, gloo or nccl"),
             (not (self.device == "cpu" and self.backend == "nccl"), "TM_BACKEND=nccl needs TM_DEVICE=cuda"),

@@ -18,6 +18,8 @@ production cluster: `user_dir()` makes a submit directory of theirs (0700 under 
 `as_user()` runs a Slurm command as them through the choke point (`runuser`), and the
 `job_user` fixture checks that they can run the checkout's interpreter. Admin steps (drains,
 resumes, killing a node's processes) stay root's, as an admin's would.
+$TM_E2E_INSIDE_ROOT=1: this session runs inside the cluster's root filesystem (the pyslurm
+contract: test_slurm_contract.py), where the cluster is only attached to, never started.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ DRAIN_PREFIX = "tm-e2e"
 # job owned by its user, so that no other user reads or writes a job's files.
 USER_JOBS_DIR = Path(os.environ.get("TM_E2E_JOBS_DIR") or "/var/tmp/trainmover-e2e-jobs")
 ROOT = Path(__file__).resolve().parents[2]
+INSIDE_ROOT = os.environ.get("TM_E2E_INSIDE_ROOT") == "1"
 
 
 def pytest_report_header(config):
@@ -60,7 +63,7 @@ def slurm_cluster():
         pytest.skip("the embedded Slurm cluster needs root (private munged, slurmd in namespaces)")
     from trainmover import cluster
 
-    info = cluster.up(nodes=4, standby=2, state_dir=E2E_DIR, slurm=E2E_SLURM)
+    info = cluster.attach(E2E_DIR) if INSIDE_ROOT else cluster.up(nodes=4, standby=2, state_dir=E2E_DIR, slurm=E2E_SLURM)
     client = CliSlurm(slurm_conf=str(info.slurm_conf))
     _clean(client, info.slurm_conf)
     print(f"\ne2e cluster on {info.slurm}")

@@ -80,7 +80,8 @@ def demo(slurm_cluster, job_user):
     runs: list[Run] = []
     env = {**os.environ, "SLURM_CONF": str(slurm_cluster.slurm_conf), "TM_PYTHON": sys.executable,
            "PYTHONPATH": str(ROOT)}
-    env = {k: v for k, v in env.items() if not k.startswith("TM_") or k == "TM_PYTHON"}
+    # TM_SLURM_BACKEND passes: `make slurm-matrix` runs these jobs' controllers on pyslurm (25.11).
+    env = {k: v for k, v in env.items() if not k.startswith("TM_") or k in ("TM_PYTHON", "TM_SLURM_BACKEND")}
 
     def submit(name: str, user: str = JOB_USER, sbatch_args: tuple = (), **tm_env) -> Run:
         workdir = user_dir(name, user)
@@ -187,6 +188,8 @@ def test_drain_moves_the_rank_to_a_standby_bit_exactly(demo, reference, slurm_cl
     assert run.wait_done(slurm_client) == "COMPLETED", run.slurm_out()[-3000:]
     assert slurm_client.job(run.job_id).restart_count == 0
     assert_same_training(run, reference)
+    backend = os.environ.get("TM_SLURM_BACKEND") or "cli"
+    assert f"Slurm backend: {backend} " in run.slurm_out(), run.slurm_out()[-2000:]
     events = [json.loads(line)["event"] for line in (run.dir / "timeline.jsonl").read_text().splitlines()]
     assert events[:2] == ["requested", "prepare"] and "joined" in events and events[-1] in ("released", "requested")
     print(f"\nrank moved {moved_after:.2f}s after the drain; downtime {m['downtime_s']:.3f}s")

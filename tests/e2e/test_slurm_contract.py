@@ -1,13 +1,24 @@
 """The contract of trainmover.slurm.SlurmClient, run against every backend that is
 available, on the real local cluster, and by `make test` on every Slurm release the
-embedded cluster supports (22.05, 24.11, 26.05: $TM_E2E_SLURM, see conftest.py). The CLI
-backend always runs; pyslurm is skipped (PyPI only has pyslurm 25.11, which requires
-Slurm 25.11; Debian ships 22.05, 24.11 and 26.05)."""
+embedded cluster supports (22.05, 24.11, 25.11, 26.05: $TM_E2E_SLURM, see conftest.py).
+
+The CLI backend always runs. pyslurm (25.11.2, built by `make pyslurm` against Slurm 25.11)
+runs where this process can load it: its library needs the C library of the 25.11 root
+filesystem, so on a cluster in a root the pyslurm cases run inside that root, where the
+cluster's jobs and controllers run (test_pyslurm_contract_inside_root starts them there:
+this module again, TM_E2E_INSIDE_ROOT=1, pyslurm's cases only)."""
 from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import wait_for
+from tests.e2e.conftest import INSIDE_ROOT, wait_for
 
 from trainmover.errors import SlurmError
 from trainmover.slurm import BatchHostRelease, SlurmClient, UnknownNodes, client, commands
@@ -17,22 +28,29 @@ pytestmark = pytest.mark.slurm
 RESERVATION = "trainmover_standby"
 REASON = "tm-e2e contract"
 SCRIPT = "#!/bin/sh\nsleep 300\n"
-
-PYSLURM_SKIP = ("pyslurm backend not available: PyPI only has pyslurm 25.11, which requires Slurm 25.11 "
-                "(this cluster runs Slurm {version}), so it cannot be built here; see docs/admin.md")
+CONTRACT_TESTS = 4  # the tests below that take `backend`
 
 
-@pytest.fixture(params=["cli", "pyslurm"])
+def _pyslurm_loads() -> tuple[bool, str]:
+    """Whether this process can load pyslurm (installed, and its libslurm loads here)."""
+    if importlib.util.find_spec("pyslurm") is None:
+        return False, "pyslurm is not installed (`make pyslurm`: pyslurm 25.11.2 against Slurm 25.11)"
+    try:
+        from trainmover.slurm.pyslurm_backend import load
+        load(None)
+    except (SlurmError, OSError, ImportError) as exc:
+        return False, f"pyslurm does not load in this process: {exc}"
+    return True, ""
+
+
+def pytest_generate_tests(metafunc):
+    if "backend" in metafunc.fixturenames:
+        backends = ["pyslurm"] if INSIDE_ROOT else ["cli"] + (["pyslurm"] if _pyslurm_loads()[0] else [])
+        metafunc.parametrize("backend", backends, indirect=True)
+
+
+@pytest.fixture
 def backend(request, slurm_cluster) -> SlurmClient:
-    if request.param == "pyslurm":
-        try:
-            import pyslurm  # noqa: F401
-        except ImportError:
-            pytest.skip(PYSLURM_SKIP.format(version=slurm_cluster.slurm_version))
-        try:
-            return client(backend="pyslurm", slurm_conf=str(slurm_cluster.slurm_conf))
-        except SlurmError as exc:
-            pytest.skip(f"pyslurm imports but trainmover has no pyslurm backend: {exc}")
     c = client(backend=request.param, slurm_conf=str(slurm_cluster.slurm_conf))
     assert isinstance(c, SlurmClient)
     return c
@@ -93,3 +111,32 @@ def test_job_grow_shrink_and_steps(backend, submit, slurm_env):
 def test_errors_name_what_failed(backend):
     with pytest.raises(SlurmError):
         backend.job(999999999)
+
+
+def test_pyslurm_contract_inside_root(slurm_cluster, tmp_path):
+    """pyslurm's cases where a root filesystem cluster's controller runs: inside the root,
+    this module again with the venv's interpreter (bind-mounted there, as for jobs)."""
+    if INSIDE_ROOT:
+        pytest.skip("this is the run inside the root")
+    root = slurm_cluster.slurm_root
+    if root is None:
+        pytest.skip("the cluster runs the host's Slurm: the pyslurm cases ran (or not) in this session")
+    if importlib.util.find_spec("pyslurm") is None:
+        pytest.skip(f"pyslurm is not installed; `make pyslurm` builds pyslurm 25.11.2 against Slurm 25.11 "
+                    f"(this cluster runs Slurm {slurm_cluster.slurm_version})")
+    if not slurm_cluster.slurm_version.startswith("25.11"):
+        pytest.skip(f"pyslurm 25.11 needs Slurm 25.11; this cluster runs Slurm {slurm_cluster.slurm_version}")
+    from trainmover.cluster import rootfs
+
+    here = Path(__file__).resolve()
+    checkout = here.parents[2]
+    argv = [*rootfs.launcher(root, rootfs.binds(slurm_cluster.state_dir), chdir=str(checkout)),
+            sys.executable, "-m", "pytest", str(here), "-k", "not inside_root", "-q", "-ra",
+            "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'inside'}"]
+    env = {**os.environ, "TM_E2E_INSIDE_ROOT": "1"}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, cwd=checkout)
+    out = proc.stdout + proc.stderr
+    print(out[-4000:])
+    assert proc.returncode == 0, f"pyslurm contract inside {root} failed (exit {proc.returncode}):\n{out[-4000:]}"
+    passed = re.search(r"(\d+) passed", out)
+    assert passed and int(passed.group(1)) == CONTRACT_TESTS and "skipped" not in out, out[-2000:]

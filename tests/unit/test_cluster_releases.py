@@ -25,10 +25,11 @@ def _spec(slurm="22.05", root="") -> ClusterSpec:
 
 
 def test_supported_releases_and_a_clear_error_for_others():
-    assert list(RELEASES) == ["22.05", "24.11", "26.05"]
+    assert list(RELEASES) == ["22.05", "24.11", "25.11", "26.05"]
     assert release("24.11.5") is RELEASES["24.11"] and release("26.05").suite == "sid"
+    assert release("25.11.7").source is not None and release("24.11").source is None
     for bad in ("23.02", "24.11.x", "", "latest"):
-        with pytest.raises(ClusterError, match="supported versions: 22.05, 24.11, 26.05"):
+        with pytest.raises(ClusterError, match="supported versions: 22.05, 24.11, 25.11, 26.05"):
             release(bad)
     assert parse_version("slurm-wlm 22.05.8") == "22.05.8" and parse_version("slurm 26.05.5\n") == "26.05.5"
     assert parse_version("no version") is None
@@ -39,7 +40,7 @@ def test_accounting_only_where_the_release_needs_it():
     assert "AccountingStorageType=accounting_storage/slurmdbd" in old and not any("FirstJobId" in x for x in old)
     assert specmod.render_cgroup_conf(_spec("22.05")) is None
     assert RELEASES["22.05"].accounting and "mariadb-server" in RELEASES["22.05"].packages
-    for v in ("24.11", "26.05"):
+    for v in ("24.11", "25.11", "26.05"):
         conf = specmod.render_slurm_conf(_spec(v, root=f"/cache/{v}")).splitlines()
         assert "AccountingStorageType=accounting_storage/none" in conf
         assert not any(x.startswith(("AccountingStoragePort", "AccountingStorageHost")) for x in conf)
@@ -145,6 +146,22 @@ def test_default_state_dir_per_release(monkeypatch):
     assert resolve_dir("/d", slurm="24.11") == Path("/d")
     with pytest.raises(ClusterError, match="supported versions"):
         resolve_dir(slurm="23.02")
+
+
+def test_a_named_release_runs_beside_the_cluster_of_tm_cluster_dir(monkeypatch, tmp_path, capsys):
+    """README order: `make demo`, `eval "$(trainmover cluster env)"` (exports TM_CLUSTER_DIR), then
+    `trainmover demo --slurm 25.11`: its own directory, not the 22.05 cluster's."""
+    from trainmover.cluster.lifecycle import resolve_dir
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / "cluster.json").write_text(_spec("22.05").to_json())
+    monkeypatch.setenv("TM_CLUSTER_DIR", str(d))
+    assert resolve_dir() == d and resolve_dir(slurm="22.05") == d
+    assert resolve_dir(slurm="25.11") == Path("/var/tmp/trainmover-cluster-25.11")
+    assert "holds a Slurm 22.05 cluster; Slurm 25.11 runs beside it" in capsys.readouterr().err
+    assert resolve_dir(str(d), slurm="25.11") == d  # named explicitly: up() says what runs there
+    monkeypatch.setenv("TM_CLUSTER_DIR", str(tmp_path / "fresh"))
+    assert resolve_dir(slurm="25.11") == tmp_path / "fresh"
 
 
 def test_address_blocks_one_per_cluster(tmp_path):

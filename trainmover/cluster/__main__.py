@@ -1,11 +1,15 @@
 """`python -m trainmover.cluster {up,down,status,env} [--nodes N] [--standby S] [--dir D] [--slurm V]`;
-`python -m trainmover.cluster releases [--besides-host]`: the supported Slurm releases, one a line."""
+`python -m trainmover.cluster releases [--besides-host]`: the supported Slurm releases, one a line;
+`python -m trainmover.cluster build --slurm V`: build V's root filesystem when missing (from source for
+25.11: minutes; `make slurm-matrix` runs it before a release's tests, so their time is the tests'),
+and print its path (empty: the host's Slurm)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
 
 from trainmover.cluster import lifecycle, rootfs
 from trainmover.cluster.releases import RELEASES
@@ -14,7 +18,7 @@ from trainmover.errors import TrainMoverError
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trainmover cluster", description="Embedded local Slurm cluster")
-    p.add_argument("action", choices=["up", "down", "status", "env", "releases"])
+    p.add_argument("action", choices=["up", "down", "status", "env", "releases", "build"])
     p.add_argument("--nodes", type=int, default=4, help="training nodes train[1-N] (default 4)")
     p.add_argument("--standby", type=int, default=2, help="standby nodes spare[1-S] (default 2)")
     p.add_argument("--dir", default=None,
@@ -41,6 +45,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.action == "releases":
             host = rootfs.host_release() if args.besides_host else None
             print("\n".join(v for v in RELEASES if v != host))
+        elif args.action == "build":
+            if not args.slurm:
+                raise TrainMoverError("build needs --slurm V")
+            t0 = time.monotonic()
+            _, full, root, _ = rootfs.locate(args.slurm, cache=rootfs.resolve_cache(args.rootfs_cache),
+                                             log=lambda m: print(f"trainmover cluster: {m}", file=sys.stderr, flush=True),
+                                             force_root=args.rootfs)
+            print(f"trainmover cluster: Slurm {full} ready in {root or 'the host'} ({time.monotonic() - t0:.0f}s)",
+                  file=sys.stderr)
+            print(root)  # alone on stdout: `make pyslurm` builds against it
         elif args.action == "up":
             info = lifecycle.up(nodes=args.nodes, standby=args.standby, state_dir=args.dir, slurm=args.slurm,
                                 rootfs_cache=args.rootfs_cache, force_root=args.rootfs)

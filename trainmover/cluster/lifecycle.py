@@ -63,10 +63,21 @@ class ClusterInfo:
 
 def resolve_dir(state_dir: Optional[os.PathLike | str] = None, slurm: Optional[str] = None) -> Path:
     """The state directory: the argument, else $TM_CLUSTER_DIR, else /var/tmp/trainmover-cluster
-    (/var/tmp/trainmover-cluster-<release> when a Slurm release is named)."""
+    (/var/tmp/trainmover-cluster-<release> when a Slurm release is named).
+
+    With a release named, $TM_CLUSTER_DIR counts only when its cluster runs that release (or
+    none yet): `eval "$(trainmover cluster env)"` after `make demo` exports the default
+    cluster's directory, and `trainmover demo --slurm 25.11` then runs beside that cluster,
+    in 25.11's own directory, rather than stop at it."""
     default = f"{DEFAULT_DIR}-{release(slurm).version}" if slurm else DEFAULT_DIR
-    d = state_dir if state_dir is not None else os.environ.get("TM_CLUSTER_DIR") or default
-    return Path(d).expanduser().absolute()
+    if state_dir is None and os.environ.get("TM_CLUSTER_DIR"):
+        state_dir = Path(os.environ["TM_CLUSTER_DIR"]).expanduser().absolute()
+        other = _load_spec(state_dir) if slurm else None
+        if other is not None and other.slurm != release(slurm).version:
+            _log(f"$TM_CLUSTER_DIR {state_dir} holds a Slurm {other.slurm} cluster; Slurm {release(slurm).version} "
+                 f"runs beside it, in {default}")
+            state_dir = default
+    return Path(state_dir if state_dir is not None else default).expanduser().absolute()
 
 
 def _log(msg: str) -> None:
@@ -318,6 +329,16 @@ def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = 
         _write_files(spec, old)
         _start_all(spec, running)
         return _info(spec, already=False, installed=installed, t0=t0)
+
+
+def attach(state_dir) -> ClusterInfo:
+    """The running cluster in `state_dir`, read only: starts, builds and installs nothing.
+    For a process inside the cluster's root filesystem (tests of the pyslurm backend run
+    there), which cannot start nodes: `up` from the host first."""
+    spec = _load_spec(resolve_dir(state_dir))
+    if spec is None:
+        raise ClusterError(f"no cluster in {state_dir}: `trainmover cluster up` first")
+    return _info(spec, already=True, installed=False, t0=time.monotonic())
 
 
 def _same_slurm(old: ClusterSpec, slurm: Optional[str], force_root: bool) -> bool:

@@ -3,6 +3,7 @@ configuration. Pure: no processes (trainmover/cluster/rootfs.py finds or builds 
 trainmover/slurm/ handles the differences in how Slurm is called and what it prints).
 
     release("24.11.5")   -> Release(version="24.11", suite="trixie", accounting=False, ...)
+    release("25.11").source  -> Source(version="25.11.7", ...): no Debian suite ships it; built from source
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from trainmover.cluster.procs import ClusterError
+from trainmover.cluster.source import SLURM_25_11, Source
 
 
 @dataclass(frozen=True)
@@ -28,18 +30,24 @@ class Release:
     `first_job_id`: where the cluster's job ids start. Demos of several releases run from
     one checkout, each job writing runs/<job id> there; a controller refuses a run
     directory another job's controller used, so each release counts from its own
-    number (24.11: 24110001, ...; 22.05 from 1, as always)."""
+    number (24.11: 24110001, ...; 22.05 from 1, as always).
+    `source`: built from SchedMD's source inside a root filesystem of `suite` (source.py),
+    not installed from the suite's packages; never the host's Slurm."""
 
     version: str
     suite: str
     accounting: bool
     cgroup_disabled: bool
     first_job_id: int = 1
+    source: Optional[Source] = None
 
     @property
     def packages(self) -> list[str]:
         """Debian packages for the cluster's Slurm: daemons, client commands, munge, the headers
-        for the SPANK plugin; MariaDB and slurmdbd where accounting is needed."""
+        for the SPANK plugin; MariaDB and slurmdbd where accounting is needed. From source:
+        munge and what Slurm's configure needs to build its munge authentication."""
+        if self.source is not None:
+            return ["munge", "libmunge-dev", "pkg-config"]
         pkgs = ["slurm-wlm", "munge", "libslurm-dev", "slurm-wlm-basic-plugins-dev"]
         if self.accounting:
             pkgs += ["slurmdbd", "mariadb-server", "mariadb-client"]
@@ -59,6 +67,8 @@ class Release:
 RELEASES = {
     "22.05": Release("22.05", "bookworm", accounting=True, cgroup_disabled=False),
     "24.11": Release("24.11", "trixie", accounting=False, cgroup_disabled=True, first_job_id=24110001),
+    "25.11": Release("25.11", "trixie", accounting=False, cgroup_disabled=True, first_job_id=25110001,
+                     source=SLURM_25_11),
     "26.05": Release("26.05", "sid", accounting=False, cgroup_disabled=True, first_job_id=26050001),
 }
 

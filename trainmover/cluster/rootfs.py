@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from trainmover.cluster import install
+from trainmover.cluster import install, source
 from trainmover.cluster.procs import ClusterError, flocked, run_cmd
 from trainmover.cluster.releases import RELEASES, Release, parse_version, release
 
@@ -156,7 +156,9 @@ def ensure_built(rel: Release, cache: Path, *, log: Callable[[str], None], mirro
         return root
     if os.geteuid() != 0:
         raise ClusterError(f"building the Slurm {rel.version} root filesystem in {root} needs root")
-    with _lock(cache / f".{rel.version}.lock", timeout=BUILD_TIMEOUT):
+    # A waiter may sit out another process's whole build, a source build included.
+    wait = BUILD_TIMEOUT + (source.CONFIGURE_TIMEOUT * 2 + source.MAKE_TIMEOUT if rel.source else 0)
+    with _lock(cache / f".{rel.version}.lock", timeout=wait):
         marker = built(root)
         if marker is None:
             _build(rel, root, log=log, mirror=mirror)
@@ -211,6 +213,8 @@ def _ensure_debootstrap(log: Callable[[str], None]) -> str:
 
 def _build(rel: Release, root: Path, *, log: Callable[[str], None], mirror: str) -> None:
     t0 = time.monotonic()
+    # The source first: a build without it would fail after minutes of debootstrap.
+    tarball = source.find_tarball(rel.source) if rel.source else None
     partial = root.with_name(f"{rel.version}.partial")
     shutil.rmtree(partial, ignore_errors=True)  # an interrupted build; it never holds mounts
     shutil.rmtree(root, ignore_errors=True)     # a root without its marker is incomplete
@@ -228,6 +232,11 @@ def _build(rel: Release, root: Path, *, log: Callable[[str], None], mirror: str)
     _apt(partial, "install", "-y", "--no-install-recommends", *_wanted(rel), timeout=BUILD_TIMEOUT,
          what=f"apt-get install (Slurm {rel.version} root filesystem)")
     _apt(partial, "clean", timeout=120, what="apt-get clean")
+    t2 = time.monotonic()
+    steps = {}
+    if rel.source is not None:
+        steps = source.build_in(partial, rel.source, tarball, log=log,
+                                run_in=lambda argv, cwd: [*launcher(partial, ["/proc", "/dev"], chdir=cwd), *argv])
     proc = run_cmd([*launcher(partial, ["/proc"]), "slurmd", "-V"], timeout=60, env=_apt_env(),
                    what="slurmd -V (root filesystem)")
     full = parse_version(proc.stdout + proc.stderr)
@@ -236,12 +245,13 @@ def _build(rel: Release, root: Path, *, log: Callable[[str], None], mirror: str)
                            f"({(proc.stdout + proc.stderr).strip()!r}), not {rel.version}")
     (partial / MARKER).write_text(json.dumps({
         "slurm": full, "release": rel.version, "suite": rel.suite, "mirror": mirror,
-        "packages": _wanted(rel),
+        "packages": _wanted(rel), **({"source": tarball.name, "sha256": rel.source.sha256} if rel.source else {}),
         "built": time.strftime("%Y-%m-%dT%H:%M:%S"), "debootstrap_s": round(t1 - t0, 1),
-        "install_s": round(time.monotonic() - t1, 1)}, indent=1) + "\n")
+        "install_s": round(t2 - t1, 1), **({"source_build": steps} if steps else {})}, indent=1) + "\n")
     partial.rename(root)
     log(f"Slurm {full} root filesystem ready in {root} ({time.monotonic() - t0:.0f}s: "
-        f"debootstrap {t1 - t0:.0f}s, packages {time.monotonic() - t1:.0f}s)")
+        f"debootstrap {t1 - t0:.0f}s, packages {t2 - t1:.0f}s"
+        + (f", source build {time.monotonic() - t2:.0f}s" if steps else "") + ")")
 
 
 def host_release() -> Optional[str]:
@@ -253,7 +263,7 @@ def host_release() -> Optional[str]:
             return release(host).version
         except ClusterError:
             return None
-    return next((r.version for r in RELEASES.values() if r.suite == host_suite()), None)
+    return next((r.version for r in RELEASES.values() if r.suite == host_suite() and r.source is None), None)
 
 
 # --- choosing ----------------------------------------------------------------------------
@@ -270,7 +280,7 @@ def locate(requested: Optional[str], *, cache: Path, log: Callable[[str], None],
     host = host_version()
     if requested is None:
         if host is None:
-            rel = next((r for r in RELEASES.values() if r.suite == host_suite()), None)
+            rel = next((r for r in RELEASES.values() if r.suite == host_suite() and r.source is None), None)
             if rel is None:
                 raise ClusterError(f"no Slurm on this host and its Debian release ({host_suite() or 'unknown'}) "
                                    f"ships none we support; use --slurm with one of {', '.join(RELEASES)}")
@@ -282,7 +292,9 @@ def locate(requested: Optional[str], *, cache: Path, log: Callable[[str], None],
                                    "a supported one from a Debian root filesystem") from None
         return _host(rel, log)
     rel = release(requested)
-    if not force_root and ((host is not None and _same(host, rel)) or (host is None and host_suite() == rel.suite)):
+    # A release built from source (25.11) is the host's only where the host runs it already.
+    if not force_root and ((host is not None and _same(host, rel))
+                           or (host is None and rel.source is None and host_suite() == rel.suite)):
         return _host(rel, log)
     root = ensure_built(rel, cache, log=log)
     return rel.version, built(root)["slurm"], str(root), False

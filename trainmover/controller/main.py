@@ -34,7 +34,7 @@ from trainmover.controller.steps import KeeperSteps, LocalSteps, step_environmen
 from trainmover.controller.view import JobView
 from trainmover.errors import ConfigError, SlurmError, TrainMoverError
 from trainmover.control.spec import ENV as SPEC_ENV, WorkerSpec
-from trainmover.slurm.client import CliSlurm
+from trainmover.slurm.client import client
 from trainmover.slurm.model import BatchHostRelease, NoStandbyAvailable
 from trainmover.standbys import auto as auto_pool, site
 from trainmover.workloads import base as workloads
@@ -52,7 +52,7 @@ class Controller:
         keeper node (controller/keeper.py), which runs the steps; no rank runs there."""
         self.cfg, self.job_id, self.attempt = cfg, job_id, attempt
         self.faults = faults.Injector(cfg.inject, "controller", first_controller=attempt == 0)
-        self.slurm = slurm or CliSlurm(node_query=cfg.node_query)
+        self.slurm = slurm or client(cfg.slurm_backend, node_query=cfg.node_query)
         self.environ = dict(environ)
         job = self.slurm.job(job_id)
         self.job = job

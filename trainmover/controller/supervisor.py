@@ -107,8 +107,9 @@ def main(argv=None) -> int:
     cfg = Config.from_env()
     from trainmover.controller.preflight import preflight
     from trainmover.runtime.usercode import user_code
-    from trainmover.slurm.client import CliSlurm
-    slurm = CliSlurm()
+    from trainmover.slurm.client import client
+    slurm = client(cfg.slurm_backend)
+    log.info("Slurm backend: %s (TM_SLURM_BACKEND)", cfg.slurm_backend)
     job = slurm.job(job_id)
     # verified first: a run directory someone else planted (with a final.json saying "done") is refused
     root = files.private_dir(Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id)))

@@ -1,9 +1,10 @@
 """The Slurm interface TrainMover uses, and its command-line implementation.
 
 `SlurmClient` is the contract; `CliSlurm` implements it with sinfo/squeue/
-scontrol/salloc/srun through `commands.run` (the only place that forks them). A
-pyslurm backend can implement the same Protocol where the site's Slurm matches
-the pyslurm release (see docs/admin.md); `client(backend=...)` picks one.
+scontrol/salloc/srun through `commands.run` (the only place that forks them).
+`pyslurm_backend.PySlurm` implements the same Protocol with pyslurm where the site's
+Slurm matches the pyslurm release (25.11; see docs/admin.md); `client(backend=...)`
+picks one (TM_SLURM_BACKEND for the controller).
 """
 
 from __future__ import annotations
@@ -360,8 +361,11 @@ def node_query_program(setting: str, slurm_conf: Optional[str]) -> Optional[str]
 
 
 def client(backend: str = "cli", **kwargs) -> SlurmClient:
-    """The Slurm backend by name. Only 'cli' exists so far; 'pyslurm' needs a
-    pyslurm release that matches the site's Slurm (pyslurm 25.11 needs Slurm 25.11)."""
+    """The Slurm backend by name: 'cli', or 'pyslurm' (needs a pyslurm built against the
+    cluster's Slurm, pyslurm 25.11 for Slurm 25.11; SlurmError naming the fix otherwise)."""
     if backend == "cli":
         return CliSlurm(**kwargs)
-    raise SlurmError(f"unknown Slurm backend {backend!r} (available: 'cli')")
+    if backend == "pyslurm":
+        from trainmover.slurm.pyslurm_backend import PySlurm  # imports pyslurm: only when asked for
+        return PySlurm(**kwargs)
+    raise SlurmError(f"unknown Slurm backend {backend!r} (available: 'cli', 'pyslurm')")

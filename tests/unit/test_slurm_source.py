@@ -1,0 +1,54 @@
+"""Slurm built from source (trainmover/cluster/source.py): the tarball is found where the
+user or CI put it and refused unless its SHA-256 is the pinned one; the release that needs
+it never runs from the host's packages. The build itself: `make slurm-matrix` (25.11)."""
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from trainmover.cluster import rootfs, source
+from trainmover.cluster.procs import ClusterError
+from trainmover.cluster.releases import RELEASES, release
+from trainmover.cluster.source import Source, find_tarball
+
+
+def _src(tmp_path, body: bytes = b"slurm source") -> Source:
+    (tmp_path / "slurm-1.2.3.tar.xz").write_bytes(body)
+    return Source(version="1.2.3", tarball="slurm-1.2.3.tar.xz", sha256=hashlib.sha256(body).hexdigest(),
+                  url="https://example.invalid/slurm-1.2.3")
+
+
+def test_tarball_from_a_directory_or_a_file_and_the_variable(tmp_path, monkeypatch):
+    src = _src(tmp_path)
+    assert find_tarball(src, str(tmp_path)) == tmp_path / "slurm-1.2.3.tar.xz"
+    assert find_tarball(src, str(tmp_path / "slurm-1.2.3.tar.xz")) == tmp_path / "slurm-1.2.3.tar.xz"
+    monkeypatch.setenv("TM_SLURM_SOURCE", str(tmp_path))
+    assert find_tarball(src) == tmp_path / "slurm-1.2.3.tar.xz"
+
+
+def test_a_missing_or_altered_tarball_is_refused_with_what_to_do(tmp_path, monkeypatch):
+    src = _src(tmp_path)
+    with pytest.raises(ClusterError, match=r"not found \(looked at .*nowhere.*\).*TM_SLURM_SOURCE.*" + src.sha256):
+        find_tarball(src, str(tmp_path / "nowhere"))
+    (tmp_path / "slurm-1.2.3.tar.xz").write_bytes(b"slurm source, altered")
+    with pytest.raises(ClusterError, match=f"SHA-256 [0-9a-f]{{64}}, expected {src.sha256}"):
+        find_tarball(src, str(tmp_path))
+    monkeypatch.delenv("TM_SLURM_SOURCE", raising=False)
+    assert source.VENDOR.name == "vendor" and source.VENDOR.parent.name == "shared"  # CI: ../shared/vendor
+
+
+def test_the_source_release_is_pinned_and_never_the_hosts(monkeypatch, tmp_path):
+    rel = release("25.11")
+    assert rel.source.sha256 == "f71f1e5f33a72e7864104a6857e86862eac3c4e5e348c92dd0c10dbe03a82dec"
+    assert rel.suite == "trixie" and "libmunge-dev" in rel.packages and "slurm-wlm" not in rel.packages
+    assert "--prefix=/usr" in rel.source.configure and "--sysconfdir=/etc/slurm" in rel.source.configure
+    # A trixie host without Slurm runs 24.11 from its packages, never 25.11.
+    monkeypatch.setattr(rootfs, "host_version", lambda: None)
+    monkeypatch.setattr(rootfs, "host_suite", lambda: "trixie")
+    assert rootfs.host_release() == "24.11"
+    built = []
+    monkeypatch.setattr(rootfs, "ensure_built", lambda rel, cache, log: built.append(rel.version) or tmp_path)
+    monkeypatch.setattr(rootfs, "built", lambda root: {"slurm": "25.11.7"})
+    assert rootfs.locate("25.11", cache=tmp_path, log=print) == ("25.11", "25.11.7", str(tmp_path), False)
+    assert built == ["25.11"] and RELEASES["25.11"].first_job_id == 25110001
