@@ -67,30 +67,29 @@ def test_the_jobs_outcome_is_read_from_status_only_when_a_controller_ended_it(tm
     assert k._outcome() == 1
 
 
-def test_a_controller_that_ended_the_job_is_waited_for_never_killed_or_replaced(tmp_path):
-    """Its shutdown answers no probe (the supervisor may still wait for its spare): before
-    the journal's `end`, silence would start a successor; after it, the keeper only waits."""
-    from trainmover.controller import journal
+def test_a_controller_that_ended_the_job_is_never_replaced_even_before_its_status_is_written(tmp_path):
+    """Its journal's `end` is written first at its shutdown; status.json's outcome last. In
+    between (its shutdown may hang or die), the keeper already reads the job as ended: a loss
+    verdict then turns into waiting for its step (succession ENDING), never a successor."""
+    import json
 
-    class Proc:
-        killed = False
-
-        def poll(self):
-            return None
-
-        def kill(self):
-            self.killed = True
+    from trainmover.controller import journal, succession
 
     k = Keeper.__new__(Keeper)
-    k.root, k.ended_at, k.why, k.attempt = tmp_path, None, "", 0
-    k.controller = ("train1", Proc())
-    started = []
-    k._start_controller = lambda home, resume: started.append(home)
+    k.root = tmp_path
     j = journal.Journal(tmp_path / "journal.jsonl")
     j.write(1.0, [{"kind": "start", "job_id": 7, "world_size": 2, "ranks_per_node": 1, "batch_host": "k",
                    "rank_node": {"0": "train1", "1": "train2"}}])
-    assert journal.ended(tmp_path / "journal.jsonl") is None
+    assert k._outcome() is None  # running: a silent controller would be replaced
     j.write(2.0, [{"kind": "end", "ok": False, "message": "user code raised on rank 1 (train2) at step 3: E"}])
     j.close()
-    assert k._replace_controller("unreachable for 3s") is True
-    assert k.ended_at is not None and not k.controller[1].killed and started == [] and k.attempt == 0
+    assert k._outcome() == 1  # FAILED, from the journal alone
+    (tmp_path / "status.json").write_text(json.dumps({"outcome": {"ok": True, "message": "trained"}}))
+    assert k._outcome() == 0  # status.json's outcome, once written, is the final word
+    primary = succession.Primary("train1", 0, 0.0, 2.0, 120.0)
+    primary.heard(0.5)
+    verdict = primary.check(10.0)  # silent in its shutdown
+    assert verdict is not None and verdict.fence
+    primary.ending(10.0)  # what the keeper's loop does with a loss verdict once _outcome() says ended
+    assert primary.state is succession.State.ENDING
+    assert primary.exited(11.0, 1, k._outcome()) == 0
