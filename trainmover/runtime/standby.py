@@ -229,7 +229,9 @@ def niced(nice: int, fn, *args):
     def body():
         try:
             if nice:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)  # raising it needs no privilege
+                # relative to the caller's, as nice(1) is: an absolute value below a niced job's
+                # own would be a lowering, which an unprivileged process may not do
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(thread_nice() + nice, 19))
             out["nice"] = thread_nice()
             if device is not None:
                 torch.cuda.set_device(device)
