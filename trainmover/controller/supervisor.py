@@ -201,10 +201,11 @@ def main(argv=None) -> int:
     finally:
         if spare is not None:  # EOF: the spare exits
             os.close(spare[1])
-            try:
-                spare[0].wait(timeout=30)
+            try:  # it reads the pipe only once its imports are done (seconds on a busy node): the
+                spare[0].wait(timeout=1)  # job's end does not wait for them, and it holds nothing
             except subprocess.TimeoutExpired:
                 spare[0].kill()
+                spare[0].wait(timeout=10)
 
 
 if __name__ == "__main__":
