@@ -82,7 +82,8 @@ def held_fenced(run, node: str) -> bool:
 
 
 def resume(slurm_client, node: str) -> None:
-    """Put a node fenced by TrainMover (drained 'trainmover: ...') back into service."""
+    """Put a node fenced by TrainMover back into service if it was drained ('trainmover: ...';
+    a held node, its user not allowed to drain, is back with the job's end)."""
     info = slurm_client.nodes([node])[node]
     if "DRAIN" in info.flags or info.base_state == "DOWN":
         slurm_client.resume(node)
@@ -91,8 +92,8 @@ def resume(slurm_client, node: str) -> None:
 def test_a_frozen_worker_is_fenced_replaced_and_its_resumption_changes_nothing(demo, reference, slurm_client):
     """kill -STOP of a worker: its sockets stay open and its slurmd answers. Its heartbeat stops:
     it is judged dead within TM_HEARTBEAT_TIMEOUT_S, its step killed (SIGKILL reaches a stopped
-    process), its node drained, its rank rebuilt on the standby. Resumed with SIGCONT after its
-    replacement, it changes nothing: it is gone, or it exits without a word counted.
+    process), its rank rebuilt on the standby. Resumed with SIGCONT after its replacement, it
+    changes nothing: it is gone, or it exits without a word counted.
 
     The job is JOB_USER's, who may not drain: the fenced node is held in the job, out of
     training, never back in service while the job runs (Slurm shows it allocated, not idle)."""

@@ -172,8 +172,11 @@ class CliSlurm:
         accounting = config.get("AccountingStorageType", "").endswith("slurmdbd")
         level = None
         if accounting and uid != 0:
-            proc = self._run(["sacctmgr", "-nP", "show", "user", user, "format=AdminLevel"], check=False)
-            level = rights.parse_admin_level(proc.stdout) if proc.returncode == 0 else None
+            try:  # no answer (sacctmgr missing, slurmdbd down): no known level, so no drain right
+                proc = self._run(["sacctmgr", "-nP", "show", "user", user, "format=AdminLevel"], check=False)
+                level = rights.parse_admin_level(proc.stdout) if proc.returncode == 0 else None
+            except SlurmError:
+                level = None
         proc = self._run(build.show_reservation(reservation), check=False)
         found = parse.parse_reservation_text(proc.stdout).get(reservation)
         return rights.decide(rights.Facts(
