@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 
@@ -17,8 +16,8 @@ from trainmover.errors import ConfigError
 from trainmover.slurm import commands
 from trainmover.standbys import history
 from trainmover.standbys.auto import choose
-from trainmover.standbys.model import best_size, erlang_b, ettr, mean_rollback_h, pool_table, poisson_quantile
-from trainmover.standbys.site import SiteRates, from_mapping, load
+from trainmover.standbys.model import best_size, erlang_b, ettr, mean_rollback_h, poisson_quantile
+from trainmover.standbys.site import SiteRates, load
 
 PAPER_VALUE_32K = 2400   # design digest: one 8-GPU standby at 32K GPUs is worth ~2,400 training GPUs
 
@@ -283,7 +282,7 @@ def test_rates_from_sacct_go_through_the_slurm_choke_point():
 
 # ---- `trainmover plan` -----------------------------------------------------------------------------
 
-def _plan(argv, capsys=None):
+def _plan(argv):
     import contextlib
     import io
     buf = io.StringIO()
