@@ -25,15 +25,13 @@ static int set(const char *var, const char *val)
 int tm_allocator_post_opt(spank_t sp, const struct tm_opts *o)
 {
     (void)sp;
-    char num[16];
-    if (o->standbys >= 0) {
-        snprintf(num, sizeof(num), "%d", o->standbys);
-        if (set("TM_STANDBYS", num) != 0)
-            return -1;
-    }
+    char buf[16];
+    const char *num = tm_standbys_value(o, buf, sizeof(buf));
+    if (num && set("TM_STANDBYS", num) != 0)
+        return -1;
     if (o->reservation[0] && set("TM_RESERVATION", o->reservation) != 0)
         return -1;
     slurm_verbose(TM_PREFIX "job will run under TrainMover (standbys=%s, reservation=%s)",
-                  o->standbys >= 0 ? num : "default", o->reservation[0] ? o->reservation : "default");
+                  num ? num : "default", o->reservation[0] ? o->reservation : "default");
     return 0;
 }

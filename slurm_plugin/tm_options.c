@@ -7,12 +7,22 @@
 
 #include "tm_spank.h"
 
-#define TM_EXPECTED "expected a comma list of standbys=N (0-64), reservation=NAME"
+#define TM_EXPECTED "expected a comma list of standbys=N (0-64) or auto, reservation=NAME"
 
 void tm_opts_reset(struct tm_opts *o)
 {
     memset(o, 0, sizeof(*o));
     o->standbys = -1;
+}
+
+const char *tm_standbys_value(const struct tm_opts *o, char *buf, size_t len)
+{
+    if (o->standbys == TM_STANDBYS_AUTO)
+        return "auto";
+    if (o->standbys < 0)
+        return NULL;
+    snprintf(buf, len, "%d", o->standbys);
+    return buf;
 }
 
 static int valid_name(const char *s, size_t n)
@@ -39,12 +49,16 @@ static int parse_item(const char *item, size_t len, struct tm_opts *o, char *err
     const char *val = eq + 1;
     if (klen == 8 && strncmp(item, "standbys", 8) == 0) {
         char buf[16], *end = NULL;
-        if (o->standbys >= 0) {
+        if (o->standbys != -1) {
             snprintf(err, errlen, "standbys given twice in --trainmover");
             return -1;
         }
+        if (vlen == 4 && strncmp(val, "auto", 4) == 0) {
+            o->standbys = TM_STANDBYS_AUTO;
+            return 0;
+        }
         if (vlen == 0 || vlen >= sizeof(buf) || val[0] < '0' || val[0] > '9') {
-            snprintf(err, errlen, "standbys=%.*s: expected a number from 0 to %d", (int)vlen, val,
+            snprintf(err, errlen, "standbys=%.*s: expected auto or a number from 0 to %d", (int)vlen, val,
                      TM_MAX_STANDBYS);
             return -1;
         }
@@ -53,7 +67,7 @@ static int parse_item(const char *item, size_t len, struct tm_opts *o, char *err
         errno = 0;
         long n = strtol(buf, &end, 10);
         if (errno || *end != '\0' || n < 0 || n > TM_MAX_STANDBYS) {
-            snprintf(err, errlen, "standbys=%s: expected a number from 0 to %d", buf, TM_MAX_STANDBYS);
+            snprintf(err, errlen, "standbys=%s: expected auto or a number from 0 to %d", buf, TM_MAX_STANDBYS);
             return -1;
         }
         o->standbys = (int)n;

@@ -28,17 +28,15 @@ static void step_name(spank_t sp, uint32_t *job, char *buf, size_t len)
 int tm_remote_user_init(spank_t sp, const struct tm_opts *o)
 {
     uint32_t job;
-    char step[16], num[16] = "default";
+    char step[16], buf[16];
+    const char *num = tm_standbys_value(o, buf, sizeof(buf));
     step_name(sp, &job, step, sizeof(step));
-    if (o->standbys >= 0) {
-        snprintf(num, sizeof(num), "%d", o->standbys);
-        /* Keep what sbatch/srun exported; fill in only what is missing. */
+    if (num)  /* Keep what sbatch/srun exported; fill in only what is missing. */
         spank_setenv(sp, "TM_STANDBYS", num, 0);
-    }
     if (o->reservation[0])
         spank_setenv(sp, "TM_RESERVATION", o->reservation, 0);
     slurm_info(TM_PREFIX "job %u step %s runs under TrainMover (standbys=%s, reservation=%s)", job, step,
-               num, o->reservation[0] ? o->reservation : "default");
+               num ? num : "default", o->reservation[0] ? o->reservation : "default");
     return 0;
 }
 

@@ -19,12 +19,16 @@
 
 struct tm_opts {
     int given;                      /* --trainmover was on the command line */
-    int standbys;                   /* -1: not given (the controller's default) */
+    int standbys;                   /* -1: not given (the controller's default); TM_STANDBYS_AUTO: auto */
     char reservation[TM_MAX_NAME];  /* "": not given */
 };
 
+#define TM_STANDBYS_AUTO (-2)       /* standbys=auto: the controller picks (TM_STANDBYS=auto) */
+
 void tm_opts_reset(struct tm_opts *o);
-/* Parse OPTS ("standbys=N,reservation=NAME"; NULL or "" means defaults) into *o.
+/* The value TM_STANDBYS gets ("auto" or the number), or NULL when standbys was not given. */
+const char *tm_standbys_value(const struct tm_opts *o, char *buf, size_t len);
+/* Parse OPTS ("standbys=N|auto,reservation=NAME"; NULL or "" means defaults) into *o.
  * Returns 0, or -1 with a message (without prefix) in err. */
 int tm_opts_parse(const char *arg, struct tm_opts *o, char *err, size_t errlen);
 

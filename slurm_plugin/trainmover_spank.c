@@ -35,7 +35,7 @@ static struct spank_option tm_option = {
     .name = TM_NAME,
     .arginfo = "OPTS",
     .usage = "Run the job under TrainMover live migration. OPTS (optional, comma "
-             "separated): standbys=N (warm standby nodes, 0-64), reservation=NAME "
+             "separated): standbys=N (warm standby nodes, 0-64, or auto: picked from the job's size and the site's failure rates), reservation=NAME "
              "(reservation holding the standby nodes).",
     .has_arg = 2, /* optional argument: --trainmover or --trainmover=OPTS */
     .val = 0,

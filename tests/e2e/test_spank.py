@@ -1,6 +1,6 @@
 """The TrainMover SPANK plugin (slurm_plugin/) loaded by the real local cluster through
 the plugstack.conf that `trainmover cluster up` writes: the option in --help, a bad value
-refused at submit time, the demo template run with `sbatch --trainmover=...`, and the
+refused at submit time, the demo template run with `sbatch --trainmover=standbys=auto,...`, and the
 plugin's messages in the slurmd log."""
 from __future__ import annotations
 
@@ -55,8 +55,8 @@ def test_help_lists_the_option(command, job_env):
 
 @pytest.mark.parametrize("value, message", [
     ("bogus", "trainmover: unknown setting 'bogus' in --trainmover"),
-    ("standbys=x", "trainmover: standbys=x: expected a number from 0 to 64"),
-    ("standbys=65", "trainmover: standbys=65: expected a number from 0 to 64"),
+    ("standbys=x", "trainmover: standbys=x: expected auto or a number from 0 to 64"),
+    ("standbys=65", "trainmover: standbys=65: expected auto or a number from 0 to 64"),
     ("standbys=1,,reservation=r", "trainmover: empty setting in --trainmover=standbys=1,,reservation=r"),
     ("reservation=a/b", "trainmover: reservation=a/b: expected 1-63 characters"),
     ("standbys=1,standbys=2", "trainmover: standbys given twice"),
@@ -71,7 +71,7 @@ def test_bad_value_fails_at_submit(value, message, job_env, tmp_path):
 def test_sbatch_trainmover_runs_the_demo(slurm_cluster, slurm_client, job_env, tmp_path):
     env = {**job_env, "TM_STEPS": "80"}
     out = commands.run(["sbatch", "--parsable", f"--job-name={TEST_JOB_PREFIX}spank", f"--chdir={tmp_path}",
-                        "--trainmover=standbys=1,reservation=trainmover_standby", str(TEMPLATE)],
+                        "--trainmover=standbys=auto,reservation=trainmover_standby", str(TEMPLATE)],
                        timeout=15, env=env).stdout
     job_id = int(out.strip().split(";")[0])
     try:
@@ -86,8 +86,10 @@ def test_sbatch_trainmover_runs_the_demo(slurm_cluster, slurm_client, job_env, t
     assert final["steps"] == 80
     logs = "\n".join(p.read_text(errors="replace") for p in (Path(slurm_cluster.state_dir) / "log").glob("slurmd-*.log"))
     mine = [line for line in logs.splitlines() if f"trainmover: job {job_id} " in line]
-    assert any(f"job {job_id} step batch runs under TrainMover (standbys=1, reservation=trainmover_standby)" in line
+    assert any(f"job {job_id} step batch runs under TrainMover (standbys=auto, reservation=trainmover_standby)" in line
                for line in mine), logs[-3000:]
+    choice = json.loads((tmp_path / "runs" / str(job_id) / "status.json").read_text())["standby_pool"]["choice"]
+    assert choice["setting"] == "auto" and choice["why"], choice   # TM_STANDBYS=auto reached the controller
     assert any(f"job {job_id} step batch task 0 exited with status 0" in line for line in mine)
     assert any(f"job {job_id} step 0 runs under TrainMover" in line for line in mine), \
         "worker steps launched by the controller inherit the option"
@@ -118,16 +120,20 @@ int main(int argc, char **argv) {
     subprocess.run(["gcc", "-O2", "-Wall", "-Wextra", "-Werror", f"-I{PLUGIN_DIR}", "-o", str(exe), str(driver),
                     str(PLUGIN_DIR / "tm_options.c")], check=True, timeout=60)
     cases = ["-", "standbys=0", "standbys=64,reservation=my_res.1", "reservation=r,standbys=3", "standbys=",
-             "standbys=-1", "reservation=", "x=1", "standbys=99999999999999999999"]
+             "standbys=-1", "reservation=", "x=1", "standbys=99999999999999999999", "standbys=auto,reservation=r",
+             "standbys=autox", "standbys=auto,standbys=1"]
     out = subprocess.run([str(exe), *cases], capture_output=True, text=True, timeout=10, check=True).stdout.splitlines()
     assert out == [
         "ok given=1 standbys=-1 reservation=",
         "ok given=1 standbys=0 reservation=",
         "ok given=1 standbys=64 reservation=my_res.1",
         "ok given=1 standbys=3 reservation=r",
-        "error standbys=: expected a number from 0 to 64",
-        "error standbys=-1: expected a number from 0 to 64",
+        "error standbys=: expected auto or a number from 0 to 64",
+        "error standbys=-1: expected auto or a number from 0 to 64",
         "error reservation=: expected 1-63 characters of [A-Za-z0-9_.-]",
-        "error unknown setting 'x' in --trainmover (expected a comma list of standbys=N (0-64), reservation=NAME)",
-        "error standbys=99999999999999999999: expected a number from 0 to 64",
+        "error unknown setting 'x' in --trainmover (expected a comma list of standbys=N (0-64) or auto, reservation=NAME)",
+        "error standbys=99999999999999999999: expected auto or a number from 0 to 64",
+        "ok given=1 standbys=-2 reservation=r",
+        "error standbys=autox: expected auto or a number from 0 to 64",
+        "error standbys given twice in --trainmover",
     ]
