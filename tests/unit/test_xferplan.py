@@ -179,3 +179,22 @@ def test_gpu_checks_on_a_side_stream_match_the_word_sums():
     for c in range(len(plan.chunks)):
         plan.check_chunk(c)
     assert plan.verdict() == (1, 1)
+
+
+def test_a_leaver_votes_for_the_switch_only_a_boundary_after_its_plan():
+    """The leaver's plan (~0.1 s for a 1B model) is made at a boundary of its own: with no stayer
+    the switch could otherwise follow at that very boundary, and the plan would fall into the pause."""
+    from trainmover.runtime.phase1 import Prepared
+    from trainmover.runtime.switch import Switch
+    leaver = Prepared(3, None, "leaver", 0)  # the delta plays no part in the vote
+    assert Switch.switch_ready(None, leaver, 10) == 0          # Phase 1 still running
+    leaver.done.set()
+    assert Switch.switch_ready(None, leaver, 10) == 0          # no plan yet
+    leaver.plan_at = 10
+    assert Switch.switch_ready(None, leaver, 10) == 0          # made at this boundary
+    assert Switch.switch_ready(None, leaver, 11) == 3          # the next one
+    stayer = Prepared(3, None, "stayer", 1)
+    stayer.done.set()
+    assert Switch.switch_ready(None, stayer, 10) == 3
+    stayer.error = "built nothing"
+    assert Switch.switch_ready(None, stayer, 10) == 0

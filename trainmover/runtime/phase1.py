@@ -36,6 +36,7 @@ class Prepared:
     comms_before: int = 0
     plan: object | None = None         # leaver/joiner: the transfer's plan (xferplan.py), made ahead
     plan_s: float = 0.0                # the time making it took (outside the pause)
+    plan_at: int | None = None         # leaver: the step boundary it was made at (it switches at a later one)
     done: threading.Event = field(default_factory=threading.Event)
 
 

@@ -91,7 +91,7 @@ class TrainingLoop:
         self._release_retired(step)
         self._poll_inbox()
         prep = self.pending
-        ready = prep.epoch if prep and prep.done.is_set() and not prep.error else 0
+        ready = self.switch_ready(prep, step)
         if boundary.agree(control, ready) == ready and ready:
             if prep.role == "leaver":
                 self.leave(prep, step)

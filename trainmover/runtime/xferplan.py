@@ -224,13 +224,3 @@ def for_receiving(like: dict) -> Plan:
     """A joiner's Phase-1 guess: its own state's layout, received into its own tensors."""
     _, plan = of_state(like)
     return plan
-
-
-@contextlib.contextmanager
-def side_stream(device: torch.device):
-    """A CUDA side stream for the checks (None on the CPU: they run in line)."""
-    if device.type != "cuda":
-        yield None
-        return
-    s = torch.cuda.Stream(device=device)
-    yield s
