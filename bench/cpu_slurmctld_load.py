@@ -202,8 +202,14 @@ def main():
     result_trials: dict = {}
     try:
         idle = window(env, args.window)
+        commands.run(["sdiag", "-r"], timeout=10, env=env)
+        t_submit = time.time()
         jobs.append(submit(env, "1"))
         wait("job 1's standby to be warm", lambda: warm(jobs[0][1]), 300, 1.0)
+        start = parse_sdiag(commands.run(["sdiag"], timeout=10, env=env).stdout)
+        result_trials["startup_1_job"] = {"user_rpcs": start["by_user"].get(JOB_USER, 0),
+                                          "seconds_to_warm_standby": round(time.time() - t_submit, 1),
+                                          "window_by_type": start["by_type"]}
         one = window(env, args.window)
         result_trials["steady_1_job"] = per_job_minute(one, 1, args.window)
         for i in range(2, args.jobs + 1):
@@ -260,6 +266,7 @@ def main():
                      "poll_s": 10.0, "jobs_run_as": JOB_USER, "rate_limit": "rl_enable defaults" if "rl_enable" in
                      Path(info.slurm_conf).read_text() else "off"},
         "metrics": {"rpcs_per_job_per_min_1_job": result_trials["steady_1_job"]["rpcs_per_job_per_min"],
+                    "startup_rpcs_1_job": result_trials["startup_1_job"]["user_rpcs"],
                     f"rpcs_per_job_per_min_{args.jobs}_jobs":
                         result_trials[f"steady_{args.jobs}_jobs"]["rpcs_per_job_per_min"],
                     "scontrol_drain_to_requested": med("scontrol"),

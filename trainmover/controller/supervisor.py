@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     preflight(cfg)  # options the workload does not take, TM_CHECK_WORKLOAD: before anything starts
     import torch.distributed as dist
     from trainmover.slurm.client import CliSlurm
-    slurm = CliSlurm()
+    slurm = CliSlurm(node_query=cfg.node_query)  # tm_nodes: one RPC a node query, not two
     job = slurm.job(job_id)
     done = records.completed_before(Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id)),
                                     job_id, cfg.steps)
