@@ -3,10 +3,12 @@ reaches it, on the embedded cluster.
 
     flock /tmp/tm-e2e.lock .venv/bin/python bench/cpu_slurmctld_load.py --slurm 24.11 [--window 60] [--drains 10]
 
-* steady state: `sdiag` counts every RPC slurmctld served, by message type. A window with no job
-  gives the cluster's own traffic (slurmd registrations, pings); windows with 1 and then 5
-  demo jobs running (each: keeper node, one training node, one warm standby, steps paced to
-  0.2 s) give the jobs'. RPCs per job per minute = (window - idle window) / jobs / minutes.
+* steady state: `sdiag` counts every RPC slurmctld served, by message type and by user. The jobs
+  are JOB_USER's (tmuser; the rate limit's subject), so their RPCs are that user's count, apart
+  from root's (slurmd; the health check, which slurmd runs on idle nodes only, so root's count
+  changes with the number of busy nodes). Windows with no job, 1 and then 5 demo jobs (each:
+  keeper node, one training node, one warm standby, steps paced to 0.2 s). RPCs per job per
+  minute = the user's RPCs / jobs / minutes.
 * the per-cluster node-state reader (`trainmover node-reader`, root, every 2 s): a third window
   with the 5 jobs reading its table instead of polling (its RPCs counted in, shared by the jobs).
 * drains, one job, first with the reader (scontrol drains, found through its table), then
@@ -14,7 +16,8 @@ reaches it, on the embedded cluster.
   TM_POLL_S) and the health check as slurmd runs it (etc/healthcheck.sh, a fault injected
   through its hook; it drains and writes the drain notice) alternate; for each, the time from
   the drain to the controller's decision (the migration's `requested` time in status.json,
-  the controller's clock, same host). The drained node is resumed once the migration is done.
+  the controller's clock, same host), each drain at a random moment (uniform over 10 s after the
+  job is ready again). The drained node is resumed once the migration is done.
 
 Writes bench/results/cpu-slurmctld-load-<time>.json.
 """
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import re
 import statistics
 import subprocess
@@ -37,12 +41,14 @@ sys.path.insert(0, str(ROOT))
 from bench import results_io  # noqa: E402
 from bench.polling import wait  # noqa: E402
 from trainmover import cluster  # noqa: E402
+from trainmover.cluster.users import JOB_USER, host_account  # noqa: E402
 from trainmover.controller.keeper import sbatch_args  # noqa: E402
 from trainmover.slurm import commands  # noqa: E402
 from trainmover.slurm.client import CliSlurm  # noqa: E402
 
 REASON = "trainmover-bench load"
 STATE_DIR = "/var/tmp/trainmover-cluster-load"
+JOBS_DIR = "/var/tmp/trainmover-bench-load-jobs"  # JOB_USER's submit directories
 _RPC = re.compile(r"^\s+(\S+)\s+\(\s*\d+\)\s+count:(\d+)\s+ave_time:(\d+)")
 
 
@@ -100,10 +106,22 @@ def status(run: Path) -> dict:
         return {}
 
 
-def submit(env, workdir: Path, name: str) -> tuple[int, Path]:
+def user_workdir(name: str) -> Path:
+    """A submit directory of JOB_USER's (0700), as a user's own."""
+    acct = host_account(JOB_USER)
+    d = Path(JOBS_DIR) / name
+    d.mkdir(parents=True, exist_ok=True)
+    os.chown(d, acct.uid, acct.gid)
+    d.chmod(0o700)
+    return d
+
+
+def submit(env, name: str) -> tuple[int, Path]:
+    """One demo job of JOB_USER's (sdiag then counts its RPCs apart from root's health checks)."""
+    workdir = user_workdir(f"{name}-{time.strftime('%H%M%S')}")
     job = int(commands.run(["sbatch", "--parsable", f"--chdir={workdir}", f"--job-name=tm-bench-{name}",
                             *sbatch_args(1), str(ROOT / "sbatch_templates/demo_gpt_cpu.sbatch")],
-                           timeout=15, env=env).stdout.split(";")[0])
+                           timeout=15, env=env, user=JOB_USER).stdout.split(";")[0])
     return job, workdir / "runs" / str(job)
 
 
@@ -113,18 +131,19 @@ def warm(run: Path) -> bool:
             and not any(m["state"] != "done" for m in s.get("migrations", [])))
 
 
-def per_job_minute(jobs: dict, idle: dict, n: int, seconds: float) -> dict:
-    keys = sorted(set(jobs["by_type"]) | set(idle["by_type"]))
-    diff = {k: jobs["by_type"].get(k, 0) - idle["by_type"].get(k, 0) for k in keys}
-    diff = {k: v for k, v in diff.items() if v}
-    total = sum(jobs["by_type"].values()) - sum(idle["by_type"].values())
-    return {"rpcs_per_job_per_min": round(total / n / (seconds / 60), 2),
-            "by_type_per_job_per_min": {k: round(v / n / (seconds / 60), 2) for k, v in diff.items()},
-            "window_by_type": jobs["by_type"], "window_by_user": jobs["by_user"], "window_ave_us": jobs["ave_us"]}
+def per_job_minute(seen: dict, n: int, seconds: float) -> dict:
+    """The jobs' user's RPCs (sdiag by user) per job per minute; the window's RPCs by type beside
+    them (root's too: slurmd, the health check, which runs on idle nodes and so varies)."""
+    mine = seen["by_user"].get(JOB_USER, 0)
+    return {"rpcs_per_job_per_min": round(mine / n / (seconds / 60), 2), "user_rpcs": mine,
+            "window_by_type": seen["by_type"], "window_by_user": seen["by_user"], "window_ave_us": seen["ave_us"]}
 
 
-def drain_once(kind: str, env, info, slurm: CliSlurm, run: Path, k: int) -> dict:
+def drain_once(kind: str, env, info, slurm: CliSlurm, run: Path, k: int, rng: random.Random) -> dict:
     """Drain the job's training node (scontrol, or the health check); time to `requested`."""
+    # A random moment: right after the standby is warm is right after a node poll (the poll saw
+    # the resumed spare idle and took it), which would flatter the poll's detection time.
+    time.sleep(rng.uniform(0, 10.0))
     s = status(run)
     node = next(n["name"] for n in s["nodes"] if n["role"] == "train")
     if kind in ("scontrol", "scontrol+reader"):
@@ -169,47 +188,57 @@ def main():
     args = ap.parse_args()
     info = cluster.up(nodes=args.jobs, standby=args.jobs, keepers=args.jobs, state_dir=STATE_DIR, slurm=args.slurm)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TM_")}
-    env.update(SLURM_CONF=str(info.slurm_conf), TM_STEPS="100000", TM_INJECT=f"pace:{args.pace}", OMP_NUM_THREADS="1")
+    env.update(SLURM_CONF=str(info.slurm_conf), TM_STEPS="100000", TM_INJECT=f"pace:{args.pace}", OMP_NUM_THREADS="1",
+               TM_PYTHON=sys.executable, PYTHONPATH=str(ROOT))
+    rng = random.Random(30)
     slurm = CliSlurm(slurm_conf=str(info.slurm_conf))
     for name, node in slurm.nodes().items():
         if "DRAIN" in node.flags:
             slurm.resume(name)
-    workdir = ROOT / "runs" / "bench-load"
-    workdir.mkdir(parents=True, exist_ok=True)
     node_query = Path(info.slurm_conf).parent / "tm_nodes"
+    log = Path(info.slurm_conf).parents[1] / "log" / "slurmctld.log"
+    log_from = log.stat().st_size if log.exists() else 0
     jobs: list[tuple[int, Path]] = []
     result_trials: dict = {}
     try:
         idle = window(env, args.window)
-        jobs.append(submit(env, workdir, "1"))
+        commands.run(["sdiag", "-r"], timeout=10, env=env)
+        t_submit = time.time()
+        jobs.append(submit(env, "1"))
         wait("job 1's standby to be warm", lambda: warm(jobs[0][1]), 300, 1.0)
+        start = parse_sdiag(commands.run(["sdiag"], timeout=10, env=env).stdout)
+        result_trials["startup_1_job"] = {"user_rpcs": start["by_user"].get(JOB_USER, 0),
+                                          "seconds_to_warm_standby": round(time.time() - t_submit, 1),
+                                          "window_by_type": start["by_type"]}
         one = window(env, args.window)
-        result_trials["steady_1_job"] = per_job_minute(one, idle, 1, args.window)
+        result_trials["steady_1_job"] = per_job_minute(one, 1, args.window)
         for i in range(2, args.jobs + 1):
-            jobs.append(submit(env, workdir, str(i)))
+            jobs.append(submit(env, str(i)))
         wait(f"{args.jobs} jobs with warm standbys", lambda: all(warm(r) for _, r in jobs), 600, 1.0)
         many = window(env, args.window)
-        result_trials[f"steady_{args.jobs}_jobs"] = per_job_minute(many, idle, args.jobs, args.window)
+        result_trials[f"steady_{args.jobs}_jobs"] = per_job_minute(many, args.jobs, args.window)
         result_trials["rpcs_per_command"] = command_costs(env, "spare1", node_query)
         print(json.dumps(result_trials["rpcs_per_command"]), flush=True)
-        result_trials["idle_window_by_type"] = idle["by_type"]
+        result_trials["idle_window"] = idle
         reader = start_reader(env)  # the per-cluster node-state reader (root), interval 2 s
         try:
             wait("the reader's first table", lambda: (Path(info.slurm_conf).parent / "trainmover-drains" /
                                                       ".node-states.json").exists(), 30, 0.2)
             shared = window(env, args.window)
-            result_trials[f"steady_{args.jobs}_jobs_reader"] = per_job_minute(shared, idle, args.jobs, args.window)
+            result_trials[f"steady_{args.jobs}_jobs_reader"] = per_job_minute(shared, args.jobs, args.window)
+            result_trials[f"steady_{args.jobs}_jobs_reader"]["reader_rpcs_per_min_whole_cluster"] = round(
+                (shared["by_type"].get("REQUEST_NODE_INFO", 0)) / (args.window / 60), 2)
             commands.run(["scancel", *[str(j) for j, _ in jobs[1:]]], timeout=10, env=env)
             drains = []
             for k in range(1, args.reader_drains + 1):
-                drains.append(drain_once("scontrol+reader", env, info, slurm, jobs[0][1], len(drains) + 1))
+                drains.append(drain_once("scontrol+reader", env, info, slurm, jobs[0][1], len(drains) + 1, rng))
                 print(drains[-1], flush=True)
         finally:
             reader.terminate()
             reader.wait(10)
         for k in range(1, 2 * args.drains + 1):
             drains.append(drain_once("scontrol" if k % 2 else "healthcheck", env, info, slurm, jobs[0][1],
-                                     len(drains) + 1))
+                                     len(drains) + 1, rng))
             print(drains[-1], flush=True)
         result_trials["drains"] = drains
     finally:
@@ -218,8 +247,8 @@ def main():
         for name, node in slurm.nodes().items():
             if "DRAIN" in node.flags and (node.reason == REASON or node.reason.startswith("trainmover: healthcheck inject")):
                 slurm.resume(name)
-    log = Path(info.slurm_conf).parents[1] / "log" / "slurmctld.log"
-    limited = [x for x in log.read_text(errors="replace").splitlines() if "rate limit" in x.lower()] if log.exists() else []
+    text = log.read_text(errors="replace")[log_from:] if log.exists() else ""
+    limited = [x for x in text.splitlines() if "rate limit exceeded" in x.lower()]
 
     def med(kind):
         xs = [d["drain_to_requested_s"] for d in result_trials["drains"] if d["kind"] == kind]
@@ -234,8 +263,10 @@ def main():
         "settings": {"workload": "gpt_demo tiny", "ranks_per_job": 1, "standbys_per_job": 1, "backend": "gloo",
                      "pace_s": args.pace, "slurm": info.slurm, "window_s": args.window,
                      "node_query": "tm_nodes" if node_query.exists() else "scontrol",
-                     "poll_s": 10.0, "jobs_run_as": "root (sdiag counts RPCs of any user alike)"},
+                     "poll_s": 10.0, "jobs_run_as": JOB_USER, "rate_limit": "rl_enable defaults" if "rl_enable" in
+                     Path(info.slurm_conf).read_text() else "off"},
         "metrics": {"rpcs_per_job_per_min_1_job": result_trials["steady_1_job"]["rpcs_per_job_per_min"],
+                    "startup_rpcs_1_job": result_trials["startup_1_job"]["user_rpcs"],
                     f"rpcs_per_job_per_min_{args.jobs}_jobs":
                         result_trials[f"steady_{args.jobs}_jobs"]["rpcs_per_job_per_min"],
                     "scontrol_drain_to_requested": med("scontrol"),
@@ -243,7 +274,7 @@ def main():
                     "scontrol_drain_to_requested_with_reader": med("scontrol+reader"),
                     f"rpcs_per_job_per_min_{args.jobs}_jobs_with_reader":
                         result_trials[f"steady_{args.jobs}_jobs_reader"]["rpcs_per_job_per_min"],
-                    "slurmctld_rate_limit_lines": len(limited)},
+                    "slurmctld_rate_limit_exceeded_lines": len(limited)},
         "trials": result_trials,
     }
     results_io.write(results_io.stamped("cpu-slurmctld-load"), result)

@@ -124,11 +124,12 @@ def _controller() -> int:
     if node and job.isdigit():
         from trainmover.config import Config
         from trainmover.slurm.client import CliSlurm
-        slurm = CliSlurm()
+        cfg = Config.from_env()
+        slurm = CliSlurm(node_query=cfg.node_query)  # tm_nodes: one RPC a node query, not two
         if keeper.is_keeper(slurm, node):
             logging.basicConfig(level=os.environ.get("TM_LOG_LEVEL", "INFO"),
                                 format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
-            return keeper.main(Config.from_env(), slurm, int(job), node)
+            return keeper.main(cfg, slurm, int(job), node)
     return supervisor.main([])
 
 

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,10 @@ STATE_DIR = "/var/tmp/trainmover-cluster-e2e-load"
 DRAIN_REASON = "tm-e2e load"
 STEPS = 800  # paced at 0.1 s: the jobs outlast five standbys' warm-up on a loaded machine
 JOBS = 5
+# A job's start costs its user about 25 RPCs (keeper, controller, taking the standby, its steps:
+# bench/cpu_slurmctld_load.py, startup_rpcs_1_job); five at once would overdraw the bucket (30
+# tokens, 2 a second), so the user starts them a little apart, as docs/admin.md advises.
+STAGGER_S = 15.0
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +82,7 @@ def test_five_jobs_of_one_user_stay_within_the_rate_limit(load_cluster):
             out = as_user(["sbatch", "--parsable", f"--job-name={TEST_JOB_PREFIX}load{i}", f"--chdir={work}",
                            *sbatch_args(ranks), str(TEMPLATE)], job_env).stdout
             jobs.append(Job(int(out.strip().split(";")[0]), work, job_env))
+            time.sleep(STAGGER_S)
         # each of the first four drained once its standby is warm: two told at once (root's
         # `trainmover drain` writes the notice), two found by their node poll alone
         drained: dict[int, str] = {}

@@ -262,13 +262,13 @@ def fake():
 
 def test_run_counts_calls_and_reports_failures(fake):
     fake((["scontrol", "ping"], (0, "UP", "")),
-         (["scontrol", "-o", "show", "job"], (1, "", "slurm_load_jobs error: Invalid job id specified")))
+         (["scontrol", "--local", "-o", "show", "job"], (1, "", "slurm_load_jobs error: Invalid job id specified")))
     commands.run(["scontrol", "ping"], timeout=5)
     with pytest.raises(SlurmError) as ei:
-        commands.run(["scontrol", "-o", "show", "job", "7"], timeout=5)
+        commands.run(["scontrol", "--local", "-o", "show", "job", "7"], timeout=5)
     msg = str(ei.value)
     assert "scontrol exited with status 1" in msg and "Invalid job id specified" in msg and "show job 7" in msg
-    assert commands.run(["scontrol", "-o", "show", "job", "7"], timeout=5, check=False).returncode == 1
+    assert commands.run(["scontrol", "--local", "-o", "show", "job", "7"], timeout=5, check=False).returncode == 1
     assert commands.calls() == {"scontrol": 3}
 
 
@@ -309,9 +309,9 @@ def _spares(state1: str = "IDLE+RESERVED", state2: str = "ALLOCATED+RESERVED") -
 def test_grow_merges_one_donor(fake):
     jobs = iter([_job_line("train[3-4]", 2), _job_line("spare1,train[3-4]", 3)])
     f = fake(
-        (["scontrol", "-o", "show", "job", "9"], lambda: (0, next(jobs), "")),
+        (["scontrol", "--local", "-o", "show", "job", "9"], lambda: (0, next(jobs), "")),
         (["salloc"], (0, "", "salloc: Granted job allocation 10\n")),
-        (["scontrol", "-o", "show", "job", "10"], (0, _job_line("spare1", 1, job_id=10, batch="spare1"), "")),
+        (["scontrol", "--local", "-o", "show", "job", "10"], (0, _job_line("spare1", 1, job_id=10, batch="spare1"), "")),
         (["scontrol", "update"], (0, "", "")),
     )
     assert CliSlurm().grow(9, reservation="trainmover_standby", timeout=5) == "spare1"
@@ -322,7 +322,7 @@ def test_grow_merges_one_donor(fake):
 
 def test_grow_without_free_standby_withdraws_the_donor(fake):
     f = fake(
-        (["scontrol", "-o", "show", "job", "9"], (0, _job_line("train[3-4]", 2), "")),
+        (["scontrol", "--local", "-o", "show", "job", "9"], (0, _job_line("train[3-4]", 2), "")),
         (["salloc"], (1, "", "salloc: Pending job allocation 14\nsalloc: job 14 queued and waiting for resources\n"
                              "salloc: error: Unable to allocate resources: Connection timed out\n")),
         (["squeue"], (0, "14\n", "")),
@@ -334,7 +334,7 @@ def test_grow_without_free_standby_withdraws_the_donor(fake):
     with pytest.raises(NoStandbyAvailable, match="no free standby node in reservation trainmover_standby.*"
                        "reserved nodes now: spare1 ALLOCATED\\+RESERVED, spare2 ALLOCATED\\+RESERVED"):
         CliSlurm().grow(9, reservation="trainmover_standby", timeout=3)
-    assert ["squeue", "-h", "--me", "--name=trainmover-donor-9", "-o", "%i"] in f.seen
+    assert ["squeue", "--local", "-h", "--me", "--name=trainmover-donor-9", "-o", "%i"] in f.seen
     assert ["scancel", "14"] in f.seen
     assert not any(a[:2] == ["scontrol", "update"] for a in f.seen)
 
@@ -352,11 +352,11 @@ def test_grow_asks_again_while_its_deadline_lasts(fake):
         now[0] += 2.0  # each timed-out request took its 2 s
         return next(sallocs)
     f = fake(
-        (["scontrol", "-o", "show", "job", "9"], lambda: (0, next(jobs), "")),
+        (["scontrol", "--local", "-o", "show", "job", "9"], lambda: (0, next(jobs), "")),
         (["salloc"], salloc),
         (["squeue"], (0, "14\n", "")),
         (["scancel"], (0, "", "")),
-        (["scontrol", "-o", "show", "job", "16"], (0, _job_line("spare1", 1, job_id=16, batch="spare1"), "")),
+        (["scontrol", "--local", "-o", "show", "job", "16"], (0, _job_line("spare1", 1, job_id=16, batch="spare1"), "")),
         (["scontrol", "update"], (0, "", "")),
     )
     assert CliSlurm(clock=lambda: now[0]).grow(9, reservation="trainmover_standby", timeout=10) == "spare1"
@@ -367,7 +367,7 @@ def test_grow_asks_again_while_its_deadline_lasts(fake):
 
 def test_grow_other_salloc_failures_are_plain_slurm_errors(fake):
     fake(
-        (["scontrol", "-o", "show", "job", "9"], (0, _job_line("train[3-4]", 2), "")),
+        (["scontrol", "--local", "-o", "show", "job", "9"], (0, _job_line("train[3-4]", 2), "")),
         (["salloc"], (1, "", "salloc: error: Invalid reservation name specified\n")),
         (["squeue"], (0, "", "")),
         (["scontrol", "-o", "show", "reservation"], (1, "", "Reservation nope not found\n")),
@@ -378,7 +378,7 @@ def test_grow_other_salloc_failures_are_plain_slurm_errors(fake):
 
 
 def test_shrink_refuses_the_batch_host_without_touching_slurm(fake):
-    f = fake((["scontrol", "-o", "show", "job", "9"], (0, JOB_TEXT, "")))
+    f = fake((["scontrol", "--local", "-o", "show", "job", "9"], (0, JOB_TEXT, "")))
     with pytest.raises(BatchHostRelease, match="train3"):
         CliSlurm().shrink(9, ["train4", "spare1"])
     assert all(a[:2] != ["scontrol", "update"] for a in f.seen)
@@ -386,7 +386,7 @@ def test_shrink_refuses_the_batch_host_without_touching_slurm(fake):
 
 def test_shrink_releases_the_rest(fake):
     jobs = iter([JOB_TEXT, _job_line("spare2,train3", 2)])
-    f = fake((["scontrol", "-o", "show", "job", "9"], lambda: (0, next(jobs), "")),
+    f = fake((["scontrol", "--local", "-o", "show", "job", "9"], lambda: (0, next(jobs), "")),
              (["scontrol", "update"], (0, "", "")))
     assert CliSlurm().shrink(9, ["train3", "spare2"]) == ["spare1", "train4"]
     assert ["scontrol", "update", "JobId=9", "NodeList=train3,spare2"] in f.seen
@@ -437,8 +437,8 @@ def test_grow_waits_out_the_credential_revocation_of_a_node_it_just_released(fak
     job's next step ('Job credential revoked'); grow() waits for the next second."""
     jobs = iter([JOB_TEXT, _job_line("spare2,train3,train4", 3),              # shrink: before, after
                  _job_line("spare2,train3,train4", 3), JOB_TEXT])              # grow: before, after
-    fake((["scontrol", "-o", "show", "job", "9"], lambda: (0, next(jobs), "")),
-         (["scontrol", "-o", "show", "job", "10"], (0, _job_line("spare1", 1, job_id=10, batch="spare1"), "")),
+    fake((["scontrol", "--local", "-o", "show", "job", "9"], lambda: (0, next(jobs), "")),
+         (["scontrol", "--local", "-o", "show", "job", "10"], (0, _job_line("spare1", 1, job_id=10, batch="spare1"), "")),
          (["salloc"], (0, "", "salloc: Granted job allocation 10\n")),
          (["scontrol", "update"], (0, "", "")))
     now = [1000.30]
@@ -455,7 +455,7 @@ def test_job_updates_run_without_the_job_environment(fake, monkeypatch):
     monkeypatch.setenv("SLURM_JOBID", "9")
     monkeypatch.setenv("SLURM_JOB_ID", "9")
     jobs = iter([JOB_TEXT, _job_line("spare2,train3", 2)])
-    f = fake((["scontrol", "-o", "show", "job", "9"], lambda: (0, next(jobs), "")),
+    f = fake((["scontrol", "--local", "-o", "show", "job", "9"], lambda: (0, next(jobs), "")),
              (["scontrol", "update"], (0, "", "")))
     CliSlurm().shrink(9, ["train3", "spare2"])
     updates = [e for a, e in zip(f.seen, f.envs) if a[:2] == ["scontrol", "update"]]

@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     from trainmover.controller.preflight import preflight
     from trainmover.runtime.usercode import user_code
     from trainmover.slurm.client import client
-    slurm = client(cfg.slurm_backend)
+    slurm = client(cfg.slurm_backend, node_query=cfg.node_query)  # tm_nodes: one RPC a node query, not two
     log.info("Slurm backend: %s (TM_SLURM_BACKEND)", cfg.slurm_backend)
     job = slurm.job(job_id)
     # verified first: a run directory someone else planted (with a final.json saying "done") is refused
