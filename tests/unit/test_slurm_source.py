@@ -52,3 +52,27 @@ def test_the_source_release_is_pinned_and_never_the_hosts(monkeypatch, tmp_path)
     monkeypatch.setattr(rootfs, "built", lambda root: {"slurm": "25.11.7"})
     assert rootfs.locate("25.11", cache=tmp_path, log=print) == ("25.11", "25.11.7", str(tmp_path), False)
     assert built == ["25.11"] and RELEASES["25.11"].first_job_id == 25110001
+
+
+def test_fixes_apply_once_or_stop_the_build(tmp_path):
+    f = tmp_path / "src" / "x.c"
+    f.parent.mkdir()
+    f.write_text("a();\n\tif (list_find(l))\n\t\treturn;\nb();\n")
+    fix = source.Fix(why="NULL list", path="src/x.c", old="\tif (list_find(l))", new="\tif (l && list_find(l))")
+    assert source.apply_fixes(tmp_path, (fix,)) == ["NULL list"]
+    assert "\tif (l && list_find(l))\n" in f.read_text()
+    with pytest.raises(ClusterError, match="'NULL list' occurs 0 times, not once"):
+        source.apply_fixes(tmp_path, (fix,))  # applied already / another release: not silently skipped
+
+
+def test_the_25_11_fix_matches_the_vendored_source():
+    """The job-expansion fix's text is in the 25.11.7 tarball once (where CI keeps it)."""
+    import tarfile
+    try:
+        path = find_tarball(source.SLURM_25_11)
+    except ClusterError as exc:
+        pytest.skip(f"no Slurm 25.11.7 tarball here: {exc}")
+    fix = source.JOB_EXPANSION_NULL_LICENSES
+    with tarfile.open(path) as tf:
+        text = tf.extractfile(f"slurm-25.11.7/{fix.path}").read().decode()
+    assert text.count(fix.old) == 1 and fix in source.SLURM_25_11.fixes

@@ -37,6 +37,35 @@ LD_CONF = "etc/ld.so.conf.d/trainmover-slurm.conf"
 
 
 @dataclass(frozen=True)
+class Fix:
+    """A change made to the source before the build, for a Slurm bug TrainMover runs into:
+    why, the file, and the exact text replaced (it must occur once: a tarball that differs
+    stops the build rather than being built unfixed)."""
+
+    why: str
+    path: str
+    old: str
+    new: str
+
+
+# slurmctld 25.11.7 crashed (SIGSEGV, core in the cluster's log/) at the first job expansion the
+# contract test made: `scontrol update JobId=<donor> NumNodes=0`, how grow() merges a standby.
+# gdb: list_find_first_ro(l=NULL) <- _valid_license_job_expansion() job_mgr.c:12581: a job
+# without licenses has no license_list, and list.c does not accept NULL.
+JOB_EXPANSION_NULL_LICENSES = Fix(
+    why="job expansion of jobs without licenses: NULL license_list (slurmctld SIGSEGV)",
+    path="src/slurmctld/job_mgr.c",
+    old="""	if (list_find_first_ro(job_ptr1->license_list, _find_hres, NULL) ||
+	    list_find_first_ro(job_ptr2->license_list, _find_hres, NULL))
+		return false;""",
+    new="""	if ((job_ptr1->license_list &&
+	     list_find_first_ro(job_ptr1->license_list, _find_hres, NULL)) ||
+	    (job_ptr2->license_list &&
+	     list_find_first_ro(job_ptr2->license_list, _find_hres, NULL)))
+		return false;""")
+
+
+@dataclass(frozen=True)
 class Source:
     """One Slurm source release: the tarball's name and pinned SHA-256, SchedMD's page for
     it, and the configure options (Debian's layout: binaries in /usr, slurm.conf's default
@@ -47,6 +76,7 @@ class Source:
     tarball: str
     sha256: str
     url: str
+    fixes: tuple[Fix, ...] = ()
     configure: tuple[str, ...] = ("--prefix=/usr", "--sysconfdir=/etc/slurm", "--disable-debug",
                                   "--disable-dependency-tracking", "--disable-slurmrestd", "--disable-x11",
                                   "--enable-silent-rules")
@@ -59,7 +89,21 @@ class Source:
 SLURM_25_11 = Source(
     version="25.11.7", tarball="slurm-25.11.7.tar.xz",
     sha256="f71f1e5f33a72e7864104a6857e86862eac3c4e5e348c92dd0c10dbe03a82dec",
-    url="https://github.com/SchedMD/slurm/archive/refs/tags/slurm-25-11-7-1.tar.gz (or schedmd.com/download)")
+    url="https://github.com/SchedMD/slurm/archive/refs/tags/slurm-25-11-7-1.tar.gz (or schedmd.com/download)",
+    fixes=(JOB_EXPANSION_NULL_LICENSES,))
+
+
+def apply_fixes(tree: Path, fixes: tuple[Fix, ...]) -> list[str]:
+    """Make each fix in the unpacked `tree`; returns their `why`s. ClusterError when a fix's
+    text is not found exactly once."""
+    for fix in fixes:
+        path = tree / fix.path
+        text = path.read_text()
+        if text.count(fix.old) != 1:
+            raise ClusterError(f"{path}: the text fixed for '{fix.why}' occurs {text.count(fix.old)} times, not once; "
+                               "is this the Slurm release the fix was written for?")
+        path.write_text(text.replace(fix.old, fix.new))
+    return [f.why for f in fixes]
 
 
 def find_tarball(src: Source, where: Optional[str] = None) -> Path:
@@ -92,7 +136,7 @@ def build_in(root: Path, src: Source, tarball: Path, *, run_in: Callable[[list[s
              log: Callable[[str], None]) -> dict:
     """Unpack `tarball` into root/usr/src, build and install Slurm (src/ and the headers) there. `run_in(argv, cwd)`
     gives the argv that runs `argv` inside the root in `cwd` (rootfs.launcher). Returns the
-    seconds of each step, for the root's marker."""
+    seconds of each step and the fixes made, for the root's marker."""
     t0 = time.monotonic()
     tree = root / SRC_DIR.lstrip("/") / src.tree
     shutil.rmtree(tree, ignore_errors=True)
@@ -101,6 +145,9 @@ def build_in(root: Path, src: Source, tarball: Path, *, run_in: Callable[[list[s
         tf.extractall(tree.parent, filter="data")  # no links or devices out of the tree
     if not (tree / "configure").exists():
         raise ClusterError(f"{tarball} has no {src.tree}/configure: not a Slurm release tarball")
+    fixed = apply_fixes(tree, src.fixes)
+    if fixed:
+        log(f"Slurm {src.version} from source: fixed {'; '.join(fixed)}")
     inside = f"{SRC_DIR}/{src.tree}"
     env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", "HOME": "/root"}
     niced = ["nice", "-n", "19"]
@@ -111,7 +158,7 @@ def build_in(root: Path, src: Source, tarball: Path, *, run_in: Callable[[list[s
              ("make", ["make", "-j2", "-C", "src"], MAKE_TIMEOUT),
              ("make install", ["make", "-C", "src", "install"], CONFIGURE_TIMEOUT),
              ("headers", ["make", "install-pkgincludeHEADERS"], CONFIGURE_TIMEOUT)]
-    times = {"unpack_s": round(time.monotonic() - t0, 1)}
+    times = {"unpack_s": round(time.monotonic() - t0, 1), "fixes": fixed}
     for name, argv, timeout in steps:
         log(f"Slurm {src.version} from source: {name} (nice 19{', 2 jobs' if name == 'make' else ''})")
         t = time.monotonic()

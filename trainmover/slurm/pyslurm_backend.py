@@ -144,7 +144,7 @@ class PySlurm(CliSlurm):
         released = [n for n in cur.nodes if n not in keep]
         if not released:
             return []
-        changes = self._ps.JobSubmitDescription(required_nodes=",".join(keep))
+        changes = self._ps.JobSubmitDescription(required_nodes=list(keep))
         self._call(f"shrink job {job_id} to {keep}", self._ps.Job(int(job_id)).modify, changes)
         now = self._wall_clock()
         self._released_at.update({(job_id, n): now for n in released})
