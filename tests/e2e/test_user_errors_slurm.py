@@ -74,3 +74,21 @@ def test_out_of_memory_while_building_the_model_fails_the_job_at_once(demo, slur
     run = demo("user-oom", TM_STEPS=40, TM_INJECT="raise:2:build:oom")
     f = assert_user_error(run, slurm_client, 2, "in build", "OutOfMemoryError: CUDA out of memory")
     assert f["phase"] == "build" and f["step"] == 0
+
+
+def test_a_workload_whose_constructor_raises_fails_the_job_before_any_rank_starts(demo, slurm_client):
+    run = demo("user-init", TM_STEPS=10, TM_WORKLOAD="tests.e2e.user_workloads:BrokenConfig")
+    wait_for(f"job {run.job_id} to end", lambda: slurm_client.job(run.job_id).state not in
+             ("RUNNING", "PENDING", "COMPLETING", "CONFIGURING"), timeout=120, interval=0.5)
+    job = slurm_client.job(run.job_id)
+    out = run.slurm_out()
+    assert job.state == "FAILED" and job.restart_count == 0, out[-3000:]
+    status = json.loads((run.dir / "status.json").read_text())
+    f = status["failure"]
+    assert f["user"] and f["phase"] == "construction" and f["error"] == "KeyError: 'vocab_size'", f
+    assert 'self.vocab = config["vocab_size"]' in f["traceback"] and "user_workloads.py" in f["traceback"]
+    last = out.rstrip("\n").splitlines()[-1]
+    assert last == (f"trainmover: job {run.job_id} FAILED: user code raised constructing the workload: KeyError: "
+                    f"'vocab_size'; traceback in {run.dir / 'status.json'}"), last
+    assert out.count("controller started on") == 1 and "resuming" not in out, out[-3000:]
+    assert not list(run.dir.glob("worker-*.log"))  # no rank was started
