@@ -55,6 +55,9 @@ def test_a_reservation_that_refuses_the_user_means_no_grow_with_the_reason():
     assert not caps.grow and "Users=root,alice, which does not admit tmuser" in caps.why["grow"]
     assert "no migration or recovery is possible" in caps.consequences(standbys=1)[0]
     assert "not needed: TM_STANDBYS=0" in caps.consequences(standbys=0)[0]
+    assert caps.start_error(0, "trainmover_standby") == ""  # no standbys wanted: it may run
+    assert caps.start_error(1, "trainmover_standby").startswith(
+        "cannot take standbys: reservation trainmover_standby has Users=root,alice, which does not admit tmuser")
     missing = rights.decide(facts(reservation_fields=None, reservation_error="Reservation x not found"))
     assert not missing.grow and "not found" in missing.why["grow"]
 
