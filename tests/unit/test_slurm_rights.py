@@ -55,6 +55,9 @@ def test_a_reservation_that_refuses_the_user_means_no_grow_with_the_reason():
     assert not caps.grow and "Users=root,alice, which does not admit tmuser" in caps.why["grow"]
     assert "no migration or recovery is possible" in caps.consequences(standbys=1)[0]
     assert "not needed: TM_STANDBYS=0" in caps.consequences(standbys=0)[0]
+    assert caps.start_error(0, "trainmover_standby") == ""  # no standbys wanted: it may run
+    assert caps.start_error(1, "trainmover_standby").startswith(
+        "cannot take standbys: reservation trainmover_standby has Users=root,alice, which does not admit tmuser")
     missing = rights.decide(facts(reservation_fields=None, reservation_error="Reservation x not found"))
     assert not missing.grow and "not found" in missing.why["grow"]
 
@@ -74,3 +77,28 @@ def test_reservation_lists_users_excluded_accounts_and_groups():
 def test_without_permit_job_expansion_nothing_can_grow():
     caps = rights.decide(facts(scheduler_parameters="batch_sched_delay=0"))
     assert not caps.grow and "permit_job_expansion" in caps.why["grow"]
+
+
+def test_the_cli_client_gathers_the_facts_through_the_choke_point():
+    import os
+    import subprocess
+
+    from trainmover.slurm import commands
+    from trainmover.slurm.client import CliSlurm
+    answers = {("scontrol", "show", "config"): CONFIG,
+               ("scontrol", "-o", "show", "job"): "JobId=7 JobName=x UserId=tmuser(940) Account=ml JobState=RUNNING\n",
+               ("scontrol", "-o", "show", "reservation"): RESV,
+               ("sacctmgr", "-nP", "show", "user"): "Operator|\n"}
+    seen = []
+
+    def runner(argv, timeout, env):
+        key = next(k for k in answers if tuple(argv[:len(k)]) == k)
+        seen.append(key)
+        return subprocess.CompletedProcess(argv, 0, answers[key], "")
+
+    with commands.intercept(runner):
+        caps = CliSlurm(slurm_conf="/nonexistent/slurm.conf").capabilities(7, "trainmover_standby")
+    assert ("scontrol", "show", "config") in seen and caps.shrink
+    assert caps.grow == (caps.user in ("root", "tmuser"))   # the reservation's Users=root,tmuser
+    # root may drain; anyone else here only as the Operator that sacctmgr (accounting is on) says
+    assert caps.drain and (os.getuid() == 0 or ("sacctmgr", "-nP", "show", "user") in seen)

@@ -151,17 +151,14 @@ class Controller:
             return
         self.capabilities = caps.as_status()
         self.fencing.may_drain, self.fencing.why_not = caps.drain, caps.why.get("drain", "")
-        lines = caps.consequences(self.cfg.standbys)
         log.info("user %s may: grow %s, shrink %s, drain %s", caps.user, *("yes" if x else "no"
                                                                            for x in (caps.grow, caps.shrink, caps.drain)))
-        for line in lines:
+        for line in caps.consequences(self.cfg.standbys):
             log.warning("%s", line)
-        if not caps.grow and self.cfg.standbys > 0:
-            message = (f"cannot take standbys: {caps.why['grow']}. Ask an admin to admit user {caps.user} to "
-                       f"reservation {self.cfg.reservation} (Users= or Accounts=), or set TM_STANDBYS=0 to run "
-                       "without migration")
-            self.files.write("status", {**self.status(), "outcome": {"ok": False, "message": message}})
-            raise ConfigError(message)
+        error = caps.start_error(self.cfg.standbys, self.cfg.reservation)
+        if error:
+            self.files.write("status", {**self.status(), "outcome": {"ok": False, "message": error}})
+            raise ConfigError(error)
 
     def status(self) -> dict:
         """The policy's status with what only the executor knows: the user's rights, fenced nodes."""

@@ -51,6 +51,13 @@ class Capabilities:
     def as_status(self) -> dict:
         return {"user": self.user, "grow": self.grow, "shrink": self.shrink, "drain": self.drain, "why": dict(self.why)}
 
+    def start_error(self, standbys: int, reservation: str) -> str:
+        """Why a job that wants `standbys` cannot start ('' when it can): it could never take one."""
+        if self.grow or not standbys:
+            return ""
+        return (f"cannot take standbys: {self.why['grow']}. Ask an admin to admit user {self.user} to "
+                f"reservation {reservation} (Users= or Accounts=), or set TM_STANDBYS=0 to run without migration")
+
     def consequences(self, standbys: int) -> list[str]:
         """One line per missing capability: what is missing and what follows for this job."""
         out = []
