@@ -72,8 +72,8 @@ class Job:
     def warm_successor(self) -> bool:
         """A successor is warm: more controllers reported their imports done than took over."""
         text = self.out.read_text() if self.out.exists() else ""
-        return len(re.findall(r"warm \(imports done\)", text)) > len(re.findall(r"warm successor on \S+ takes over",
-                                                                               text))
+        return len(re.findall(r"warm \(imports done\)", text)) > len(re.findall(
+            r"trainmover\.supervisor warm successor on \S+ takes over", text))
 
     def ready(self) -> bool:
         st = read_json(self.run / "status.json")

@@ -26,7 +26,11 @@ def jsonl(path) -> list[dict]:
 
 # Killed right after `prepare` went out, the ranks may have switched before the new controller
 # asks them (completed) or not yet (resumed: it carries the same migration on): both are right.
-@pytest.mark.parametrize("point, resolutions", [("prepare", ("completed", "resumed")), ("preparing", ("aborted",))])
+# With a keeper node the successor runs on another node with its own rendezvous store (the old
+# one ends with the old controller's step): a Phase 1 still building its groups through the old
+# store then fails, and the migration is aborted and asked again (a new epoch): right too.
+@pytest.mark.parametrize("point, resolutions", [("prepare", ("completed", "resumed", "aborted")),
+                                                ("preparing", ("aborted",))])
 def test_the_controller_killed_mid_migration_is_restarted_and_the_job_trains_on(demo, reference, slurm_client,
                                                                                 point, resolutions):
     run = demo(f"ctl-{point}", TM_INJECT=f"controller-die:{point}")
@@ -35,14 +39,16 @@ def test_the_controller_killed_mid_migration_is_restarted_and_the_job_trains_on(
     node = leaver_of(run)
     out = run.cli("migrate", "--job", str(run.job_id), "--node", node)
     assert out.returncode == 0, out.stderr
-    wait_for("a restarted controller", lambda: json.loads((run.dir / "controller.json").read_text())["attempt"] == 1,
+    wait_for("a restarted controller", lambda: json.loads((run.dir / "controller.json").read_text())["attempt"] >= 1,
              timeout=60)
     assert run.wait_done(slurm_client) == "COMPLETED", run.slurm_out()[-3000:]
     assert_same_training(run, reference)
     job = slurm_client.job(run.job_id)
     assert job.restart_count == 0 and node not in job.nodes  # the same job, never requeued; the node left
     status = run.status()
-    assert status["controller"] == {"restarts": 1, "resuming": False}
+    # 1, or 2 when the warm successor sat on the node this migration moves off: it takes over,
+    # then hands over again as that node leaves (docs/admin.md, "No special node")
+    assert status["controller"]["restarts"] in (1, 2) and not status["controller"]["resuming"]
     assert status["outcome"]["ok"]
     done = [m for m in status["migrations"] if m["leaver"] == node and m["state"] == "done"]
     assert len(done) == 1

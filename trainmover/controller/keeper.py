@@ -270,6 +270,8 @@ class Keeper:
                         self.conn = None
                         verdict = self.primary.channel_closed(now)
             verdict = verdict or self.primary.check(time.monotonic())
+            if verdict is not None and self.stopping:  # scancel: everything ends; the primary's exit ends us
+                verdict = None
             if verdict is not None and verdict.fence and self._outcome() is not None:
                 self.primary.ending(time.monotonic())  # it ends the job: silent or gone on purpose
                 verdict = None
