@@ -27,14 +27,30 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/trainmover demo
 
 # pytest exits 5 when it collects no test: that fails this target (and CI), as it should.
-# --durations: CI's output names the slowest tests (where its ~45 minutes on 2 cores go).
+# --durations: CI's output names the slowest tests, and each phase prints its seconds
+# (`== unit tests: …s`, `== end-to-end tests …: …s`, `== Slurm V: …s`, then the total): where
+# CI's ~45 minutes on 2 cores go. A phase that fails still prints its time, then stops make.
+# The unit tests run on UNIT_WORKERS processes (pytest-xdist), each test file whole on one of
+# them (--dist loadfile): a file's module fixtures run once, and tests of one file that share
+# a resource never overlap (plain load scheduling split files and gave errors). The
+# end-to-end tests stay serial: they share one Slurm cluster.
+UNIT_WORKERS ?= 2
+TEST_START := $(shell date +%s)
 test: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest tests -ra --durations=15 $(PYTEST_ARGS)
+	@start=$$(date +%s); rc=0; \
+	$(VENV)/bin/python -m pytest tests/unit -n $(UNIT_WORKERS) --dist loadfile -ra --durations=15 $(PYTEST_ARGS) || rc=$$?; \
+	echo "== unit tests ($(UNIT_WORKERS) workers): $$(( $$(date +%s) - start ))s"; exit $$rc
+	@start=$$(date +%s); rc=0; \
+	$(VENV)/bin/python -m pytest tests/e2e -ra --durations=15 $(PYTEST_ARGS) || rc=$$?; \
+	echo "== end-to-end tests (the host's Slurm): $$(( $$(date +%s) - start ))s"; exit $$rc
 	@# The GPU tests in a session of their own (tests/conftest.py says why), where there is a GPU.
 	@if ls /dev/nvidia[0-9]* >/dev/null 2>&1; then \
-	  TM_TEST_GPU=1 $(VENV)/bin/python -m pytest tests -m gpu -ra $(PYTEST_ARGS); \
+	  start=$$(date +%s); rc=0; \
+	  TM_TEST_GPU=1 $(VENV)/bin/python -m pytest tests -m gpu -ra $(PYTEST_ARGS) || rc=$$?; \
+	  echo "== GPU tests: $$(( $$(date +%s) - start ))s"; exit $$rc; \
 	else echo "make test: no GPU on this machine (/dev/nvidia*): no GPU session"; fi
 	$(MAKE) --no-print-directory slurm-matrix
+	@echo "== make test: $$(( $$(date +%s) - $(TEST_START) ))s in all"
 
 # SLURM_RELEASES: the releases to run the matrix on (default: every supported one but the host's).
 slurm-matrix: $(VENV)/.installed
@@ -65,7 +81,7 @@ pyslurm: $(VENV)/.installed
 	  echo "pyslurm: pyslurm 25.11.2 built against $$root in $$(( $$(date +%s) - start ))s"; fi
 
 unit: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest tests/unit -q
+	$(VENV)/bin/python -m pytest tests/unit -q -n $(UNIT_WORKERS) --dist loadfile
 
 cluster-down:
 	-$(VENV)/bin/trainmover cluster down
