@@ -149,6 +149,25 @@ def test_nobody_prepared_the_epoch_so_it_is_aborted_and_asked_again():
     assert again.phase is Phase.PREPARING and again.epoch == 2 and to_joiner.msg["assign"] == {"0": 1}
 
 
+def test_a_joiner_that_reconnects_after_the_abort_still_holding_its_epoch_is_told_again():
+    """The abort went out while the joiner was cut off (it reconnects to the successor a moment
+    later): its resync names the aborted epoch, and it gets the abort again, else it would wait
+    for the leaver up to the group timeout and the retry would find no ready standby."""
+    _, w = preparing()
+    p, _ = restarted(w)
+    p.on_message(21.0, "train1", resync("train1", [0]))
+    p.on_message(21.0, "train2", resync("train2", [1]))
+    acts = p.on_message(21.0, "train3", resync("train3", [2]))
+    acts += p.on_tick(40.0)  # the joiner is late past the window: resolved without it, aborted
+    first = p.migrations[0]
+    assert first.phase is Phase.ABORTED
+    acts = p.on_message(40.1, "spare1", resync("spare1", [], role="standby", pending=1, state="joining"))
+    (abort,) = sends(acts, "abort")
+    assert abort.nodes == ("spare1",) and abort.msg["epoch"] == 1
+    # a process with nothing pending, or holding an epoch still in flight, is not told anything
+    assert not sends(p.on_message(40.2, "train1", resync("train1", [0])), "abort")
+
+
 def test_every_rank_still_holds_the_epoch_so_it_goes_on():
     _, w = preparing()
     p, _ = restarted(w)

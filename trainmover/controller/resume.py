@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import logging
 
-from trainmover.controller.actions import Finish, Record, ReleaseNode
+from trainmover.control.messages import make
+from trainmover.controller.actions import Finish, Record, ReleaseNode, Send
 from trainmover.controller.journal import Replayed
 from trainmover.controller.migration import Migration, Phase
 from trainmover.controller.view import Standby
@@ -78,15 +79,28 @@ class Resuming:
         return next((m for m in self.migrations if m.phase in (Phase.PREPARING, Phase.SWITCHING)), None)
 
     def on_resync(self, now: float, node: str, msg: dict) -> list:
+        stale = self._stale_epoch(node, msg)
         if self.resuming is None:
-            return []
+            return stale
         if msg["state"] == "left":  # a leaver that handed its ranks over: it speaks for none
-            return []
+            return stale
         for r in msg["ranks"]:
             self.resuming["seen"][r] = {**msg, "node": node}
         if msg["role"] == "standby":
             self.resuming["nodes"][node] = msg
-        return self._maybe_resolve(now)
+        return stale + self._maybe_resolve(now)
+
+    def _stale_epoch(self, node: str, msg: dict) -> list:
+        """A process that reconnects still holding an epoch that was aborted while it was cut off
+        (the abort went out before it reached the new controller) is told again: a joiner would
+        otherwise wait for a leaver that never comes, up to the group timeout, and a standby
+        stays out of the pool meanwhile (seen: a migration asked again found no ready standby)."""
+        pending = msg.get("pending") or 0
+        m = next((m for m in self.migrations if m.epoch == pending), None) if pending else None
+        if m is None or m.phase is not Phase.ABORTED:
+            return []
+        log.info("%s still holds aborted epoch %d: the abort again", node, pending)
+        return [Send((node,), make("abort", epoch=pending, reason=f"epoch {pending} was aborted: {m.note}"[:500]))]
 
     def _maybe_resolve(self, now: float) -> list:
         res = self.resuming
