@@ -235,3 +235,12 @@ def submit(slurm_client, slurm_env, tmp_path) -> Iterator[Callable[..., JobInfo]
         wait_for("test jobs to end",
                  lambda: all(slurm_client.job(j).state not in ("RUNNING", "PENDING", "COMPLETING") for j in jobs),
                  timeout=30)
+
+
+@pytest.fixture(scope="session")
+def session_runs() -> dict:
+    """Jobs that several modules compare with (the demo's uninterrupted reference), by name: run
+    once per session. Not a module-level dict of the module that defines such a fixture: that
+    module is imported twice (as pytest's test module and as `tests.e2e.…` by the modules that
+    import its fixtures), each copy with its own dict."""
+    return {}

@@ -113,23 +113,21 @@ def resume_drained_nodes(slurm_cluster):
             client.resume(name)
 
 
-# The uninterrupted run, once per session and cluster: seven modules import `reference`, and an
-# imported fixture is each module's own (pytest keeps one per module), so each ran this same
-# job again (same template, seed, layout and steps: the same bits), about a minute apiece on
-# 2 cores. Its files stay in its submit directory until the next session starts.
-_REFERENCES: dict[str, Run] = {}
-
-
+# The uninterrupted run, once per session and cluster (session_runs): seven modules import
+# `reference`, and an imported fixture is each module's own (pytest keeps one per module), so
+# each ran this same job again (same template, seed, layout and steps: the same bits), about
+# half a minute apiece on 2 cores. Its files stay in its submit directory until the next session.
 @pytest.fixture(scope="module")
-def reference(demo, slurm_cluster):
+def reference(demo, slurm_cluster, session_runs):
     from trainmover.slurm.client import CliSlurm
-    key = str(slurm_cluster.slurm_conf)
-    if key not in _REFERENCES:
+    key = f"demo reference on {slurm_cluster.slurm_conf}"
+    if key not in session_runs:
         run = demo("reference")
-        assert run.wait_done(CliSlurm(slurm_conf=key)) == "COMPLETED", run.slurm_out()[-3000:]
+        assert run.wait_done(CliSlurm(slurm_conf=str(slurm_cluster.slurm_conf))) == "COMPLETED", \
+            run.slurm_out()[-3000:]
         assert run.final()["steps"] == STEPS
-        _REFERENCES[key] = run
-    return _REFERENCES[key]
+        session_runs[key] = run
+    return session_runs[key]
 
 
 def start_training(run: Run, client, min_step=40):
