@@ -86,7 +86,7 @@ def test_the_cli_client_gathers_the_facts_through_the_choke_point():
     from trainmover.slurm import commands
     from trainmover.slurm.client import CliSlurm
     answers = {("scontrol", "show", "config"): CONFIG,
-               ("scontrol", "-o", "show", "job"): "JobId=7 JobName=x UserId=tmuser(940) Account=ml JobState=RUNNING\n",
+               ("scontrol", "--local", "-o", "show", "job"): "JobId=7 JobName=x UserId=tmuser(940) Account=ml JobState=RUNNING\n",
                ("scontrol", "-o", "show", "reservation"): RESV,
                ("sacctmgr", "-nP", "show", "user"): "Operator|\n"}
     seen = []
