@@ -53,14 +53,18 @@ def test_the_controller_killed_mid_migration_is_restarted_and_the_job_trains_on(
     done = [m for m in status["migrations"] if m["leaver"] == node and m["state"] == "done"]
     assert len(done) == 1
     timeline = jsonl(run.dir / "timeline.jsonl")
-    (resumed,) = [e for e in timeline if e["event"] == "resumed"]
-    resolution = resumed["resolution"]
-    assert resolution in resolutions, resumed
+    resumed = [e for e in timeline if e["event"] == "resumed"]
+    # The successor resolves the migration it finds in flight (`resumed`), unless a rank's
+    # Phase 1, cut off from the old store, failed first and aborted it (no `resumed` then).
+    resolution = resumed[0]["resolution"] if resumed else "aborted"
+    assert len(resumed) <= 1 and resolution in resolutions, resumed
+    if not resumed:
+        assert any(e["event"] == "aborted" and e["migration"] == done[0]["id"] - 1 for e in timeline), timeline
     if resolution == "aborted":  # the retry is a new migration, with a new epoch, that completed
         aborted = [m for m in status["migrations"] if m["state"] == "aborted"]
         assert len(aborted) == 1 and done[0]["epoch"] > aborted[0]["epoch"]
     else:
-        assert done[0]["id"] == resumed["migration"]
+        assert done[0]["id"] == resumed[0]["migration"]
     records = jsonl(run.dir / "journal.jsonl")
     restart = next(i for i, r in enumerate(records) if r["kind"] == "restart")
     died, back = records[restart - 1]["t"], records[restart]["t"]
