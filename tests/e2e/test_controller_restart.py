@@ -68,6 +68,7 @@ def test_the_controller_killed_mid_migration_is_restarted_and_the_job_trains_on(
     records = jsonl(run.dir / "journal.jsonl")
     restart = next(i for i, r in enumerate(records) if r["kind"] == "restart")
     died, back = records[restart - 1]["t"], records[restart]["t"]
+    resynced = next(e for e in timeline if e["event"] in ("resumed", "controller_resynced") and e["t"] >= back)
     print(f"\n{point}: controller killed ~{died:.3f}, new controller read the journal after {back - died:.2f}s, "
-          f"every rank resynced {resumed['waited_s']:.2f}s later (resumed control {resumed['t'] - died:.2f}s after "
+          f"every rank resynced {resynced['waited_s']:.2f}s later (resumed control {resynced['t'] - died:.2f}s after "
           f"the kill); resolution {resolution}; migration {done[0]['id']} done, downtime {done[0]['downtime_s']}s")
