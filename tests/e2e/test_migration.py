@@ -231,7 +231,10 @@ def test_drain_outside_the_job_and_with_no_free_standby(demo, reference, slurm_c
                            "-N2", "-w", "spare[1-2]", "--wrap", "sleep 600"], timeout=15, env=slurm_env).stdout.strip()
     try:
         wait_for("the holder job to hold both spares", lambda: slurm_client.job(int(holder)).running, timeout=30)
-        run = demo("nostandby")
+        # The free standby is seen at the next node poll (TM_POLL_S, 10 s: one RPC, issue 30), then
+        # warms up: pace:0.1 (the same bits) keeps the job running well past that (CI on an idle
+        # machine: the 500 steps ended first, the migration still waiting).
+        run = demo("nostandby", TM_INJECT="pace:0.1")
         start_training(run, slurm_client)
         outsider = next(n for n in ("train4", "train3", "train2") if n not in slurm_client.job(run.job_id).nodes)
         leaver = leaver_of(run)
