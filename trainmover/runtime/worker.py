@@ -52,6 +52,7 @@ log = logging.getLogger("trainmover.worker")
 RESEND_STEPS = 2048  # step reports kept for a restarted controller (its metrics rows of the gap)
 RESEND_KINDS = ("recorded", "ready", "prepared", "prepare_failed", "switched", "stalled", "finished")
 RETIRE_AFTER = 3  # steps between a switch and the release of the replaced communicators
+STORE_CONNECT_S = 2.0  # a moved controller's rendezvous store: one connect attempt's deadline
 FENCED = 75  # exit code of a process the controller judged dead (EX_TEMPFAIL: its node was at fault)
 FAILED = 1   # this process's own code (the user's, or TrainMover's) raised: it said so in a `failed` report
 ENDED = 2    # the controller ended the job (its `bye`) while this rank was still in it
@@ -139,18 +140,24 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
             return self.link.address
         if ep.store != self.store_addr:
             try:
-                self.store = self._store_client(ep.store_host, ep.store_port)
+                # a short connect deadline: controller.json may name a controller that has just died
+                # (its successor not written yet), and a connect that waits the group timeout there
+                # blocks this reconnection for that long (seen: 60 s, and the job stopped)
+                self.store = self._store_client(ep.store_host, ep.store_port, connect_s=STORE_CONNECT_S)
                 self.store_addr = ep.store
                 log.info("rendezvous store moved to %s:%d", *ep.store)
             except (RuntimeError, dist.DistStoreError) as exc:  # not listening yet: next attempt
                 log.info("rendezvous store at %s:%d not reachable yet: %s", *ep.store, exc)
         return ep.address
 
-    def _store_client(self, host: str, port: int) -> AuthStore:
+    def _store_client(self, host: str, port: int, connect_s: float | None = None) -> AuthStore:
         """A client of the job's rendezvous store whose every value is tagged with the job's key
-        (control/store.py): nobody else can cancel, misdirect or feed a migration through it."""
-        return AuthStore(dist.TCPStore(host, port, is_master=False, timeout=self.timeout, wait_for_workers=False),
-                         self.key)
+        (control/store.py): nobody else can cancel, misdirect or feed a migration through it.
+        `connect_s`: the deadline of the connect alone; its operations keep the group timeout."""
+        connect = self.timeout if connect_s is None else datetime.timedelta(seconds=connect_s)
+        client = dist.TCPStore(host, port, is_master=False, timeout=connect, wait_for_workers=False)
+        client.set_timeout(self.timeout)
+        return AuthStore(client, self.key)
 
     def _beat(self, now: float) -> dict:
         """What the heartbeat thread says of this process (runtime/heartbeat.py)."""
