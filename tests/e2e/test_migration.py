@@ -36,9 +36,11 @@ class Run:
 
     def metrics(self) -> list[dict]:
         try:
-            lines = (self.dir / "metrics.jsonl").read_text().splitlines()
+            text = (self.dir / "metrics.jsonl").read_text()
         except FileNotFoundError:
             return []
+        # the controller appends as we read: a last line without its newline is still being written
+        lines = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]
         return [json.loads(line) for line in lines if line.strip()]
 
     def last_step(self) -> int:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import wait_for
+from tests.e2e.conftest import as_user, user_dir, wait_for
 from tests.e2e.test_migration import DRAIN_REASON, Run, TEMPLATE, TEST_JOB_PREFIX, job_ended, leaver_of, start_training
 from trainmover.slurm import commands
 
@@ -21,19 +23,20 @@ ROOT = TEMPLATE.parents[1]
 
 
 @pytest.fixture
-def auto_run(slurm_cluster, tmp_path):
-    site = tmp_path / "etc"
-    site.mkdir(mode=0o755)
+def auto_run(slurm_cluster, job_user):
+    # The site file is the admin's (root's, 0644, in a root directory the job's user can read);
+    # the job is the ordinary user's, submitted from a directory of theirs.
+    site = Path(tempfile.mkdtemp(prefix="site-", dir=user_dir("auto").parent))
+    site.chmod(0o755)
     (site / "site.toml").write_text("node_mtbf_h = 8000\nreplenish_h = 1.0\nmin_standbys = 1\nmax_standbys = 2\n")
     (site / "site.toml").chmod(0o644)
-    workdir = tmp_path / "job"
-    workdir.mkdir()
+    workdir = user_dir("auto")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TM_")}
     env.update({"SLURM_CONF": str(slurm_cluster.slurm_conf), "TM_PYTHON": sys.executable, "PYTHONPATH": str(ROOT),
                 "TM_STEPS": "300", "TM_INJECT": "pace:0.1", "TM_STANDBYS": "auto",
                 "TM_SITE_CONFIG": str(site / "site.toml")})
-    out = commands.run(["sbatch", "--parsable", f"--job-name={TEST_JOB_PREFIX}auto", f"--chdir={workdir}", str(TEMPLATE)],
-                       timeout=15, env=env).stdout
+    out = as_user(["sbatch", "--parsable", f"--job-name={TEST_JOB_PREFIX}auto", f"--chdir={workdir}", str(TEMPLATE)],
+                  env).stdout
     run = Run(int(out.strip().split(";")[0]), workdir, env)
     yield run
     commands.run(["scancel", str(run.job_id)], timeout=10, env=env, check=False)

@@ -336,6 +336,11 @@ class Keeper:
                 successor[1].stdin.close()
             except OSError:
                 pass
+        # A standby holds nothing of the job's: its step ends now. One launched just before the end
+        # never reached the controller and would wait TM_GROUP_TIMEOUT_S for it (seen: the job's
+        # end 60 s after a user's error).
+        for node in [n for n, (role, _) in self.steps.items() if role == "standby"]:
+            self.steps.pop(node)[1].kill()
         try:
             nodes = set(self.slurm.job(self.job_id).nodes)
             for node in [n for n in self.steps if n not in nodes]:
