@@ -168,6 +168,20 @@ def test_a_joiner_that_reconnects_after_the_abort_still_holding_its_epoch_is_tol
     assert not sends(p.on_message(40.2, "train1", resync("train1", [0])), "abort")
 
 
+def test_every_rank_holds_the_epoch_but_the_store_moved_so_it_is_aborted_and_asked_again():
+    """A successor on another node serves a new rendezvous store: the Phase 1 in flight builds
+    through the old one, which ended with the old controller, and cannot finish."""
+    _, w = preparing()
+    p, _ = restarted(w)
+    p.store_moved = True
+    for rank, node in ((0, "train1"), (1, "train2"), (2, "train3")):
+        p.on_message(21.0, node, resync(node, [rank], pending=1))
+    acts = p.on_message(21.0, "spare1", resync("spare1", [], role="standby", pending=1, state="joining"))
+    (abort,) = sends(acts, "abort")
+    first, again = p.migrations[:2]
+    assert first.phase is Phase.ABORTED and "store moved" in first.note and again.leaver == first.leaver
+
+
 def test_every_rank_still_holds_the_epoch_so_it_goes_on():
     _, w = preparing()
     p, _ = restarted(w)

@@ -122,6 +122,9 @@ class Controller:
         if not resume:
             self.journal = journal.Journal(self.files.root / "journal.jsonl", attempt=attempt)
         self.durable: dict = {}
+        if resume:  # before ours replaces it: where the predecessor's rendezvous store was
+            before = endpoint.read(self.files.root / endpoint.NAME, self.key)
+            self.policy.store_moved = before is not None and before.store != (self.store_host, self.store_port)
         endpoint.write(self.files.root, endpoint.Endpoint(self.server.address[0], self.server.address[1],
                                                           self.store_host, self.store_port, self.home, attempt),
                        self.key, job_id=job_id, batch_host=self.batch_host, keeper=keeper or "", pid=os.getpid())

@@ -33,6 +33,11 @@ class Resuming:
     """Mixed into `Policy`: uses its view, migrations, standbys and timeline."""
 
     resuming: dict | None = None
+    # The new controller serves another rendezvous store than its predecessor's (a successor on
+    # another node: the old store ended with the old controller). A Phase 1 in flight builds its
+    # groups through the old one and cannot finish: an uncommitted migration is then aborted and
+    # asked again, never resumed (seen: it stayed 'preparing' until the job ended).
+    store_moved: bool = False
 
     def durable(self) -> dict:
         """What the journal keeps of the policy's view (compared after each decision)."""
@@ -146,12 +151,14 @@ class Resuming:
             return self._complete(now, m, waited)
         holders = {r for r, s in seen.items() if s["pending"] == m.epoch}
         joiner = standbys_seen.get(m.joiner)
-        if holders >= set(range(self.view.world_size)) and joiner is not None and joiner["pending"] == m.epoch:
+        if (holders >= set(range(self.view.world_size)) and joiner is not None and joiner["pending"] == m.epoch
+                and not self.store_moved):
             log.info("migration %d epoch %d resumed: every rank still holds it", m.id, m.epoch)
             return [self._timeline(m, now, "resumed", resolution="resumed", waited_s=waited)]
         lacking = sorted(set(range(self.view.world_size)) - holders)
         actions = [self._timeline(m, now, "resumed", resolution="aborted", waited_s=waited)]
-        actions += self._abort(now, m, f"the controller restarted before the switch of epoch {m.epoch} "
+        actions += self._abort(now, m, ("the rendezvous store moved with the controller; " if self.store_moved else "")
+                               + f"the controller restarted before the switch of epoch {m.epoch} "
                                        f"(not prepared on ranks {lacking[:8]}{' ...' if len(lacking) > 8 else ''}"
                                        f"{'' if joiner and joiner['pending'] == m.epoch else ' nor on the joiner'})")
         if joiner is not None and joiner["pending"] != m.epoch and m.joiner in self.view.standbys:
