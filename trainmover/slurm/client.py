@@ -319,7 +319,7 @@ class CliSlurm:
         released = [n for n in cur.nodes if n not in keep]
         if not released:
             return []
-        self._update_job(build.set_nodelist(job_id, keep))
+        self._set_nodes(job_id, keep)
         now = self._wall_clock()
         self._released_at.update({(job_id, n): now for n in released})
         after = self.job(job_id)
@@ -327,6 +327,10 @@ class CliSlurm:
         if left:
             raise SlurmError(f"job {job_id} still holds {left} after shrinking to {keep}")
         return released
+
+    def _set_nodes(self, job_id: int, keep: list[str]) -> None:
+        """The update that shrinks the job to `keep` (a backend's own call; shrink checks around it)."""
+        self._update_job(build.set_nodelist(job_id, keep))
 
     # --- steps -------------------------------------------------------------------------
     def step_argv(self, job_id: int, node: str, argv: Sequence[str], *, ntasks: int = 1,

@@ -34,7 +34,7 @@ from typing import Optional
 from trainmover.errors import SlurmError
 from trainmover.slurm import parse
 from trainmover.slurm.client import CliSlurm
-from trainmover.slurm.model import BatchHostRelease, JobInfo, NodeInfo, UnknownNodes
+from trainmover.slurm.model import JobInfo, NodeInfo, UnknownNodes
 
 __all__ = ["PySlurm", "load"]
 
@@ -129,29 +129,10 @@ class PySlurm(CliSlurm):
         if "DRAIN" in info.flags or info.base_state == "DOWN":
             raise SlurmError(f"could not resume {node} ({info.state}): {err}")
 
-    def shrink(self, job_id: int, keep: Sequence[str]) -> list[str]:
-        keep = list(dict.fromkeys(keep))
-        cur = self.job(job_id)
-        if not cur.running:
-            raise SlurmError(f"cannot shrink job {job_id}: it is {cur.state}, not RUNNING")
-        strangers = [n for n in keep if n not in cur.nodes]
-        if strangers:
-            raise SlurmError(f"cannot shrink job {job_id} to {keep}: {strangers} not in its nodes {cur.nodelist}")
-        if cur.batch_host and cur.batch_host not in keep:
-            raise BatchHostRelease(
-                f"cannot release {cur.batch_host} from job {job_id}: it runs the job's batch script "
-                f"(Slurm can release any node of a running job except the batch host)")
-        released = [n for n in cur.nodes if n not in keep]
-        if not released:
-            return []
+    def _set_nodes(self, job_id: int, keep: list[str]) -> None:
+        """In-process: the job's required nodes set to `keep` (CliSlurm.shrink checks around it)."""
         changes = self._ps.JobSubmitDescription(required_nodes=list(keep))
         self._call(f"shrink job {job_id} to {keep}", self._ps.Job(int(job_id)).modify, changes)
-        now = self._wall_clock()
-        self._released_at.update({(job_id, n): now for n in released})
-        left = [n for n in released if n in self.job(job_id).nodes]
-        if left:
-            raise SlurmError(f"job {job_id} still holds {left} after shrinking to {keep}")
-        return released
 
 
 def _node(n) -> NodeInfo:
