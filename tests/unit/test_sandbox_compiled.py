@@ -3,7 +3,6 @@ records, the standby compiles during its shadow iterations and reproduces the re
 losses, and after a rebind (the joiner's new DDP wrapper) the shadow steps leave nothing to
 compile for the first real step."""
 import datetime
-import socket
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from trainmover.sandbox import shadow
 from trainmover.sandbox.live import Recorder
 from trainmover.workloads.base import BuildContext
 from trainmover.workloads.gpt_demo import GPTDemo
+from tests.unit.late_store import LateStore
 
 h5py = pytest.importorskip("h5py")
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -41,8 +41,9 @@ def graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def live_run(base, port):
+def live_run(base, store):
     ctx = mp.get_context("fork")
+    port = store.port
     queue = ctx.Queue()
 
     def rank(r):
@@ -65,6 +66,7 @@ def live_run(base, port):
 
     procs = [ctx.Process(target=rank, args=(r,)) for r in (0, 1)]
     [p.start() for p in procs]
+    store.serve()  # after the fork: late_store says why
     out = dict(queue.get(timeout=400) for _ in procs)
     [p.join(60) for p in procs]
     return out
@@ -72,12 +74,9 @@ def live_run(base, port):
 
 @pytest.mark.timeout(600)
 def test_compiled_standby_reproduces_losses_and_its_first_real_step_is_warm(tmp_path):
-    s = socket.create_server(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=s.detach(),
-                           use_libuv=False, timeout=TIMEOUT)
-    live = live_run(tmp_path / "rank0.h5", port)
-    del master
+    store = LateStore(TIMEOUT)
+    live = live_run(tmp_path / "rank0.h5", store)
+    store.close()
 
     wl = GPTDemo("tiny", compile=True)
 

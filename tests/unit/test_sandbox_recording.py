@@ -1,6 +1,5 @@
 """Recorded collectives: a live rank records, a standby replays and computes the same losses."""
 import datetime
-import socket
 
 import pytest
 import torch
@@ -12,16 +11,18 @@ from trainmover.runtime.groups import SandboxBackend, SwappableGroup, gloo_group
 from trainmover.sandbox.recording import RecordingBackend, RecordingWriter, Replay
 from trainmover.workloads.base import BuildContext
 from trainmover.workloads.gpt_demo import GPTDemo
+from tests.unit.late_store import LateStore
 
 h5py = pytest.importorskip("h5py")
 TIMEOUT = datetime.timedelta(seconds=30)
 ITERATIONS = 3
 
 
-def live_run(tmp_path, port):
+def live_run(tmp_path, store):
     """Two live ranks (separate processes: torch's RNG is per process) train 5 steps; rank 0
     records its first ITERATIONS. Returns the ranks' losses and the recording's size."""
     ctx = mp.get_context("fork")
+    port = store.port
     queue = ctx.Queue()
 
     def rank(r):
@@ -52,6 +53,7 @@ def live_run(tmp_path, port):
 
     procs = [ctx.Process(target=rank, args=(r,)) for r in (0, 1)]
     [p.start() for p in procs]
+    store.serve()  # after the fork: late_store says why
     merged = {}
     for _ in procs:
         merged.update(queue.get(timeout=120))
@@ -61,12 +63,9 @@ def live_run(tmp_path, port):
 
 @pytest.fixture
 def recorded(tmp_path):
-    s = socket.create_server(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=s.detach(),
-                           use_libuv=False, timeout=TIMEOUT)
-    losses = live_run(tmp_path, port)
-    del master
+    store = LateStore(TIMEOUT)
+    losses = live_run(tmp_path, store)
+    store.close()
     return tmp_path / "rank0.h5", losses
 
 

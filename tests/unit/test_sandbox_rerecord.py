@@ -1,7 +1,6 @@
 """Re-recording after a change of shapes: the live rank notices that a step's collectives no
 longer match the recording and records a new version; a warm standby re-warms on it."""
 import datetime
-import socket
 import time
 
 import pytest
@@ -17,6 +16,8 @@ from trainmover.runtime.plan import GroupSpec
 from trainmover.sandbox import recording, shadow
 from trainmover.sandbox.live import Recorder, State
 from trainmover.workloads.base import BuildContext, Workload
+
+from tests.unit.late_store import LateStore
 
 h5py = pytest.importorskip("h5py")
 TIMEOUT = datetime.timedelta(seconds=30)
@@ -64,7 +65,7 @@ class BatchRamp(Workload):
         self.model.load_state_dict(state["model"])
 
 
-def live_run(base, port, grow_at, steps, max_versions, from_step):
+def live_run(base, store, grow_at, steps, max_versions, from_step):
     """Two live ranks train `steps` steps; rank 0 runs the Recorder (3 iterations per version:
     DDP's one-time broadcast is in the second step, the third is steady).
     Returns rank 0's reports and its recorder's final state."""
@@ -94,21 +95,22 @@ def live_run(base, port, grow_at, steps, max_versions, from_step):
             rec.close()
             queue.put({"reports": reports, "state": rec.state.value})
 
+    port = store.port
     procs = [ctx.Process(target=rank, args=(r,)) for r in (0, 1)]
     [p.start() for p in procs]
-    out = queue.get(timeout=120)
-    [p.join(30) for p in procs]
+    store.serve()  # after the fork: late_store says why
+    try:
+        out = queue.get(timeout=120)
+        [p.join(30) for p in procs]
+    finally:
+        [p.kill() for p in procs if p.is_alive()]
+        store.close()
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     return out
 
 
 def run(tmp_path, grow_at=(5,), steps=16, max_versions=4, from_step=0):
-    s = socket.create_server(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=s.detach(),
-                           use_libuv=False, timeout=TIMEOUT)
-    out = live_run(tmp_path / "rank0.h5", port, grow_at, steps, max_versions, from_step)
-    del master
+    out = live_run(tmp_path / "rank0.h5", LateStore(TIMEOUT), grow_at, steps, max_versions, from_step)
     return tmp_path / "rank0.h5", out
 
 

@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -290,15 +291,26 @@ class SwappableGroup(dist.ProcessGroup):
         with self._lock:
             self._pending[gate] = time.monotonic()
 
+        # The callback holds the group weakly. It runs, and is freed, on gloo's worker thread:
+        # were it the last holder of this group, the backend's destructor would join that very
+        # thread ("Resource deadlock avoided": the process aborts at its end).
+        me = weakref.ref(self)
+
         def done(inner):
             try:
                 value = inner.value()
             except Exception as exc:  # noqa: BLE001 - the backend's own error, passed on as is
                 value = exc
-                self.mark(op, exc)  # here, where it fails: whoever waits (or not) may hide it
-            with self._lock:
-                mine = gate in self._pending  # else revoke took it and completes it
-                self._pending.pop(gate, None)
+            group = me()
+            if group is None:  # the group is gone: nobody is left to revoke the gate
+                gate.set_result(value)
+                return
+            if isinstance(value, BaseException):
+                group.mark(op, value)  # here, where it fails: whoever waits (or not) may hide it
+            with group._lock:
+                mine = gate in group._pending  # else revoke took it and completes it
+                group._pending.pop(gate, None)
+            del group
             if mine:
                 gate.set_result(value)
 
