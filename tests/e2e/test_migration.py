@@ -192,7 +192,9 @@ def test_drain_moves_the_rank_to_a_standby_bit_exactly(demo, reference, slurm_cl
     assert status["job_id"] == run.job_id and {"nodes", "standbys", "migrations"} <= set(status)
     (m,) = status["migrations"]
     assert (m["leaver"], m["joiner"], m["trigger"], m["state"]) == (leaver, joiner, "drain", "done")
-    assert m["downtime_s"] is not None and 0 <= m["downtime_s"] < 5
+    # ~0.04 s on an idle machine (bench/cpu_planned_migration.py); a second bounds a loaded CI
+    # machine and still fails a switch that waited for anything (a timeout, a restart).
+    assert m["downtime_s"] is not None and 0 <= m["downtime_s"] < 1.0, m
     assert {"preparing", "switching", "releasing", "done"} <= set(m["phases"])
     assert run.wait_done(slurm_client) == "COMPLETED", run.slurm_out()[-3000:]
     assert slurm_client.job(run.job_id).restart_count == 0

@@ -1,9 +1,11 @@
 """trainmover.healthcheck without Slurm or GPUs: a fake NVML, a fake Slurm client."""
 from __future__ import annotations
 
+import sys
 import time
 from collections import namedtuple
 from dataclasses import replace
+from types import SimpleNamespace
 
 from trainmover.healthcheck import Finding, Options, decide, run
 from trainmover.healthcheck import checks, inject, kmsg, nvml, verdict
@@ -93,7 +95,6 @@ def test_each_fatal_gpu_sign_is_a_fault_and_throttling_only_a_warning():
 
 
 def test_nvml_recovery_action_field():
-    from types import SimpleNamespace
 
     class WithField(FakeNvml):
         NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = 230
@@ -106,10 +107,18 @@ def test_nvml_recovery_action_field():
     assert [f.detail for f in _judge_one(r).findings if not f.ok] == ["GPU 0: driver asks for a recovery action: GPU reset"]
 
 
-def test_no_nvml_is_a_skip_with_a_note():
+def test_no_nvml_is_a_skip_with_a_note(monkeypatch):
+    """Whatever this machine has: pynvml made absent, then present but failing to initialise."""
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` raises ImportError
     lib, why = nvml.load()
-    if lib is None:
-        assert "no GPU checks" in why
+    assert lib is None and "no GPU checks" in why
+
+    def no_driver():
+        raise RuntimeError("NVML_ERROR_DRIVER_NOT_LOADED")
+    broken = SimpleNamespace(nvmlInit=no_driver)
+    monkeypatch.setitem(sys.modules, "pynvml", broken)
+    lib, why = nvml.load()
+    assert lib is broken and why == "NVML did not initialise (NVML_ERROR_DRIVER_NOT_LOADED)"
 
 
 def test_kernel_xids_since_the_last_run_and_not_before_the_first():
