@@ -359,8 +359,12 @@ def test_an_injected_20_percent_straggler_is_detected_and_evicted(demo, referenc
     before = [b["t"] - a["t"] for a, b in zip(rows[max(0, s - 40):s - 1], rows[max(1, s - 39):s])]
     after = [b["t"] - a["t"] for a, b in zip(rows[s + 5:s + 45], rows[s + 6:s + 46])]
     slow_step, fast_step = sorted(before)[len(before) // 2], sorted(after)[len(after) // 2]
-    # Reported, not asserted: on this machine every "node" shares 2 cores, and right after the
-    # eviction the refilled standby warms up on them, so whole-step wall time says little here.
+    # The speed-up, judged as the policy judges: from the ranks' own compute times (their
+    # windows start afresh at the eviction). Whole-step wall time is only printed: every "node"
+    # here shares 2 cores, and right after the eviction the refilled standby warms up on them.
+    after_eviction = status["straggler"]
+    assert after_eviction["windows"] >= 1 and after_eviction["target"] is None, after_eviction
+    assert after_eviction["verdict"].startswith("no node persistently slow"), after_eviction
     assert_same_training(run, reference)
     print(f"\n{evicted['verdict']}\nstraggler {slow_node} evicted at step {s}: median step {slow_step * 1e3:.1f} ms -> "
           f"{fast_step * 1e3:.1f} ms ({100 * (1 - fast_step / slow_step):.0f}% faster), "
