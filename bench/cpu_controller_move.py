@@ -16,6 +16,10 @@ successor controller in place:
   cluster is on this host). Measured: the kill to the successor serving.
 * **frozen**: the controller process SIGSTOPped (it answers nothing, its sockets stay open).
   Measured: the stop to the successor serving (the keeper's silence deadline is most of it).
+* **killed_after_move**: the controller's node drained, and the new controller SIGKILLed the
+  moment it serves (the successor started at the move is still importing). Measured: that kill
+  to the next one serving. With `--successors 2` (TM_CONTROLLER_SUCCESSORS) a second warm one
+  takes it; with 1 it waits for the importing one.
 
 Writes bench/results/cpu-controller-move-<time>.json (shared/reference/bench-results.md).
 """
@@ -69,15 +73,15 @@ class Job:
         return next((e for e in read_jsonl(self.run / "timeline.jsonl")
                      if e["event"] == "controller_resumed" and e["attempt"] == attempt), None)
 
-    def warm_successor(self) -> bool:
-        """A successor is warm: more controllers reported their imports done than took over."""
+    def warm_successors(self) -> int:
+        """Successors warm: controllers that reported their imports done less those that took over."""
         text = self.out.read_text() if self.out.exists() else ""
-        return len(re.findall(r"warm \(imports done\)", text)) > len(re.findall(
+        return len(re.findall(r"warm \(imports done\)", text)) - len(re.findall(
             r"trainmover\.supervisor warm successor on \S+ takes over", text))
 
     def ready(self) -> bool:
         st = read_json(self.run / "status.json")
-        return (any(s["state"] == "ready" for s in st.get("standbys", [])) and self.warm_successor()
+        return (any(s["state"] == "ready" for s in st.get("standbys", [])) and self.warm_successors() >= self.successors
                 and not st.get("controller", {}).get("resuming", True) and not any(
                     m["state"] not in ("done", "aborted", "failed") for m in st.get("migrations", [])))
 
@@ -107,6 +111,17 @@ def planned(job: Job, timeout: float) -> dict:
             "hand_over_to_serving_s": round(serving["t"] - hand["t"], 3), "drain_to_node_out_s": round(out_s, 3)}
 
 
+def killed_after_move(job: Job, timeout: float) -> dict:
+    moved = planned(job, timeout)
+    ctl = job.controller()
+    assert ctl["attempt"] == moved["attempt"], (ctl, moved)
+    t_stop = time.time()
+    os.kill(int(ctl["pid"]), signal.SIGKILL)
+    serving = serving_after(job, ctl["attempt"], timeout)
+    return {"moved": moved, "node": ctl["node"], "to": job.controller()["node"], "attempt": ctl["attempt"] + 1,
+            "stopped_to_serving_s": round(serving["t"] - t_stop, 3)}
+
+
 def lost(job: Job, how: str, timeout: float) -> dict:
     ctl = job.controller()
     node, attempt, pid = ctl["node"], ctl["attempt"], int(ctl["pid"])
@@ -127,24 +142,28 @@ def main():
     ap.add_argument("--cluster-dir", default="/var/tmp/trainmover-cluster-e2e",
                     help="embedded cluster state (the e2e tests' cluster: run under /tmp/tm-e2e.lock)")
     ap.add_argument("--timeout", type=float, default=120, help="longest one wait may take")
+    ap.add_argument("--successors", type=int, default=1, help="TM_CONTROLLER_SUCCESSORS of the job")
     args = ap.parse_args()
     info = cluster.up(nodes=4, standby=2, state_dir=args.cluster_dir)
     slurm = CliSlurm(slurm_conf=str(info.slurm_conf))
     env = {k: v for k, v in os.environ.items() if not k.startswith("TM_")}
     # Many controller moves in one job: TM_CONTROLLER_RESTARTS bounds losses (default 3).
     env.update(SLURM_CONF=str(info.slurm_conf), TM_STEPS="1000000", TM_PYTHON=sys.executable,
-               PYTHONPATH=str(ROOT), TM_CONTROLLER_RESTARTS="50")
+               PYTHONPATH=str(ROOT), TM_CONTROLLER_RESTARTS="50", TM_CONTROLLER_SUCCESSORS=str(args.successors))
     workdir = ROOT / "runs" / "bench-controller-move"
     workdir.mkdir(parents=True, exist_ok=True)
     job = Job(env, workdir, slurm)
-    trials: dict[str, list] = {"planned": [], "killed": [], "frozen": []}
+    job.successors = args.successors
+    trials: dict[str, list] = {"planned": [], "killed": [], "frozen": [], "killed_after_move": []}
     try:
         wait(f"job {job.id} to train", lambda: job.step() >= 20, 180, 0.5)
         for _ in range(args.repeats):
             for kind in trials:
                 wait("a warm standby and a warm successor", job.ready, 180, 0.2)
                 time.sleep(1.0)  # a few steps at the steady state
-                trials[kind].append(planned(job, args.timeout) if kind == "planned" else lost(job, kind, args.timeout))
+                trials[kind].append(planned(job, args.timeout) if kind == "planned" else
+                                    killed_after_move(job, args.timeout) if kind == "killed_after_move" else
+                                    lost(job, kind, args.timeout))
                 print(kind, trials[kind][-1], flush=True)
         steps_before = job.step()
         time.sleep(3)
@@ -163,12 +182,14 @@ def main():
         "command": " ".join(["python", "bench/cpu_controller_move.py", *sys.argv[1:]]),
         "when": results_io.now(),
         "settings": {"template": "demo_gpt_cpu.sbatch", "training_nodes": 3, "standbys": 1, "repeats": args.repeats,
-                     "TM_CONTROLLER_RESTARTS": 50, "controller_deadline_s": 2.0, "job_id": job.id},
+                     "TM_CONTROLLER_RESTARTS": 50, "controller_deadline_s": 2.0, "job_id": job.id,
+                     "TM_CONTROLLER_SUCCESSORS": args.successors},
         "metrics": {
             "hand_over_to_serving_s": summary([t["hand_over_to_serving_s"] for t in trials["planned"]]),
             "drain_to_node_out_s": summary([t["drain_to_node_out_s"] for t in trials["planned"]]),
             "killed_to_serving_s": summary([t["stopped_to_serving_s"] for t in trials["killed"]]),
             "frozen_to_serving_s": summary([t["stopped_to_serving_s"] for t in trials["frozen"]]),
+            "killed_after_move_to_serving_s": summary([t["stopped_to_serving_s"] for t in trials["killed_after_move"]]),
             "trained_on_after_the_last_move": trained_on,
             "controller_restarts": st.get("controller", {}).get("restarts"),
             "migrations_done": sum(m["state"] == "done" for m in st.get("migrations", [])),

@@ -103,6 +103,7 @@ class Config:
     checkpoint_every: int = field(default=0, metadata={"env": "TM_CHECKPOINT_EVERY", "doc": "every N steps each rank writes its full state to <run dir>/checkpoints (HDF5, off the training thread); 2 kept (0: off)"})
     recovery_tiers: str = field(default="replica,snapshot,checkpoint", metadata={"env": "TM_RECOVERY_TIERS", "doc": "where a vanished rank's state may come from, in order of preference: replica, snapshot, checkpoint (comma-separated subset)"})
     controller_restarts: int = field(default=3, metadata={"env": "TM_CONTROLLER_RESTARTS", "doc": "times the controller is restarted from its journal after it died (0: never)"})
+    controller_successors: int = field(default=1, metadata={"env": "TM_CONTROLLER_SUCCESSORS", "doc": "warm successor controllers kept on other nodes of the job (0-3); 2 also covers a second loss right after a move, while the first replacement still imports"})
     controller_deadline_s: float = field(default=2.0, metadata={"env": "TM_CONTROLLER_DEADLINE_S", "doc": "the keeper takes a controller silent this long for lost and promotes its warm successor (it beats every 0.25 s); a lost controller is replaced within about this plus 1 s"})
     reconnect_timeout_s: float = field(default=60.0, metadata={"env": "TM_RECONNECT_TIMEOUT_S", "doc": "after the controller died: how long ranks try to reach its successor, and it waits for them"})
     heartbeat_s: float = field(default=0.5, metadata={"env": "TM_HEARTBEAT_S", "doc": "every process sends a heartbeat this often, from a thread of its own (runtime/heartbeat.py)"})
@@ -122,6 +123,7 @@ class Config:
             (self.standby_losses >= 0, "TM_STANDBY_LOSSES must be >= 0"),
             (self.poll_s > 0, "TM_POLL_S must be > 0"),
             (self.controller_restarts >= 0, "TM_CONTROLLER_RESTARTS must be >= 0"),
+            (0 <= self.controller_successors <= 3, "TM_CONTROLLER_SUCCESSORS must be 0-3"),
             (self.controller_deadline_s >= 0.5, "TM_CONTROLLER_DEADLINE_S must be >= 0.5 (the controller beats every 0.25 s)"),
             (min(self.reconnect_timeout_s, self.phase1_timeout_s, self.group_timeout_s, self.switch_timeout_s, self.standby_wait_s, self.recovery_timeout_s,
                  self.standby_retry_s, self.release_timeout_s) > 0, "timeouts must be > 0"),

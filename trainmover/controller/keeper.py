@@ -46,6 +46,7 @@ MOVED = succession.MOVED  # the controller's exit code when its home leaves the 
 PROBE_S = 1.0        # the keeper asks the controller for its status this often (a failed send: channel
                      # closed); the controller's own beats (`alive`, every 0.25 s) prove it alive
 START_DEADLINE_S = 120.0  # a controller that never writes its endpoint is lost too
+SUCCESSOR_RETRY_S = 10.0  # between tries to place a warm successor when no node was free (the poll period)
 END_WAIT_S = 60.0    # a controller that ended the job (journal `end`) gets this long to exit
 
 
@@ -70,8 +71,11 @@ class Keeper:
         self.steps: dict[str, tuple[str, object]] = {}  # node -> (role, Popen)
         self.controller = None          # (node, Popen) of the primary controller's step
         self.primary: succession.Primary | None = None
-        self.successor = None           # (node, Popen) of the warm successor's step, or None
+        # (node, Popen) of each warm successor's step, oldest (the next promoted) first:
+        # TM_CONTROLLER_SUCCESSORS of them
+        self.successors: list[tuple[str, object]] = []
         self.successor_starts = 0
+        self.successor_retry_at = 0.0   # no node for one: asked Slurm again no sooner than this
         self.retired: list = []         # sruns of former primaries, reaped as they end
         self.attempt = 0
         self.conn = None
@@ -103,24 +107,33 @@ class Keeper:
         self.inbox = queue.Queue()
 
     def _start_successor(self, avoid: frozenset = frozenset()) -> None:
-        """A warm successor on another node (docs/admin.md, "No special node"): it imports, binds
-        and waits for `takeover <attempt>` on its stdin (srun forwards it to the task)."""
-        if self.successor is not None or self.successor_starts > 2 * (self.cfg.controller_restarts + 1):
+        """Warm successors on other nodes, up to TM_CONTROLLER_SUCCESSORS (docs/admin.md, "No
+        special node"): each imports, binds and waits for `takeover <attempt>` on its stdin (srun
+        forwards it to the task)."""
+        budget = (2 * (self.cfg.controller_restarts + 1)) * max(1, self.cfg.controller_successors)
+        if len(self.successors) >= self.cfg.controller_successors or self.successor_starts > budget:
             return
-        # never the node of a lost controller being fenced: its step kill picks steps by name
-        avoid = set(avoid) | ({self.controller[0]} if self.controller else set())
+        # never the node of a lost controller being fenced (its step kill picks steps by name),
+        # nor one that holds a successor already: one node lost must not take two of them
+        avoid = set(avoid) | ({self.controller[0]} if self.controller else set()) | {n for n, _ in self.successors}
+        now = time.monotonic()
+        if now < self.successor_retry_at:  # each try costs two Slurm queries: not every loop turn
+            return
         try:
             home = self._next_home(avoid)
         except TrainMoverError as exc:
             log.warning("no warm successor for now (node query failed: %s)", exc)
-            return
+            home = None
         if home is None:
-            log.warning("no node besides the controller's for a warm successor: a move starts one cold")
+            if not self.successors:
+                log.warning("no node free of the controller for a warm successor: a move starts one cold")
+            self.successor_retry_at = now + SUCCESSOR_RETRY_S
             return
         argv = [sys.executable, "-m", "trainmover.controller.supervisor", "--keeper", self.node, "--successor"]
-        self.successor = (home, self._srun(home, argv, successor=True))
+        self.successors.append((home, self._srun(home, argv, successor=True)))
         self.successor_starts += 1
-        log.info("warm successor controller starting on %s", home)
+        log.info("warm successor controller starting on %s (%d of %d)", home, len(self.successors),
+                 self.cfg.controller_successors)
 
     def _fence(self, node: str) -> None:
         try:
@@ -150,9 +163,11 @@ class Keeper:
             log.error("%s", self.why)
             return False
         self.attempt += 1
-        if self.successor is not None and self.successor[1].poll() is None and self.successor[0] != old:
-            home, succ = self.successor
-            self.successor = None
+        # the oldest live successor off the old primary's node: the likeliest to be warm already
+        pick = next(((h, s) for h, s in self.successors if s.poll() is None and h != old), None)
+        if pick is not None:
+            home, succ = pick
+            self.successors.remove(pick)
             try:
                 succ.stdin.write(f"takeover {self.attempt}\n".encode())
                 succ.stdin.flush()
@@ -305,11 +320,10 @@ class Keeper:
 
     def _watch_successor(self) -> None:
         """A successor whose step ended (its node left the job or died) is started again elsewhere."""
-        if self.successor is not None and self.successor[1].poll() is not None:
-            log.warning("warm successor on %s ended (srun exit code %s)", self.successor[0],
-                        self.successor[1].returncode)
-            self.successor = None
-        if self.successor is None and self.primary.state is succession.State.SERVING:
+        for home, proc in [x for x in self.successors if x[1].poll() is not None]:
+            log.warning("warm successor on %s ended (srun exit code %s)", home, proc.returncode)
+            self.successors.remove((home, proc))
+        if len(self.successors) < self.cfg.controller_successors and self.primary.state is succession.State.SERVING:
             self._start_successor()
 
     def _outcome(self) -> int | None:
@@ -330,10 +344,10 @@ class Keeper:
         """The controller ended for good: let the remaining steps end (bounded), then end too. A
         step on a node that left the job (a lost node, released) has no process to wait for: its
         srun may wait on a dead slurmd for minutes."""
-        successor, self.successor = self.successor, None
-        if successor is not None:  # EOF on its stdin: it exits (waited for below)
+        successors, self.successors = self.successors, []
+        for _, proc in successors:  # EOF on its stdin: it exits (waited for below)
             try:
-                successor[1].stdin.close()
+                proc.stdin.close()
             except OSError:
                 pass
         # A standby holds nothing of the job's: its step ends now. One launched just before the end
@@ -354,7 +368,7 @@ class Keeper:
         for node, (role, proc) in self.steps.items():
             log.warning("%s step on %s still running at the end; killing its srun", role, node)
             proc.kill()
-        for proc in self.retired + ([successor[1]] if successor else []):
+        for proc in self.retired + [proc for _, proc in successors]:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
