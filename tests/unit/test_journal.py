@@ -317,3 +317,21 @@ def test_a_release_its_predecessor_left_due_is_done_by_the_successor():
     w()
     q, acts = restarted(w)
     assert ReleaseNode("train2") in acts
+
+
+def test_the_standby_history_reads_the_journal_this_controller_writes():
+    """standbys/history.py reads past jobs' journals through the same replay: a drain's migration
+    (planned) and the pool's refill (spare1 joined, spare2 warm later) from `state` records."""
+    from trainmover.standbys import history
+    p, w = preparing()
+    for rank, node, role in ((0, "train1", "stayer"), (2, "train3", "stayer"), (1, "train2", "leaver"),
+                             (1, "spare1", "joiner")):
+        w(p.on_message(12.0, node, {"type": "switched", "epoch": 1, "rank": rank, "role": role, "step": 50,
+                                    "t": 12.0, "detail": {}}))
+    w(p.on_standby_acquired(13.0, "spare2"))
+    w(p.on_message(14.0, "spare2", {"type": "ready", "local": 0, "warmup_s": 1.0, "shadow_steps": 3, "detail": {}}))
+    lines = [json.dumps({**json.loads(line), "t": 60.0 * n}) + "\n" for n, line in enumerate(w.lines)]
+    assert any(json.loads(line)["kind"] == "state" for line in lines)
+    hours, planned, unplanned, refills = history.journal_exposure(lines)
+    assert (planned, unplanned) == (1, 0) and hours == pytest.approx(3 * 60.0 * (len(lines) - 1) / 3600)
+    assert len(refills) == 1 and refills[0] > 0

@@ -84,7 +84,7 @@ def through_the_journal(tmp_path, state: PolicyState) -> PolicyState:
     path = tmp_path / "journal.jsonl"
     w = Journal(path)
     w.write(1.0, [START])
-    seed = journal.read(path).state
+    seed = journal.read(path).encoded
     w.write(2.0, journal.diff(seed, codec.encode(state)))
     w.close()
     return journal.read(path).durable()
@@ -104,7 +104,7 @@ def test_a_second_diff_on_top_of_the_first_lands_too(tmp_path):
     w = Journal(path)
     w.write(1.0, [START])
     first = full_state()
-    w.write(2.0, journal.diff(journal.read(path).state, codec.encode(first)))
+    w.write(2.0, journal.diff(journal.read(path).encoded, codec.encode(first)))
     second = full_state()
     second.view.standbys.clear()
     second.migrations[1].note = "changed"
@@ -173,5 +173,5 @@ def test_the_start_record_implies_the_state_a_new_policy_starts_from(tmp_path):
         w = Journal(path)
         w.write(1.0, [START])
         w.close()
-        assert journal.read(path).state == Policy(cfg, JobView(**{f.name: getattr(view, f.name)
+        assert journal.read(path).encoded == Policy(cfg, JobView(**{f.name: getattr(view, f.name)
                                                                    for f in dataclasses.fields(view)})).durable()

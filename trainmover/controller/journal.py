@@ -69,7 +69,7 @@ class Replayed:
     world_size: int = 0
     ranks_per_node: int = 0
     batch_host: str = ""
-    state: dict = field(default_factory=dict)  # the policy's durable state, encoded (controller/codec.py)
+    encoded: dict = field(default_factory=dict)  # the policy's durable state, encoded (controller/codec.py)
     steps: dict[str, dict] = field(default_factory=dict)       # node -> last launch record
     restarts: int = 0
     ended: dict | None = None  # {"ok", "message"} once a controller ended the job on purpose
@@ -81,7 +81,7 @@ class Replayed:
     def durable(self) -> PolicyState:
         """The policy's durable state as recorded (a fresh value on each call)."""
         try:
-            return codec.decode(PolicyState, self.state)
+            return codec.decode(PolicyState, self.encoded)
         except codec.DecodeError as exc:
             raise JournalError(f"the journal's state does not decode: {exc}") from None
 
@@ -141,13 +141,13 @@ def fold(lines: list[str], on_record=None) -> Replayed:
             out.batch_host = rec["batch_host"]
             view = JobView(out.job_id, out.world_size, out.ranks_per_node, out.batch_host,
                            {int(r): node for r, node in rec["rank_node"].items()})
-            out.state = codec.encode(PolicyState.initial(view))  # what the policy starts from (state.py)
+            out.encoded = codec.encode(PolicyState.initial(view))  # what the policy starts from (state.py)
         elif kind == "launch":
             out.steps[rec["node"]] = rec
         elif kind in ("state", "view", "migration"):
             ops = rec["ops"] if kind == "state" else _v1_ops(rec)
             try:
-                out.state = codec.patch(out.state, ops)
+                out.encoded = codec.patch(out.encoded, ops)
             except codec.DecodeError as exc:
                 raise JournalError(f"journal line {n} ({kind}): {exc}") from None
         elif kind == "restart":
@@ -155,7 +155,7 @@ def fold(lines: list[str], on_record=None) -> Replayed:
         elif kind == "end":
             out.ended = {"ok": rec["ok"], "message": rec["message"]}
         if on_record is not None:
-            on_record(rec, out.state)
+            on_record(rec, out.encoded)
     if out.records and not out.world_size:
         raise JournalError("journal has no start record: it was not written by a TrainMover controller")
     if out.records:
