@@ -43,6 +43,16 @@ from trainmover.controller.view import JobView, StandbyState
 log = logging.getLogger("trainmover.policy")
 
 
+def _part(part: str, attr: str, settable: bool = False) -> property:
+    """Policy.<attr> as <part>.<attr>: read (and, where settable, set) where it lives."""
+    def get(self):
+        return getattr(getattr(self, part), attr)
+
+    def put(self, value):
+        setattr(getattr(self, part), attr, value)
+    return property(get, put if settable else None, doc=f"{part}.{attr}")
+
+
 class Policy:
     def __init__(self, cfg: Config, view: JobView):
         self.cfg = cfg
@@ -71,69 +81,24 @@ class Policy:
         """The durable state, encoded: what the journal keeps (compared after each decision)."""
         return codec.encode(self.state)
 
-    @property
-    def view(self) -> JobView:
-        return self.state.view
-
-    @property
-    def migrations(self) -> list[Migration]:
-        return self.state.migrations
-
-    @property
-    def epoch(self) -> int:
-        return self.state.epoch
-
-    @property
-    def fenced_pids(self) -> set:
-        return self.state.fenced_pids
-
-    @property
-    def standbys_lost(self) -> list[dict]:
-        return self.state.standbys_lost
-
-    @property
-    def checkpoint_steps(self) -> list[int]:
-        return self.recovery_part.checkpoint_steps
-
-    @checkpoint_steps.setter
-    def checkpoint_steps(self, steps: list[int]) -> None:  # the executor, from disk
-        self.recovery_part.checkpoint_steps = list(steps)
-
-    @property
-    def store_moved(self) -> bool:
-        return self.takeover.store_moved
-
-    @store_moved.setter
-    def store_moved(self, moved: bool) -> None:  # the executor, from the predecessor's endpoint
-        self.takeover.store_moved = moved
-
-    @property
-    def resuming(self) -> dict | None:
-        return self.takeover.resuming
-
-    @property
-    def restarts(self) -> int:
-        return self.takeover.restarts
-
-    @property
-    def rows(self) -> dict:
-        return self.progress.rows
-
-    @property
-    def holder(self) -> str | None:
-        return self.snapshots.holder
+    # What the executor and tests read of the parts (and the two the executor sets at start).
+    view: JobView = _part("state", "view")
+    migrations: list[Migration] = _part("state", "migrations")
+    epoch: int = _part("state", "epoch")
+    fenced_pids: set = _part("state", "fenced_pids")
+    standbys_lost: list[dict] = _part("state", "standbys_lost")
+    checkpoint_steps: list[int] = _part("recovery_part", "checkpoint_steps", settable=True)  # from disk
+    store_moved: bool = _part("takeover", "store_moved", settable=True)  # from the predecessor's endpoint
+    resuming: dict | None = _part("takeover", "resuming")
+    restarts: int = _part("takeover", "restarts")
+    rows: dict = _part("progress", "rows")
+    holder: str | None = _part("snapshots", "holder")
+    processes: dict = _part("liveness", "processes")
+    fenced: list[dict] = _part("liveness", "fenced")
 
     @property
     def straggler(self) -> dict:
         return self.stragglers.status()
-
-    @property
-    def processes(self) -> dict:
-        return self.liveness.processes
-
-    @property
-    def fenced(self) -> list[dict]:
-        return self.liveness.fenced
 
     def active(self) -> Migration | None:
         return self.planner.active()
