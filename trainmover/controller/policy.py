@@ -30,7 +30,7 @@ from trainmover.controller.holder import SnapshotHolder
 from trainmover.controller.journal import Replayed
 from trainmover.controller.liveness import Heard, Liveness
 from trainmover.controller.migration import Migration, Phase
-from trainmover.controller.planner import MAX_ATTEMPTS, Planner  # noqa: F401 - MAX_ATTEMPTS: part of the API
+from trainmover.controller.planner import Planner
 from trainmover.controller.progress import Progress
 from trainmover.controller.recovery import Recovery
 from trainmover.controller.resume import Takeover

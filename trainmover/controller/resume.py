@@ -153,10 +153,11 @@ class Takeover:
             return [self.planner.timeline(m, now, "resumed", resolution="resumed", waited_s=waited)]
         lacking = sorted(set(range(self.state.view.world_size)) - holders)
         actions = [self.planner.timeline(m, now, "resumed", resolution="aborted", waited_s=waited)]
-        actions += self.planner.abort(now, m, ("the rendezvous store moved with the controller; " if self.store_moved else "")
-                               + f"the controller restarted before the switch of epoch {m.epoch} "
-                                       f"(not prepared on ranks {lacking[:8]}{' ...' if len(lacking) > 8 else ''}"
-                                       f"{'' if joiner and joiner['pending'] == m.epoch else ' nor on the joiner'})")
+        why = (("the rendezvous store moved with the controller; " if self.store_moved else "")
+               + f"the controller restarted before the switch of epoch {m.epoch} "
+               f"(not prepared on ranks {lacking[:8]}{' ...' if len(lacking) > 8 else ''}"
+               f"{'' if joiner and joiner['pending'] == m.epoch else ' nor on the joiner'})")
+        actions += self.planner.abort(now, m, why)
         if joiner is not None and joiner["pending"] != m.epoch and m.joiner in self.state.view.standbys:
             # the joiner never took this epoch up: it is as warm as it says
             self.pool.mark_rejoined(m.joiner, ready=joiner["state"] == "ready")
