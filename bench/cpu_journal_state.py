@@ -2,8 +2,10 @@
 controller/codec.py): the executor encodes the state and diffs it against the last after every
 message it handles (controller/main.py `_journal_decisions`), so this runs at the message rate.
 
-Compared, on the same machine in the same run, with the hand-picked dict it replaced (main's
-`Resuming.durable()` before issue 26, re-stated here as `hand_list`) and a plain compare.
+Most decisions change nothing durable (a step report): then the cost is a typed snapshot and
+its comparison with the last (`unchanged`); a decision that changes it also encodes both and
+diffs them (`changed`). Compared, on the same machine in the same run, with the hand-picked dict
+it replaced (main's `Resuming.durable()` before issue 26, re-stated here as `hand_list`).
 
     python bench/cpu_journal_state.py [--repeat 5]
 """
@@ -62,10 +64,13 @@ def main() -> None:
     metrics = {}
     for ranks, migrations in ((64, 5), (64, 50), (1024, 5), (1024, 50)):
         st = state(ranks, migrations)
-        before, old = codec.encode(st), hand_list(st)
-        new_us = per_call_us(lambda: journal.diff(before, codec.encode(st)), args.number, args.repeat)
+        snap, encoded, old = codec.snapshot(st), codec.encode(st), hand_list(st)
+        unchanged_us = per_call_us(lambda: journal.diff(snap, codec.snapshot(st)), args.number, args.repeat)
+        changed_us = per_call_us(lambda: journal.diff(encoded, codec.encode(st)) + [codec.encode(st)],
+                                 args.number, args.repeat)  # a change: both sides encoded, then diffed
         old_us = per_call_us(lambda: old == hand_list(st), args.number, args.repeat)
-        metrics[f"r{ranks}_m{migrations}"] = {"state_encode_diff_us": new_us, "hand_list_compare_us": old_us}
+        metrics[f"r{ranks}_m{migrations}"] = {"unchanged_snapshot_compare_us": unchanged_us,
+                                              "changed_encode_diff_us": changed_us, "hand_list_compare_us": old_us}
     result = {
         "scenario": "journal-state-per-decision", "machine": "cpu-local",
         "gpus": "none", "cpu": platform.processor() or platform.machine(), "load": list(os.getloadavg()),

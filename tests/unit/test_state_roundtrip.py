@@ -13,7 +13,7 @@ import pytest
 from trainmover.controller import codec, journal
 from trainmover.controller.journal import Journal
 from trainmover.controller.state import PolicyState
-from trainmover.controller.view import JobView
+from trainmover.controller.view import JobView, StandbyState
 
 START = {"kind": "start", "job_id": 7, "world_size": 3, "ranks_per_node": 1, "batch_host": "train1",
          "rank_node": {"0": "train1", "1": "train2", "2": "train3"}}
@@ -152,6 +152,32 @@ def test_a_transient_field_is_left_out_and_says_why():
                 assert f.name not in codec.encode(sample(cls)), f"{cls.__name__}.{f.name} is journaled"
 
 
+def test_a_snapshot_is_equal_exactly_when_the_encoding_is_and_later_changes_do_not_reach_it():
+    """The executor compares snapshots after every decision and encodes only when they differ:
+    the comparison must see every change the encoding would, and only those."""
+    state = full_state()
+    snap = codec.snapshot(state)
+    assert snap == state and snap is not state and codec.encode(snap) == codec.encode(state)
+    changes = [lambda s: s.view.rank_node.update({0: "elsewhere"}), lambda s: s.view.released.append("x"),
+               lambda s: setattr(next(iter(s.view.standbys.values())), "state", next(
+                   x for x in StandbyState if x != next(iter(s.view.standbys.values())).state)),
+               lambda s: s.migrations[0].times.update(done=9.0), lambda s: setattr(s.migrations[1], "note", "n"),
+               lambda s: s.migrations[0].source.update(deep={"k": 1}), lambda s: s.fenced_pids.add(("n", 1)),
+               lambda s: s.evicted[0].update(t=99.0), lambda s: s.standbys_lost.append({}),
+               lambda s: setattr(s, "holder_seq", s.holder_seq + 1)]
+    for change in changes:
+        live = codec.snapshot(state)  # a live state of its own, changed after the snapshot
+        before = codec.snapshot(live)
+        change(live)
+        assert before != live and codec.encode(before) != codec.encode(live)
+        assert journal.diff(before, codec.snapshot(live)) and not journal.diff(before, codec.snapshot(before))
+    live = codec.snapshot(state)
+    before = codec.snapshot(live)
+    next(iter(live.view.standbys.values())).warm.add(3)  # transient: neither compared nor journaled
+    live.migrations[0].prepared.add((0, "stayer"))
+    assert before == live and journal.diff(before, codec.snapshot(live)) == []
+
+
 def test_a_type_the_journal_cannot_keep_is_an_error_when_writing():
     @dataclasses.dataclass
     class Odd:
@@ -173,5 +199,5 @@ def test_the_start_record_implies_the_state_a_new_policy_starts_from(tmp_path):
         w = Journal(path)
         w.write(1.0, [START])
         w.close()
-        assert journal.read(path).encoded == Policy(cfg, JobView(**{f.name: getattr(view, f.name)
-                                                                   for f in dataclasses.fields(view)})).durable()
+        fresh = Policy(cfg, JobView(**{f.name: getattr(view, f.name) for f in dataclasses.fields(view)}))
+        assert journal.read(path).encoded == codec.encode(fresh.durable())

@@ -81,13 +81,89 @@ def _copy_json(value: object) -> object:
     raise TypeError(f"{t.__name__} cannot be journaled")
 
 
+_INT_TEXT: list[str] = [str(i) for i in range(1024)]  # str(i), grown on demand: ranks are dict keys
+
+
+def _int_keys(d: dict) -> list[str]:
+    """The int keys of `d` as text. str(int) a thousand times per decision is most of encoding
+    a large job's rank -> node map; a table of them is a C-level lookup."""
+    if not d:
+        return []
+    lo, hi = min(d), max(d)
+    if lo < 0 or hi > 1 << 20:
+        return [str(k) for k in d]
+    if hi >= len(_INT_TEXT):
+        _INT_TEXT.extend(str(i) for i in range(len(_INT_TEXT), hi + 1))
+    return list(map(_INT_TEXT.__getitem__, d))
+
+
+def _deep(value: object) -> object:
+    """A deep copy of a JSON-like value (dicts, lists, tuples of plain values)."""
+    t = type(value)
+    if t is dict:
+        return {k: _deep(v) for k, v in value.items()}
+    if t is list:
+        return [_deep(v) for v in value]
+    if t is tuple:
+        return tuple(_deep(v) for v in value)
+    return value
+
+
+def snapshot(value: object) -> object:
+    """A copy of dataclass `value` that later changes to it do not reach: its durable fields
+    copied by their declared types (a dict of plain values: one dict() call), its transient
+    ones shared (they are not compared). Equal to another snapshot exactly when their
+    encodings are equal, and far cheaper to make and compare than an encoding: the executor
+    takes one after every message (journal.diff encodes only when they differ)."""
+    c = _copier(type(value))
+    return value if c is None else c(value)
+
+
+@functools.cache
+def _copier(tp: object):
+    """The copier of declared type `tp`: a function, or None where a value is immutable."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp in _PLAIN or (isinstance(tp, type) and issubclass(tp, enum.Enum)):
+        return None
+    if tp in (dict, list, object, typing.Any):
+        return _deep
+    if origin in (typing.Union, types.UnionType):
+        (inner,) = [a for a in args if a is not type(None)]
+        c = _copier(inner)
+        return None if c is None else (lambda v: None if v is None else c(v))
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        copies = tuple((n, c) for n, t in field_types(tp).items() if (c := _copier(t)) is not None)
+
+        def copy_dataclass(value):
+            new = object.__new__(type(value))
+            new.__dict__.update(value.__dict__)
+            for n, c in copies:
+                new.__dict__[n] = c(value.__dict__[n])
+            return new
+        return copy_dataclass
+    if origin is tuple:
+        cs = [_copier(a) for a in (args[:1] if args[-1:] == (Ellipsis,) else args)]
+        if all(c is None for c in cs):
+            return None
+        return lambda v: tuple(_deep(x) for x in v)
+    if origin in (set, frozenset):
+        return origin  # members are hashable: immutable
+    if origin is list:
+        c = _copier(args[0])
+        return list if c is None else (lambda v: [c(x) for x in v])
+    if origin is dict:
+        c = _copier(args[1])
+        return dict if c is None else (lambda d: {k: c(v) for k, v in d.items()})
+    raise TypeError(f"type {tp} cannot be journaled")
+
+
 def _key_encoder(kt: object):
     if kt is str:
         return None
     if kt is int:
-        return str
+        return _int_keys
     if isinstance(kt, type) and issubclass(kt, enum.Enum):
-        return lambda k: str(k.value)
+        return lambda d: [str(k.value) for k in d]
     raise TypeError(f"a durable dict key must be str, int or an Enum, not {kt}")
 
 
@@ -123,14 +199,14 @@ def _encoder(tp: object):
         e = _encoder(args[0])  # sorted: the same set always encodes the same
         return lambda v: sorted((x if e is None else e(x) for x in v), key=lambda y: json.dumps(y, sort_keys=True))
     if origin is dict:
-        ke, ve = _key_encoder(args[0]), _encoder(args[1])
+        ke, ve = _key_encoder(args[0]), _encoder(args[1])  # ke: all the keys at once, as text
         if ke is None and ve is None:
             return dict
         if ve is None:
-            return lambda d: dict(zip(map(ke, d), d.values()))
+            return lambda d: dict(zip(ke(d), d.values()))
         if ke is None:
             return lambda d: {k: ve(v) for k, v in d.items()}
-        return lambda d: {ke(k): ve(v) for k, v in d.items()}
+        return lambda d: dict(zip(ke(d), map(ve, d.values())))
     raise TypeError(f"type {tp} cannot be journaled")
 
 

@@ -199,10 +199,15 @@ def ended(path: Path) -> dict | None:
         return None
 
 
-def diff(before: dict, after: dict) -> list[dict]:
-    """Records (without v/seq/t) that turn the encoded durable state `before` into `after`
-    (Policy.durable, controller/state.py): one `state` record, or none if nothing changed. Pure."""
-    ops = codec.diff(before, after)
+def diff(before: object, after: object) -> list[dict]:
+    """Records (without v/seq/t) that turn durable state `before` into `after`: one `state`
+    record, or none if nothing changed. Each is a snapshot (Policy.durable, codec.snapshot) or
+    its encoding; snapshots are compared first, and encoded only when they differ (most
+    decisions change nothing durable: a step report). Pure."""
+    if type(before) is type(after) and not isinstance(after, dict) and before == after:
+        return []
+    ops = codec.diff(before if isinstance(before, dict) else codec.encode(before),
+                     after if isinstance(after, dict) else codec.encode(after))
     return [{"kind": "state", "ops": ops}] if ops else []
 
 

@@ -77,9 +77,10 @@ class Policy:
         self.pool_choice: dict | None = None  # TM_STANDBYS=auto: the size picked at start and why (standbys/auto.py)
 
     # --- the durable state and what the executor and tests read of it ----------------------
-    def durable(self) -> dict:
-        """The durable state, encoded: what the journal keeps (compared after each decision)."""
-        return codec.encode(self.state)
+    def durable(self) -> PolicyState:
+        """A snapshot of the durable state: what the journal keeps. The executor takes one after
+        each decision and journals the difference from the last (journal.diff)."""
+        return codec.snapshot(self.state)
 
     # What the executor and tests read of the parts (and the two the executor sets at start).
     view: JobView = _part("state", "view")
