@@ -26,7 +26,7 @@ class Writer:
 
     def _line(self, rec):
         self.seq += 1
-        return json.dumps({"v": 1, "seq": self.seq, "t": 0.0, **rec}) + "\n"
+        return json.dumps({"v": journal.VERSION, "seq": self.seq, "t": 0.0, **rec}) + "\n"
 
     def __call__(self, actions=None):
         now = self.p.durable()
@@ -50,9 +50,13 @@ def resync(node, ranks, role="worker", step=50, pending=0, switched=0, state="tr
 
 def restarted(w, now=20.0, **cfg):
     """A successor's resume: the journal as it left it, ending in the successor's claim."""
+    return restarted_from(w.lines, now, **cfg)
+
+
+def restarted_from(lines, now=20.0, **cfg):
     p = new_policy(**cfg)
-    claim = '{"v": 1, "seq": 999, "t": %s, "a": 1, "kind": "restart", "attempt": 1}\n' % now
-    acts = p.resume(now, fold(w.lines + [claim]), metrics_through=45)
+    claim = '{"v": 2, "seq": 999, "t": %s, "a": 1, "kind": "restart", "attempt": 1}\n' % now
+    acts = p.resume(now, fold(lines + [claim]), metrics_through=45)
     return p, acts
 
 
@@ -61,9 +65,11 @@ def test_replay_rebuilds_the_view_and_the_migration_in_flight():
     p, w = preparing()
     j = fold(w.lines)
     assert j.world_size == 3 and j.rank_node == {0: "train1", 1: "train2", 2: "train3"}
-    assert j.standbys == {"spare1": "joining"} and j.epoch == 1
-    (m,) = j.migrations.values()
-    assert (m["phase"], m["epoch"], m["leaver"], m["joiner"]) == ("preparing", 1, "train2", "spare1")
+    state = j.durable()
+    assert {n: s.state for n, s in state.view.standbys.items()} == {"spare1": "joining"} and state.epoch == 1
+    (m,) = state.migrations
+    assert (m.phase, m.epoch, m.leaver, m.joiner) == (Phase.PREPARING, 1, "train2", "spare1")
+    assert state == p.state  # every durable field as the policy holds it
 
 
 def test_straggler_evictions_survive_a_controller_restart():
@@ -88,8 +94,15 @@ def test_a_torn_last_line_is_dropped_a_corrupt_middle_line_is_an_error():
 
 
 def test_records_are_validated():
-    with pytest.raises(JournalError, match="version 2"):
-        fold(['{"v": 2, "kind": "start"}\n'])
+    with pytest.raises(JournalError, match=r"version 3, this controller reads versions \[1, 2\]"):
+        fold(['{"v": 3, "kind": "start"}\n'])
+    with pytest.raises(JournalError, match="unknown kind 'view'"):  # a version 1 kind in a version 2 record
+        fold(['{"v": 2, "kind": "view", "epoch": 3}\n'])
+    with pytest.raises(JournalError, match=r"line 2 \(state\): state operation set \['nope', 'x'\] does not apply"):
+        fold([json.dumps({"v": 2, **START}) + "\n",
+              '{"v": 2, "kind": "state", "ops": [["set", ["nope", "x"], 1]]}\n'])
+    with pytest.raises(JournalError, match=r"state does not decode: state.epoch: 'x' is not int"):
+        fold([json.dumps({"v": 2, **START}) + "\n", '{"v": 2, "kind": "state", "ops": [["set", ["epoch"], "x"]]}\n'])
     with pytest.raises(JournalError, match="unknown kind"):
         fold(['{"v": 1, "kind": "teleport"}\n'])
     with pytest.raises(JournalError, match="'epoch' missing or malformed"):
@@ -97,6 +110,32 @@ def test_records_are_validated():
               ' "requested_at": 1.0, "joiner": "", "phase": "requested", "times": {}}}\n'])
     with pytest.raises(JournalError, match="no start record"):
         fold(['{"v": 1, "kind": "restart", "attempt": 1}\n'])
+
+
+START = {"kind": "start", "job_id": 7, "world_size": 3, "ranks_per_node": 1, "batch_host": "train1",
+         "rank_node": {"0": "train1", "1": "train2", "2": "train3"}}
+
+
+def test_a_version_1_journal_of_the_previous_controller_still_loads():
+    """A job started by a controller that wrote version 1 records (`view`, `migration`: the
+    part of the state it picked) is taken over by this one; what they say lands in the state."""
+    m = {"id": 1, "leaver": "train2", "leaver_ranks": [1], "trigger": "drain", "requested_at": 10.0, "epoch": 1,
+         "joiner": "spare1", "phase": "preparing", "times": {"requested": 10.0, "preparing": 10.0},
+         "switch_step": None, "downtime_s": None, "leaver_exited": False, "note": "", "recovery": False, "source": {}}
+    recs = [START, {"kind": "launch", "node": "train1", "role": "worker", "ranks": [0], "pid": 5},
+            {"kind": "view", "standbys": {"spare1": "joining"}, "epoch": 1, "fenced": [["train3", 9]],
+             "evicted": [{"node": "train9", "t": 1.0, "verdict": "slow"}], "ranks": {"1": "spare1"},
+             "released": ["train0"]},
+            {"kind": "migration", "m": m}]
+    j = fold([json.dumps({"v": 1, "seq": i + 1, "t": 0.0, **r}) + "\n" for i, r in enumerate(recs)])
+    state = j.durable()
+    assert state.view.rank_node == {0: "train1", 1: "spare1", 2: "train3"} and state.view.released == ["train0"]
+    assert state.view.standbys["spare1"].state == "joining" and state.epoch == 1
+    assert state.fenced_pids == {("train3", 9)} and state.evicted[0]["node"] == "train9"
+    (mig,) = state.migrations
+    assert (mig.phase, mig.joiner, mig.trigger, mig.times) == (Phase.PREPARING, "spare1", "drain", m["times"])
+    p, _ = restarted_from([json.dumps({"v": 1, "seq": i + 1, "t": 0.0, **r}) + "\n" for i, r in enumerate(recs)])
+    assert p.migrations[0].phase is Phase.PREPARING and p.view.standbys["spare1"].state == "joining"
 
 
 def test_the_writer_fsyncs_appends_and_cuts_a_torn_tail(tmp_path):
@@ -278,3 +317,21 @@ def test_a_release_its_predecessor_left_due_is_done_by_the_successor():
     w()
     q, acts = restarted(w)
     assert ReleaseNode("train2") in acts
+
+
+def test_the_standby_history_reads_the_journal_this_controller_writes():
+    """standbys/history.py reads past jobs' journals through the same replay: a drain's migration
+    (planned) and the pool's refill (spare1 joined, spare2 warm later) from `state` records."""
+    from trainmover.standbys import history
+    p, w = preparing()
+    for rank, node, role in ((0, "train1", "stayer"), (2, "train3", "stayer"), (1, "train2", "leaver"),
+                             (1, "spare1", "joiner")):
+        w(p.on_message(12.0, node, {"type": "switched", "epoch": 1, "rank": rank, "role": role, "step": 50,
+                                    "t": 12.0, "detail": {}}))
+    w(p.on_standby_acquired(13.0, "spare2"))
+    w(p.on_message(14.0, "spare2", {"type": "ready", "local": 0, "warmup_s": 1.0, "shadow_steps": 3, "detail": {}}))
+    lines = [json.dumps({**json.loads(line), "t": 60.0 * n}) + "\n" for n, line in enumerate(w.lines)]
+    assert any(json.loads(line)["kind"] == "state" for line in lines)
+    hours, planned, unplanned, refills = history.journal_exposure(lines)
+    assert (planned, unplanned) == (1, 0) and hours == pytest.approx(3 * 60.0 * (len(lines) - 1) / 3600)
+    assert len(refills) == 1 and refills[0] > 0

@@ -188,7 +188,7 @@ def test_fenced_processes_survive_a_controller_restart_in_the_journal():
         p.on_tick(t + k * 0.5)
     assert ("train2", 101) in p.fenced_pids
     records = journal.diff({}, p.durable())
-    text = "".join(__import__("json").dumps({"v": 1, "seq": i, "t": 0.0, **r}) + "\n"
+    text = "".join(__import__("json").dumps({"v": journal.VERSION, "seq": i, "t": 0.0, **r}) + "\n"
                    for i, r in enumerate([{"kind": "start", "job_id": 7, "world_size": 3, "ranks_per_node": 1,
                                            "batch_host": "train1", "rank_node": {}}] + records))
     replayed = journal.fold(text.splitlines(keepends=True))

@@ -250,9 +250,8 @@ def test_refill_times_from_the_journals_pool_records():
              (335.6, {}), (336.2, {"spare2": "starting"}), (339.8, {"spare2": "ready"}),
              (400.0, {"spare2": "joining"}), (401.0, {"spare2": "ready"}),        # aborted: still a standby
              (500.0, {}), (530.0, {"spare3": "ready"})]                          # lost, refilled
-    recs = [{"kind": "view", "t": t, "standbys": pool} for t, pool in views]
-    assert [round(h * 3600, 1) for h in history.refill_times(recs)] == [4.2, 30.0]
-    h = history.History(1.0, 1, 0, 1, "x", tuple(history.refill_times(recs)))
+    assert [round(h * 3600, 1) for h in history.refill_times(views)] == [4.2, 30.0]
+    h = history.History(1.0, 1, 0, 1, "x", tuple(history.refill_times(views)))
     assert h.replenish_h * 3600 == pytest.approx(17.1)
 
 

@@ -11,6 +11,11 @@ from trainmover.controller.journal import Journal, Superseded, fold
 from trainmover.controller.succession import IllegalTransition, Primary, Promote, State, may_promote
 
 
+def epoch(n):
+    """A state record that sets the policy's epoch (controller/state.py)."""
+    return {"kind": "state", "ops": [["set", ["epoch"], n]]}
+
+
 def primary(now=100.0, deadline=2.0):
     return Primary("train1", 0, now, deadline_s=deadline, start_deadline_s=120.0)
 
@@ -95,17 +100,17 @@ def test_a_successors_claim_demotes_the_old_controller_before_it_acts(tmp_path):
     path = tmp_path / "journal.jsonl"
     old = Journal(path, attempt=0)
     old.write(1.0, [START])
-    old.write(2.0, [{"kind": "view", "epoch": 1}])
+    old.write(2.0, [epoch(1)])
     assert old.held()
     new = Journal(path, seq=journal.read(path).seq, attempt=1)
     new.claim(3.0)                                     # the successor's first act
     assert not old.held()                              # the cheap check before acting on anything
     with pytest.raises(Superseded):
-        old.write(4.0, [{"kind": "view", "epoch": 2}])  # refused before writing
-    new.write(5.0, [{"kind": "view", "epoch": 3}])
+        old.write(4.0, [epoch(2)])  # refused before writing
+    new.write(5.0, [epoch(3)])
     assert new.held()
     j = journal.read(path)
-    assert j.epoch == 3 and j.restarts == 1 and j.stale == 0
+    assert j.durable().epoch == 3 and j.restarts == 1 and j.stale == 0
 
 
 def test_a_write_racing_the_claim_is_caught_by_the_read_back(tmp_path):
@@ -118,11 +123,11 @@ def test_a_write_racing_the_claim_is_caught_by_the_read_back(tmp_path):
     new.claim(2.0)
     old.held = lambda: True                             # the check ran just before the claim landed
     with pytest.raises(Superseded, match="before this write"):
-        old.write(3.0, [{"kind": "view", "epoch": 9}])
+        old.write(3.0, [epoch(9)])
     lines = path.read_text().splitlines(keepends=True)
     assert json.loads(lines[-1])["a"] == 0             # the demoted write is in the file ...
     j = fold(lines)
-    assert j.epoch == 0 and j.stale == 1               # ... and ignored on replay
+    assert j.durable().epoch == 0 and j.stale == 1               # ... and ignored on replay
 
 
 def test_records_before_the_claim_count_and_old_journals_without_attempts_still_fold(tmp_path):
@@ -132,5 +137,5 @@ def test_records_before_the_claim_count_and_old_journals_without_attempts_still_
              json.dumps({"v": 1, "seq": 4, "t": 3.5, "a": 0, "kind": "view", "epoch": 5}) + "\n",  # demoted
              json.dumps({"v": 1, "seq": 5, "t": 4.0, "a": 2, "kind": "view", "epoch": 6}) + "\n"]
     j = fold(lines)
-    assert j.epoch == 6 and j.restarts == 2 and j.stale == 1
-    assert fold(lines[:4]).epoch == 4
+    assert j.durable().epoch == 6 and j.restarts == 2 and j.stale == 1
+    assert fold(lines[:4]).durable().epoch == 4

@@ -2,7 +2,7 @@
 
 With two or more training nodes each rank's snapshot goes to the same local index on the next
 node (runtime/snapshot.py). A job with one training node has no other node: its warm standby
-holds them (runtime/holding.py says why). This mixin decides which standby: the first ready
+holds them (runtime/holding.py says why). This part of the policy decides which standby: the first ready
 one, while the job has one training node and takes snapshots; a holder that is no longer a
 standby (lost, or it took the node's ranks) is replaced by the next ready one. Both sides are
 told with one `hold` message (holder node, the node's ranks, a store prefix new for each
@@ -19,6 +19,8 @@ import logging
 
 from trainmover.control.messages import make
 from trainmover.controller.actions import Send
+from trainmover.controller.standby_pool import StandbyPool
+from trainmover.controller.state import PolicyState
 
 log = logging.getLogger("trainmover.policy")
 
@@ -26,47 +28,49 @@ TAKEN_KEPT = 8  # `snapshot_taken` reports kept per rank for status (the newest)
 
 
 class SnapshotHolder:
-    """Mixed into `Policy`: uses its view, snapshot_every and status."""
+    """The policy's part that picks the holder and keeps what holders and ranks report."""
 
-    holder: str | None = None     # the standby holding the one training node's snapshots
-    holder_seq: int = 0           # assignments so far (each gets its own store prefix)
+    def __init__(self, state: PolicyState, pool: StandbyPool):
+        self.state, self.pool = state, pool
+        # Not journaled: a successor assigns a holder afresh (its `hold` message re-links the
+        # ranks, under a new prefix: state.holder_seq is journaled), and the holders and ranks
+        # report what they hold and took again.
+        self.holder: str | None = None     # the standby holding the one training node's snapshots
+        self.taken: dict[str, list] = {}   # rank -> its last `snapshot_taken` reports, for status
 
-    def _one_node(self) -> bool:
-        return len(self.view.train_nodes()) == 1
-
-    def holder_actions(self, now: float) -> list:
-        """Drop a holder that is no longer a standby; assign a ready standby if none holds."""
+    def actions(self, now: float, snapshot_every: int, reported: set) -> list:
+        """Drop a holder that is no longer a standby; assign a ready standby if none holds.
+        `reported`: the ranks that reported a step (a message before could reach nobody)."""
+        view = self.state.view
         actions = []
-        nodes = tuple(self.view.train_nodes())
-        if self.holder is not None and self.holder not in self.view.standbys:
+        nodes = tuple(view.train_nodes())
+        if self.holder is not None and self.holder not in view.standbys:
             log.info("snapshot holder %s is no longer a standby; the ranks stop sending to it", self.holder)
             self.holder = None
             actions.append(Send(nodes, make("hold", holder="", wards=[], prefix="")))
-        if self.holder is not None or not self.snapshot_every or not self._one_node():
+        if self.holder is not None or not snapshot_every or len(nodes) != 1:
             return actions
-        if not all(r in self.steps for r in self.view.ranks_of(nodes[0])):
+        if not all(r in reported for r in view.ranks_of(nodes[0])):
             return actions  # its ranks have not reported a step yet: a message now could reach nobody
-        ready = sorted(s.node for s in self.view.standbys.values() if s.state == "ready")
+        ready = self.pool.ready_nodes()  # it stays READY: holding is no join
         if not ready:
             return actions
         self.holder = ready[0]
-        self.holder_seq += 1
-        msg = make("hold", holder=self.holder, wards=list(self.view.ranks_of(nodes[0])),
-                   prefix=f"tm/hold/a{self.holder_seq}/")
+        self.state.holder_seq += 1
+        msg = make("hold", holder=self.holder, wards=list(view.ranks_of(nodes[0])),
+                   prefix=f"tm/hold/a{self.state.holder_seq}/")
         log.info("snapshots of %s (ranks %s) held by standby %s", nodes[0], msg["wards"], self.holder)
         return actions + [Send(nodes + (self.holder,), msg)]
 
-    def on_snapshot_held(self, node: str, msg: dict) -> list:
-        s = self.view.standbys.get(node)
+    def on_held(self, node: str, msg: dict) -> list:
+        s = self.pool.get(node)
         if s is not None:
             s.held[int(msg["rank"])] = sorted(int(x) for x in msg["steps"])
             s.held_detail = dict(msg["detail"])
         return []
 
-    def on_snapshot_taken(self, msg: dict) -> list:
-        if not hasattr(self, "snapshot_stats"):
-            self.snapshot_stats = {}
-        kept = self.snapshot_stats.setdefault(str(msg["rank"]), [])
+    def on_taken(self, msg: dict) -> list:
+        kept = self.taken.setdefault(str(msg["rank"]), [])
         kept.append({"step": msg["step"], **msg["detail"]})
         del kept[:-TAKEN_KEPT]
         return []
@@ -75,8 +79,8 @@ class SnapshotHolder:
         """Ready standbys in the order a recovery takes them: the holder first."""
         return sorted(ready, key=lambda n: (n != self.holder, n))
 
-    def holder_status(self) -> dict:
-        s = self.view.standbys.get(self.holder) if self.holder else None
+    def status(self) -> dict:
+        s = self.pool.get(self.holder) if self.holder else None
         return {"holder": self.holder, "held": {str(r): v for r, v in (s.held if s else {}).items()},
-                "held_detail": getattr(s, "held_detail", {}) if s else {},
-                "taken": {r: list(v) for r, v in getattr(self, "snapshot_stats", {}).items()}}
+                "held_detail": s.held_detail if s else {},
+                "taken": {r: list(v) for r, v in self.taken.items()}}

@@ -9,16 +9,20 @@ versioned and checked on replay:
 kinds:
   start      the job's initial layout (world size, ranks per node, batch host, rank -> node)
   launch     a Slurm step the controller started (node, role, ranks, pid of its srun)
-  view       what changed of the controller's view: rank -> node, standbys, released, epoch,
-             fenced processes (controller/liveness.py)
-  migration  a migration's record after a change (phase, epoch, leaver, joiner, times ...)
+  state      what changed of the policy's durable state (controller/state.py) since the last
+             record: operations on its encoding (controller/codec.py), ["set", path, value] and
+             ["drop", path]. Every field of that state is kept, by construction
   restart    a controller took over (attempt number): its *claim*. Every record carries its
              writer's attempt (`a`); once a claim is in the journal, records of a lower attempt
              after it are a demoted controller's and are ignored on replay (see `Journal`)
   end        the controller ended the job on purpose (ok, message): written first at its shutdown,
              so that no keeper or supervisor starts a controller again (`ended`)
 
-Replay folds the records into a `Replayed` value (pure). A torn last line (the controller
+Version 1 journals (written before the state record existed: `view` and `migration` records
+with a hand-picked part of the state) are still read: their records are turned into state
+operations (`_v1_ops`), so that a job started by an older controller can be taken over.
+
+Replay folds the records into a `Replayed` value (pure), the durable state included. A torn last line (the controller
 died inside a write) is dropped with a warning; any other bad line is a `JournalError`:
 a journal that lies in its middle must not be guessed around.
 """
@@ -30,15 +34,21 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainmover.controller import codec
+from trainmover.controller.state import PolicyState
+from trainmover.controller.view import JobView
 from trainmover.errors import TrainMoverError
 
 log = logging.getLogger("trainmover.journal")
 
-VERSION = 1
-KINDS = {"start", "launch", "view", "migration", "restart", "end"}
+VERSION = 2
+READS = {1, 2}  # version 1: see _v1_ops
+KINDS = {1: {"start", "launch", "view", "migration", "restart", "end"},
+         2: {"start", "launch", "state", "restart", "end"}}
 _REQUIRED = {
     "start": {"job_id": int, "world_size": int, "ranks_per_node": int, "batch_host": str, "rank_node": dict},
     "launch": {"node": str, "role": str, "ranks": list, "pid": int},
+    "state": {"ops": list},
     "view": {},
     "migration": {"m": dict},
     "restart": {"attempt": int},
@@ -54,18 +64,12 @@ class JournalError(TrainMoverError):
 
 @dataclass
 class Replayed:
-    """The controller's view as its journal last recorded it."""
+    """What the journal last recorded: the job's layout, the policy's durable state, its steps."""
     job_id: int = 0
     world_size: int = 0
     ranks_per_node: int = 0
     batch_host: str = ""
-    rank_node: dict[int, str] = field(default_factory=dict)
-    standbys: dict[str, str] = field(default_factory=dict)     # node -> state
-    released: list[str] = field(default_factory=list)
-    fenced: list = field(default_factory=list)                 # [node, pid] of processes judged dead
-    evicted: list = field(default_factory=list)                # straggler evictions: {node, t, verdict}
-    epoch: int = 0
-    migrations: dict[int, dict] = field(default_factory=dict)  # id -> last record
+    encoded: dict = field(default_factory=dict)  # the policy's durable state, encoded (controller/codec.py)
     steps: dict[str, dict] = field(default_factory=dict)       # node -> last launch record
     restarts: int = 0
     ended: dict | None = None  # {"ok", "message"} once a controller ended the job on purpose
@@ -74,15 +78,27 @@ class Replayed:
     torn_tail: bool = False
     stale: int = 0            # records a demoted controller wrote after a successor's claim (ignored)
 
+    def durable(self) -> PolicyState:
+        """The policy's durable state as recorded (a fresh value on each call)."""
+        try:
+            return codec.decode(PolicyState, self.encoded)
+        except codec.DecodeError as exc:
+            raise JournalError(f"the journal's state does not decode: {exc}") from None
+
+    @property
+    def rank_node(self) -> dict[int, str]:
+        return self.durable().view.rank_node
+
 
 def _check(n: int, rec: object) -> dict:
     where = f"journal line {n}"
     if not isinstance(rec, dict):
         raise JournalError(f"{where}: not a JSON object")
-    if rec.get("v") != VERSION:
-        raise JournalError(f"{where}: version {rec.get('v')!r}, this controller reads version {VERSION}")
+    v = rec.get("v")
+    if v not in READS:
+        raise JournalError(f"{where}: version {v!r}, this controller reads versions {sorted(READS)}")
     kind = rec.get("kind")
-    if kind not in KINDS:
+    if kind not in KINDS[v]:
         raise JournalError(f"{where}: unknown kind {kind!r}")
     for name, typ in _REQUIRED[kind].items():
         if not isinstance(rec.get(name), typ) or isinstance(rec.get(name), bool):
@@ -96,8 +112,9 @@ def _check(n: int, rec: object) -> dict:
     return rec
 
 
-def fold(lines: list[str]) -> Replayed:
-    """The view recorded by `lines` (the journal's text split at newlines). Pure."""
+def fold(lines: list[str], on_record=None) -> Replayed:
+    """What `lines` (the journal's text split at newlines) record. Pure. `on_record(rec, state)`,
+    if given, sees each record applied and the encoded state after it (standbys/history.py)."""
     out = Replayed()
     complete = lines[:-1] if lines and not lines[-1].endswith("\n") else lines
     if len(complete) < len(lines):
@@ -122,30 +139,43 @@ def fold(lines: list[str]) -> Replayed:
         if kind == "start":
             out.job_id, out.world_size, out.ranks_per_node = rec["job_id"], rec["world_size"], rec["ranks_per_node"]
             out.batch_host = rec["batch_host"]
-            out.rank_node = {int(r): node for r, node in rec["rank_node"].items()}
+            view = JobView(out.job_id, out.world_size, out.ranks_per_node, out.batch_host,
+                           {int(r): node for r, node in rec["rank_node"].items()})
+            out.encoded = codec.encode(PolicyState.initial(view))  # what the policy starts from (state.py)
         elif kind == "launch":
             out.steps[rec["node"]] = rec
-        elif kind == "view":
-            out.rank_node.update({int(r): node for r, node in rec.get("ranks", {}).items()})
-            if "standbys" in rec:
-                out.standbys = dict(rec["standbys"])
-            if "released" in rec:
-                out.released = list(rec["released"])
-            if "epoch" in rec:
-                out.epoch = int(rec["epoch"])
-            if "fenced" in rec:
-                out.fenced = [list(x) for x in rec["fenced"]]
-            if "evicted" in rec:
-                out.evicted = [dict(x) for x in rec["evicted"]]
-        elif kind == "migration":
-            out.migrations[rec["m"]["id"]] = rec["m"]
+        elif kind in ("state", "view", "migration"):
+            ops = rec["ops"] if kind == "state" else _v1_ops(rec)
+            try:
+                out.encoded = codec.patch(out.encoded, ops)
+            except codec.DecodeError as exc:
+                raise JournalError(f"journal line {n} ({kind}): {exc}") from None
         elif kind == "restart":
             out.restarts = rec["attempt"]
         elif kind == "end":
             out.ended = {"ok": rec["ok"], "message": rec["message"]}
+        if on_record is not None:
+            on_record(rec, out.encoded)
     if out.records and not out.world_size:
         raise JournalError("journal has no start record: it was not written by a TrainMover controller")
+    if out.records:
+        out.durable()  # a state that does not decode is an error here, not after a takeover began
     return out
+
+
+def _v1_ops(rec: dict) -> list[list]:
+    """A version 1 `view` or `migration` record as state operations (what it recorded, where
+    the state keeps it)."""
+    if rec["kind"] == "migration":
+        return [["set", ["migrations", int(rec["m"]["id"]) - 1], rec["m"]]]
+    ops = [["set", ["view", "rank_node", str(r)], node] for r, node in rec.get("ranks", {}).items()]
+    if "standbys" in rec:
+        ops.append(["set", ["view", "standbys"], {n: {"node": n, "state": st} for n, st in rec["standbys"].items()}])
+    for old, new in (("released", ["view", "released"]), ("epoch", ["epoch"]), ("fenced", ["fenced_pids"]),
+                     ("evicted", ["evicted"])):
+        if old in rec:
+            ops.append(["set", new, rec[old]])
+    return ops
 
 
 def read(path: Path) -> Replayed:
@@ -169,26 +199,16 @@ def ended(path: Path) -> dict | None:
         return None
 
 
-def diff(before: dict, after: dict) -> list[dict]:
-    """Records (without v/seq/t) that turn durable view `before` into `after`.
-
-    A durable view: {"rank_node": {rank: node}, "standbys": {node: state}, "released": [...],
-    "epoch": n, "migrations": {id: record}} (see Policy.durable). Pure."""
-    out = []
-    view: dict = {}
-    ranks = {str(r): n for r, n in after["rank_node"].items() if before.get("rank_node", {}).get(r) != n}
-    if ranks:
-        view["ranks"] = ranks
-    for key in ("standbys", "released", "epoch", "fenced", "evicted"):
-        if key in after and before.get(key) != after[key]:
-            view[key] = after[key]
-    if view:
-        out.append({"kind": "view", **view})
-    old = before.get("migrations", {})
-    for mid, m in after["migrations"].items():
-        if old.get(mid) != m:
-            out.append({"kind": "migration", "m": m})
-    return out
+def diff(before: object, after: object) -> list[dict]:
+    """Records (without v/seq/t) that turn durable state `before` into `after`: one `state`
+    record, or none if nothing changed. Each is a snapshot (Policy.durable, codec.snapshot) or
+    its encoding; snapshots are compared first, and encoded only when they differ (most
+    decisions change nothing durable: a step report). Pure."""
+    if type(before) is type(after) and not isinstance(after, dict) and before == after:
+        return []
+    ops = codec.diff(before if isinstance(before, dict) else codec.encode(before),
+                     after if isinstance(after, dict) else codec.encode(after))
+    return [{"kind": "state", "ops": ops}] if ops else []
 
 
 class Superseded(TrainMoverError):

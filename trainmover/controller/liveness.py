@@ -13,19 +13,16 @@ TM_HEARTBEAT_S from a thread of its own (runtime/heartbeat.py); two rules name t
             used no CPU meanwhile. A rank that computes, however slowly (a straggler, a
             recompile), is never stuck: that is the straggler policy's business.
 
-A verdict starts the recovery of the node (controller/recovery.py) and fences the process
-(`Fence`): its Slurm step is killed, its connection refused from then on, its node drained.
+A verdict (`Liveness.verdicts`; the policy acts on it) starts the recovery of the node
+(controller/recovery.py) and fences the process (`Fence`): its Slurm step is killed, its connection refused from then on, its node drained.
 """
 from __future__ import annotations
 
-import logging
-import statistics
 from dataclasses import dataclass, field
 
-from trainmover.controller.actions import Fence
-from trainmover.controller.migration import Phase
-
-log = logging.getLogger("trainmover.policy")
+from trainmover.config import Config
+from trainmover.controller.progress import Progress
+from trainmover.controller.state import PolicyState
 
 
 @dataclass
@@ -45,12 +42,24 @@ class Heard:
 
 
 class Liveness:
-    """Mixed into `Policy`: uses its view, config, recovery and standby handling."""
+    """The policy's liveness part: what was last heard from each process, and its verdicts.
+    It decides who is dead (`verdicts`); the policy acts on them (recovery, standby loss) and
+    records the fence here (`fence`)."""
+
+    def __init__(self, cfg: Config, state: PolicyState, progress: Progress):
+        self.cfg, self.state, self.progress = cfg, state, progress
+        # Not journaled: a successor hears every live process again within a heartbeat, and
+        # its clock for silence, progress and its own pauses starts afresh. Only the fenced
+        # (node, pid) are kept (state.fenced_pids): a process judged dead stays so.
+        self.processes: dict = {}            # (node, pid) -> Heard
+        self.fenced: list[dict] = []         # the verdicts, for status
+        self.last_progress_at: float | None = None  # when any rank last completed a step (controller's clock)
+        self.last_tick: float | None = None
 
     def heard(self, now: float, node: str, pid: int, msg: dict) -> None:
         """Any message from the process `pid` on `node` proves it alive; a beat says more."""
         key = (node, pid)
-        if key in self.fenced_pids:
+        if key in self.state.fenced_pids:
             return
         h = self.processes.get(key)
         if h is None:
@@ -61,7 +70,7 @@ class Liveness:
         if msg["type"] == "beat":
             h.ranks, h.step, h.issued, h.waiting = tuple(msg["ranks"]), msg["step"], msg["issued"], msg["waiting"]
             h.cpu.append((now, msg["cpu_s"]))
-            keep = max(8, int(self._stuck_deadline() / max(self.cfg.heartbeat_s, 1e-3)) + 4)
+            keep = max(8, int(self.stuck_deadline() / max(self.cfg.heartbeat_s, 1e-3)) + 4)
             del h.cpu[:-keep]
 
     def forget(self, node: str, pid: int) -> None:
@@ -72,11 +81,8 @@ class Liveness:
         self.last_progress_at = now
 
     # --- the rules --------------------------------------------------------------------
-    def _stuck_deadline(self) -> float:
-        hist = next(iter(self.steps.values()), [])
-        gaps = [b[1] - a[1] for a, b in zip(hist[-17:], hist[-16:]) if b[0] == a[0] + 1]
-        typical = statistics.median(gaps) if gaps else 0.0
-        return max(self.cfg.progress_timeout_s, self.cfg.progress_steps * typical)
+    def stuck_deadline(self) -> float:
+        return max(self.cfg.progress_timeout_s, self.cfg.progress_steps * self.progress.typical_step_s())
 
     def _silent(self, now: float, arrivals: dict) -> list[Heard]:
         """`arrivals`: (node, pid) -> when the connection's reader last received a frame (the
@@ -85,9 +91,9 @@ class Liveness:
             h = self.processes.get(key)
             if h is not None and t > h.t:
                 h.t = t
-        return [h for h in self.processes.values() if now - h.t > self._silence_allowed(h)]
+        return [h for h in self.processes.values() if now - h.t > self.silence_allowed(h)]
 
-    def _silence_allowed(self, h: Heard) -> float:
+    def silence_allowed(self, h: Heard) -> float:
         """TM_HEARTBEAT_TIMEOUT_S, or up to TM_GROUP_TIMEOUT_S before a process's first step (or
         warm stance): starting, it builds its groups and model, and a CUDA context or a library's
         initialisation can hold the interpreter's lock, and so its heartbeat thread, for seconds
@@ -98,67 +104,63 @@ class Liveness:
 
     def _stuck(self, now: float) -> tuple[list[Heard], float]:
         """Processes whose ranks the others wait on while their training thread idles."""
-        deadline = self._stuck_deadline()
+        deadline = self.stuck_deadline()
         if self.last_progress_at is None or now - self.last_progress_at <= deadline:
             return [], deadline
-        workers = [h for h in self.processes.values() if h.ranks and h.node in self.view.rank_node.values()]
+        rank_nodes = set(self.state.view.rank_node.values())
+        workers = [h for h in self.processes.values() if h.ranks and h.node in rank_nodes]
         out = []
         for h in workers:
-            behind = self._behind(h, workers)
+            behind = _behind(h, workers)
             if behind and _idle(h, now, deadline):
                 h.evidence = behind
                 out.append(h)
         return out, deadline
 
-    @staticmethod
-    def _behind(h: Heard, workers: list[Heard]) -> str:
-        """Why the others wait on `h` ('' if they do not): a group it shares with them in which
-        they issued more collectives than it did."""
-        for name, mine in sorted(h.issued.items()):
-            ahead = [o for o in workers if o is not h and o.issued.get(name, -1) > mine]
-            if ahead:
-                most = max(o.issued[name] for o in ahead)
-                waiting = sorted(r for o in ahead for r in o.ranks if o.waiting.get(name))
-                return (f"the others issued {most} collectives in group {name}, it issued {mine}"
-                        + (f"; ranks {waiting} wait in it" if waiting else ""))
-        return ""
-
     # --- verdicts --------------------------------------------------------------------
-    def _liveness_tick(self, now: float, arrivals: dict) -> list:
+    def verdicts(self, now: float, arrivals: dict, judging: bool, stuck_rule: bool) -> list[tuple[Heard, str]]:
+        """Processes judged dead now, and why. `judging`: whether the policy judges at all (not
+        once the job ended or while a successor resumes); `stuck_rule`: whether the stuck rule
+        applies (no recovery, nobody finished, no state copy under way, which may take long)."""
         # A controller that did not run for a while (its node busy, the process stopped) has not
         # read its connections either: judging silence now would blame every rank.
         paused = self.last_tick is not None and now - self.last_tick > self.cfg.heartbeat_timeout_s / 2
         self.last_tick = now
-        if self.done or self.resuming is not None or paused:
+        if not judging or paused:
             return []
-        actions: list = []
-        for h in self._silent(now, arrivals):
-            actions += self._judged_dead(now, h, f"no heartbeat for {now - h.t:.1f}s "
-                                                 f"({'TM_HEARTBEAT_TIMEOUT_S' if h.started else 'starting: TM_GROUP_TIMEOUT_S'}"
-                                                 f"={self._silence_allowed(h):g}; last: {h.step} steps complete)")
-        switching = any(m.phase is Phase.SWITCHING for m in self.migrations)  # a state copy may take long
-        if self.recovery() is None and not self.finished and not switching:
+        out = [(h, f"no heartbeat for {now - h.t:.1f}s "
+                   f"({'TM_HEARTBEAT_TIMEOUT_S' if h.started else 'starting: TM_GROUP_TIMEOUT_S'}"
+                   f"={self.silence_allowed(h):g}; last: {h.step} steps complete)")
+               for h in self._silent(now, arrivals)]
+        if stuck_rule:
             stuck, deadline = self._stuck(now)
-            for h in stuck:
-                actions += self._judged_dead(now, h, f"stuck: no step completed for "
-                                                     f"{now - self.last_progress_at:.1f}s (deadline {deadline:.1f}s), "
-                                                     f"its training thread idle and {h.evidence}")
-        return actions
+            out += [(h, f"stuck: no step completed for {now - self.last_progress_at:.1f}s (deadline {deadline:.1f}s), "
+                        f"its training thread idle and {h.evidence}") for h in stuck]
+        return out
 
-    def _judged_dead(self, now: float, h: Heard, why: str) -> list:
+    def fence(self, now: float, h: Heard, why: str) -> None:
+        """`h` judged dead: never heard again (journaled, state.fenced_pids)."""
         self.processes.pop((h.node, h.pid), None)
-        if h.node in self.view.standbys:
-            what = f"standby process {h.pid} on {h.node}"
-            actions = self._standby_lost(now, h.node, why)
-        elif h.node in self.view.rank_node.values() and not all(r in self.finished for r in h.ranks):
-            what = f"rank{'s' if len(h.ranks) > 1 else ''} {list(h.ranks)} (process {h.pid} on {h.node})"
-            actions = self._fault(now, h.node, why)
-        else:  # a leaver that left, a node released: nothing depends on it any more
-            return []
-        log.error("%s judged dead: %s", what, why)
-        self.fenced_pids.add((h.node, h.pid))
+        self.state.fenced_pids.add((h.node, h.pid))
         self.fenced.append({"node": h.node, "pid": h.pid, "ranks": list(h.ranks), "t": now, "why": why})
-        return [Fence(h.node, h.pid, f"{what}: {why}")] + actions
+
+    def status(self) -> dict:
+        return {"heartbeat_timeout_s": self.cfg.heartbeat_timeout_s, "stuck_deadline_s": round(self.stuck_deadline(), 3),
+                "max_beat_gap_s": round(max((h.max_gap for h in self.processes.values()), default=0.0), 3),
+                "fenced": list(self.fenced)}
+
+
+def _behind(h: Heard, workers: list[Heard]) -> str:
+    """Why the others wait on `h` ('' if they do not): a group it shares with them in which
+    they issued more collectives than it did."""
+    for name, mine in sorted(h.issued.items()):
+        ahead = [o for o in workers if o is not h and o.issued.get(name, -1) > mine]
+        if ahead:
+            most = max(o.issued[name] for o in ahead)
+            waiting = sorted(r for o in ahead for r in o.ranks if o.waiting.get(name))
+            return (f"the others issued {most} collectives in group {name}, it issued {mine}"
+                    + (f"; ranks {waiting} wait in it" if waiting else ""))
+    return ""
 
 
 def _idle(h: Heard, now: float, window: float) -> bool:

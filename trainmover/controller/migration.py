@@ -13,6 +13,8 @@ import enum
 import logging
 from dataclasses import dataclass, field
 
+from trainmover.controller.codec import transient
+
 log = logging.getLogger("trainmover.migration")
 
 
@@ -39,7 +41,17 @@ ALLOWED: dict[Phase, set[Phase]] = {
     Phase.FAILED: set(),
 }
 
-TRIGGERS = {"drain", "manual", "failure", "healthcheck", "straggler", "rebalance"}
+class Trigger(enum.StrEnum):
+    """Why a node leaves."""
+    DRAIN = "drain"
+    MANUAL = "manual"
+    FAILURE = "failure"
+    HEALTHCHECK = "healthcheck"
+    STRAGGLER = "straggler"
+    REBALANCE = "rebalance"
+
+
+TRIGGERS = {t.value for t in Trigger}
 
 
 class IllegalTransition(RuntimeError):
@@ -51,15 +63,17 @@ class Migration:
     id: int
     leaver: str
     leaver_ranks: tuple[int, ...]
-    trigger: str
+    trigger: Trigger
     requested_at: float
     epoch: int = 0
     joiner: str = ""
     phase: Phase = Phase.REQUESTED
     times: dict[str, float] = field(default_factory=dict)   # phase name -> wall time entered
-    prepared: set = field(default_factory=set)               # (rank, role) that finished Phase 1
-    switched: dict = field(default_factory=dict)             # (rank, role) -> switched message
-    expected: set = field(default_factory=set)               # (rank, role) that must report
+    # Who prepared or switched is not journaled: a controller that takes over asks the ranks
+    # (resync, controller/resume.py), and recomputes who must report.
+    prepared: set = transient("(rank, role) that finished Phase 1: the ranks say again", default_factory=set)
+    switched: dict = transient("(rank, role) -> switched message: the ranks say again", default_factory=dict)
+    expected: set = transient("(rank, role) that must report: recomputed on takeover", default_factory=set)
     switch_step: int | None = None
     downtime_s: float | None = None
     leaver_exited: bool = False
@@ -70,6 +84,7 @@ class Migration:
     def __post_init__(self):
         if self.trigger not in TRIGGERS:
             raise ValueError(f"unknown trigger {self.trigger!r}")
+        self.trigger = Trigger(self.trigger)
         self.times[self.phase.value] = self.requested_at
 
     @property
@@ -85,24 +100,6 @@ class Migration:
         self.times[phase.value] = now
         if note:
             self.note = note
-
-    def to_record(self) -> dict:
-        """What the journal keeps (see controller.journal): enough to rebuild the migration.
-        Who prepared or switched is not kept: a restarted controller asks the ranks."""
-        return {"id": self.id, "leaver": self.leaver, "leaver_ranks": list(self.leaver_ranks), "trigger": self.trigger,
-                "requested_at": self.requested_at, "epoch": self.epoch, "joiner": self.joiner, "phase": self.phase.value,
-                "times": dict(self.times), "switch_step": self.switch_step, "downtime_s": self.downtime_s,
-                "leaver_exited": self.leaver_exited, "note": self.note, "recovery": self.recovery,
-                "source": dict(self.source)}
-
-    @classmethod
-    def from_record(cls, d: dict) -> "Migration":
-        m = cls(d["id"], d["leaver"], tuple(d["leaver_ranks"]), d["trigger"], d["requested_at"], epoch=d["epoch"],
-                joiner=d["joiner"], phase=Phase(d["phase"]), switch_step=d.get("switch_step"),
-                downtime_s=d.get("downtime_s"), leaver_exited=bool(d.get("leaver_exited")), note=d.get("note", ""),
-                recovery=bool(d.get("recovery")), source=dict(d.get("source") or {}))
-        m.times = dict(d["times"])
-        return m
 
     def to_json(self) -> dict:
         t = self.times

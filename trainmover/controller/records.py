@@ -113,10 +113,10 @@ def final_line(root: Path, job_id: int, code: int, why: str = "", stopped: bool 
     except (OSError, ValueError):
         status = {}
     outcome = status.get("outcome") or {}
-    state = "COMPLETED" if code == 0 else "CANCELLED" if stopped and not outcome else "FAILED"
+    word = "COMPLETED" if code == 0 else "CANCELLED" if stopped and not outcome else "FAILED"  # as Slurm says it
     message = outcome.get("message") or why or (
         "stopped by a signal (scancel)" if stopped else f"the controller ended with exit code {code}")
     message = " ".join(str(message).split())[:1500]  # one line
     failure = status.get("failure") or {}
     where = f"; traceback in {Path(root) / 'status.json'}" if failure.get("traceback") else ""
-    return f"trainmover: job {job_id} {state}: {message}{where}"
+    return f"trainmover: job {job_id} {word}: {message}{where}"

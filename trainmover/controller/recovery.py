@@ -17,113 +17,119 @@ throughout, so `recovery_timeout_s` bounds it: past it the job stops with a clea
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
-from trainmover.config import parse_tiers
+from trainmover.config import Config, parse_tiers
 from trainmover.control.checkpoints import KEEP as KEEP_CHECKPOINTS  # complete checkpoints kept
 from trainmover.control.messages import make
 from trainmover.controller import tiers
 from trainmover.controller.actions import CheckpointDone, Finish, Rewind, Send
-from trainmover.controller.migration import Migration, Phase
+from trainmover.controller.holder import SnapshotHolder
+from trainmover.controller.migration import Phase
+from trainmover.controller.planner import Planner
+from trainmover.controller.progress import Progress
+from trainmover.controller.standby_pool import StandbyPool
+from trainmover.controller.state import PolicyState
 
 log = logging.getLogger("trainmover.policy")
 
 DETECT_WINDOW_S = 15.0  # ranks stalled but nobody found lost: how long before the job stops
 
 
-class Recovering:
-    """Mixed into `Policy`: uses its view, migrations, standbys and timeline."""
+class Recovery:
+    """The policy's part for unexpected failures: detection, the recovery plan, checkpoints."""
 
-    def recovery(self) -> Migration | None:
-        return next((m for m in self.migrations if m.active and m.recovery), None)
+    def __init__(self, cfg: Config, state: PolicyState, pool: StandbyPool, progress: Progress, planner: Planner,
+                 snapshots: SnapshotHolder, done: Callable[[], bool]):
+        self.cfg, self.state, self.pool, self.progress = cfg, state, pool, progress
+        self.planner, self.snapshots, self.done = planner, snapshots, done
+        # Not journaled: a recovery in flight is not resumed by a successor (the job stops,
+        # controller/resume.py), so what the stalled ranks said dies with it; the complete
+        # checkpoints are read from disk by the executor (main.py sets checkpoint_steps).
+        self.stalled: dict[int, dict] = {}                 # rank -> its 'stalled' report
+        self.checkpoints: dict[int, dict[int, str]] = {}   # step -> rank -> digest, until every rank wrote it
+        self.checkpoint_steps: list[int] = []              # complete checkpoints (manifest written), oldest first
 
     # --- detection ---------------------------------------------------------------------
-    def on_peer_gone(self, now: float, node: str, ranks: tuple[int, ...] = ()) -> list:
-        """A worker's or a standby's control connection closed. `ranks`: the ranks that process
-        ran, where known; a node with several ranks has a connection per process, and one
-        rank's process may end (finished) before its node-mates report."""
-        if node in self.view.standbys:  # a standby, or a joiner that has not switched yet
-            return self._standby_lost(now, node, "control connection lost")
-        if self._lost_unexpectedly(node, ranks):
-            return self._fault(now, node, "control connection lost")
-        return []
-
-    def _lost_unexpectedly(self, node: str, ranks: tuple[int, ...] = ()) -> bool:
+    def lost_unexpectedly(self, node: str, ranks: tuple[int, ...] = ()) -> bool:
         """Whether the end of `ranks`' process on `node` (unknown ranks: all of the node's) is a
         loss; losing one process of a node loses the node."""
-        if self.done or node not in self.view.rank_node.values():
+        view = self.state.view
+        if self.done() or node not in view.rank_node.values():
             return False
-        ranks = tuple(r for r in ranks if self.view.rank_node.get(r) == node) or self.view.ranks_of(node)
-        if all(r in self.finished for r in ranks):
+        ranks = tuple(r for r in ranks if view.rank_node.get(r) == node) or view.ranks_of(node)
+        if all(r in self.progress.finished for r in ranks):
             return False
         # a leaver that handed its state over is expected to go
-        return not any(m.leaver == node and any(role == "leaver" for _, role in m.switched) for m in self.migrations)
+        return not any(m.leaver == node and any(role == "leaver" for _, role in m.switched)
+                       for m in self.state.migrations)
 
-    def _fault(self, now: float, node: str, evidence: str) -> list:
-        if self.done:  # the job ended (finished, or a rank's own error): nothing is lost any more
+    def fault(self, now: float, node: str, evidence: str) -> list:
+        if self.done():  # the job ended (finished, or a rank's own error): nothing is lost any more
             return []
-        r = self.recovery()
+        planner, view = self.planner, self.state.view
+        r = planner.recovery()
         if r is not None and node in (r.leaver, r.joiner):
             return []  # already being recovered
         if r is not None:
             return [Finish(False, f"{node} lost ({evidence}) while recovering from the loss of {r.leaver}: "
                                   "two overlapping failures are not recovered")]
-        ranks = self.view.ranks_of(node)
-        planned = self.active()
-        self.epoch += 1
-        m = Migration(len(self.migrations) + 1, node, ranks, "failure", now)
-        m.recovery, m.epoch, m.leaver_exited = True, self.epoch, True
-        self.migrations.append(m)  # first: nothing planned may start while this is active
+        ranks = view.ranks_of(node)
+        planned = planner.active()
+        epoch = planner.next_epoch()
+        m = planner.new(now, node, ranks, "failure")  # first: nothing planned may start while this is active
+        m.recovery, m.epoch, m.leaver_exited = True, epoch, True
         actions = []
         if planned is not None:
             if planned.leaver == node and planned.phase in (Phase.SWITCHING, Phase.RELEASING):
                 # the leaver died during the state copy: the joiner already holds the slot
                 m.joiner = planned.joiner
                 planned.to(Phase.FAILED, now, "leaver lost during the state copy; its state comes from a replica")
-                actions.append(self._timeline(planned, now, "failed", reason=evidence))
-                self.view.standbys.pop(m.joiner, None)
-                self.view.rank_node.update({r_: m.joiner for r_ in ranks})
+                actions.append(planner.timeline(planned, now, "failed", reason=evidence))
+                self.pool.remove(m.joiner)
+                view.rank_node.update({r_: m.joiner for r_ in ranks})
             elif planned.phase in (Phase.PREPARING, Phase.SWITCHING):
-                actions += self._abort(now, planned, f"{node} lost during the migration ({evidence})",
-                                       retry=planned.leaver != node)
+                actions += planner.abort(now, planned, f"{node} lost during the migration ({evidence})",
+                                         retry=planned.leaver != node)
             elif planned.leaver == node:
                 planned.to(Phase.FAILED, now, f"{node} lost before it could migrate ({evidence})")
-        live = [n for n in self.view.train_nodes() if n != node]
+        live = [n for n in view.train_nodes() if n != node]
         reason = f"{node} (ranks {list(ranks)}) lost: {evidence}"
         log.error("unexpected failure: %s", reason)
-        actions += [self._timeline(m, now, "detected", evidence=evidence),
+        actions += [planner.timeline(m, now, "detected", evidence=evidence),
                     Send(tuple(live), make("revoke", epoch=m.epoch, failed=list(ranks), reason=reason[:500]))]
-        return actions + self._maybe_recover(now)
+        return actions + self.maybe_recover(now)
 
     # --- the plan ----------------------------------------------------------------------
-    def _on_stalled(self, now: float, node: str, msg: dict) -> list:
+    def on_stalled(self, now: float, node: str, msg: dict) -> list:
         self.stalled[msg["rank"]] = {**msg, "node": node, "t": now}
-        return self._maybe_recover(now)
+        return self.maybe_recover(now)
 
-    def _maybe_recover(self, now: float) -> list:
-        m = self.recovery()
+    def maybe_recover(self, now: float) -> list:
+        planner, view = self.planner, self.state.view
+        m = planner.recovery()
         if m is None or m.phase not in (Phase.REQUESTED, Phase.WAITING_STANDBY):
             return []
-        live = [r for r in range(self.view.world_size) if r not in m.leaver_ranks]
+        live = [r for r in range(view.world_size) if r not in m.leaver_ranks]
         if not m.joiner:
-            ready = self.joiner_order([s.node for s in self.view.standbys.values() if s.state == "ready"])
-            if not ready:
+            joiner = self.pool.take_ready(self.snapshots.joiner_order)
+            if joiner is None:
                 if m.phase is Phase.REQUESTED:
                     m.to(Phase.WAITING_STANDBY, now, f"no warm standby: training is paused until one is ready "
                                                       f"(at most {self.cfg.recovery_timeout_s:.0f}s)")
-                    return [self._timeline(m, now, "waiting_standby")] + self._maybe_acquire(now)
-                return self._maybe_acquire(now)
-            m.joiner = ready[0]
-            self.view.standbys[m.joiner].state = "joining"
+                    return [planner.timeline(m, now, "waiting_standby")] + planner.maybe_acquire(now)
+                return planner.maybe_acquire(now)
+            m.joiner = joiner
         stayers = [self.stalled.get(r) for r in live]
         if any(s is None or s["role"] != "stayer" for s in stayers):
             return []  # not every live rank has stopped yet
-        joiner = self.view.standbys.get(m.joiner)
-        completed = max((s for hist in self.steps.values() for s, _ in hist), default=None)
+        joiner = self.pool.get(m.joiner)
         choice = tiers.choose(parse_tiers(self.cfg.recovery_tiers), m.leaver_ranks, {s["rank"]: s for s in stayers},
-                              self.checkpoint_steps, joiner=dict(joiner.held) if joiner else {}, completed=completed)
+                              self.checkpoint_steps, joiner=dict(joiner.held) if joiner else {},
+                              completed=self.progress.completed())
         if isinstance(choice, tiers.Stop):
             m.to(Phase.FAILED, now, choice.message[:300])
-            return [self._timeline(m, now, "failed", reason=choice.message),
+            return [planner.timeline(m, now, "failed", reason=choice.message),
                     Finish(False, f"{m.leaver} (ranks {list(m.leaver_ranks)}) lost: {choice.message}")]
         step = choice.step
         needers = sorted(list(m.leaver_ranks) + list(choice.laggers))
@@ -131,42 +137,41 @@ class Recovering:
         m.source = choice.to_json()
         m.expected = {(r, "stayer") for r in live} | {(r, "joiner") for r in m.leaver_ranks}
         m.to(Phase.PREPARING, now, "")
-        stayer_nodes = tuple(sorted({self.view.rank_node[r] for r in live}))
+        stayer_nodes = tuple(sorted({view.rank_node[r] for r in live}))
         common = dict(epoch=m.epoch, failed=list(m.leaver_ranks), step=step, source=choice.source, needers=needers,
                       tier=choice.tier, holders={str(r): h for r, h in choice.holders.items()})
         self.stalled = {}
-        actions = self.flush_rows(step)
+        actions = self.progress.flush_rows(step)
         if choice.tier != "replica":  # every rank rolls back: later steps are redone and logged again
-            self.rows = {s: row for s, row in self.rows.items() if s <= step}
-            self.metrics_through = min(self.metrics_through, step)
+            self.progress.rewind(step)
             actions.append(Rewind(step))
         to_stayers = [Send(stayer_nodes, make("recover", assign={}, **common))] if stayer_nodes else []  # none: one worker
-        return actions + [self._timeline(m, now, "recover", **m.source)] + to_stayers + [
+        return actions + [planner.timeline(m, now, "recover", **m.source)] + to_stayers + [
                 Send((m.joiner,), make("recover", assign={str(i): r for i, r in enumerate(m.leaver_ranks)}, **common))]
 
     # --- checkpoints -------------------------------------------------------------------------
-    def _on_checkpointed(self, msg: dict) -> list:
+    def on_checkpointed(self, msg: dict) -> list:
         """A rank's checkpoint file is in place; once every rank's is, the checkpoint is
         complete: its manifest is written and older ones pruned (KEEP_CHECKPOINTS kept)."""
         got = self.checkpoints.setdefault(msg["step"], {})
         got[msg["rank"]] = msg["digest"]
-        if len(got) < self.view.world_size:
+        if len(got) < self.state.view.world_size:
             return []
         del self.checkpoints[msg["step"]]
         self.checkpoint_steps = sorted({*self.checkpoint_steps, msg["step"]})[-KEEP_CHECKPOINTS:]
         self.checkpoints = {s: v for s, v in self.checkpoints.items() if s > msg["step"]}
         return [CheckpointDone(msg["step"], dict(got), tuple(self.checkpoint_steps))]
 
-    def _recovery_tick(self, now: float) -> list:
-        m = self.recovery()
+    def tick(self, now: float) -> list:
+        m = self.planner.recovery()
         if m is not None and now - m.requested_at > self.cfg.recovery_timeout_s:
             waiting = {Phase.REQUESTED: "for every live rank to stop", Phase.WAITING_STANDBY: "for a standby",
                        }.get(m.phase, "for the new groups and the state copy")
             m.to(Phase.FAILED, now, f"no recovery within {self.cfg.recovery_timeout_s:.0f}s (waiting {waiting})")
-            return [self._timeline(m, now, "failed", reason=m.note),
+            return [self.planner.timeline(m, now, "failed", reason=m.note),
                     Finish(False, f"{m.leaver} lost and not recovered within {self.cfg.recovery_timeout_s:.0f}s "
                                   f"(waiting {waiting}); the job stops")]
-        if m is None and self.stalled and not self.done:
+        if m is None and self.stalled and not self.done():
             first = min(s["t"] for s in self.stalled.values())
             if now - first > DETECT_WINDOW_S:
                 s = min(self.stalled.values(), key=lambda s: s["t"])

@@ -20,68 +20,64 @@ from __future__ import annotations
 
 import logging
 
+from trainmover.config import Config
 from trainmover.control.messages import make
+from trainmover.controller import codec
 from trainmover.controller.actions import Finish, Record, ReleaseNode, Send
 from trainmover.controller.journal import Replayed
 from trainmover.controller.migration import Migration, Phase
-from trainmover.controller.view import Standby
+from trainmover.controller.planner import Planner
+from trainmover.controller.progress import Progress
+from trainmover.controller.recovery import Recovery
+from trainmover.controller.standby_pool import StandbyPool
+from trainmover.controller.state import PolicyState
 
 log = logging.getLogger("trainmover.policy")
 
 
-class Resuming:
-    """Mixed into `Policy`: uses its view, migrations, standbys and timeline."""
+class Takeover:
+    """The policy's part for a controller that takes over from its journal."""
 
-    resuming: dict | None = None
-    # The new controller serves another rendezvous store than its predecessor's (a successor on
-    # another node: the old store ended with the old controller). A Phase 1 in flight builds its
-    # groups through the old one and cannot finish: an uncommitted migration is then aborted and
-    # asked again, never resumed (seen: it stayed 'preparing' until the job ended).
-    store_moved: bool = False
-
-    def durable(self) -> dict:
-        """What the journal keeps of the policy's view (compared after each decision)."""
-        v = self.view
-        return {"rank_node": dict(v.rank_node), "standbys": {n: s.state for n, s in v.standbys.items()},
-                "released": list(v.released), "epoch": self.epoch,
-                "fenced": sorted([n, p] for n, p in self.fenced_pids),
-                "evicted": [dict(e) for e in self.straggler["evicted"]],
-                "migrations": {m.id: m.to_record() for m in self.migrations}}
+    def __init__(self, cfg: Config, state: PolicyState, pool: StandbyPool, progress: Progress, planner: Planner,
+                 recovery: Recovery):
+        self.cfg, self.state, self.pool, self.progress = cfg, state, pool, progress
+        self.planner, self.recovery = planner, recovery
+        # Not journaled: `resuming` lives only while this controller waits for the ranks to
+        # resync; `restarts` is the journal's own count of claims (journal.Replayed.restarts).
+        self.resuming: dict | None = None  # {"since", "seen": rank -> resync, "nodes": standby node -> resync}
+        self.restarts = 0
+        # The new controller serves another rendezvous store than its predecessor's (a successor on
+        # another node: the old store ended with the old controller). A Phase 1 in flight builds its
+        # groups through the old one and cannot finish: an uncommitted migration is then aborted and
+        # asked again, never resumed (seen: it stayed 'preparing' until the job ended). Set by the executor.
+        self.store_moved = False
 
     def resume(self, now: float, j: Replayed, metrics_through: int) -> list:
-        v = self.view
-        v.rank_node = dict(j.rank_node)
-        v.released = list(j.released)
-        v.standbys = {n: Standby(n, "joining" if state == "joining" else "starting", now)
-                      for n, state in j.standbys.items()}
-        self.epoch = j.epoch
-        self.fenced_pids = {(n, p) for n, p in j.fenced}
-        self.straggler["evicted"] = [dict(e) for e in j.evicted]
-        self.migrations = [Migration.from_record(j.migrations[i]) for i in sorted(j.migrations)]
-        self.metrics_through = metrics_through
+        v = self.state.view
+        codec.assign(self.state, j.durable())  # every durable field, in place (the executor holds the view)
+        self.pool.restore(now, {n: s.state for n, s in v.standbys.items()})
+        self.progress.metrics_through = metrics_through
         self.resuming = {"since": now, "seen": {}, "nodes": {}}
         self.restarts = j.restarts  # the journal ends in our own claim (`restart`, journal.Journal.claim)
-        flight = self.in_flight()
-        if flight is not None and not flight.recovery:  # who must report: recomputed as _dispatch did
+        migrations = self.state.migrations
+        flight = self.planner.in_flight()
+        if flight is not None and not flight.recovery:  # who must report: recomputed as Planner.dispatch did
             flight.expected = ({(r, "stayer") for r in range(v.world_size) if r not in flight.leaver_ranks}
                                | {(r, role) for r in flight.leaver_ranks for role in ("leaver", "joiner")})
         log.info("resuming job %d from its journal (%d records): %d migrations, in flight: %s", v.job_id, j.records,
-                 len(self.migrations), f"migration {flight.id} epoch {flight.epoch} ({flight.phase.value})"
+                 len(migrations), f"migration {flight.id} epoch {flight.epoch} ({flight.phase.value})"
                  if flight else "none")
         actions = [Record("timeline", {"t": now, "event": "controller_resumed", "attempt": j.restarts,
                                        "in_flight": flight.id if flight else None, "migration": None})]
         # a release its predecessor left due (it moved off that very node, or died before)
-        actions += [ReleaseNode(m.leaver) for m in self.migrations if m.phase is Phase.RELEASING and m.leaver_exited]
-        r = self.recovery()
+        actions += [ReleaseNode(m.leaver) for m in migrations if m.phase is Phase.RELEASING and m.leaver_exited]
+        r = self.planner.recovery()
         if r is not None:
             r.to(Phase.FAILED, now, "the controller restarted during this recovery")
             self.resuming = None
             return actions + [Finish(False, f"the controller restarted while recovering from the loss of {r.leaver} "
                                             f"(migration {r.id}); a recovery in flight is not resumed: the job stops")]
         return actions
-
-    def in_flight(self) -> Migration | None:
-        return next((m for m in self.migrations if m.phase in (Phase.PREPARING, Phase.SWITCHING)), None)
 
     def on_resync(self, now: float, node: str, msg: dict) -> list:
         stale = self._stale_epoch(node, msg)
@@ -101,7 +97,7 @@ class Resuming:
         otherwise wait for a leaver that never comes, up to the group timeout, and a standby
         stays out of the pool meanwhile (seen: a migration asked again found no ready standby)."""
         pending = msg.get("pending") or 0
-        m = next((m for m in self.migrations if m.epoch == pending), None) if pending else None
+        m = next((m for m in self.state.migrations if m.epoch == pending), None) if pending else None
         if m is None or m.phase is not Phase.ABORTED:
             return []
         log.info("%s still holds aborted epoch %d: the abort again", node, pending)
@@ -110,12 +106,12 @@ class Resuming:
     def _maybe_resolve(self, now: float) -> list:
         res = self.resuming
         seen = res["seen"]
-        missing = [r for r in range(self.view.world_size) if r not in seen]
-        m = self.in_flight()
+        missing = [r for r in range(self.state.view.world_size) if r not in seen]
+        m = self.planner.in_flight()
         joiner_known = m is None or not m.joiner or m.joiner in res["nodes"] or any(
             s["node"] == m.joiner for s in seen.values())
         waited = now - res["since"]
-        lost = sorted({self.view.rank_node[r] for r in missing})
+        lost = sorted({self.state.view.rank_node[r] for r in missing})
         # One node's ranks missing past the short window: the node that died with the controller
         # (its home); more than one node: wait the full TM_RECONNECT_TIMEOUT_S, then stop.
         late = waited > (self.reconnect_window() if len(lost) <= 1 else self.cfg.reconnect_timeout_s)
@@ -131,10 +127,10 @@ class Resuming:
             why = f"its ranks {missing} did not reconnect within {waited:.1f}s after the controller moved or restarted"
             # A failure like any other, recovered once the rest is resolved as if they had reported.
             actions = self._resolve_in_flight(now, m, committed, waited, seen, res["nodes"]) if m is not None else []
-            return actions + self._fault(now, lost[0], why)
+            return actions + self.recovery.fault(now, lost[0], why)
         if m is None:
             return [Record("timeline", {"t": now, "event": "controller_resynced", "migration": None,
-                                        "waited_s": waited})] + self._dispatch(now)
+                                        "waited_s": waited})] + self.planner.dispatch(now)
         return self._resolve_in_flight(now, m, committed, waited, seen, res["nodes"])
 
     def reconnect_window(self) -> float:
@@ -151,20 +147,21 @@ class Resuming:
             return self._complete(now, m, waited)
         holders = {r for r, s in seen.items() if s["pending"] == m.epoch}
         joiner = standbys_seen.get(m.joiner)
-        if (holders >= set(range(self.view.world_size)) and joiner is not None and joiner["pending"] == m.epoch
+        if (holders >= set(range(self.state.view.world_size)) and joiner is not None and joiner["pending"] == m.epoch
                 and not self.store_moved):
             log.info("migration %d epoch %d resumed: every rank still holds it", m.id, m.epoch)
-            return [self._timeline(m, now, "resumed", resolution="resumed", waited_s=waited)]
-        lacking = sorted(set(range(self.view.world_size)) - holders)
-        actions = [self._timeline(m, now, "resumed", resolution="aborted", waited_s=waited)]
-        actions += self._abort(now, m, ("the rendezvous store moved with the controller; " if self.store_moved else "")
-                               + f"the controller restarted before the switch of epoch {m.epoch} "
-                                       f"(not prepared on ranks {lacking[:8]}{' ...' if len(lacking) > 8 else ''}"
-                                       f"{'' if joiner and joiner['pending'] == m.epoch else ' nor on the joiner'})")
-        if joiner is not None and joiner["pending"] != m.epoch and m.joiner in self.view.standbys:
+            return [self.planner.timeline(m, now, "resumed", resolution="resumed", waited_s=waited)]
+        lacking = sorted(set(range(self.state.view.world_size)) - holders)
+        actions = [self.planner.timeline(m, now, "resumed", resolution="aborted", waited_s=waited)]
+        why = (("the rendezvous store moved with the controller; " if self.store_moved else "")
+               + f"the controller restarted before the switch of epoch {m.epoch} "
+               f"(not prepared on ranks {lacking[:8]}{' ...' if len(lacking) > 8 else ''}"
+               f"{'' if joiner and joiner['pending'] == m.epoch else ' nor on the joiner'})")
+        actions += self.planner.abort(now, m, why)
+        if joiner is not None and joiner["pending"] != m.epoch and m.joiner in self.state.view.standbys:
             # the joiner never took this epoch up: it is as warm as it says
-            self.view.standbys[m.joiner].state = "ready" if joiner["state"] == "ready" else "starting"
-            actions += self._dispatch(now)
+            self.pool.mark_rejoined(m.joiner, ready=joiner["state"] == "ready")
+            actions += self.planner.dispatch(now)
         return actions
 
     def _complete(self, now: float, m: Migration, waited: float) -> list:
@@ -174,17 +171,8 @@ class Resuming:
         for r in m.leaver_ranks:  # the leaver handed its state over and left
             m.switched.setdefault((r, "leaver"), {"rank": r, "role": "leaver", "step": m.switch_step or 0,
                                                   "detail": {"implied": "controller restart"}})
-        actions = [self._timeline(m, now, "resumed", resolution="completed", waited_s=waited)]
-        return actions + self._maybe_released(now, m)
+        actions = [self.planner.timeline(m, now, "resumed", resolution="completed", waited_s=waited)]
+        return actions + self.planner.maybe_released(now, m)
 
-    def _maybe_released(self, now: float, m: Migration) -> list:
-        if set(m.switched) >= m.expected and m.phase is Phase.SWITCHING:
-            m.to(Phase.RELEASING, now)
-            out = [self._timeline(m, now, "switched", step=m.switch_step)]
-            if m.leaver_exited:
-                out.append(ReleaseNode(m.leaver))
-            return out + self._maybe_acquire(now)
-        return []
-
-    def _resume_tick(self, now: float) -> list:
+    def tick(self, now: float) -> list:
         return self._maybe_resolve(now) if self.resuming is not None else []

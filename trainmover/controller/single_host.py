@@ -43,8 +43,8 @@ class SingleHostAllocation:
     def nodes(self, names: Sequence[str] | None = None) -> dict[str, NodeInfo]:
         out = {}
         for n in names if names is not None else self.all:
-            state = "ALLOCATED" if n in self.in_job else "IDLE"
-            out[n] = NodeInfo(n, "127.0.0.1", state + ("+DRAIN" if n in self.drained else ""), "")
+            word = "ALLOCATED" if n in self.in_job else "IDLE"  # Slurm's word for the node
+            out[n] = NodeInfo(n, "127.0.0.1", word + ("+DRAIN" if n in self.drained else ""), "")
         return out
 
     def grow(self, job_id: int, *, reservation: str, partition: str | None = None, timeout: float = 30.0) -> str:

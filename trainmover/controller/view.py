@@ -1,22 +1,38 @@
-"""What the controller believes about its job and its standbys: plain values that the policy
-and its parts (recovery, resume, standby loss) read and change."""
+"""What the controller believes about its job and its standbys: plain values, part of the
+policy's durable state (controller/state.py). Fields declared `transient` are not journaled: a
+controller that takes over learns them again (each says how)."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+from trainmover.controller.codec import transient
+
+
+class StandbyState(enum.StrEnum):
+    """A standby's stance; changed only by controller/standby_pool.py (its table of transitions)."""
+    STARTING = "starting"   # launched, or back after an aborted join: its processes warm up
+    READY = "ready"         # every process warm: may join a migration or a recovery
+    WARMING = "warming"     # re-warming on a newer recording: not offered until ready again
+    JOINING = "joining"     # taken by a migration or a recovery
 
 
 @dataclass
 class Standby:
     node: str
-    state: str = "starting"       # starting -> ready -> joining; back to ready if a migration aborts;
-                                  # ready -> warming -> ready when it re-warms on a newer recording
-    since: float = 0.0
-    warmup_s: float | None = None
-    shadow_steps: int | None = None
-    shadow: dict = field(default_factory=dict)   # replay of recorded collectives: losses, equality
-    warm: set = field(default_factory=set)       # local indices of its processes that reported 'ready'
-    held: dict = field(default_factory=dict)     # ward rank -> snapshot steps it holds (controller/holder.py)
-    held_detail: dict = field(default_factory=dict)  # its last version: bytes, seconds
+    state: StandbyState = StandbyState.STARTING
+    # The rest a standby reports again to a controller that takes over (it starts as STARTING
+    # there, controller/resume.py): nothing of it is journaled.
+    since: float = transient("when it entered its state: the successor's clock starts afresh", default=0.0)
+    warmup_s: float | None = transient("reported again with 'ready'", default=None)
+    shadow_steps: int | None = transient("reported again with 'ready'", default=None)
+    shadow: dict = transient("replay of recorded collectives (losses, equality): reported again with 'ready'",
+                             default_factory=dict)
+    warm: set = transient("local indices of its processes that reported 'ready': they report again",
+                          default_factory=set)
+    held: dict = transient("ward rank -> snapshot steps it holds (controller/holder.py): reported again",
+                           default_factory=dict)
+    held_detail: dict = transient("its last held version (bytes, seconds): reported again", default_factory=dict)
 
 
 @dataclass
@@ -29,7 +45,8 @@ class JobView:
     rank_node: dict[int, str]
     standbys: dict[str, Standby] = field(default_factory=dict)
     released: list[str] = field(default_factory=list)
-    node_state: dict[str, str] = field(default_factory=dict)   # Slurm's word for each node
+    node_state: dict[str, str] = transient("Slurm's word for each node: polled again by a successor",
+                                           default_factory=dict)
 
     def train_nodes(self) -> list[str]:
         return sorted(set(self.rank_node.values()), key=lambda n: min(r for r, m in self.rank_node.items() if m == n))

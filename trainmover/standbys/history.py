@@ -15,11 +15,11 @@ is no rate to give, only a lower bound: that is an error naming the exposure, ne
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainmover.errors import ConfigError, SlurmError
+from trainmover.controller import journal
+from trainmover.errors import ConfigError, SlurmError, TrainMoverError
 from trainmover.slurm import commands
 
 UNPLANNED = {"failure"}
@@ -57,51 +57,50 @@ class History:
                 "refills": len(self.refills_h), "replenish_h": self.replenish_h}
 
 
-def refill_times(recs: list[dict]) -> list[float]:
+def refill_times(pools: list[tuple[float, dict]]) -> list[float]:
     """Hours from a standby slot emptied (its node joined the ranks, or was lost) to a new
     standby warm: each emptied slot, in order, paired with the next node that is ready for the
-    first time. The journal's `view` records carry the whole standby pool when it changes."""
+    first time. `pools`: (t, {node: state}) each time the journal's standby pool changed."""
     pool: dict = {}
     emptied: list[float] = []
     warm: set = set()
     out: list[float] = []
-    for r in recs:
-        if r.get("kind") != "view" or "standbys" not in r:
-            continue
-        now = r["standbys"]
-        emptied += [r["t"]] * len(set(pool) - set(now))
+    for t, now in pools:
+        emptied += [t] * len(set(pool) - set(now))
         for node, state in now.items():
             if state == "ready" and node not in warm:
                 warm.add(node)
                 if emptied:
-                    out.append((r["t"] - emptied.pop(0)) / 3600.0)
+                    out.append((t - emptied.pop(0)) / 3600.0)
         pool = now
     return out
 
 
 def journal_exposure(lines: list[str]) -> tuple[float, int, int, list[float]]:
-    """(node-hours, planned, unplanned, refill hours) of one job's journal lines (a torn last
-    line is skipped)."""
-    recs = []
-    for n, line in enumerate(lines):
-        try:
-            recs.append(json.loads(line))
-        except ValueError:
-            if n == len(lines) - 1:
-                break
-            raise
-    times = [r["t"] for r in recs if isinstance(r.get("t"), (int, float))]
-    start = next((r for r in recs if r.get("kind") == "start"), None)
-    if start is None or len(times) < 2:
-        return 0.0, 0, 0, []
-    nodes = len(set(start["rank_node"].values()))
+    """(node-hours, planned, unplanned, refill hours) of one job's journal lines (with their
+    newlines; a torn last line is skipped), read by the controller's own replay (journal.fold)."""
+    times: list[float] = []
+    nodes = 0
     seen: set[tuple[str, str]] = set()
-    for r in recs:
-        if r.get("kind") == "migration":
-            seen.add((r["m"]["leaver"], r["m"]["trigger"]))
+    pools: list[tuple[float, dict]] = []
+
+    def record(rec: dict, state: dict) -> None:
+        nonlocal nodes
+        if isinstance(rec.get("t"), (int, float)):
+            times.append(rec["t"])
+        if rec["kind"] == "start":
+            nodes = len(set(rec["rank_node"].values()))
+        seen.update((m["leaver"], m["trigger"]) for m in state.get("migrations", []))
+        pool = {n: s["state"] for n, s in state.get("view", {}).get("standbys", {}).items()}
+        if rec["kind"] in ("state", "view") and pool != (pools[-1][1] if pools else {}):
+            pools.append((rec["t"], pool))
+
+    journal.fold(lines, on_record=record)
+    if not nodes or len(times) < 2:
+        return 0.0, 0, 0, []
     planned = sum(1 for _, trig in seen if trig in PLANNED)
     unplanned = sum(1 for _, trig in seen if trig in UNPLANNED)
-    return nodes * (max(times) - min(times)) / 3600.0, planned, unplanned, refill_times(recs)
+    return nodes * (max(times) - min(times)) / 3600.0, planned, unplanned, refill_times(pools)
 
 
 def from_journals(dirs: list[str]) -> History:
@@ -121,8 +120,8 @@ def from_journals(dirs: list[str]) -> History:
     refills: list[float] = []
     for path in paths:
         try:
-            h, p, u, r = journal_exposure(path.read_text(errors="replace").splitlines())
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            h, p, u, r = journal_exposure(path.read_text(errors="replace").splitlines(keepends=True))
+        except (OSError, TrainMoverError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(f"{path}: not a readable journal ({type(exc).__name__}: {exc})") from None
         hours, planned, unplanned = hours + h, planned + p, unplanned + u
         refills += r
