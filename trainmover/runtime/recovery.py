@@ -42,7 +42,7 @@ log = logging.getLogger("trainmover.recovery")
 RECOVERY_GRACE_S = 10.0  # a stalled rank outwaits the controller's recovery deadline by this much
 
 
-def rebuild(r: Recovery, msg: dict, role: str) -> tuple[dict, dict]:
+def rebuild(rec: Recovery, msg: dict, role: str) -> tuple[dict, dict]:
     """Build the replacement backends and run this rank's part of the state copy.
     Returns (new backends by group name, report fields). Deadlines: every rendezvous and
     transfer is bounded by the group timeout the builder was configured with."""
@@ -51,113 +51,113 @@ def rebuild(r: Recovery, msg: dict, role: str) -> tuple[dict, dict]:
     # Every group is replaced, not only those holding a failed rank: a step cut short leaves
     # operations unmatched in the others too (a pipeline peer waiting for a rank that stalled
     # keeps waiting until the group timeout, which then closes that pair for good).
-    plan = delta(r.ctx.specs, sorted({r for g in r.ctx.specs for r in g.ranks}), epoch)
-    if tier == "replica" and r.ctx.workload.replica_group() is None:
-        raise MigrationError(f"workload {r.ctx.spec.workload!r} names no replica group: a vanished rank's "
-                             "state can only come from a snapshot or a checkpoint", phase="recover", rank=r.ctx.rank)
+    plan = delta(rec.ctx.specs, sorted({r for g in rec.ctx.specs for r in g.ranks}), epoch)
+    if tier == "replica" and rec.ctx.workload.replica_group() is None:
+        raise MigrationError(f"workload {rec.ctx.spec.workload!r} names no replica group: a vanished rank's "
+                             "state can only come from a snapshot or a checkpoint", phase="recover", rank=rec.ctx.rank)
     backends, ahead = {}, []
-    built_ahead = r.standby.ahead  # a one-node job's standby built them already (ahead.py)
-    for g in plan.groups_to_build(r.ctx.rank):
-        backend = built_ahead.take(g.name, g.ranks, r.ctx.rank) if built_ahead is not None else None
+    built_ahead = rec.standby.ahead  # a one-node job's standby built them already (ahead.py)
+    for g in plan.groups_to_build(rec.ctx.rank):
+        backend = built_ahead.take(g.name, g.ranks, rec.ctx.rank) if built_ahead is not None else None
         if backend is not None:
             ahead.append(g.name)
         else:
-            backend = r.ctx.build_backend(g.name, plan.prefix(g), g.ranks.index(r.ctx.rank), len(g.ranks))
+            backend = rec.ctx.build_backend(g.name, plan.prefix(g), g.ranks.index(rec.ctx.rank), len(g.ranks))
         backends[g.name] = backend
     report = {"role": role, "build_s": time.perf_counter() - t0, "groups": sorted(backends), "tier": tier,
               "source": msg["source"], "built_ahead": ahead}
-    report.update(STATE_FROM[tier](r, msg, role))
+    report.update(STATE_FROM[tier](rec, msg, role))
     report["seconds"] = time.perf_counter() - t0
-    log.info("recovery epoch %d: rank %d (%s) ready to resume at step %d in %.3fs", epoch, r.ctx.rank, role, step,
+    log.info("recovery epoch %d: rank %d (%s) ready to resume at step %d in %.3fs", epoch, rec.ctx.rank, role, step,
              report["seconds"])
     return backends, report
 
 
-def _send(r: Recovery, state: dict, epoch: int, needer: int, step: int) -> dict:
+def _send(rec: Recovery, state: dict, epoch: int, needer: int, step: int) -> dict:
     """Send `state` to `needer` over a new verified transfer pair (this rank is its member 0)."""
-    pair = r.ctx.build_backend("xfer", phase1.xfer_prefix(epoch, needer), 0, 2)
-    stats = transfer.send_verified(state, pair, dst=1, corrupt=r.ctx.faults.at("transfer-send"))
-    r.ctx.retire(pair, step)
+    pair = rec.ctx.build_backend("xfer", phase1.xfer_prefix(epoch, needer), 0, 2)
+    stats = transfer.send_verified(state, pair, dst=1, corrupt=rec.ctx.faults.at("transfer-send"))
+    rec.ctx.retire(pair, step)
     return {"to": needer, "bytes": stats.bytes, "seconds": stats.seconds, "attempts": stats.attempts}
 
 
-def _receive(r: Recovery, epoch: int, step: int, like: dict | None) -> tuple[dict, dict]:
+def _receive(rec: Recovery, epoch: int, step: int, like: dict | None) -> tuple[dict, dict]:
     """This rank's state of `step` from member 0 of its verified transfer pair."""
-    pair = r.ctx.build_backend("xfer", phase1.xfer_prefix(epoch, r.ctx.rank), 1, 2)
+    pair = rec.ctx.build_backend("xfer", phase1.xfer_prefix(epoch, rec.ctx.rank), 1, 2)
     state, stats = transfer.recv_verified(pair, src=0, like=like)
     if int(state["step"]) != step:
-        raise MigrationError(f"sent the state of step {state['step']}, not {step}", phase="recover", rank=r.ctx.rank)
-    r.ctx.retire(pair, step)
+        raise MigrationError(f"sent the state of step {state['step']}, not {step}", phase="recover", rank=rec.ctx.rank)
+    rec.ctx.retire(pair, step)
     return state, {"recv_bytes": stats.bytes, "recv_s": stats.seconds, "attempts": stats.attempts}
 
 
-def _from_replica(r: Recovery, msg: dict, role: str) -> dict:
+def _from_replica(rec: Recovery, msg: dict, role: str) -> dict:
     epoch, step = msg["epoch"], msg["step"]
-    if r.ctx.rank == msg["source"]:
-        return {"sent": [_send(r, r.ctx.replica_state(step), epoch, needer, step) for needer in msg["needers"]]}
-    if r.ctx.rank in msg["needers"]:
-        state, report = _receive(r, epoch, step, like=r.ctx.replica_state(step))
-        r.ctx.workload.load_state_dict(state["workload"])
+    if rec.ctx.rank == msg["source"]:
+        return {"sent": [_send(rec, rec.ctx.replica_state(step), epoch, needer, step) for needer in msg["needers"]]}
+    if rec.ctx.rank in msg["needers"]:
+        state, report = _receive(rec, epoch, step, like=rec.ctx.replica_state(step))
+        rec.ctx.workload.load_state_dict(state["workload"])
         return report
     return {}
 
 
-def _roll_back(r: Recovery, role: str, load) -> dict:
+def _roll_back(rec: Recovery, role: str, load) -> dict:
     """A live rank loads its own state of the step rolled back to (`load()`), unless the
     negative control `no-rollback` keeps its state (it then redoes steps it already applied)."""
-    if role == "stayer" and r.ctx.faults.at("rollback"):
-        log.warning("injected: no-rollback: rank %d keeps its state", r.ctx.rank)
+    if role == "stayer" and rec.ctx.faults.at("rollback"):
+        log.warning("injected: no-rollback: rank %d keeps its state", rec.ctx.rank)
         return {"rolled_back": False}
     t0 = time.perf_counter()
-    r.ctx.load_full(load())
+    rec.ctx.load_full(load())
     return {"rolled_back": True, "load_s": time.perf_counter() - t0}
 
 
-def _from_snapshot(r: Recovery, msg: dict, role: str) -> dict:
+def _from_snapshot(rec: Recovery, msg: dict, role: str) -> dict:
     epoch, step = msg["epoch"], msg["step"]
-    keeper = r.protection.snapshot_keeper()
+    keeper = rec.protection.snapshot_keeper()
     report: dict = {}
     for lost, holder in sorted(msg["holders"].items()):
-        if r.ctx.rank == holder:
-            report.setdefault("sent", []).append(_send(r, keeper.held_state(int(lost), step), epoch, int(lost), step))
-    if r.ctx.rank in msg["failed"] and msg["holders"].get(str(r.ctx.rank)) == JOINER:
-        return {**report, **_from_own_holding(r, step)}
-    if r.ctx.rank in msg["failed"]:
-        state, received = _receive(r, epoch, step, like=None)
+        if rec.ctx.rank == holder:
+            report.setdefault("sent", []).append(_send(rec, keeper.held_state(int(lost), step), epoch, int(lost), step))
+    if rec.ctx.rank in msg["failed"] and msg["holders"].get(str(rec.ctx.rank)) == JOINER:
+        return {**report, **_from_own_holding(rec, step)}
+    if rec.ctx.rank in msg["failed"]:
+        state, received = _receive(rec, epoch, step, like=None)
         keeper.rolled_back(step, mine=state)
-        return {**report, **received, **_roll_back(r, role, lambda: state)}
-    report.update(_roll_back(r, role, lambda: keeper.own_state(step)))
+        return {**report, **received, **_roll_back(rec, role, lambda: state)}
+    report.update(_roll_back(rec, role, lambda: keeper.own_state(step)))
     keeper.rolled_back(step)
     return report
 
 
-def _from_own_holding(r: Recovery, step: int) -> dict:
+def _from_own_holding(rec: Recovery, step: int) -> dict:
     """A one-node job's standby, which holds the lost rank's snapshots itself: the version of
     `step` goes from its (pinned) host slab into its own model and optimizer buffers in place
     (capture.restore_into), RNG and data position from the same version. Its slab then stands as
     this rank's own snapshot of `step` (it is not written again: holding stopped)."""
-    held = r.protection.holding
+    held = rec.protection.holding
     if held is None:
-        raise MigrationError(f"the plan says this standby holds rank {r.ctx.rank}'s snapshot of step {step}, but "
-                             "it holds none", phase="recover", rank=r.ctx.rank)
+        raise MigrationError(f"the plan says this standby holds rank {rec.ctx.rank}'s snapshot of step {step}, but "
+                             "it holds none", phase="recover", rank=rec.ctx.rank)
     held.close()
     t0 = time.perf_counter()
     version = held.version(step)
-    state, placed = capture.restore_into(version.state(), like=r.ctx.full_state(step))
-    r.ctx.workload.load_state_dict(state["workload"])
+    state, placed = capture.restore_into(version.state(), like=rec.ctx.full_state(step))
+    rec.ctx.workload.load_state_dict(state["workload"])
     rng.restore(state["rng"])
     if int(state["step"]) != step:
-        raise MigrationError(f"held snapshot is of step {state['step']}, not {step}", phase="recover", rank=r.ctx.rank)
-    r.protection.snapshot_keeper().rolled_back(step, mine=version.state())
+        raise MigrationError(f"held snapshot is of step {state['step']}, not {step}", phase="recover", rank=rec.ctx.rank)
+    rec.protection.snapshot_keeper().rolled_back(step, mine=version.state())
     return {"held_by": "joiner", "recv_bytes": version.slab.bytes, "recv_s": 0.0, "restore_s": time.perf_counter() - t0,
             "restore_GBps": placed / max(time.perf_counter() - t0, 1e-9) / 1e9, "pinned": version.slab.pinned}
 
 
-def _from_checkpoint(r: Recovery, msg: dict, role: str) -> dict:
+def _from_checkpoint(rec: Recovery, msg: dict, role: str) -> dict:
     step = msg["step"]
-    if r.protection.snapshots is not None:
-        r.protection.snapshots.rolled_back(step)
-    return _roll_back(r, role, lambda: checkpoint.read_rank(Path(r.ctx.spec.checkpoint_dir), step, r.ctx.rank, r.ctx.key))
+    if rec.protection.snapshots is not None:
+        rec.protection.snapshots.rolled_back(step)
+    return _roll_back(rec, role, lambda: checkpoint.read_rank(Path(rec.ctx.spec.checkpoint_dir), step, rec.ctx.rank, rec.ctx.key))
 
 
 STATE_FROM = {"replica": _from_replica, "snapshot": _from_snapshot, "checkpoint": _from_checkpoint}
