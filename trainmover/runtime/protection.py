@@ -38,8 +38,9 @@ class Protection:
 
     def snapshot_keeper(self) -> snapshot.Snapshots:
         if self.snapshots is None or self.snapshots.rank != self.ctx.rank:
-            self.snapshots = snapshot.Snapshots(self.ctx.rank, self.ctx.spec.world_size, self.ctx.spec.ranks_per_node,
-                                                self.ctx.spec.group_timeout_s, corrupt=self.ctx.faults.at("snapshot-send"),
+            spec = self.ctx.spec
+            self.snapshots = snapshot.Snapshots(self.ctx.rank, spec.world_size, spec.ranks_per_node,
+                                                spec.group_timeout_s, corrupt=self.ctx.faults.at("snapshot-send"),
                                                 device=self.ctx.device)
         return self.snapshots
 
@@ -66,7 +67,8 @@ class Protection:
                 self.snapshots.capture.gate()
         if due_c:
             if self.checkpoints is None or self.checkpoints.rank != self.ctx.rank:
-                self.checkpoints = checkpoint.Writer(Path(self.ctx.spec.checkpoint_dir), self.ctx.rank, self._checkpointed)
+                self.checkpoints = checkpoint.Writer(Path(self.ctx.spec.checkpoint_dir), self.ctx.rank,
+                                                     self._checkpointed)
             # a copy of its own: a snapshot's slab is reused by a later snapshot while a slow
             # filesystem may still be writing this one
             self.checkpoints.submit(step, transfer.host_copy(self.ctx.full_state(step)), self.ctx.spec.group_timeout_s)
@@ -84,7 +86,7 @@ class Protection:
         for numbers in self.snapshots.pop_reports():
             wait = self.snapshots.capture.last_gate_wait_s()
             self.ctx.send("snapshot_taken", rank=self.ctx.rank, step=int(numbers.pop("step")),
-                      detail={**numbers, "gate_wait_s": wait, "skipped": self.snapshots.skipped})
+                          detail={**numbers, "gate_wait_s": wait, "skipped": self.snapshots.skipped})
 
     def _first_for_holder(self) -> bool:
         """One node on GPUs: the first version goes to the standby holder as soon as the link is
@@ -107,8 +109,9 @@ class Protection:
             return
         keeper.standby = None
         if msg["holder"] and self.ctx.rank in msg["wards"]:
-            keeper.standby = holding.StandbyLink(tuple(self.ctx.spec.store), msg["prefix"], self.ctx.rank, msg["holder"],
-                                                 self.ctx.spec.node_addr, self.ctx.spec.group_timeout_s, key=self.ctx.key)
+            spec = self.ctx.spec
+            keeper.standby = holding.StandbyLink(tuple(spec.store), msg["prefix"], self.ctx.rank, msg["holder"],
+                                                 spec.node_addr, spec.group_timeout_s, key=self.ctx.key)
             log.info("snapshots of rank %d go to standby %s", self.ctx.rank, msg["holder"])
 
     def hold_for(self, msg: dict) -> None:
@@ -123,14 +126,15 @@ class Protection:
             self.ctx.send("snapshot_held", node=self.ctx.spec.node, rank=rank, steps=steps, detail=detail)
         # the worker's state has this standby's own layout (same rank, same model): slabs allocated now
         _, paths, tensors = capture.flatten(self.ctx.full_state(0))
-        self.holding = holding.Holding(tuple(self.ctx.spec.store), msg["prefix"], ward, self.ctx.spec.node_addr,
-                                       self.ctx.spec.group_timeout_s, report, key=self.ctx.key, verify_on=self.ctx.device,
+        spec = self.ctx.spec
+        self.holding = holding.Holding(tuple(spec.store), msg["prefix"], ward, spec.node_addr, spec.group_timeout_s,
+                                       report, key=self.ctx.key, verify_on=self.ctx.device,
                                        layout=capture.specs_of(paths, tensors))
         log.info("holding the snapshots of rank %d", ward)
 
     def _checkpointed(self, result: dict) -> None:
         self.ctx.send("checkpointed", rank=self.ctx.rank, step=result["step"], digest=result["digest"],
-                  bytes=result["bytes"], seconds=result["seconds"])
+                      bytes=result["bytes"], seconds=result["seconds"])
 
     def holds(self) -> dict:
         """What the recovery tiers can use from this rank (the `holds` of a `stalled` report)."""

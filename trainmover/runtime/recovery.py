@@ -147,7 +147,8 @@ def _from_own_holding(rec: Recovery, step: int) -> dict:
     rec.ctx.workload.load_state_dict(state["workload"])
     rng.restore(state["rng"])
     if int(state["step"]) != step:
-        raise MigrationError(f"held snapshot is of step {state['step']}, not {step}", phase="recover", rank=rec.ctx.rank)
+        raise MigrationError(f"held snapshot is of step {state['step']}, not {step}", phase="recover",
+                             rank=rec.ctx.rank)
     rec.protection.snapshot_keeper().rolled_back(step, mine=version.state())
     return {"held_by": "joiner", "recv_bytes": version.slab.bytes, "recv_s": 0.0, "restore_s": time.perf_counter() - t0,
             "restore_GBps": placed / max(time.perf_counter() - t0, 1e-9) / 1e9, "pinned": version.slab.pinned}
@@ -157,7 +158,8 @@ def _from_checkpoint(rec: Recovery, msg: dict, role: str) -> dict:
     step = msg["step"]
     if rec.protection.snapshots is not None:
         rec.protection.snapshots.rolled_back(step)
-    return _roll_back(rec, role, lambda: checkpoint.read_rank(Path(rec.ctx.spec.checkpoint_dir), step, rec.ctx.rank, rec.ctx.key))
+    ctx = rec.ctx
+    return _roll_back(rec, role, lambda: checkpoint.read_rank(Path(ctx.spec.checkpoint_dir), step, ctx.rank, ctx.key))
 
 
 STATE_FROM = {"replica": _from_replica, "snapshot": _from_snapshot, "checkpoint": _from_checkpoint}
@@ -178,7 +180,7 @@ class Recovery:
             abort(self.ctx, {"epoch": self.ctx.pending.epoch, "reason": "unexpected failure"})
         self.ctx.state.to(RankState.STALLED)
         self.ctx.send("stalled", rank=self.ctx.rank, step=completed, digest=self.ctx.digest(), error=str(exc)[:500],
-                  role="stayer", holds=self.protection.holds())
+                      role="stayer", holds=self.protection.holds())
         msg = self.wait_recover(exc)
         self.ctx.state.to(RankState.TRAINING)
         if completed < msg["step"] and self.ctx.rank not in msg["needers"]:
@@ -188,10 +190,11 @@ class Recovery:
         for name, backend in backends.items():
             self.ctx.retire(self.ctx.groups[name].swap(backend), msg["step"])
         # a rollback redoes the steps after msg["step"]: their old reports must not reach a restarted controller
-        self.ctx.step_reports = deque((r for r in self.ctx.step_reports if r["step"] <= msg["step"]), maxlen=self.ctx.step_reports.maxlen)
+        reports = self.ctx.step_reports
+        self.ctx.step_reports = deque((r for r in reports if r["step"] <= msg["step"]), maxlen=reports.maxlen)
         self.ctx.switched_epoch = msg["epoch"]
-        self.ctx.send("switched", epoch=msg["epoch"], rank=self.ctx.rank, role="stayer", step=msg["step"], t=time.time(),
-                  detail={**report, "redo_from": completed})
+        self.ctx.send("switched", epoch=msg["epoch"], rank=self.ctx.rank, role="stayer", step=msg["step"],
+                      t=time.time(), detail={**report, "redo_from": completed})
         self.ctx.trace_next_steps()
         return int(msg["step"])
 
@@ -223,7 +226,8 @@ class Recovery:
         rank = int(msg["assign"][str(self.ctx.local)])
         self.ctx.rank = rank
         # bound already (a one-node job's standby binds itself to the rank it will take, ahead.py)
-        prebound = self.standby.rehearsed == rank and bool(self.ctx.groups) and all(g.sandboxed for g in self.ctx.groups.values())
+        groups = self.ctx.groups
+        prebound = self.standby.rehearsed == rank and bool(groups) and all(g.sandboxed for g in groups.values())
         if rebind and not prebound:
             self.ctx.groups = self.ctx.make_groups(rank, sandbox=True)
             self.ctx.workload.rebind(self.ctx.build_context(rank))
@@ -236,8 +240,8 @@ class Recovery:
         self.ctx.state.to(RankState.TRAINING)
         self.ctx.switched_epoch = msg["epoch"]
         self.ctx.send("switched", epoch=msg["epoch"], rank=rank, role="joiner", step=msg["step"], t=time.time(),
-                  detail={**report, "rebind_s": rebind_s, "prebound": prebound, "seconds": time.perf_counter() - t0,
-                          **self.ctx.memory()})
+                      detail={**report, "rebind_s": rebind_s, "prebound": prebound, "seconds": time.perf_counter() - t0,
+                              **self.ctx.memory()})
         log.info("took failed rank %d at step %d in %.3fs", rank, msg["step"], time.perf_counter() - t0)
         self.ctx.trace_next_steps()
         return int(msg["step"])

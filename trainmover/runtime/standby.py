@@ -127,7 +127,8 @@ class StandbyRole:
 
         # The live ranks may record later than the job start (TM_RECORD_FROM_STEP): wait longer.
         done, failed = shadow.replay_roles(
-            self.ctx.specs, Path(self.ctx.spec.recording_dir), roles, 3 * self.ctx.spec.group_timeout_s, CONTROL, self.rehearse,
+            self.ctx.specs, Path(self.ctx.spec.recording_dir), roles, 3 * self.ctx.spec.group_timeout_s, CONTROL,
+            self.rehearse,
             self.ctx.workload.train_step, settle=lambda: self.shadow_until_steady(self.ctx.spec.shadow_steps),
             reset_peak=lambda: reset_peak_memory(self.ctx.device), peak=lambda: peak_memory(self.ctx.device))
         for report in done:
@@ -144,7 +145,8 @@ class StandbyRole:
             self.ctx.workload.release()
             free_device_memory(self.ctx.device)
         self.ctx.groups = groups
-        (self.ctx.workload.rebind if self.rehearsed is not None else self.ctx.workload.build)(self.ctx.build_context(rank))
+        workload = self.ctx.workload
+        (workload.rebind if self.rehearsed is not None else workload.build)(self.ctx.build_context(rank))
         self.rehearsed = rank
 
     @contextlib.contextmanager
@@ -177,8 +179,8 @@ class StandbyRole:
         self.ctx.send("warming", enter=RankState.WARMING, node=self.ctx.spec.node, version=version, rank=rank)
         if rank != self.rehearsed:
             self.rehearse(rank, self.ctx.make_groups(rank, sandbox=True))
-        report = shadow.rewarm(self.ctx.groups, recording.version_path(recording.base_of(self.ctx.spec.recording_dir, rank),
-                                                                   version), CONTROL, self.ctx.workload.train_step)
+        path = recording.version_path(recording.base_of(self.ctx.spec.recording_dir, rank), version)
+        report = shadow.rewarm(self.ctx.groups, path, CONTROL, self.ctx.workload.train_step)
         self.replayed[rank], self.shadow_step = version, report["last_step"]
         steps = self.shadow_until_steady(self.ctx.spec.shadow_steps)
         self.ctx.send("ready", enter=RankState.READY, node=self.ctx.spec.node, local=self.ctx.local,
@@ -194,7 +196,8 @@ class StandbyRole:
         previous, steps = None, 0
         while steps < max_steps:
             marks = [len(b.calls) for b in sandboxes]
-            self.ctx.workload.train_step(self.ctx.workload.shadow_data_step() if self.shadow_step is None else self.shadow_step)
+            workload = self.ctx.workload
+            workload.train_step(workload.shadow_data_step() if self.shadow_step is None else self.shadow_step)
             steps += 1
             signature = [tuple(b.calls[m:]) for b, m in zip(sandboxes, marks)]
             if signature == previous:

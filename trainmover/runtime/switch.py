@@ -107,8 +107,8 @@ class Switch:
                     self.ctx.send("prepare_failed", epoch=prep.epoch, rank=self.ctx.rank, error=prep.error)
                 else:  # memory measured at step boundaries, where a steady step's usage repeats
                     self.ctx.send("prepared", epoch=prep.epoch, rank=self.ctx.rank, groups=sorted(prep.backends),
-                              seconds=prep.seconds, detail={"role": prep.role, "before": prep.memory_before,
-                                                            "after": self.ctx.memory()})
+                                  seconds=prep.seconds, detail={"role": prep.role, "before": prep.memory_before,
+                                                                "after": self.ctx.memory()})
 
     def _on_prepare(self, msg: dict):
         epoch = msg["epoch"]
@@ -154,8 +154,8 @@ class Switch:
         self.ctx.state.to(RankState.LEFT)
         self.ctx.switched_epoch = prep.epoch
         self.ctx.send("switched", epoch=prep.epoch, rank=self.ctx.rank, role="leaver", step=step, t=time.time(),
-                  detail={"send_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
-                          "tensors": stats.tensors, "plan_s": prep.plan_s, "parts": stats.parts})
+                      detail={"send_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
+                              "tensors": stats.tensors, "plan_s": prep.plan_s, "parts": stats.parts})
         log.info("left at step %d: sent %d bytes in %.3fs", step, stats.bytes, stats.seconds)
 
     def join(self, msg: dict) -> int | None:
@@ -204,7 +204,7 @@ class Switch:
         like = self.ctx.full_state(0)
         self._plan_ahead(prep, like)
         self.ctx.send("prepared", epoch=epoch, rank=rank, groups=sorted(prep.backends), seconds=prep.seconds,
-                  detail={"role": "joiner"})
+                      detail={"role": "joiner"})
         # Wait for the leaver's verdict: it either starts sending (go) or cancels.
         deadline = time.monotonic() + self.ctx.spec.switch_timeout_s
         while True:
@@ -225,7 +225,7 @@ class Switch:
         except (MigrationError, RuntimeError) as exc:  # the leaver died mid-copy: a replica will send it
             self.ctx.rank = rank
             self.ctx.send("stalled", rank=rank, step=0, digest="", error=str(exc)[:500], role="joiner",
-                      holds={"replicas": [], "own": [], "held": {}})
+                          holds={"replicas": [], "own": [], "held": {}})
             return self.recovery.take_failed_rank(self.recovery.wait_recover(exc), rebind=False)
         t_received = time.perf_counter()
         self.ctx.workload.load_state_dict(state["workload"])
@@ -240,15 +240,15 @@ class Switch:
         self.ctx.state.to(RankState.TRAINING)
         self.ctx.switched_epoch = epoch
         self.ctx.send("switched", epoch=epoch, rank=rank, role="joiner", step=int(state["step"]), t=time.time(),
-                  detail={"recv_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
-                          "apply_s": time.perf_counter() - t_switch, "prepare_s": prep.seconds,
-                          "attempts": stats.attempts, "plan_s": prep.plan_s,
-                          # the pause on this side, in parts: receive (manifest, copy, checks),
-                          # load into the workload, swap the groups in
-                          "pause_parts": {**(stats.parts or {}), "receive_s": round(t_received - t_switch, 5),
-                                          "load_s": round(t_loaded - t_received, 5),
-                                          "swap_s": round(time.perf_counter() - t_loaded, 5)},
-                          "comms_created": self.ctx.comms_created(), **self.ctx.memory()})
+                      detail={"recv_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
+                              "apply_s": time.perf_counter() - t_switch, "prepare_s": prep.seconds,
+                              "attempts": stats.attempts, "plan_s": prep.plan_s,
+                              # the pause on this side, in parts: receive (manifest, copy, checks),
+                              # load into the workload, swap the groups in
+                              "pause_parts": {**(stats.parts or {}), "receive_s": round(t_received - t_switch, 5),
+                                              "load_s": round(t_loaded - t_received, 5),
+                                              "swap_s": round(time.perf_counter() - t_loaded, 5)},
+                              "comms_created": self.ctx.comms_created(), **self.ctx.memory()})
         log.info("joined as rank %d at step %d (%d bytes in %.3fs)", rank, state["step"], stats.bytes, stats.seconds)
         self.ctx.trace_next_steps()
         return int(state["step"])

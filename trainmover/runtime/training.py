@@ -102,7 +102,7 @@ class TrainingLoop:
         step += 1
         self.ctx.completed = step  # from here on a failure finds this step complete in our state
         self.ctx.send("step", rank=self.ctx.rank, step=step, loss=loss, step_s=time.perf_counter() - t0,
-                  compute_s=compute_s, t=time.time())
+                      compute_s=compute_s, t=time.time())
         self.protection.protect(step)
         self.ctx.release_retired(step)
         self.switch.poll_inbox()
@@ -119,8 +119,8 @@ class TrainingLoop:
             self.ctx.trace_next_steps()
             trace("stayer swapped")
             self.ctx.send("switched", epoch=prep.epoch, rank=self.ctx.rank, role="stayer", step=step, t=time.time(),
-                      detail={"prepare_s": prep.seconds, "comms_created": self.ctx.comms_created(),
-                              "comms_created_before": prep.comms_before})
+                          detail={"prepare_s": prep.seconds, "comms_created": self.ctx.comms_created(),
+                                  "comms_created_before": prep.comms_before})
         return loss, step
 
     def start_recording(self) -> None:
@@ -129,6 +129,8 @@ class TrainingLoop:
         if not ok:
             log.warning("not recording collectives: %s", why)
             return
-        self.recorder = live.Recorder(self.ctx.groups, recording.base_of(self.ctx.spec.recording_dir, self.ctx.rank), self.ctx.rank,
-                                      self.ctx.spec.record_iterations, skip=CONTROL,
-                                      from_step=self.ctx.spec.record_from_step, max_versions=self.ctx.spec.record_versions)
+        spec = self.ctx.spec
+        rank = self.ctx.rank
+        self.recorder = live.Recorder(self.ctx.groups, recording.base_of(spec.recording_dir, rank), rank,
+                                      spec.record_iterations, skip=CONTROL, from_step=spec.record_from_step,
+                                      max_versions=spec.record_versions)
