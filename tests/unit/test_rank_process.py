@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from trainmover.control import checkpoints
 from trainmover.control.messages import make
 from trainmover.control.spec import WorkerSpec
 from trainmover.runtime.rankstate import TRANSITIONS, IllegalTransition, RankState, RankStateMachine
@@ -235,17 +236,33 @@ def test_a_standby_joins_the_leavers_slot_trains_on_and_the_run_ends_bit_exact(j
         leaver.state.to(S.TRAINING)
 
 
+def wait_until(what: str, check) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not check():
+        assert time.monotonic() < deadline, f"not within {DEADLINE_S}s: {what}"
+        time.sleep(0.01)
+
+
 @pytest.mark.gloo_threads
-def test_a_lost_rank_is_recovered_from_a_replica_by_the_standby_bit_exact(job):
+@pytest.mark.parametrize("tier", ["replica", "snapshot", "checkpoint", "snapshot-no-rollback"])
+def test_a_lost_rank_is_recovered_by_the_standby_bit_exact(job, tmp_path, tier):
     """rank 1's training thread hangs (TM_INJECT hang:1:5); the controller revokes rank 0's
-    groups; rank 0 stalls, and on `recover` sends its state to the standby, which takes rank 1."""
+    groups; rank 0 stalls, and on `recover` the standby takes rank 1 with its state from each
+    tier: rank 0's replica of step 5, rank 1's snapshot of step 4 that rank 0 holds (rank 0 rolls
+    back to its own), or both ranks' checkpoint files of step 4. Negative control: rank 0 keeps
+    its state instead of rolling back (TM_INJECT no-rollback): the run ends with other digests."""
     want = uninterrupted(job)
-    standby, s_link, s_seen = job("standby", "spare0")
+    negative = tier == "snapshot-no-rollback"
+    tier = "snapshot" if negative else tier
+    protect = {"snapshot": {"snapshot_every": 2},
+               "checkpoint": {"checkpoint_every": 2, "checkpoint_dir": str(tmp_path / "ckpt")}}.get(tier, {})
+    standby, s_link, s_seen = job("standby", "spare0", **protect)
     s_thread = run(standby)
     s_link.wait_for("ready")
     lost_at = 5
     (live, live_link, live_seen), (lost, lost_link, _) = workers = [
-        job("worker", f"train{r}", ranks=(r,), inject=(f"hang:1:{lost_at}",)) for r in (0, 1)]
+        job("worker", f"train{r}", ranks=(r,), inject=(f"hang:1:{lost_at}",) + ("no-rollback",) * negative,
+            **protect) for r in (0, 1)]
     live_thread, lost_thread = [run(a) for a, _, _ in workers]
     lost_link.wait_for("step", step=lost_at)  # its last step: the next one hangs
     # as the link's reader thread does on the controller's `revoke`: rank 0's collective with
@@ -255,23 +272,39 @@ def test_a_lost_rank_is_recovered_from_a_replica_by_the_standby_bit_exact(job):
     assert stalled["step"] == lost_at and stalled["role"] == "stayer" and stalled["holds"]["replicas"] == [0, 1]
     assert live.state.now is S.STALLED
     assert live.resync_messages()[-1] == stalled  # a restarted controller hears of the stall again
-    recover = make("recover", epoch=1, failed=[1], step=stalled["step"], source=0, needers=[1], assign={"0": 1},
-                   tier="replica", holders={})
+    resume_at, source, needers, holders = lost_at, 0, [1], {}
+    if tier == "snapshot":  # rank 1's copy of step 4 reached rank 0 in the background
+        wait_until("rank 0 holds rank 1's snapshot of step 4",
+                   lambda: 4 in live.protection.snapshots.report()["held"].get("1", []))
+        resume_at, source, needers, holders = 4, -1, [], {"1": 0}
+    elif tier == "checkpoint":  # as the controller does once every rank wrote its file: the manifest
+        written = {r: link.wait_for("checkpointed", step=4)["digest"] for r, link in enumerate((live_link, lost_link))}
+        checkpoints.write_manifest(tmp_path / "ckpt", 4, written, live.key)
+        resume_at, source, needers = 4, -1, []
+    recover = make("recover", epoch=1, failed=[1], step=resume_at, source=source, needers=needers,
+                   assign={"0": 1}, tier=tier, holders=holders)
     live_link.inbox.put(recover)
     s_link.inbox.put(recover)
     finish(live_thread, s_thread)
 
     assert live_seen == [S.TRAINING, S.STALLED, S.TRAINING, S.FINISHED]
     assert s_seen == [S.STARTING, S.READY, S.TRAINING, S.FINISHED]
-    sent = live_link.wait_for("switched", role="stayer")
-    assert sent["step"] == lost_at and sent["detail"]["tier"] == "replica" and sent["detail"]["sent"][0]["to"] == 1
+    resumed = live_link.wait_for("switched", role="stayer")
+    assert resumed["step"] == resume_at and resumed["detail"]["tier"] == tier
+    assert resumed["detail"].get("rolled_back", False) is (tier != "replica" and not negative)
+    if tier != "checkpoint":  # rank 0 sent the standby its state (replica) or rank 1's (snapshot)
+        assert [s["to"] for s in resumed["detail"]["sent"]] == [1]
     took = s_link.wait_for("switched", role="joiner", rank=1)
-    assert took["step"] == lost_at and took["epoch"] == 1
-    assert trained_steps(s_link) == list(range(lost_at + 1, STEPS + 1))
-    assert trained_steps(live_link) == list(range(1, STEPS + 1))
+    assert took["step"] == resume_at and took["epoch"] == 1
+    assert trained_steps(s_link) == list(range(resume_at + 1, STEPS + 1))
+    # rank 0 redoes the steps after the one it rolled back to
+    assert trained_steps(live_link) == list(range(1, lost_at + 1)) + list(range(resume_at + 1, STEPS + 1))
     assert lost_thread[0].is_alive() and not lost_link.of("finished")  # still hung: replaced, not waited for
-    assert s_link.wait_for("finished", rank=1)["digest"] == want[1]
-    assert live_link.wait_for("finished", rank=0)["digest"] == want[0]
+    digests = s_link.wait_for("finished", rank=1)["digest"], live_link.wait_for("finished", rank=0)["digest"]
+    if negative:  # rank 0 applied step 5 twice
+        assert digests[0] != want[1] and digests[1] != want[0]
+        return
+    assert digests == (want[1], want[0])
 
 
 def test_every_state_is_reachable_and_an_illegal_transition_names_both_ends():

@@ -12,7 +12,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from trainmover import faults
+    from trainmover.faults import Injector
     from trainmover.control.spec import WorkerSpec
     from trainmover.control.store import AuthStore
     from trainmover.runtime import phase1
@@ -29,7 +29,7 @@ class RankContext(Protocol):
     local: int                        # SLURM_LOCALID: this process's index on its node
     key: bytes                        # the job's secret
     device: str                       # cpu or cuda
-    faults: faults.Injector           # the one fault-injection hook (trainmover/faults.py)
+    faults: Injector                  # the one fault-injection hook (trainmover/faults.py)
     inbox: queue.Queue                # the controller's messages (None: it is gone for good)
     workload: UserWorkload
     specs: list[GroupSpec]            # every group of the job, the control and snapshot groups included
