@@ -236,6 +236,28 @@ def test_a_standby_joins_the_leavers_slot_trains_on_and_the_run_ends_bit_exact(j
         leaver.state.to(S.TRAINING)
 
 
+@pytest.mark.gloo_threads
+def test_a_join_the_controller_aborts_leaves_the_standby_ready_again(job):
+    """standby -> ready -> joining -> (abort during Phase 1) -> ready; the channel's end ends it."""
+    standby, s_link, s_seen = job("standby", "spare0")
+    s_thread = run(standby)
+    first = s_link.wait_for("ready")
+    # nobody else builds the new groups: Phase 1 waits for peers until the controller's abort
+    s_link.inbox.put(make("prepare", epoch=3, leavers=[1], joiner_node="spare0", assign={"0": 1}, options={}))
+    wait_until("the standby joins", lambda: standby.state.now is S.JOINING)
+    assert standby.joining == 3 and standby.resync_messages()[0]["pending"] == 3
+    s_link.inbox.put(make("abort", epoch=3, reason="test: the leaver's node came back"))
+    wait_until("ready again", lambda: len(s_link.of("ready")) == 2)
+    again = s_link.of("ready")[-1]
+    assert again is not first and again["shadow_steps"] == 0 and not s_link.of("prepare_failed")
+    assert standby.state.now is S.READY and standby.joining == 0 and standby.rank is None
+    resync = standby.resync_messages()
+    assert resync[0]["state"] == "ready" and resync[0]["pending"] == 0 and resync[-1] is again
+    s_link.inbox.put(None)  # the controller closed the channel: an idle standby exits
+    finish(s_thread)
+    assert s_seen == [S.STARTING, S.READY, S.JOINING, S.READY]
+
+
 def wait_until(what: str, check) -> None:
     deadline = time.monotonic() + DEADLINE_S
     while not check():
