@@ -25,6 +25,7 @@ from trainmover.controller.migration import Phase
 from trainmover.controller.supervisor import restart_decision
 from trainmover.errors import ConfigError, MigrationError
 from trainmover.runtime.groups import SandboxBackend, SwappableGroup, gloo_group
+from trainmover.runtime.rankstate import RankState, RankStateMachine
 from trainmover.runtime.training import TrainingLoop, lost_peer
 from trainmover.runtime.usercode import MAX_TRACEBACK, UserCodeError, UserWorkload, user_code
 
@@ -151,11 +152,15 @@ def test_an_injected_raise_fires_inside_the_guard_as_the_users_code_would():
 
 # --- the loop decides from the marks ----------------------------------------------------------
 class LoopAgent(TrainingLoop):
-    """The loop's own logic, on groups and an `_iteration` given by the test."""
+    """The loop's own logic, on groups and an `_iteration` given by the test; the process
+    around it (its context) and the recovery role are fakes that record what they are asked."""
 
     def __init__(self, groups, raises):
-        self.spec, self.rank = types.SimpleNamespace(steps=4), 0
-        self.groups, self.raises, self.stalls, self.sent = groups, raises, [], []
+        self.raises, self.stalls, self.sent = raises, [], []
+        ctx = types.SimpleNamespace(spec=types.SimpleNamespace(steps=4), rank=0, groups=groups, completed=0,
+                                    state=RankStateMachine(RankState.TRAINING), digest=lambda: "d",
+                                    send=lambda kind, **fields: self.sent.append(kind))
+        super().__init__(ctx, protection=None, switch=None, recovery=types.SimpleNamespace(stall=self.stall))
 
     def _iteration(self, step):
         if step == 2 and self.raises:
@@ -164,14 +169,8 @@ class LoopAgent(TrainingLoop):
 
     def stall(self, completed, why):
         self.stalls.append((completed, why))
-        self.groups["world"].swap(SandboxBackend(0, 2))  # the recovery's new groups
+        self.ctx.groups["world"].swap(SandboxBackend(0, 2))  # the recovery's new groups
         return completed
-
-    def send(self, kind, **fields):
-        self.sent.append(kind)
-
-    def digest(self):
-        return "d"
 
 
 def test_the_loop_ends_on_the_users_error_even_a_runtime_error_and_stalls_only_on_a_marked_failure():
@@ -190,7 +189,7 @@ def test_the_loop_ends_on_the_users_error_even_a_runtime_error_and_stalls_only_o
     agent = LoopAgent({"world": bad}, [wrapped])
     assert agent.train(0) == 0
     assert len(agent.stalls) == 1 and agent.stalls[0][0] == 2 and "allreduce" in agent.stalls[0][1]
-    assert agent.sent == ["finished"]
+    assert agent.sent == ["finished"] and agent.ctx.state.now is RankState.FINISHED
 
 
 # --- the controller: a user error ends the job, its consequences start no recovery ----------

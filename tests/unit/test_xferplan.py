@@ -185,16 +185,16 @@ def test_a_leaver_votes_for_the_switch_only_a_boundary_after_its_plan():
     """The leaver's plan (~0.1 s for a 1B model) is made at a boundary of its own: with no stayer
     the switch could otherwise follow at that very boundary, and the plan would fall into the pause."""
     from trainmover.runtime.phase1 import Prepared
-    from trainmover.runtime.switch import Switch
+    from trainmover.runtime.switch import switch_ready
     leaver = Prepared(3, None, "leaver", 0)  # the delta plays no part in the vote
-    assert Switch.switch_ready(None, leaver, 10) == 0          # Phase 1 still running
+    assert switch_ready(leaver, 10) == 0          # Phase 1 still running
     leaver.done.set()
-    assert Switch.switch_ready(None, leaver, 10) == 0          # no plan yet
+    assert switch_ready(leaver, 10) == 0          # no plan yet
     leaver.plan_at = 10
-    assert Switch.switch_ready(None, leaver, 10) == 0          # made at this boundary
-    assert Switch.switch_ready(None, leaver, 11) == 3          # the next one
+    assert switch_ready(leaver, 10) == 0          # made at this boundary
+    assert switch_ready(leaver, 11) == 3          # the next one
     stayer = Prepared(3, None, "stayer", 1)
     stayer.done.set()
-    assert Switch.switch_ready(None, stayer, 10) == 3
+    assert switch_ready(stayer, 10) == 3
     stayer.error = "built nothing"
-    assert Switch.switch_ready(None, stayer, 10) == 0
+    assert switch_ready(stayer, 10) == 0

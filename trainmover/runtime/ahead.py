@@ -23,6 +23,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trainmover.runtime.context import RankContext
 
 log = logging.getLogger("trainmover.worker")
 
@@ -41,20 +45,20 @@ def prefix(node: str, group: str) -> str:
 class Ahead:
     """Backends built ahead for `rank`'s groups, in a background thread; taken one by one."""
 
-    def __init__(self, agent, rank: int):
+    def __init__(self, ctx: RankContext, rank: int):
         self.rank = rank
         self.backends: dict[str, tuple[tuple[int, ...], object]] = {}
         self.error = ""
         self.seconds = 0.0
         self.done = threading.Event()
-        specs = [g for g in agent.specs if rank in g.ranks]
+        specs = [g for g in ctx.specs if rank in g.ranks]
 
         def build():
             t0 = time.perf_counter()
             try:
                 for g in specs:
-                    self.backends[g.name] = (tuple(g.ranks), agent.build_backend(
-                        g.name, prefix(agent.spec.node, g.name), g.ranks.index(rank), len(g.ranks)))
+                    self.backends[g.name] = (tuple(g.ranks), ctx.build_backend(
+                        g.name, prefix(ctx.spec.node, g.name), g.ranks.index(rank), len(g.ranks)))
             except Exception as exc:  # noqa: BLE001 - nothing ahead: the groups are built when needed
                 self.error = f"{type(exc).__name__}: {exc}"
                 log.warning("groups ahead for rank %d not built: %s", rank, self.error)

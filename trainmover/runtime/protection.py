@@ -13,51 +13,65 @@ import logging
 from pathlib import Path
 
 from trainmover.runtime import capture, checkpoint, holding, snapshot, transfer
+from trainmover.runtime.context import RankContext
 from trainmover.runtime.groups import SNAPSHOT
 
 log = logging.getLogger("trainmover.worker")
 
 
 class Protection:
-    """Mixed into `Agent` (worker.py): uses its spec, rank, device, groups, full_state and send."""
+    """A rank's protection role: its snapshots and checkpoints (a worker), or the snapshots it
+    holds for another rank (a standby of a one-node job)."""
 
-    updates_gated = False  # the workload called before_update at least once: copies gated there
-    holding = None         # a standby: its holding.Holding of the rank it would take, while it holds
+    def __init__(self, ctx: RankContext):
+        self.ctx = ctx
+        self.snapshots: snapshot.Snapshots | None = None  # made once the rank is known (snapshot_keeper)
+        self.checkpoints: checkpoint.Writer | None = None
+        self.updates_gated = False  # the workload called before_update at least once: copies gated there
+        self.holding: holding.Holding | None = None  # a standby: its holding of the rank it would take
+
+    def stop_holding(self) -> None:
+        """A standby that took a rank, or whose holder changed, holds nothing any more."""
+        if self.holding is not None:
+            self.holding.close()
+            self.holding = None
 
     def snapshot_keeper(self) -> snapshot.Snapshots:
-        if self.snapshots is None or self.snapshots.rank != self.rank:
-            self.snapshots = snapshot.Snapshots(self.rank, self.spec.world_size, self.spec.ranks_per_node,
-                                                self.spec.group_timeout_s, corrupt=self.faults.at("snapshot-send"),
-                                                device=self.device)
+        if self.snapshots is None or self.snapshots.rank != self.ctx.rank:
+            spec = self.ctx.spec
+            self.snapshots = snapshot.Snapshots(self.ctx.rank, spec.world_size, spec.ranks_per_node,
+                                                spec.group_timeout_s, corrupt=self.ctx.faults.at("snapshot-send"),
+                                                device=self.ctx.device)
         return self.snapshots
 
     def protect(self, step: int) -> None:
         """At the boundary after `step` steps: a snapshot and/or a checkpoint when due. Only the
         copy into host memory is issued here; exchanges and writes run in background threads."""
         self._report_snapshots()
-        every_s, every_c = self.spec.snapshot_every, self.spec.checkpoint_every
-        if every_s and self.device == "cuda":
+        every_s, every_c = self.ctx.spec.snapshot_every, self.ctx.spec.checkpoint_every
+        if every_s and self.ctx.device == "cuda":
             cap = self.snapshot_keeper().capture
             if not cap.slabs and cap.allocating is None:
                 # pinned host buffers for the first snapshot, allocated now in the background (the
                 # layout is known once the optimizer has its state, after a first step)
-                cap.prepare(self.full_state(step))
+                cap.prepare(self.ctx.full_state(step))
         due_s, due_c = every_s and step % every_s == 0, every_c and step % every_c == 0
         due_s = due_s or self._first_for_holder()
-        if step >= self.spec.steps or not (due_s or due_c):
+        if step >= self.ctx.spec.steps or not (due_s or due_c):
             return
         if due_s:
-            cap = self.snapshot_keeper().take(step, self.full_state(step), self.groups[SNAPSHOT].inner)
+            cap = self.snapshot_keeper().take(step, self.ctx.full_state(step), self.ctx.groups[SNAPSHOT].inner)
             if cap is not None and not self.updates_gated:
                 # a workload that never called before_update: the training stream waits right
                 # here (on the device), before anything of the next step can write the state
                 self.snapshots.capture.gate()
         if due_c:
-            if self.checkpoints is None or self.checkpoints.rank != self.rank:
-                self.checkpoints = checkpoint.Writer(Path(self.spec.checkpoint_dir), self.rank, self._checkpointed)
+            if self.checkpoints is None or self.checkpoints.rank != self.ctx.rank:
+                self.checkpoints = checkpoint.Writer(Path(self.ctx.spec.checkpoint_dir), self.ctx.rank,
+                                                     self._checkpointed)
             # a copy of its own: a snapshot's slab is reused by a later snapshot while a slow
             # filesystem may still be writing this one
-            self.checkpoints.submit(step, transfer.host_copy(self.full_state(step)), self.spec.group_timeout_s)
+            self.checkpoints.submit(step, transfer.host_copy(self.ctx.full_state(step)), self.ctx.spec.group_timeout_s)
 
     def snapshot_gate(self) -> None:
         """Before the optimizer step (BuildContext.before_update): the training stream waits on
@@ -71,15 +85,15 @@ class Protection:
             return
         for numbers in self.snapshots.pop_reports():
             wait = self.snapshots.capture.last_gate_wait_s()
-            self.send("snapshot_taken", rank=self.rank, step=int(numbers.pop("step")),
-                      detail={**numbers, "gate_wait_s": wait, "skipped": self.snapshots.skipped})
+            self.ctx.send("snapshot_taken", rank=self.ctx.rank, step=int(numbers.pop("step")),
+                          detail={**numbers, "gate_wait_s": wait, "skipped": self.snapshots.skipped})
 
     def _first_for_holder(self) -> bool:
         """One node on GPUs: the first version goes to the standby holder as soon as the link is
         built and the host buffers are pinned, not at the next multiple of the interval: until a
         holder has one, a SIGKILL loses the job's progress (measured as protection_ready_s)."""
         keeper = self.snapshots
-        if self.device != "cuda" or keeper is None or not keeper.one_node or keeper.standby is None:
+        if self.ctx.device != "cuda" or keeper is None or not keeper.one_node or keeper.standby is None:
             return False
         link = keeper.standby
         return (link.built.is_set() and link.pair is not None and link.version == 0 and bool(keeper.capture.slabs)
@@ -88,42 +102,42 @@ class Protection:
     def on_hold(self, msg: dict) -> None:
         """A worker of a one-node job: the controller names the standby that holds its snapshots
         (`holder` "": nobody, e.g. it took a rank)."""
-        if not self.spec.snapshot_every or self.rank is None:
+        if not self.ctx.spec.snapshot_every or self.ctx.rank is None:
             return
         keeper = self.snapshot_keeper()
         if not keeper.one_node:
             return
         keeper.standby = None
-        if msg["holder"] and self.rank in msg["wards"]:
-            keeper.standby = holding.StandbyLink(tuple(self.spec.store), msg["prefix"], self.rank, msg["holder"],
-                                                 self.spec.node_addr, self.spec.group_timeout_s, key=self.key)
-            log.info("snapshots of rank %d go to standby %s", self.rank, msg["holder"])
+        if msg["holder"] and self.ctx.rank in msg["wards"]:
+            spec = self.ctx.spec
+            keeper.standby = holding.StandbyLink(tuple(spec.store), msg["prefix"], self.ctx.rank, msg["holder"],
+                                                 spec.node_addr, spec.group_timeout_s, key=self.ctx.key)
+            log.info("snapshots of rank %d go to standby %s", self.ctx.rank, msg["holder"])
 
     def hold_for(self, msg: dict) -> None:
         """A standby: hold the snapshots of the rank it would take (`wards`[its local index]) if
         it is the holder named; stop holding if another one is."""
-        if self.holding is not None:
-            self.holding.close()
-            self.holding = None
-        if msg["holder"] != self.spec.node or self.local >= len(msg["wards"]):
+        self.stop_holding()
+        if msg["holder"] != self.ctx.spec.node or self.ctx.local >= len(msg["wards"]):
             return
-        ward = int(msg["wards"][self.local])
+        ward = int(msg["wards"][self.ctx.local])
 
         def report(rank: int, steps: list[int], detail: dict) -> None:
-            self.send("snapshot_held", node=self.spec.node, rank=rank, steps=steps, detail=detail)
+            self.ctx.send("snapshot_held", node=self.ctx.spec.node, rank=rank, steps=steps, detail=detail)
         # the worker's state has this standby's own layout (same rank, same model): slabs allocated now
-        _, paths, tensors = capture.flatten(self.full_state(0))
-        self.holding = holding.Holding(tuple(self.spec.store), msg["prefix"], ward, self.spec.node_addr,
-                                       self.spec.group_timeout_s, report, key=self.key, verify_on=self.device,
+        _, paths, tensors = capture.flatten(self.ctx.full_state(0))
+        spec = self.ctx.spec
+        self.holding = holding.Holding(tuple(spec.store), msg["prefix"], ward, spec.node_addr, spec.group_timeout_s,
+                                       report, key=self.ctx.key, verify_on=self.ctx.device,
                                        layout=capture.specs_of(paths, tensors))
         log.info("holding the snapshots of rank %d", ward)
 
     def _checkpointed(self, result: dict) -> None:
-        self.send("checkpointed", rank=self.rank, step=result["step"], digest=result["digest"],
-                  bytes=result["bytes"], seconds=result["seconds"])
+        self.ctx.send("checkpointed", rank=self.ctx.rank, step=result["step"], digest=result["digest"],
+                      bytes=result["bytes"], seconds=result["seconds"])
 
     def holds(self) -> dict:
         """What the recovery tiers can use from this rank (the `holds` of a `stalled` report)."""
-        name = self.workload.replica_group()
-        replicas = next((list(g.ranks) for g in self.specs if g.name == name and self.rank in g.ranks), [])
+        name = self.ctx.workload.replica_group()
+        replicas = next((list(g.ranks) for g in self.ctx.specs if g.name == name and self.ctx.rank in g.ranks), [])
         return {"replicas": replicas, **(self.snapshots.report() if self.snapshots else {"own": [], "held": {}})}

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import threading
 import time
 from pathlib import Path
@@ -29,7 +28,10 @@ import torch
 
 from trainmover.errors import MigrationError
 from trainmover.runtime import ahead
+from trainmover.runtime.context import RankContext
 from trainmover.runtime.groups import CONTROL, SwappableGroup
+from trainmover.runtime.protection import Protection
+from trainmover.runtime.rankstate import RankState
 
 log = logging.getLogger("trainmover.worker")
 
@@ -37,60 +39,53 @@ REWARM_POLL_S = 1.0  # an idle standby looks for a newer recording version this 
 
 
 class StandbyRole:
-    """Mixed into `Agent` (worker.py): uses its spec, workload, groups, inbox and send."""
+    """A standby's warm-up and what it keeps warm: the role it rehearsed, the recording versions
+    it replayed, the groups it built ahead. Its wait for a `prepare` or a `recover` is the
+    process's (worker.Agent.serve_as_standby), which hands those to the switch or the recovery."""
 
-    def standby(self) -> int:
+    def __init__(self, ctx: RankContext, protection: Protection):
+        self.ctx, self.protection = ctx, protection
+        self.ahead: ahead.Ahead | None = None  # groups built ahead for the rank it will take (one-node jobs)
+        self.replayed: dict[int, int] = {}  # the latest recording version it warmed on, by role rank
+        self.rehearsed: int | None = None  # the rank whose role its workload is built for
+        self.shadow_step: int | None = None  # step its shadow steps replay (the latest recorded one)
+
+    def warm_up(self) -> float:
+        """The first warm-up, then `ready`. Returns when it began (perf_counter), which later
+        `ready` reports count their warm-up time from."""
         t0 = time.perf_counter()
-        limits = limit_warmup(self.spec.standby_compile_threads)
-        expected, shadow, steps, limits["nice"] = niced(self.spec.standby_nice, self._warm_up)
-        if expected is not None and self.spec.standby_warmup != "cold":
-            self.ahead = ahead.Ahead(self, expected)
-        self.send("ready", node=self.spec.node, local=self.local, warmup_s=time.perf_counter() - t0,
-                  shadow_steps=steps, detail={**shadow, "limits": limits,
-                                              "bound_rank": expected if expected is not None else self.rehearsed})
-        log.info("standby on %s warm after %.2fs", self.spec.node, time.perf_counter() - t0)
-        while True:
-            try:
-                msg = self.inbox.get(timeout=REWARM_POLL_S)
-            except queue.Empty:
-                niced(self.spec.standby_nice, self._rewarm_if_newer, t0)
-                continue
-            if msg is None:
-                log.info("controller closed the channel; standby exits")
-                return 0
-            if msg["type"] == "prepare":
-                start = self.join(msg)  # on this thread, at the job's priority: the job's critical path
-                if start is not None:
-                    self._now_a_worker(start)
-                    return self.train(start)
-                self.send("ready", node=self.spec.node, local=self.local, warmup_s=time.perf_counter() - t0,
-                          shadow_steps=0, detail={})
-            elif msg["type"] == "recover" and str(self.local) in msg["assign"]:
-                start = self.take_failed_rank(msg)
-                self._now_a_worker(start)
-                return self.train(start)
-            elif msg["type"] == "hold":
-                self.hold_for(msg)
+        limits = limit_warmup(self.ctx.spec.standby_compile_threads)
+        expected, shadow, steps, limits["nice"] = niced(self.ctx.spec.standby_nice, self._warm_up)
+        if expected is not None and self.ctx.spec.standby_warmup != "cold":
+            self.ahead = ahead.Ahead(self.ctx, expected)
+        self.ctx.send("ready", enter=RankState.READY, node=self.ctx.spec.node, local=self.ctx.local,
+                      warmup_s=time.perf_counter() - t0, shadow_steps=steps,
+                      detail={**shadow, "limits": limits,
+                              "bound_rank": expected if expected is not None else self.rehearsed})
+        log.info("standby on %s warm after %.2fs", self.ctx.spec.node, time.perf_counter() - t0)
+        return t0
+
+    def rewarm_if_newer(self, t0: float) -> None:
+        """Between the controller's messages: re-warm, niced, if a role recorded a new version."""
+        niced(self.ctx.spec.standby_nice, self._rewarm_if_newer, t0)
 
     def _warm_up(self) -> tuple:
         """The warm-up proper (run niced, in its own thread): replay the recordings, rehearse
         the role it will take, shadow steps until steady. Returns (bound rank or None, replay
         report, shadow steps)."""
-        self.faults.at("warmup")  # die-in-warmup: the controller gives it to the chosen launch only
+        self.ctx.faults.at("warmup")  # die-in-warmup: the controller gives it to the chosen launch only
         shadow = self._replay()
-        expected = ahead.anticipated_rank(self.spec.world_size, self.spec.ranks_per_node, self.local)
+        expected = ahead.anticipated_rank(self.ctx.spec.world_size, self.ctx.spec.ranks_per_node, self.ctx.local)
         if shadow["replay"] != "done":
             log.warning("shadow iterations without a recording: %s", shadow["replay"])
             if self.rehearsed is None:  # else: a role before the missing one was rehearsed and stays built
-                rehearse = self.local % self.spec.world_size  # any valid rank: a join rebinds to the leaver's
-                self._rehearse(rehearse, self._make_groups(rehearse, sandbox=True))
+                rehearse = self.ctx.local % self.ctx.spec.world_size  # any valid rank: a join rebinds to the leaver's
+                self.rehearse(rehearse, self.ctx.make_groups(rehearse, sandbox=True))
         if expected is not None and self.rehearsed != expected:  # bound now to the rank it will take
-            self._rehearse(expected, self._make_groups(expected, sandbox=True))
-        with self._warm_stance():
-            steps = self.shadow_until_steady(self.spec.shadow_steps)
+            self.rehearse(expected, self.ctx.make_groups(expected, sandbox=True))
+        with self.warm_stance():
+            steps = self.shadow_until_steady(self.ctx.spec.shadow_steps)
         return expected, shadow, steps
-
-    ahead: ahead.Ahead | None = None  # groups built ahead for the rank it will take (one-node jobs)
 
     def ahead_builder(self, build):
         """Phase 1's builder, taking a group built ahead where there is one (one-node jobs)."""
@@ -102,22 +97,20 @@ class StandbyRole:
             return build(name, prefix, grank, size)
         return take_or_build
 
-    def _now_a_worker(self, step: int) -> None:
+    def now_a_worker(self, step: int) -> None:
         """This standby took a rank: it stops holding snapshots and gives back the groups built
         ahead it did not use (retired off the critical path)."""
-        if self.holding is not None:
-            self.holding.close()
-            self.holding = None
+        self.protection.stop_holding()
         if self.ahead is not None:
             for backend in self.ahead.rest():
-                self.retire(backend, step)
+                self.ctx.retire(backend, step)
             self.ahead = None
 
-    def _roles(self) -> dict[str, int]:
+    def roles(self) -> dict[str, int]:
         """The roles a standby rehearses and the ranks that record them ({} if not recording)."""
-        if not self.spec.recording_dir or not self.spec.record_iterations:
+        if not self.ctx.spec.recording_dir or not self.ctx.spec.record_iterations:
             return {}
-        return self.workload.standby_roles(self.spec.world_size)
+        return self.ctx.workload.standby_roles(self.ctx.spec.world_size)
 
     def _replay(self) -> dict:
         """Shadow iterations on the live job's recordings: the standby rehearses every role
@@ -125,37 +118,39 @@ class StandbyRole:
         very losses and sends its rank computed. Between roles it drops the previous role's
         model and optimizer, so that it never holds more than one rank's state; the last
         role stays built (a join rebinds it to the leaver's rank)."""
-        if self.spec.standby_warmup == "cold":
+        if self.ctx.spec.standby_warmup == "cold":
             return {"replay": "skipped: cold standby (TM_STANDBY_WARMUP=cold)"}
-        roles = self._roles()
+        roles = self.roles()
         if not roles:
             return {"replay": "unavailable: recording disabled"}
         from trainmover.sandbox import shadow
 
         # The live ranks may record later than the job start (TM_RECORD_FROM_STEP): wait longer.
         done, failed = shadow.replay_roles(
-            self.specs, Path(self.spec.recording_dir), roles, 3 * self.spec.group_timeout_s, CONTROL, self._rehearse,
-            self.workload.train_step, settle=lambda: self.shadow_until_steady(self.spec.shadow_steps),
-            reset_peak=lambda: reset_peak_memory(self.device), peak=lambda: peak_memory(self.device))
+            self.ctx.specs, Path(self.ctx.spec.recording_dir), roles, 3 * self.ctx.spec.group_timeout_s, CONTROL,
+            self.rehearse,
+            self.ctx.workload.train_step, settle=lambda: self.shadow_until_steady(self.ctx.spec.shadow_steps),
+            reset_peak=lambda: reset_peak_memory(self.ctx.device), peak=lambda: peak_memory(self.ctx.device))
         for report in done:
             self.replayed[report["rank"]], self.shadow_step = report["version"], report["last_step"]
         if failed is not None:
             return {**failed, "roles": done}
-        free_device_memory(self.device)  # keeps the last role's model and optimizer, not its activations
-        return shadow.combine(done, self.memory())
+        free_device_memory(self.ctx.device)  # keeps the last role's model and optimizer, not its activations
+        return shadow.combine(done, self.ctx.memory())
 
-    def _rehearse(self, rank: int, groups: dict[str, SwappableGroup]) -> None:
+    def rehearse(self, rank: int, groups: dict[str, SwappableGroup]) -> None:
         """A standby: build the workload for `rank`'s role on `groups` (sandboxed), first
         dropping the role it holds, so that it never holds two ranks' state."""
         if self.rehearsed is not None:
-            self.workload.release()
-            free_device_memory(self.device)
-        self.groups = groups
-        (self.workload.rebind if self.rehearsed is not None else self.workload.build)(self._context(rank))
+            self.ctx.workload.release()
+            free_device_memory(self.ctx.device)
+        self.ctx.groups = groups
+        workload = self.ctx.workload
+        (workload.rebind if self.rehearsed is not None else workload.build)(self.ctx.build_context(rank))
         self.rehearsed = rank
 
     @contextlib.contextmanager
-    def _warm_stance(self):
+    def warm_stance(self):
         """Around the shadow steps. A cold standby (a benchmark's baseline) forgets afterwards
         everything it compiled, so that its first real step compiles as in a fresh process.
 
@@ -166,30 +161,30 @@ class StandbyRole:
         hangs). So the layout comes from a compiled step, as the job's did, and only the
         compiled code is thrown away. (Every joiner's layout is checked: _layout_mismatch.)"""
         yield
-        if self.spec.standby_warmup == "cold":
-            forget_compiled(self.spec.node)
+        if self.ctx.spec.standby_warmup == "cold":
+            forget_compiled(self.ctx.spec.node)
 
     def _rewarm_if_newer(self, t0: float) -> None:
         """A warm standby re-warms when a role's live rank recorded a new version (its
         collectives changed shape): it rebinds to that role if it holds another, replays the
         version, then reports ready again with the new version's report."""
-        if self.spec.standby_warmup == "cold" or not self.replayed:
+        if self.ctx.spec.standby_warmup == "cold" or not self.replayed:
             return
         from trainmover.sandbox import recording, shadow
-        found = {rank: shadow.newer(recording.base_of(self.spec.recording_dir, rank), version)
+        found = {rank: shadow.newer(recording.base_of(self.ctx.spec.recording_dir, rank), version)
                  for rank, version in self.replayed.items()}
         rank, version = next(((r, v) for r, v in found.items() if v is not None), (None, None))
         if version is None:
             return
-        self.send("warming", node=self.spec.node, version=version, rank=rank)
+        self.ctx.send("warming", enter=RankState.WARMING, node=self.ctx.spec.node, version=version, rank=rank)
         if rank != self.rehearsed:
-            self._rehearse(rank, self._make_groups(rank, sandbox=True))
-        report = shadow.rewarm(self.groups, recording.version_path(recording.base_of(self.spec.recording_dir, rank),
-                                                                   version), CONTROL, self.workload.train_step)
+            self.rehearse(rank, self.ctx.make_groups(rank, sandbox=True))
+        path = recording.version_path(recording.base_of(self.ctx.spec.recording_dir, rank), version)
+        report = shadow.rewarm(self.ctx.groups, path, CONTROL, self.ctx.workload.train_step)
         self.replayed[rank], self.shadow_step = version, report["last_step"]
-        steps = self.shadow_until_steady(self.spec.shadow_steps)
-        self.send("ready", node=self.spec.node, local=self.local, warmup_s=time.perf_counter() - t0,
-                  shadow_steps=steps, detail=report)
+        steps = self.shadow_until_steady(self.ctx.spec.shadow_steps)
+        self.ctx.send("ready", enter=RankState.READY, node=self.ctx.spec.node, local=self.ctx.local,
+                      warmup_s=time.perf_counter() - t0, shadow_steps=steps, detail=report)
 
     def shadow_until_steady(self, max_steps: int) -> int:
         """Run shadow steps until a step issues the same collectives as the one before.
@@ -197,18 +192,19 @@ class StandbyRole:
         Wrappers do one-time collectives in their first iterations (DDP broadcasts its
         rebuilt bucket layout in the second forward). A joiner must have done those in the
         sandbox: issuing them against the live job would mismatch the stayers' sequence."""
-        sandboxes = [g.inner for g in self.groups.values()]
+        sandboxes = [g.inner for g in self.ctx.groups.values()]
         previous, steps = None, 0
         while steps < max_steps:
             marks = [len(b.calls) for b in sandboxes]
-            self.workload.train_step(self.workload.shadow_data_step() if self.shadow_step is None else self.shadow_step)
+            workload = self.ctx.workload
+            workload.train_step(workload.shadow_data_step() if self.shadow_step is None else self.shadow_step)
             steps += 1
             signature = [tuple(b.calls[m:]) for b, m in zip(sandboxes, marks)]
             if signature == previous:
                 return steps
             previous = signature
         raise MigrationError(f"collectives still changing after {max_steps} shadow steps", phase="warmup",
-                             host=self.spec.node)
+                             host=self.ctx.spec.node)
 
 
 def thread_nice(tid: int | None = None) -> int:

@@ -15,12 +15,20 @@ import datetime
 import logging
 import queue
 import time
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from trainmover.errors import MigrationError
 from trainmover.runtime import phase1, rng, transfer, xferplan
+from trainmover.runtime.context import RankContext
 from trainmover.runtime.plan import delta
+from trainmover.runtime.rankstate import RankState
+
+if TYPE_CHECKING:  # roles this one calls, handed to it by the process (worker.Agent)
+    from trainmover.runtime.protection import Protection
+    from trainmover.runtime.recovery import Recovery
+    from trainmover.runtime.standby import StandbyRole
 
 log = logging.getLogger("trainmover.worker")
 
@@ -37,13 +45,41 @@ def layout_key(epoch: int, leaver: int) -> str:
     return f"tm/e{epoch}/xfer/r{leaver}/layout"
 
 
-class Switch:
-    """Mixed into `Agent` (worker.py): uses its store, groups, workload, inbox and send."""
+def abort(ctx: RankContext, msg: dict) -> None:
+    """The controller aborted epoch `msg["epoch"]` (or this rank voided it: an unexpected
+    failure): the planned migration in flight, if it is that one, is dropped."""
+    prep = ctx.pending
+    if prep and prep.epoch == msg["epoch"]:
+        ctx.pending = None
+        if prep.role == "leaver":
+            # Once the leaver stops offering this epoch the MIN can never equal it again:
+            # tell the joiner, which waits on exactly this key.
+            ctx.store.set(cancel_key(prep.epoch, ctx.rank), "1")
+        log.info("epoch %d aborted: %s", prep.epoch, msg["reason"])
 
-    def _poll_inbox(self):
+
+def switch_ready(prep: phase1.Prepared | None, step: int) -> int:
+    """The epoch a rank votes for at the boundary after `step` (0: none): Phase 1 done, and a
+    leaver's transfer plan made at an earlier boundary."""
+    if not prep or not prep.done.is_set() or prep.error:
+        return 0
+    if prep.role == "leaver" and (prep.plan_at is None or prep.plan_at >= step):
+        return 0
+    return prep.epoch
+
+
+class Switch:
+    """A rank's part in planned migrations: Phase 1 on `prepare`, the vote's readiness, and the
+    switch itself as leaver, or (a standby) as joiner."""
+
+    def __init__(self, ctx: RankContext, protection: Protection, standby: StandbyRole, recovery: Recovery):
+        self.ctx, self.protection, self.standby, self.recovery = ctx, protection, standby, recovery
+        self.reported: set[tuple[int, str]] = set()  # (epoch, prepared/failed) already reported
+
+    def poll_inbox(self):
         while True:
             try:
-                msg = self.inbox.get_nowait()
+                msg = self.ctx.inbox.get_nowait()
             except queue.Empty:
                 break
             if msg is None:
@@ -51,10 +87,10 @@ class Switch:
             if msg["type"] == "prepare":
                 self._on_prepare(msg)
             elif msg["type"] == "abort":
-                self._on_abort(msg)
+                self.on_abort(msg)
             elif msg["type"] == "hold":
-                self.on_hold(msg)
-        prep = self.pending
+                self.protection.on_hold(msg)
+        prep = self.ctx.pending
         if prep and prep.done.is_set():
             what = "failed" if prep.error else "prepared"
             if what == "prepared" and prep.role == "leaver" and prep.plan_at is None:
@@ -63,57 +99,41 @@ class Switch:
                 # could follow at this very boundary, and making the plan put ~0.1 s into the
                 # pause (measured on H100s).
                 self._plan_ahead(prep)
-                prep.plan_at = self.completed
+                prep.plan_at = self.ctx.completed
                 return
             if (prep.epoch, what) not in self.reported:
                 self.reported.add((prep.epoch, what))
                 if prep.error:
-                    self.send("prepare_failed", epoch=prep.epoch, rank=self.rank, error=prep.error)
+                    self.ctx.send("prepare_failed", epoch=prep.epoch, rank=self.ctx.rank, error=prep.error)
                 else:  # memory measured at step boundaries, where a steady step's usage repeats
-                    self.send("prepared", epoch=prep.epoch, rank=self.rank, groups=sorted(prep.backends),
-                              seconds=prep.seconds, detail={"role": prep.role, "before": prep.memory_before,
-                                                            "after": self.memory()})
+                    self.ctx.send("prepared", epoch=prep.epoch, rank=self.ctx.rank, groups=sorted(prep.backends),
+                                  seconds=prep.seconds, detail={"role": prep.role, "before": prep.memory_before,
+                                                                "after": self.ctx.memory()})
 
     def _on_prepare(self, msg: dict):
         epoch = msg["epoch"]
-        d = delta(self.specs, msg["leavers"], epoch)
-        role = "leaver" if self.rank in d.leavers else "stayer"
-        if role == "stayer" and not d.groups_to_build(self.rank):
+        d = delta(self.ctx.specs, msg["leavers"], epoch)
+        role = "leaver" if self.ctx.rank in d.leavers else "stayer"
+        if role == "stayer" and not d.groups_to_build(self.ctx.rank):
             return  # no group of ours contains the leaver: nothing to do (never the case for world)
         if role == "leaver":  # for the joiner to check its own against (Workload.collective_layout)
-            self.store.set(layout_key(epoch, self.rank), self.workload.collective_layout())
-        self.pending = phase1.Prepared(epoch, d, role, self.rank)
-        self.pending.memory_before, self.pending.comms_before = self.memory(), self.comms_created()
-        phase1.start(self.pending, self.phase1_builder())
-        log.info("phase 1 epoch %d as %s: %s", epoch, role, [g.name for g in d.groups_to_build(self.rank)])
-        if self.role == "worker":
-            self.faults.at("phase1", who=self.rank, epoch=epoch)
+            self.ctx.store.set(layout_key(epoch, self.ctx.rank), self.ctx.workload.collective_layout())
+        self.ctx.pending = phase1.Prepared(epoch, d, role, self.ctx.rank)
+        self.ctx.pending.memory_before, self.ctx.pending.comms_before = self.ctx.memory(), self.ctx.comms_created()
+        phase1.start(self.ctx.pending, self.ctx.phase1_builder())
+        log.info("phase 1 epoch %d as %s: %s", epoch, role, [g.name for g in d.groups_to_build(self.ctx.rank)])
+        if self.ctx.role == "worker":
+            self.ctx.faults.at("phase1", who=self.ctx.rank, epoch=epoch)
 
-    def _on_abort(self, msg: dict):
-        prep = self.pending
-        if prep and prep.epoch == msg["epoch"]:
-            self.pending = None
-            if prep.role == "leaver":
-                # Once the leaver stops offering this epoch the MIN can never equal it again:
-                # tell the joiner, which waits on exactly this key.
-                self.store.set(cancel_key(prep.epoch, self.rank), "1")
-            log.info("epoch %d aborted: %s", prep.epoch, msg["reason"])
-
-    def switch_ready(self, prep: phase1.Prepared | None, step: int) -> int:
-        """The epoch this rank votes for at the boundary after `step` (0: none): Phase 1 done,
-        and a leaver's transfer plan made at an earlier boundary."""
-        if not prep or not prep.done.is_set() or prep.error:
-            return 0
-        if prep.role == "leaver" and (prep.plan_at is None or prep.plan_at >= step):
-            return 0
-        return prep.epoch
+    def on_abort(self, msg: dict):
+        abort(self.ctx, msg)
 
     def _plan_ahead(self, prep: phase1.Prepared, like: dict | None = None) -> None:
         """The transfer's plan (xferplan.py), made at a step boundary before the pause: the
         leaver's from the state it will send, the joiner's from the buffers it will fill."""
         t0 = time.perf_counter()
         try:
-            state = like if like is not None else self.full_state(0)
+            state = like if like is not None else self.ctx.full_state(0)
             prep.plan = xferplan.of_state(state)[1]
             prep.plan.warm()
             transfer.warm_manifest(state, prep.plan)
@@ -123,45 +143,48 @@ class Switch:
         prep.plan_s = max(time.perf_counter() - t0, 1e-9)  # set: made (or tried) once
 
     def leave(self, prep: phase1.Prepared, step: int):
-        state = self.full_state(step)
-        if self.faults.at("leaver-state"):  # skip-optimizer-state: negative control for the digest tests
+        state = self.ctx.full_state(step)
+        if self.ctx.faults.at("leaver-state"):  # skip-optimizer-state: negative control for the digest tests
             state["workload"].pop("optimizer", None)
-        self.store.set(go_key(prep.epoch, self.rank), "1")
-        self.faults.at("copy")  # die-in-copy: the state must then come from a replica
-        stats = transfer.send_verified(state, prep.xfer, dst=1, corrupt=self.faults.at("transfer-send"),
+        self.ctx.store.set(go_key(prep.epoch, self.ctx.rank), "1")
+        self.ctx.faults.at("copy")  # die-in-copy: the state must then come from a replica
+        stats = transfer.send_verified(state, prep.xfer, dst=1, corrupt=self.ctx.faults.at("transfer-send"),
                                        plan=prep.plan)
-        self.pending, self.state, self.switched_epoch = None, "left", prep.epoch
-        self.send("switched", epoch=prep.epoch, rank=self.rank, role="leaver", step=step, t=time.time(),
-                  detail={"send_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
-                          "tensors": stats.tensors, "plan_s": prep.plan_s, "parts": stats.parts})
+        self.ctx.pending = None
+        self.ctx.state.to(RankState.LEFT)
+        self.ctx.switched_epoch = prep.epoch
+        self.ctx.send("switched", epoch=prep.epoch, rank=self.ctx.rank, role="leaver", step=step, t=time.time(),
+                      detail={"send_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
+                              "tensors": stats.tensors, "plan_s": prep.plan_s, "parts": stats.parts})
         log.info("left at step %d: sent %d bytes in %.3fs", step, stats.bytes, stats.seconds)
 
     def join(self, msg: dict) -> int | None:
         """Take a leaver's slot. Returns the step to continue from, or None if the
         migration was cancelled (the agent then stays a standby)."""
         epoch = msg["epoch"]
-        self.joining, self.state = epoch, "joining"
+        self.ctx.joining = epoch
+        self.ctx.state.to(RankState.JOINING)
         try:
             return self._join(msg, epoch)
         finally:
-            self.joining = 0
+            self.ctx.joining = 0
 
     def _join(self, msg: dict, epoch: int) -> int | None:
-        rank = int(msg["assign"][str(self.local)])
+        rank = int(msg["assign"][str(self.ctx.local)])
         leaver = rank
         # Off the critical path: rebuild groups with the rank we now know, rebind the workload,
         # and run shadow steps so that the new wrappers' one-time work happens in the sandbox.
-        self.groups = self._make_groups(rank, sandbox=True)
-        self.workload.rebind(self._context(rank))
-        with self._warm_stance():
-            self.shadow_until_steady(self.spec.shadow_steps)
-        prep = phase1.Prepared(epoch, delta(self.specs, msg["leavers"], epoch), "joiner", rank)
-        phase1.start(prep, self.ahead_builder(self.phase1_builder()))  # groups built ahead: one-node jobs
-        self.faults.at("phase1", who="joiner", epoch=epoch)
+        self.ctx.groups = self.ctx.make_groups(rank, sandbox=True)
+        self.ctx.workload.rebind(self.ctx.build_context(rank))
+        with self.standby.warm_stance():
+            self.standby.shadow_until_steady(self.ctx.spec.shadow_steps)
+        prep = phase1.Prepared(epoch, delta(self.ctx.specs, msg["leavers"], epoch), "joiner", rank)
+        phase1.start(prep, self.standby.ahead_builder(self.ctx.phase1_builder()))  # groups built ahead: one-node jobs
+        self.ctx.faults.at("phase1", who="joiner", epoch=epoch)
         # Bounded, and abortable: a peer lost meanwhile leaves the builds waiting until the
         # group timeout, but the controller's abort frees this standby at once (the Phase 1
         # thread ends by its own deadline, on its own store client, and is discarded).
-        deadline = time.monotonic() + self.spec.group_timeout_s + 5
+        deadline = time.monotonic() + self.ctx.spec.group_timeout_s + 5
         while not prep.done.wait(0.05):
             if self._aborted(epoch):
                 log.info("epoch %d aborted during phase 1; back to standby", epoch)
@@ -169,77 +192,79 @@ class Switch:
             if time.monotonic() > deadline:
                 break
         if not prep.done.is_set() or prep.error:
-            self.send("prepare_failed", epoch=epoch, rank=rank, error=prep.error or "phase 1 deadline")
+            self.ctx.send("prepare_failed", epoch=epoch, rank=rank, error=prep.error or "phase 1 deadline")
             return None
         mismatch = self._layout_mismatch(epoch, leaver)
         if mismatch is None:
             log.info("epoch %d aborted during phase 1; back to standby", epoch)
             return None
         if mismatch:
-            self.send("prepare_failed", epoch=epoch, rank=rank, error=mismatch)
+            self.ctx.send("prepare_failed", epoch=epoch, rank=rank, error=mismatch)
             return None
-        like = self.full_state(0)
+        like = self.ctx.full_state(0)
         self._plan_ahead(prep, like)
-        self.send("prepared", epoch=epoch, rank=rank, groups=sorted(prep.backends), seconds=prep.seconds,
-                  detail={"role": "joiner"})
+        self.ctx.send("prepared", epoch=epoch, rank=rank, groups=sorted(prep.backends), seconds=prep.seconds,
+                      detail={"role": "joiner"})
         # Wait for the leaver's verdict: it either starts sending (go) or cancels.
-        deadline = time.monotonic() + self.spec.switch_timeout_s
+        deadline = time.monotonic() + self.ctx.spec.switch_timeout_s
         while True:
-            if self.store.check([cancel_key(epoch, leaver)]) or self._aborted(epoch):
+            if self.ctx.store.check([cancel_key(epoch, leaver)]) or self._aborted(epoch):
                 log.info("epoch %d cancelled; back to standby", epoch)
                 return None
             try:
-                self.store.wait([go_key(epoch, leaver)], datetime.timedelta(milliseconds=50))
+                self.ctx.store.wait([go_key(epoch, leaver)], datetime.timedelta(milliseconds=50))
                 break
             except (RuntimeError, dist.DistStoreError):
                 pass
             if time.monotonic() > deadline:
-                self.send("prepare_failed", epoch=epoch, rank=rank, error="leaver never sent its state")
+                self.ctx.send("prepare_failed", epoch=epoch, rank=rank, error="leaver never sent its state")
                 return None
         t_switch = time.perf_counter()
         try:
             state, stats = transfer.recv_verified(prep.xfer, src=0, like=like, plan=prep.plan)
         except (MigrationError, RuntimeError) as exc:  # the leaver died mid-copy: a replica will send it
-            self.rank = rank
-            self.send("stalled", rank=rank, step=0, digest="", error=str(exc)[:500], role="joiner",
-                      holds={"replicas": [], "own": [], "held": {}})
-            return self.take_failed_rank(self._wait_recover(exc), rebind=False)
+            self.ctx.rank = rank
+            self.ctx.send("stalled", rank=rank, step=0, digest="", error=str(exc)[:500], role="joiner",
+                          holds={"replicas": [], "own": [], "held": {}})
+            return self.recovery.take_failed_rank(self.recovery.wait_recover(exc), rebind=False)
         t_received = time.perf_counter()
-        self.workload.load_state_dict(state["workload"])
+        self.ctx.workload.load_state_dict(state["workload"])
         rng.restore(state["rng"])
         t_loaded = time.perf_counter()
         for name, backend in prep.backends.items():
-            self.retire(self.groups[name].swap(backend), int(state["step"]))
+            self.ctx.retire(self.ctx.groups[name].swap(backend), int(state["step"]))
         # The transfer pair is done too; dropping its last reference here would abort the
         # communicator synchronously, inside the pause (measured: 0.5 s on an H200).
-        self.retire(prep.xfer, int(state["step"]))
-        self.rank, self.role, self.state, self.switched_epoch = rank, "worker", "training", epoch
-        self.send("switched", epoch=epoch, rank=rank, role="joiner", step=int(state["step"]), t=time.time(),
-                  detail={"recv_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
-                          "apply_s": time.perf_counter() - t_switch, "prepare_s": prep.seconds,
-                          "attempts": stats.attempts, "plan_s": prep.plan_s,
-                          # the pause on this side, in parts: receive (manifest, copy, checks),
-                          # load into the workload, swap the groups in
-                          "pause_parts": {**(stats.parts or {}), "receive_s": round(t_received - t_switch, 5),
-                                          "load_s": round(t_loaded - t_received, 5),
-                                          "swap_s": round(time.perf_counter() - t_loaded, 5)},
-                          "comms_created": self.comms_created(), **self.memory()})
+        self.ctx.retire(prep.xfer, int(state["step"]))
+        self.ctx.rank, self.ctx.role = rank, "worker"
+        self.ctx.state.to(RankState.TRAINING)
+        self.ctx.switched_epoch = epoch
+        self.ctx.send("switched", epoch=epoch, rank=rank, role="joiner", step=int(state["step"]), t=time.time(),
+                      detail={"recv_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
+                              "apply_s": time.perf_counter() - t_switch, "prepare_s": prep.seconds,
+                              "attempts": stats.attempts, "plan_s": prep.plan_s,
+                              # the pause on this side, in parts: receive (manifest, copy, checks),
+                              # load into the workload, swap the groups in
+                              "pause_parts": {**(stats.parts or {}), "receive_s": round(t_received - t_switch, 5),
+                                              "load_s": round(t_loaded - t_received, 5),
+                                              "swap_s": round(time.perf_counter() - t_loaded, 5)},
+                              "comms_created": self.ctx.comms_created(), **self.ctx.memory()})
         log.info("joined as rank %d at step %d (%d bytes in %.3fs)", rank, state["step"], stats.bytes, stats.seconds)
-        self._trace_next_steps()
+        self.ctx.trace_next_steps()
         return int(state["step"])
 
     def _layout_mismatch(self, epoch: int, leaver: int) -> str | None:
         """Why this joiner's collective layout cannot replace the leaver's ('' if it can; None
         if the controller aborted the epoch meanwhile). The leaver publishes its layout when it
         gets `prepare`; the wait is bounded and abortable."""
-        key, deadline = layout_key(epoch, leaver), time.monotonic() + self.spec.group_timeout_s
-        while not self.store.check([key]):
+        key, deadline = layout_key(epoch, leaver), time.monotonic() + self.ctx.spec.group_timeout_s
+        while not self.ctx.store.check([key]):
             if self._aborted(epoch):
                 return None
             if time.monotonic() > deadline:
-                return f"the leaver never published its collective layout ({self.spec.group_timeout_s:g}s)"
+                return f"the leaver never published its collective layout ({self.ctx.spec.group_timeout_s:g}s)"
             time.sleep(0.05)
-        ours, theirs = self.workload.collective_layout(), self.store.get(key).decode()
+        ours, theirs = self.ctx.workload.collective_layout(), self.ctx.store.get(key).decode()
         if ours != theirs:
             return (f"the joiner's collective layout differs from the leaver's (its collectives would not match "
                     f"the stayers'): joiner {ours[:200]!r}, leaver {theirs[:200]!r}")
@@ -249,7 +274,7 @@ class Switch:
         """Whether the controller aborted `epoch` (other messages are not for a joining standby)."""
         while True:
             try:
-                msg = self.inbox.get_nowait()
+                msg = self.ctx.inbox.get_nowait()
             except queue.Empty:
                 return False
             if msg is not None and msg["type"] == "abort" and msg["epoch"] == epoch:

@@ -16,7 +16,12 @@ import os
 import time
 
 from trainmover.runtime import boundary
+from trainmover.runtime.context import RankContext
 from trainmover.runtime.groups import CONTROL, CollectiveFailure, first_failure
+from trainmover.runtime.protection import Protection
+from trainmover.runtime.rankstate import RankState
+from trainmover.runtime.recovery import Recovery
+from trainmover.runtime.switch import Switch, switch_ready
 
 log = logging.getLogger("trainmover.worker")
 
@@ -30,50 +35,61 @@ def lost_peer(groups: dict) -> CollectiveFailure | None:
     return first_failure(groups.values())
 
 
+def trace(what: str) -> None:
+    if TRACE_STEPS:
+        log.info("trace %.6f %s", time.time(), what)
+
+
 class TrainingLoop:
-    """Mixed into `Agent` (worker.py): uses its spec, workload, groups, send and the switch."""
+    """A worker's training loop: each step, its report, protection and the boundary's vote,
+    handing the switch to `switch` and a failed collective to `recovery`."""
+
+    def __init__(self, ctx: RankContext, protection: Protection, switch: Switch, recovery: Recovery):
+        self.ctx, self.protection, self.switch, self.recovery = ctx, protection, switch, recovery
+        self.pure_s = 0.0  # the last step's own compute time (see _iteration)
+        self.recorder = None  # the recording rank's recorder (trainmover.sandbox.live)
 
     def train(self, step: int) -> int:
         self.pure_s = 0.0
         loss = 0.0
-        self._trace("train loop entered")
-        while step < self.spec.steps:
-            self.completed = step
+        trace("train loop entered")
+        while step < self.ctx.spec.steps:
+            self.ctx.completed = step
             try:
                 loss, step = self._iteration(step)
             except Exception as exc:  # noqa: BLE001 - classified by the groups' marks, not by its type
-                failure = lost_peer(self.groups)
+                failure = lost_peer(self.ctx.groups)
                 if failure is None:
                     raise  # the user's code (or ours) raised: the process reports it and the job ends
-                step = self.stall(self.completed, f"{failure} ({type(exc).__name__}: {exc})")
+                step = self.recovery.stall(self.ctx.completed, f"{failure} ({type(exc).__name__}: {exc})")
                 continue
             if step < 0:
                 return 0  # this rank left the job (planned migration)
-        self.state = "finished"
-        self.send("finished", rank=self.rank, step=step, digest=self.digest(), loss=loss)
+        self.ctx.state.to(RankState.FINISHED)
+        self.ctx.send("finished", rank=self.ctx.rank, step=step, digest=self.ctx.digest(), loss=loss)
         return 0
 
     def _iteration(self, step: int) -> tuple[float, int]:
         """One training step, its report and the boundary agreement. Returns (loss, steps
         completed), steps -1 when this rank handed its state over and leaves."""
-        control, world = self.groups[CONTROL], self.groups["world"]
+        control, world = self.ctx.groups[CONTROL], self.ctx.groups["world"]
         world.first_call_at = None
         t0, c0 = time.perf_counter(), time.process_time()
         # injected faults of this step: die, freeze or hang now, or compute longer (a straggler)
-        self.faults.at("step", rank=self.rank, step=step, pure_s=self.pure_s, cpu=self.device == "cpu")
+        self.ctx.faults.at("step", rank=self.ctx.rank, step=step, pure_s=self.pure_s, cpu=self.ctx.device == "cpu")
         t1, c1 = time.perf_counter(), time.process_time()
         if self.recorder:
             self.recorder.before(step)
-        if self.trace_steps:
-            self.trace_steps -= 1
-            self._trace(f"step {step + 1} begins")
-            self.workload.trace = self._trace
-        elif getattr(self.workload, "trace", None):
-            self.workload.trace = None
-        loss = self.workload.train_step(step)
+        if self.ctx.trace_steps:
+            self.ctx.trace_steps -= 1
+            trace(f"step {step + 1} begins")
+            self.ctx.workload.trace = trace
+        elif getattr(self.ctx.workload, "trace", None):
+            self.ctx.workload.trace = None
+        loss = self.ctx.workload.train_step(step)
         # a rank's own compute: until its first collective (after that it may wait for peers)
         # On CPU nodes: CPU time, which co-located processes cannot inflate; on GPUs: wall time.
-        if self.device == "cpu":
+        if self.ctx.device == "cpu":
             first = world.first_call_cpu if world.first_call_at is not None else time.process_time()
             compute_s, self.pure_s = first - c0, first - c1
         else:
@@ -82,45 +98,39 @@ class TrainingLoop:
         if self.recorder:
             report = self.recorder.after(step, loss, time.perf_counter() - t0)
             if report:  # the recorder stays: it records again if the collectives change shape
-                self.send("recorded", **report)
+                self.ctx.send("recorded", **report)
         step += 1
-        self.completed = step  # from here on a failure finds this step complete in our state
-        self.send("step", rank=self.rank, step=step, loss=loss, step_s=time.perf_counter() - t0,
-                  compute_s=compute_s, t=time.time())
-        self.protect(step)
-        self._release_retired(step)
-        self._poll_inbox()
-        prep = self.pending
-        ready = self.switch_ready(prep, step)
+        self.ctx.completed = step  # from here on a failure finds this step complete in our state
+        self.ctx.send("step", rank=self.ctx.rank, step=step, loss=loss, step_s=time.perf_counter() - t0,
+                      compute_s=compute_s, t=time.time())
+        self.protection.protect(step)
+        self.ctx.release_retired(step)
+        self.switch.poll_inbox()
+        prep = self.ctx.pending
+        ready = switch_ready(prep, step)
         if boundary.agree(control, ready) == ready and ready:
             if prep.role == "leaver":
-                self.leave(prep, step)
+                self.switch.leave(prep, step)
                 return loss, -1
             for name, backend in prep.backends.items():
-                self.retire(self.groups[name].swap(backend), step)
-            self.pending = None
-            self.switched_epoch = prep.epoch
-            self._trace_next_steps()
-            self._trace("stayer swapped")
-            self.send("switched", epoch=prep.epoch, rank=self.rank, role="stayer", step=step, t=time.time(),
-                      detail={"prepare_s": prep.seconds, "comms_created": self.comms_created(),
-                              "comms_created_before": prep.comms_before})
+                self.ctx.retire(self.ctx.groups[name].swap(backend), step)
+            self.ctx.pending = None
+            self.ctx.switched_epoch = prep.epoch
+            self.ctx.trace_next_steps()
+            trace("stayer swapped")
+            self.ctx.send("switched", epoch=prep.epoch, rank=self.ctx.rank, role="stayer", step=step, t=time.time(),
+                          detail={"prepare_s": prep.seconds, "comms_created": self.ctx.comms_created(),
+                                  "comms_created_before": prep.comms_before})
         return loss, step
 
-    def _start_recording(self) -> None:
+    def start_recording(self) -> None:
         from trainmover.sandbox import live, recording
         ok, why = recording.available()
         if not ok:
             log.warning("not recording collectives: %s", why)
             return
-        self.recorder = live.Recorder(self.groups, recording.base_of(self.spec.recording_dir, self.rank), self.rank,
-                                      self.spec.record_iterations, skip=CONTROL,
-                                      from_step=self.spec.record_from_step, max_versions=self.spec.record_versions)
-
-    def _trace(self, what: str) -> None:
-        if TRACE_STEPS:
-            log.info("trace %.6f %s", time.time(), what)
-
-    def _trace_next_steps(self) -> None:
-        """After a switch: log the timings of the next TRACE_STEPS steps (TM_TRACE_SWITCH)."""
-        self.trace_steps = TRACE_STEPS
+        spec = self.ctx.spec
+        rank = self.ctx.rank
+        self.recorder = live.Recorder(self.ctx.groups, recording.base_of(spec.recording_dir, rank), rank,
+                                      spec.record_iterations, skip=CONTROL, from_step=spec.record_from_step,
+                                      max_versions=spec.record_versions)

@@ -7,7 +7,9 @@ migration the leaver's slot is taken by a standby, which from then on is a worke
     python -m trainmover.runtime.worker      (started by the controller through srun)
 
 `Agent` is the process: its lifecycle, the control channel to the controller, its groups and
-its state. Each role it plays lives in a module of its own, mixed in here:
+its state, one value of rankstate.py's state machine. Each role it plays is an object of a
+module of its own, handed what it uses of the process (context.RankContext) and the roles it
+calls; the process holds them and wires them together here:
 
     standby.py      a standby: rehearse the roles on recordings, stay warm, re-warm
     training.py     the training loop and its step boundary
@@ -15,7 +17,7 @@ its state. Each role it plays lives in a module of its own, mixed in here:
     protection.py   snapshots and checkpoints of this rank's state
     recovery.py     an unexpected failure: stall and resume, or take a vanished rank's slot
 
-Faults are injected through one hook, `self.faults.at(point, ...)` (trainmover/faults.py).
+Faults are injected through one hook, `faults.at(point, ...)` (trainmover/faults.py).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import os
 import queue
 import sys
 import threading
+import time
 import traceback
 from collections import deque
 
@@ -36,15 +39,16 @@ from trainmover.control import channel, endpoint, files
 from trainmover.control.messages import make
 from trainmover.control.spec import WorkerSpec
 from trainmover.control.store import AuthStore
-from trainmover.runtime import checkpoint, heartbeat, phase1, rng, snapshot, transfer, usercode
+from trainmover.runtime import heartbeat, phase1, rng, transfer, usercode
 from trainmover.runtime.groups import CONTROL, SNAPSHOT, Revoked, SandboxBackend, SwappableGroup, gloo_group
 from trainmover.runtime.link import Link
 from trainmover.runtime.plan import GroupSpec
 from trainmover.runtime.protection import Protection
+from trainmover.runtime.rankstate import RankState, RankStateMachine
 from trainmover.runtime.recovery import Recovery
-from trainmover.runtime.standby import StandbyRole
+from trainmover.runtime.standby import REWARM_POLL_S, StandbyRole
 from trainmover.runtime.switch import Switch
-from trainmover.runtime.training import TrainingLoop
+from trainmover.runtime.training import TRACE_STEPS, TrainingLoop
 from trainmover.workloads import base as workloads
 
 log = logging.getLogger("trainmover.worker")
@@ -58,10 +62,11 @@ FAILED = 1   # this process's own code (the user's, or TrainMover's) raised: it 
 ENDED = 2    # the controller ended the job (its `bye`) while this rank was still in it
 
 
-class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
-    """One process of a training or standby node (module docstring): what every role shares."""
+class Agent:
+    """One process of a training or standby node (module docstring): what every role shares,
+    and the roles. `link`: the control channel (default: a Link to the spec's controller)."""
 
-    def __init__(self, spec: WorkerSpec, local_index: int):
+    def __init__(self, spec: WorkerSpec, local_index: int, link: Link | None = None):
         self.spec, self.local = spec, local_index
         self.rank = spec.my_rank(local_index)
         self.role = spec.role
@@ -73,7 +78,8 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
         self.store_addr = tuple(spec.store)  # moves with the controller (see _controller_address)
         self.store = self._store_client(*spec.store)
         # what a restarted controller is told (see resync_messages)
-        self.state = "training" if self.role == "worker" else "starting"
+        self.state = RankStateMachine(RankState.TRAINING if self.role == "worker" else RankState.STARTING,
+                                      who=f"{spec.role} {spec.node}/{local_index}")
         self.joining = 0        # a standby: the epoch it is joining
         self.switched_epoch = 0  # the epoch of this process's last switch
         self.last_sent: dict[str, dict] = {}
@@ -83,11 +89,11 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
         self.groups: dict[str, SwappableGroup] = {}
         self.train_thread = threading.get_native_id()  # the heartbeat reports its CPU time
         # From this node's address, as every connection of the node: a node is its address.
-        self.link = Link(tuple(spec.controller), self.key, self._hello,
-                         self.resync_messages, self._on_control, connect_timeout=spec.group_timeout_s,
-                         reconnect_timeout=spec.reconnect_timeout_s, on_gone=self._controller_gone,
-                         source=spec.node_addr, where=self._controller_address,
-                         news=lambda: endpoint.mtime(spec.controller_file))
+        self.link = link if link is not None else Link(
+            tuple(spec.controller), self.key, self._hello, self.resync_messages, self._on_control,
+            connect_timeout=spec.group_timeout_s, reconnect_timeout=spec.reconnect_timeout_s,
+            on_gone=self._controller_gone, source=spec.node_addr, where=self._controller_address,
+            news=lambda: endpoint.mtime(spec.controller_file))
         # Beats from the moment the controller knows this process: building the workload
         # (imports, a model) may take longer than the silence that would judge it dead.
         if spec.heartbeat_s > 0:
@@ -105,16 +111,14 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
         self.specs.append(GroupSpec(CONTROL, tuple(range(spec.world_size))))
         if spec.snapshot_every:  # a group of its own: exchanges run beside the step's collectives
             self.specs.append(GroupSpec(SNAPSHOT, tuple(range(spec.world_size))))
-        self.snapshots: snapshot.Snapshots | None = None  # made once the rank is known (see protect)
-        self.checkpoints: checkpoint.Writer | None = None
-        self.reported: set[tuple[int, str]] = set()
         self.retired: list = []  # old backends: released off the critical path (see retire)
-        self.trace_steps = 0
-        self.recorder = None  # the recording rank's recorder (trainmover.sandbox.live)
-        self.replayed: dict[int, int] = {}  # a standby: the latest recording version it warmed on, by role rank
-        self.rehearsed: int | None = None  # a standby: the rank whose role its workload is built for
-        self.shadow_step: int | None = None  # step its shadow steps replay (the latest recorded one)
-        self.pure_s = 0.0  # the last step's own compute time (see TrainingLoop._iteration)
+        self.trace_steps = 0  # steps after a switch whose timings are logged (TM_TRACE_SWITCH)
+        # The roles, each handed this process (as a RankContext) and the roles it calls.
+        self.protection = Protection(self)
+        self.standby = StandbyRole(self, self.protection)
+        self.recovery = Recovery(self, self.protection, self.standby)
+        self.switch = Switch(self, self.protection, self.standby, self.recovery)
+        self.training = TrainingLoop(self, self.protection, self.switch, self.recovery)
 
     def _inject_user_fault(self, what: str, args: tuple) -> None:
         """Called inside the guard of the workload's code (usercode.py): TM_INJECT raise."""
@@ -169,7 +173,7 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
         if self.role == "standby":  # nobody can call on an idle standby any more: free the node now
             log.info("controller gone for good; standby exits")
             _exit_now(0)
-        if self.link.bye is not None and self.state != "finished":
+        if self.link.bye is not None and self.state.now != RankState.FINISHED:
             # The controller ended the job (a rank's own error, a failure it could not recover):
             # waiting here, maybe in a collective with a rank that is gone, only holds the job.
             log.error("the controller ended the job: %s; rank %s exits", self.link.bye, self.rank)
@@ -182,7 +186,7 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
         prep = self.pending
         pending = self.joining or (prep.epoch if prep is not None else 0)
         out = [make("resync", node=self.spec.node, ranks=[] if self.rank is None else [self.rank], role=self.role,
-                    step=self.completed, pending=pending, switched=self.switched_epoch, state=self.state)]
+                    step=self.completed, pending=pending, switched=self.switched_epoch, state=self.state.now.value)]
         out += list(self.step_reports)
         for kind in RESEND_KINDS:
             msg = self.last_sent.get(kind)
@@ -190,9 +194,9 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
                 continue
             if kind in ("prepared", "prepare_failed") and msg["epoch"] != pending:
                 continue
-            if kind == "stalled" and self.state != "stalled":
+            if kind == "stalled" and self.state.now != RankState.STALLED:
                 continue
-            if kind == "ready" and self.state != "ready":
+            if kind == "ready" and self.state.now != RankState.READY:
                 continue
             out.append(msg)
         return out
@@ -204,19 +208,23 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
         for g in list(self.groups.values()):
             g.revoke(msg["reason"])
 
-    def send(self, kind: str, **fields):
+    def send(self, kind: str, *, enter: RankState | None = None, **fields) -> None:
         """To the controller, if reachable; training goes on either way (a restarted
-        controller gets what it needs in the resync)."""
+        controller gets what it needs in the resync). `enter`: the state this message
+        announces (a standby's `ready`, `warming`), entered once the message is kept for a
+        resync and before it is sent, so that a resync never finds the state without it."""
         msg = make(kind, **fields)
         if kind == "step":
             self.step_reports.append(msg)
         elif kind in RESEND_KINDS:
             self.last_sent[kind] = msg
-        if kind == "ready":
-            self.state = "ready"
-        elif kind == "warming":
-            self.state = "warming"
+        if enter is not None:
+            self.state.to(enter)
         self.link.send(msg)
+
+    def trace_next_steps(self) -> None:
+        """After a switch: log the timings of the next TRACE_STEPS steps (TM_TRACE_SWITCH)."""
+        self.trace_steps = TRACE_STEPS
 
     def retire(self, old, step: int) -> None:
         """Release a replaced backend without pausing training: NCCL communicators are
@@ -226,7 +234,7 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
         a departed peer can block."""
         self.retired.append((step + RETIRE_AFTER, old))
 
-    def _release_retired(self, step: int) -> None:
+    def release_retired(self, step: int) -> None:
         due = [old for at, old in self.retired if at == step]
         for old in due:
             comm = getattr(old, "comm", None)
@@ -258,7 +266,7 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
             return self.build_backend(name, prefix, grank, size, store=clients[0])
         return build
 
-    def _make_groups(self, rank: int, sandbox: bool) -> dict[str, SwappableGroup]:
+    def make_groups(self, rank: int, sandbox: bool) -> dict[str, SwappableGroup]:
         groups = {}
         for g in self.specs:
             if rank not in g.ranks:
@@ -269,7 +277,7 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
             groups[g.name] = SwappableGroup(g.name, grank, len(g.ranks), list(g.ranks), inner)
         return groups
 
-    def _context(self, rank: int) -> workloads.BuildContext:
+    def build_context(self, rank: int) -> workloads.BuildContext:
         return workloads.BuildContext(rank=rank, world_size=self.spec.world_size, groups=self.groups,
                                       seed=self.spec.seed, options={**self.spec.workload_options, "device": self.device},
                                       before_update=self._before_update)
@@ -281,7 +289,7 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
         revoked = [g.group_name_ for g in self.groups.values() if g.revoked]
         if revoked:
             raise Revoked(f"groups {revoked} revoked during this step: its gradients are not used")
-        self.snapshot_gate()  # the optimizer writes the state: a snapshot's copies of it must be done
+        self.protection.snapshot_gate()  # the optimizer writes the state: a snapshot's copies of it must be done
 
     def memory(self) -> dict:
         """What a migration costs this rank in memory: torch's allocator and the device."""
@@ -320,12 +328,41 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
 
     def run(self) -> int:
         if self.role == "worker":
-            self.groups = self._make_groups(self.rank, sandbox=False)
-            if self.rank in self._roles().values():
-                self._start_recording()
-            self.workload.build(self._context(self.rank))
-            return self.train(0)
-        return self.standby()
+            self.groups = self.make_groups(self.rank, sandbox=False)
+            if self.rank in self.standby.roles().values():
+                self.training.start_recording()
+            self.workload.build(self.build_context(self.rank))
+            return self.training.train(0)
+        return self.serve_as_standby()
+
+    def serve_as_standby(self) -> int:
+        """A standby's life: warm up, report `ready`, then wait for the controller: a `prepare`
+        makes it a joiner (switch.py), a `recover` takes a vanished rank (recovery.py), a `hold`
+        names the snapshots it holds (protection.py); between messages it re-warms on a newer
+        recording (standby.py). Once it has taken a rank it trains as a worker."""
+        t0 = self.standby.warm_up()
+        while True:
+            try:
+                msg = self.inbox.get(timeout=REWARM_POLL_S)
+            except queue.Empty:
+                self.standby.rewarm_if_newer(t0)
+                continue
+            if msg is None:
+                log.info("controller closed the channel; standby exits")
+                return 0
+            if msg["type"] == "prepare":
+                start = self.switch.join(msg)  # on this thread, at the job's priority: the job's critical path
+                if start is not None:
+                    self.standby.now_a_worker(start)
+                    return self.training.train(start)
+                self.send("ready", enter=RankState.READY, node=self.spec.node, local=self.local,
+                          warmup_s=time.perf_counter() - t0, shadow_steps=0, detail={})
+            elif msg["type"] == "recover" and str(self.local) in msg["assign"]:
+                start = self.recovery.take_failed_rank(msg)
+                self.standby.now_a_worker(start)
+                return self.training.train(start)
+            elif msg["type"] == "hold":
+                self.protection.hold_for(msg)
 
 def main() -> int:
     files.private_umask()  # what this rank writes (logs, recordings, checkpoints) is its user's alone

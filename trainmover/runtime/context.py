@@ -1,0 +1,63 @@
+"""What a rank process's roles are given: the process's own parts, typed.
+
+The process (`worker.Agent`) owns its state machine, its control channel, its rendezvous store,
+its groups and its workload; each role (standby.py, training.py, switch.py, protection.py,
+recovery.py) is an object handed this context and the other roles it calls, and keeps its own
+state to itself. `RankContext` is everything a role may use of the process: nothing else.
+"""
+from __future__ import annotations
+
+import queue
+from collections import deque
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from trainmover.faults import Injector
+    from trainmover.control.spec import WorkerSpec
+    from trainmover.control.store import AuthStore
+    from trainmover.runtime import phase1
+    from trainmover.runtime.groups import SwappableGroup
+    from trainmover.runtime.plan import GroupSpec
+    from trainmover.runtime.rankstate import RankState, RankStateMachine
+    from trainmover.runtime.usercode import UserWorkload
+    from trainmover.workloads.base import BuildContext
+
+
+class RankContext(Protocol):
+    # what the process is, fixed at launch
+    spec: WorkerSpec
+    local: int                        # SLURM_LOCALID: this process's index on its node
+    key: bytes                        # the job's secret
+    device: str                       # cpu or cuda
+    faults: Injector                  # the one fault-injection hook (trainmover/faults.py)
+    inbox: queue.Queue                # the controller's messages (None: it is gone for good)
+    workload: UserWorkload
+    specs: list[GroupSpec]            # every group of the job, the control and snapshot groups included
+    # what changes as it moves through its roles
+    rank: int | None                  # None: a standby that has not taken a rank
+    role: str                         # "worker" or "standby"
+    state: RankStateMachine
+    store: AuthStore                  # the job's rendezvous store (moves with the controller)
+    store_addr: tuple[str, int]
+    groups: dict[str, SwappableGroup]
+    completed: int                    # steps whose updates this rank's state holds
+    pending: phase1.Prepared | None   # a planned migration's Phase 1, until it switches or is aborted
+    joining: int                      # a standby: the epoch it is joining (0: none)
+    switched_epoch: int               # the epoch of its last switch
+    step_reports: deque               # step reports kept for a restarted controller
+    trace_steps: int                  # steps after a switch whose timings are still logged
+
+    def send(self, kind: str, *, enter: RankState | None = None, **fields) -> None: ...
+    def retire(self, old, step: int) -> None: ...
+    def release_retired(self, step: int) -> None: ...
+    def build_backend(self, name: str, prefix: str, grank: int, size: int, store=None): ...
+    def phase1_builder(self) -> phase1.Builder: ...
+    def make_groups(self, rank: int, sandbox: bool) -> dict[str, SwappableGroup]: ...
+    def build_context(self, rank: int) -> BuildContext: ...
+    def full_state(self, step: int) -> dict: ...
+    def replica_state(self, step: int) -> dict: ...
+    def load_full(self, state: dict) -> None: ...
+    def digest(self) -> str: ...
+    def memory(self) -> dict: ...
+    def comms_created(self) -> int: ...
+    def trace_next_steps(self) -> None: ...
