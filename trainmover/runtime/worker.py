@@ -36,6 +36,7 @@ from trainmover.control import channel, endpoint, files
 from trainmover.control.messages import make
 from trainmover.control.spec import WorkerSpec
 from trainmover.control.store import AuthStore
+from trainmover.logs import setup_logging
 from trainmover.runtime import checkpoint, heartbeat, phase1, rng, snapshot, transfer, usercode
 from trainmover.runtime.groups import CONTROL, SNAPSHOT, Revoked, SandboxBackend, SwappableGroup, gloo_group
 from trainmover.runtime.link import Link
@@ -329,8 +330,7 @@ class Agent(StandbyRole, TrainingLoop, Switch, Protection, Recovery):
 
 def main() -> int:
     files.private_umask()  # what this rank writes (logs, recordings, checkpoints) is its user's alone
-    logging.basicConfig(level=os.environ.get("TM_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(name)s[" + os.environ.get("SLURMD_NODENAME", "?") + "] %(message)s")
+    setup_logging(node=os.environ.get("SLURMD_NODENAME", "?"))
     torch.set_num_threads(1)  # determinism and fair sharing of the node's cores
     spec = WorkerSpec.from_env()
     local = int(os.environ.get("SLURM_LOCALID", "0"))
