@@ -32,11 +32,11 @@ import torch
 import torch.distributed as dist
 
 from trainmover import faults
+from trainmover.logs import setup_logging
 from trainmover.control import channel, endpoint, files
 from trainmover.control.messages import make
 from trainmover.control.spec import WorkerSpec
 from trainmover.control.store import AuthStore
-from trainmover.logs import setup_logging
 from trainmover.runtime import checkpoint, heartbeat, phase1, rng, snapshot, transfer, usercode
 from trainmover.runtime.groups import CONTROL, SNAPSHOT, Revoked, SandboxBackend, SwappableGroup, gloo_group
 from trainmover.runtime.link import Link
