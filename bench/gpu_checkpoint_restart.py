@@ -193,7 +193,7 @@ def main():
     ap.add_argument("--start-timeout", type=float, default=900)
     ap.add_argument("--stop-timeout", type=float, default=600)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    ap.add_argument("--machine", default=os.environ.get("TM_BENCH_MACHINE", "unknown"))
+    ap.add_argument("--machine", default=results_io.machine())
     args = ap.parse_args()
     if args.gpus < 2:
         raise SystemExit("--gpus must be >= 2 (workers = GPUs - 1, plus one replacement)")

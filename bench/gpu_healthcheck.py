@@ -273,7 +273,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"),
                     help="the JSON file to write (a folder: <folder>/gpu-healthcheck.json)")
-    ap.add_argument("--machine", default=os.environ.get("TM_BENCH_MACHINE", "unknown"))
+    ap.add_argument("--machine", default=results_io.machine())
     ap.add_argument("--healthy-runs", type=int, default=24)
     ap.add_argument("--gap-s", type=float, default=None, help="pause between healthy runs (default 2.5, dry run 0)")
     ap.add_argument("--traffic-gb", type=float, default=4.0, help="buffer copied back and forth between GPUs 0 and 1")

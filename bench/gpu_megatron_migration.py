@@ -116,7 +116,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
     ap.add_argument("--work", default=None, help="scratch directory of the jobs (default: a new one under /tmp); "
                     "their logs and run files are copied to <out>/<scenario>-logs")
-    ap.add_argument("--machine", default=os.environ.get("TM_BENCH_MACHINE", "unknown"))
+    ap.add_argument("--machine", default=results_io.machine())
     ap.add_argument("--deadline-s", type=float, default=420.0, help="the whole run, both jobs")
     ap.add_argument("--record-iterations", type=int, default=3,
                     help="recorded iterations per standby role (0: the standby warms on local answers)")

@@ -349,7 +349,7 @@ def main() -> int:
                                                                "only --fault kill")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
     ap.add_argument("--work", default=None, help="scratch directory of the jobs (default: a new one under /tmp)")
-    ap.add_argument("--machine", default=os.environ.get("TM_BENCH_MACHINE", "unknown"))
+    ap.add_argument("--machine", default=results_io.machine())
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run of the same flow (gloo)")
     ap.add_argument("--deadline-s", type=float, default=540.0, help="the whole run, every job")
     ap.add_argument("--run-job", help=argparse.SUPPRESS)

@@ -151,7 +151,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
     ap.add_argument("--work", default=None, help="scratch directory of the jobs (recordings are GBs on GPUs; "
                     "default: a new one under /tmp); their logs and run files are copied to <out>/<scenario>-logs")
-    ap.add_argument("--machine", default=os.environ.get("TM_BENCH_MACHINE", "unknown"))
+    ap.add_argument("--machine", default=results_io.machine())
     ap.add_argument("--no-compile", action="store_true", help="plain eager model (compile is the subject)")
     ap.add_argument("--record-from", type=int, default=20, help="first recorded step (past the worker's compile)")
     ap.add_argument("--steady-steps", type=int, default=60, help="steady steps between 'ready' and the migration")

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import subprocess
 from pathlib import Path
+
+from trainmover import config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -13,8 +14,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def commit() -> str:
     """The commit measured. A device machine gets the tree without history: the caller passes
     TM_COMMIT there."""
-    return os.environ.get("TM_COMMIT") or subprocess.run(
+    return config.setting("TM_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--verify", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+
+
+def machine() -> str:
+    """The machine a result names by default: TM_BENCH_MACHINE, else "unknown"."""
+    return config.setting("TM_BENCH_MACHINE")
 
 
 def now() -> str:

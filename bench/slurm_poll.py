@@ -29,8 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import results_io  # noqa: E402
+from trainmover import config  # noqa: E402
 
-INSIDE = "TM_BENCH_INSIDE_ROOT"  # not a TM_ variable: the bench's own marker for its re-execution
+INSIDE = "TM_BENCH_INSIDE_ROOT"  # the bench's own marker for its re-execution (declared in trainmover/config.py)
 
 
 def _stats(xs: list[float]) -> dict:
@@ -63,7 +64,7 @@ def main() -> int:
     from trainmover.cluster import attach, rootfs
     info = attach(args.dir)
     nodes = list(info.train_nodes) + list(info.standby_nodes)
-    if os.environ.get(INSIDE) != "1":
+    if config.setting(INSIDE) != "1":
         if info.slurm_root is None:
             raise SystemExit(f"the cluster in {args.dir} runs the host's Slurm; this bench needs Slurm 25.11's root")
         argv = [*rootfs.launcher(info.slurm_root, rootfs.binds(info.state_dir), chdir=str(ROOT)), sys.executable,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds cuda/build/libtmdelta_plan.so (needs a C++ compiler) and cuda/build/libtmdelta.so
-# (needs a CUDA toolkit and NCCL). Works offline. Looks for:
+# Builds cuda/build/libtmdelta.so (needs a C++ compiler, a CUDA toolkit and NCCL). Works offline.
+# Arguments: make targets of cuda/Makefile (default: all); `scripts/build_cuda.sh all test` also
+# builds the test variant libtmdelta_test.so (tests/unit/test_nccl_lib.py does). Looks for:
 #   CUDA toolkit: $CUDA_HOME, the toolkit of `nvcc` on PATH, /usr/local/cuda
 #   NCCL:         $NCCL_HOME, <python site-packages>/nvidia/nccl (the nvidia-nccl-cu13 wheel
 #                 that torch's CUDA builds depend on), system paths (/usr/include, /usr/local/cuda)
@@ -15,11 +16,11 @@ if ! command -v "${CXX:-g++}" >/dev/null 2>&1 || ! command -v make >/dev/null 2>
   echo "build_cuda: skipped: no C++ compiler (${CXX:-g++}) or no make on PATH"
   exit 0
 fi
-# A skipped full build must not leave an older libtmdelta.so behind to be loaded.
-skip() { rm -f build/libtmdelta.so; echo "build_cuda: skipped libtmdelta.so: $* (built libtmdelta_plan.so only)"; exit 0; }
+targets=("${@:-all}")
+# A skipped build must not leave an older library behind to be loaded.
+skip() { rm -f build/libtmdelta.so build/libtmdelta_test.so; echo "build_cuda: skipped libtmdelta.so: $*"; exit 0; }
 jobs=$(nproc 2>/dev/null || echo 2)
 t0=$(date +%s.%N)
-make -s -j"$jobs" plan >/dev/null
 
 cuda_home=""
 nvcc_path=$(command -v nvcc 2>/dev/null || true)
@@ -65,8 +66,9 @@ if [ -z "$nccl_inc" ]; then
   skip "no nccl.h + libnccl.so.2 in \$NCCL_HOME, site-packages nvidia/nccl (pip install nvidia-nccl-cu13) or /usr"
 fi
 
-make -s -j"$jobs" full CUDA_HOME="$cuda_home" CUDA_LIBDIR="$cuda_lib" NCCL_INC="$nccl_inc" \
+make -s -j"$jobs" "${targets[@]}" CUDA_HOME="$cuda_home" CUDA_LIBDIR="$cuda_lib" NCCL_INC="$nccl_inc" \
   NCCL_LIBDIR="$nccl_lib" >/dev/null
 version=$(sed -n 's/^#define NCCL_\(MAJOR\|MINOR\|PATCH\) *\([0-9]*\).*/\2/p' "$nccl_inc/nccl.h" | paste -sd.)
 secs=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
-echo "build_cuda: built cuda/build/libtmdelta.so and libtmdelta_plan.so in ${secs}s (NCCL $version from $nccl_inc, CUDA from $cuda_home)"
+names=$(for t in "${targets[@]}"; do case $t in all) echo libtmdelta.so;; test) echo libtmdelta_test.so;; *) echo "$t";; esac; done | paste -sd' ')
+echo "build_cuda: built $names (cuda/build/) in ${secs}s (NCCL $version from $nccl_inc, CUDA from $cuda_home)"

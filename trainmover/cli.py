@@ -115,8 +115,8 @@ def _source(src: dict) -> str:
 
 def _controller() -> int:
     """The batch script's process: the keeper on a keeper node, else the supervisor itself."""
-    import logging
     import os
+    from trainmover.logs import setup_logging
     from trainmover.controller import keeper, supervisor
     from trainmover.control import files
     files.private_umask()  # the job's files are its user's alone (docs/security.md)
@@ -127,8 +127,7 @@ def _controller() -> int:
         cfg = Config.from_env()
         slurm = CliSlurm(node_query=cfg.node_query)  # tm_nodes: one RPC a node query, not two
         if keeper.is_keeper(slurm, node):
-            logging.basicConfig(level=os.environ.get("TM_LOG_LEVEL", "INFO"),
-                                format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+            setup_logging()
             return keeper.main(cfg, slurm, int(job), node)
     return supervisor.main([])
 
@@ -172,11 +171,11 @@ def _drain(args) -> int:
 
 def _node_reader(args) -> int:
     """Runs until killed: slurm/node_states.py."""
-    import logging
     import os
+    from trainmover.logs import setup_logging
     from trainmover.slurm import drain_notice, node_states
     from trainmover.slurm.client import CliSlurm
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    setup_logging()
     directory = (drain_notice.default_dir(os.environ.get("SLURM_CONF")) if args.notices == "auto"
                  else Path(args.notices))
     if directory is None or args.interval <= 0:

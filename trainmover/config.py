@@ -3,6 +3,10 @@
 Sources, later wins: defaults, `TM_*` environment variables (what a user sets in an sbatch
 script), command-line options of `trainmover controller`. An unknown `TM_*` variable is an
 error (a typo must not silently fall back to a default); so is a malformed value.
+
+Every `TM_*` variable the code reads is declared here: the job's configuration (`Config`, one
+field each), and in a group of their own the variables of TrainMover's own processes, tools,
+debugging and tests (`VARIABLES`), which modules read only through `setting()`.
 """
 from __future__ import annotations
 
@@ -51,9 +55,47 @@ def _scalar(value: str):
     return value
 
 
-# Variables that belong to the runtime or tools, not to the job's configuration.
-_NOT_CONFIG = {"TM_WORKER_SPEC", "TM_LOG_LEVEL", "TM_TRACE_COLLECTIVES", "TM_CLUSTER_DIR", "TM_PYTHON", "TM_E2E_CLUSTER_DIR",
-               "TM_E2E_SLURM", "TM_ROOTFS_CACHE", "TM_SLURM_SOURCE", "TM_E2E_INSIDE_ROOT"}
+@dataclass(frozen=True)
+class Variable:
+    """A `TM_*` variable that is not part of a job's configuration."""
+    env: str
+    group: str    # process: set by TrainMover for its own processes; tool; debug; test
+    default: str  # what `setting` returns when the variable is unset or empty
+    doc: str
+
+
+VARIABLES = (
+    Variable("TM_WORKER_SPEC", "process", "", "the spec the controller hands a rank process (JSON, control/spec.py); set by the controller"),
+    Variable("TM_PYTHON", "process", "", "the interpreter the sbatch templates run (default $SLURM_SUBMIT_DIR/.venv/bin/python); read by the templates"),
+    Variable("TM_LOG_LEVEL", "process", "INFO", "log level of TrainMover's processes (a logging level name: DEBUG, INFO, WARNING, ...)"),
+    Variable("TM_NCCL_LIB", "tool", "", "path of the communicator library (default cuda/build/libtmdelta.so)"),
+    Variable("TM_CLUSTER_DIR", "tool", "", "state directory of `trainmover cluster` (default /var/tmp/trainmover-cluster)"),
+    Variable("TM_ROOTFS_CACHE", "tool", "", "root filesystem cache of the Slurm release clusters (default /var/cache/trainmover/rootfs)"),
+    Variable("TM_SLURM_SOURCE", "tool", "", "the Slurm source tarball, or a directory holding it, for releases built from source"),
+    Variable("TM_BENCH_MACHINE", "tool", "unknown", "bench/: the machine named in a result's JSON"),
+    Variable("TM_COMMIT", "tool", "", "bench/: the commit named in a result's JSON (default: git rev-parse HEAD)"),
+    Variable("TM_BENCH_INSIDE_ROOT", "tool", "", "bench/slurm_poll.py: set in its re-execution inside a release's root filesystem"),
+    Variable("TM_TRACE_COLLECTIVES", "debug", "", "1: print every collective a group forwards (mismatched sequences between ranks)"),
+    Variable("TM_TRACE_SWITCH", "debug", "", "1: log the timings of the two steps after a switch"),
+    Variable("TM_TEST_GPU", "test", "", "tests: 1 runs the GPU session (tests/conftest.py: pytest tests -m gpu)"),
+    Variable("TM_RECORD_GOLDEN", "test", "", "tests/unit/test_templates.py: 1 re-records the sbatch golden files"),
+    Variable("TM_E2E_CLUSTER_DIR", "test", "", "tests/e2e: the shared cluster's state directory (default /var/tmp/trainmover-cluster-e2e)"),
+    Variable("TM_E2E_JOBS_DIR", "test", "", "tests/e2e: where jobs submitted as the ordinary user run (default /var/tmp/trainmover-e2e-jobs)"),
+    Variable("TM_E2E_MEGATRON_CLUSTER_DIR", "test", "", "tests/e2e/test_megatron_slurm.py: its cluster's state directory"),
+    Variable("TM_E2E_WHOLE_NODE_CLUSTER_DIR", "test", "", "tests/e2e/test_megatron_whole_node.py: its cluster's state directory"),
+    Variable("TM_E2E_SLURM", "test", "", "tests/e2e: run against this Slurm release's cluster (the Slurm matrix)"),
+    Variable("TM_E2E_INSIDE_ROOT", "test", "", "tests/e2e: set inside a release's root filesystem (pyslurm's contract cases)"),
+)
+_VARIABLES = {v.env: v for v in VARIABLES}
+
+
+def setting(env: str, environ=None) -> str:
+    """The value of a declared `VARIABLES` entry: the environment's (read now, so a test may
+    set it), else its default. A name not declared raises KeyError: the code reads no `TM_*`
+    variable that `Config.from_env` would refuse as unknown."""
+    var = _VARIABLES[env]
+    environ = os.environ if environ is None else environ
+    return environ.get(env) or var.default
 
 
 @dataclass(frozen=True)
@@ -183,7 +225,7 @@ class Config:
     def from_env(cls, environ=None, **overrides) -> "Config":
         environ = os.environ if environ is None else environ
         by_env = {f.metadata["env"]: f for f in fields(cls)}
-        unknown = sorted(k for k in environ if k.startswith("TM_") and k not in by_env and k not in _NOT_CONFIG)
+        unknown = sorted(k for k in environ if k.startswith("TM_") and k not in by_env and k not in _VARIABLES)
         if unknown:
             raise ConfigError(f"unknown TrainMover variable(s) {unknown}; known: {sorted(by_env)}")
         values = {}
@@ -211,5 +253,9 @@ def _parse(f, raw: str):
 
 
 def describe() -> str:
-    """The documentation table of every variable (used by `trainmover config --help`)."""
-    return "\n".join(f"{f.metadata['env']:<22} {str(f.default):<20} {f.metadata['doc']}" for f in fields(Config))
+    """The documentation table of every variable (used by `trainmover config --help`): the job's
+    configuration, then the variables of TrainMover's processes, tools, debugging and tests."""
+    rows = [f"{f.metadata['env']:<22} {str(f.default):<20} {f.metadata['doc']}" for f in fields(Config)]
+    rows += ["", "Not part of a job's configuration:"]
+    rows += [f"{v.env:<22} {v.group:<20} {v.doc}" for v in VARIABLES]
+    return "\n".join(rows)

@@ -1,13 +1,14 @@
-/* tmdelta: replace a leaving rank's slot in NCCL communicators (TrainMover).
+/* tmdelta: NCCL communicators for TrainMover, built ahead of a migration, with deadlines.
  *
  * Every function returns an int status (tm_status below): 0 is success. On failure
- * tm_last_error() gives a thread-local message that names the communicator or slot, its rank
+ * tm_last_error() gives a thread-local message that names the communicator, its rank
  * and the phase, and ends with the source file:line that detected the failure.
  *
- * Three parts, in three groups of functions:
- *   tm_plan_*   which groups a migration changes (pure arithmetic; also in libtmdelta_plan.so)
- *   tm_comm_*   communicators: non-blocking init with a deadline, revoke/abort/destroy, collectives
- *   tm_slot_*   a stable logical group whose communicator is replaced in two phases
+ * Two groups of functions:
+ *   tm_comm_*   communicators: non-blocking init with a deadline, revoke/abort/destroy
+ *   tm_allreduce ... tm_group_end   collectives and grouped send/recv on them
+ * Which groups a migration rebuilds is decided in Python (trainmover/runtime/plan.py); the
+ * swap of a group's communicator is done by trainmover/nccl/backend.py.
  *
  * This header includes neither nccl.h nor cuda_runtime.h: dtypes and reduction ops are the
  * integer values of ncclDataType_t / ncclRedOp_t, streams are cudaStream_t passed as void*.
@@ -30,12 +31,12 @@ extern "C" {
 typedef enum {
   TM_OK = 0,
   TM_E_INVALID = 1,      /* a bad argument (null pointer, out-of-range rank, malformed layout) */
-  TM_E_STATE = 2,        /* an illegal state transition (slot or communicator) */
+  TM_E_STATE = 2,        /* a call on a communicator in the wrong state */
   TM_E_NCCL = 3,         /* NCCL returned an error (the message carries ncclGetLastError) */
   TM_E_CUDA = 4,         /* the CUDA runtime returned an error */
   TM_E_TIMEOUT = 5,      /* a deadline ran out; the message names what was waited for */
   TM_E_NOMEM = 6,        /* host allocation failed */
-  TM_E_UNSUPPORTED = 7,  /* the function is not in this build (plan-only library) */
+  TM_E_UNSUPPORTED = 7,  /* not available here (the Python binding: library not built/loadable) */
   TM_E_INTERNAL = 8
 } tm_status;
 
@@ -44,27 +45,10 @@ typedef enum {
 /* Thread-local text of the last failure on this thread ("" if none). Never NULL. */
 TM_API const char* tm_last_error(void);
 /* Version of the NCCL the library was compiled against and the one loaded at run time
- * (NCCL_VERSION_CODE encoding); 0 for both in the plan-only library. */
+ * (NCCL_VERSION_CODE encoding). */
 TM_API int tm_nccl_version(int* compiled, int* runtime);
 
-/* ---- 1. Delta plan (pure; same semantics as trainmover/runtime/plan.py) ------------------
- * Groups in CSR form: group g has global ranks ranks[offsets[g] .. offsets[g+1]) in group-rank
- * order; offsets has ngroups+1 entries, offsets[0] == 0. Each group must be non-empty with
- * distinct non-negative ranks; every leaver must be in some group; nleavers >= 1 (duplicates
- * in leavers are allowed and count once). */
-
-/* changed[g] = 1 if group g contains a leaver, else 0 (changed has ngroups entries). */
-TM_API int tm_plan_changed(int ngroups, const int* offsets, const int* ranks,
-                           int nleavers, const int* leavers, unsigned char* changed);
-/* The changed groups that global `rank` belongs to (a stayer, or a joiner in a leaver's slot),
- * in group order: out_groups[i] is the group index, out_group_ranks[i] the rank's group rank.
- * *out_count is the number found; if it exceeds capacity the call fails with TM_E_INVALID and
- * *out_count says how much room is needed (capacity = ngroups is always enough). */
-TM_API int tm_plan_for_rank(int ngroups, const int* offsets, const int* ranks,
-                            int nleavers, const int* leavers, int rank,
-                            int capacity, int* out_groups, int* out_group_ranks, int* out_count);
-
-/* ---- 2. Communicators ---------------------------------------------------------------------- */
+/* ---- 1. Communicators ---------------------------------------------------------------------- */
 typedef struct tm_comm* tm_comm_t;
 
 typedef enum {
@@ -79,7 +63,7 @@ typedef enum {
 TM_API int tm_get_unique_id(char out[TM_UNIQUE_ID_BYTES]);
 /* cudaSetDevice(device), then non-blocking ncclCommInitRankConfig (config.blocking = 0,
  * config.commName = name). Returns at once; *out is in TM_COMM_INITIALIZING or TM_COMM_READY.
- * The handle holds one reference: release it with tm_comm_release. */
+ * Free the handle with tm_comm_release. */
 TM_API int tm_comm_init_start(const char* name, const char id[TM_UNIQUE_ID_BYTES], int nranks,
                               int rank, int device, tm_comm_t* out);
 /* *done = 1 once ready. An NCCL async error moves the communicator to TM_COMM_FAILED and
@@ -93,7 +77,8 @@ TM_API int tm_comm_wait(tm_comm_t comm, int timeout_ms);
 TM_API int tm_comm_revoke(tm_comm_t comm);
 TM_API int tm_comm_abort(tm_comm_t comm);   /* local, never waits on peers */
 TM_API int tm_comm_destroy(tm_comm_t comm); /* ncclCommDestroy; a FAILED communicator is aborted */
-/* Drops one reference; the last one aborts a still-live communicator and frees the handle. */
+/* Frees the handle, aborting a still-live communicator first (abort is local; destroy could
+ * wait on peers that are gone). */
 TM_API int tm_comm_release(tm_comm_t comm);
 TM_API int tm_comm_info(tm_comm_t comm, int* rank, int* nranks, int* device, int* state);
 /* Deadline for one enqueue on a non-blocking communicator to settle (default 300000 ms). */
@@ -101,7 +86,7 @@ TM_API int tm_comm_set_op_timeout(tm_comm_t comm, int timeout_ms);
 /* Communicators this process has started (tm_comm_init_start calls NCCL accepted). */
 TM_API int tm_comm_count_created(long long* out);
 
-/* ---- 3. Collectives, enqueued on `stream` (a cudaStream_t) --------------------------------
+/* ---- 2. Collectives, enqueued on `stream` (a cudaStream_t) --------------------------------
  * dtype: ncclDataType_t value; op: ncclRedOp_t value (ncclAvg = 4 needs NCCL >= 2.10).
  * Outside a group, a call returns once NCCL has enqueued the work (see README: ncclInProgress). */
 TM_API int tm_allreduce(tm_comm_t comm, const void* sendbuf, void* recvbuf, size_t count,
@@ -119,51 +104,6 @@ TM_API int tm_recv(tm_comm_t comm, void* buf, size_t count, int dtype, int peer,
  * inside the group (each bounded by its op timeout). */
 TM_API int tm_group_start(void);
 TM_API int tm_group_end(void);
-
-/* ---- 4. Slots: the two-phase switch ----------------------------------------------------------
- *   ACTIVE --prepare--> PREPARED --switch--> SWITCHING --(old revoked+destroyed)--> ACTIVE
- *   PREPARED --cancel--> ACTIVE;  any but SWITCHING --close--> CLOSED
- * Anything else fails with TM_E_STATE naming the slot, the state and the event. */
-typedef struct tm_slot* tm_slot_t;
-
-typedef enum {
-  TM_SLOT_ACTIVE = 0,
-  TM_SLOT_PREPARED = 1,
-  TM_SLOT_SWITCHING = 2,
-  TM_SLOT_CLOSED = 3
-} tm_slot_state;
-
-typedef enum {
-  TM_SLOT_EV_PREPARE = 0,
-  TM_SLOT_EV_SWITCH = 1,
-  TM_SLOT_EV_SWITCHED = 2,
-  TM_SLOT_EV_CANCEL = 3,
-  TM_SLOT_EV_CLOSE = 4
-} tm_slot_event;
-
-/* The slot takes its own reference on `initial` (which must be READY). */
-TM_API int tm_slot_create(const char* name, tm_comm_t initial, tm_slot_t* out);
-/* Phase 1 result: store a READY replacement; refused if one is already pending. */
-TM_API int tm_slot_prepare(tm_slot_t slot, tm_comm_t replacement);
-/* Phase 2: the prepared communicator becomes active at once; the old one is then revoked and
- * destroyed (aborted if that fails). Returns TM_OK once the new one is active, even when only
- * the abort fallback could dispose of the old one; an error means the switch did not happen. */
-TM_API int tm_slot_switch(tm_slot_t slot);
-/* Aborts the prepared communicator; the active one is untouched. */
-TM_API int tm_slot_cancel(tm_slot_t slot);
-/* *out = the active communicator (borrowed: valid while the slot holds it). */
-TM_API int tm_slot_active(tm_slot_t slot, tm_comm_t* out);
-TM_API int tm_slot_state_of(tm_slot_t slot, int* state);
-/* Closes the slot (aborts a pending replacement, releases the active one) and frees it. */
-TM_API int tm_slot_destroy(tm_slot_t slot);
-/* The transition table itself (pure; also in libtmdelta_plan.so): *next for (state, event),
- * or TM_E_STATE if the event is illegal in that state. */
-TM_API int tm_slot_transition(int state, int event, int* next);
-
-/* ---- Test hook ------------------------------------------------------------------------------
- * A communicator handle with no NCCL communicator behind it, READY at once: lets the slot
- * logic run on machines without a GPU. Collectives on it fail with TM_E_INVALID. */
-TM_API int tm_test_comm_fake(const char* name, int rank, int nranks, tm_comm_t* out);
 
 #ifdef __cplusplus
 }

@@ -17,7 +17,7 @@ thread_local std::vector<tm_comm*> g_group_comms;
 
 int usable(tm_comm* c, const char* phase) {
   TM_CHECK_COMM(c);
-  if (c->fake)
+  if (tmd::is_fake(c))
     return TM_FAIL(TM_E_INVALID, "%s phase=%s: test fake has no NCCL communicator",
                    tmd::describe(c).c_str(), phase);
   const int s = c->state;

@@ -1,4 +1,4 @@
-// Communicators: non-blocking init with a deadline, revoke/abort/destroy, reference counting.
+// Communicators: non-blocking init with a deadline, revoke/abort/destroy, release.
 #include "comm.h"
 
 #include <chrono>
@@ -48,7 +48,7 @@ int fail_cuda(const tm_comm* c, const char* phase, const char* call, cudaError_t
 }
 
 int settle(tm_comm* c, const char* phase, int timeout_ms) {
-  if (c->fake || !c->nccl) return TM_OK;
+  if (is_fake(c) || !c->nccl) return TM_OK;
   const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
   auto pause = std::chrono::microseconds(50);
   for (;;) {
@@ -82,19 +82,6 @@ int abort_locked(tm_comm* c, const char* phase) {
     ncclResult_t r = ncclCommAbort(nc);
     if (r != ncclSuccess && r != ncclInProgress)
       return fail_nccl(c, phase, "ncclCommAbort", r, __FILE__, __LINE__);
-  }
-  return TM_OK;
-}
-
-void retain(tm_comm* c) { c->refs.fetch_add(1); }
-
-int dispose(tm_comm* c, const char* phase) {
-  int rc = tm_comm_revoke(c);
-  if (rc == TM_OK) rc = tm_comm_destroy(c);
-  if (rc != TM_OK) {
-    std::lock_guard<std::mutex> lock(c->mu);
-    const int arc = abort_locked(c, phase);
-    if (arc != TM_OK) return arc;
   }
   return TM_OK;
 }
@@ -166,7 +153,7 @@ extern "C" int tm_comm_poll(tm_comm_t c, int* done) {
   if (s != TM_COMM_INITIALIZING && s != TM_COMM_READY)
     return TM_FAIL(TM_E_STATE, "%s phase=poll: communicator is %s", describe(c).c_str(),
                    tmd::comm_state_name(s));
-  if (c->fake) {
+  if (tmd::is_fake(c)) {
     *done = 1;
     return TM_OK;
   }
@@ -212,7 +199,7 @@ extern "C" int tm_comm_revoke(tm_comm_t c) {
   if (s != TM_COMM_READY && s != TM_COMM_FAILED)
     return TM_FAIL(TM_E_STATE, "%s phase=revoke: communicator is %s", describe(c).c_str(),
                    tmd::comm_state_name(s));
-  if (c->fake) {
+  if (tmd::is_fake(c)) {
     c->state = TM_COMM_REVOKED;
     return TM_OK;
   }
@@ -255,7 +242,6 @@ extern "C" int tm_comm_destroy(tm_comm_t c) {
 
 extern "C" int tm_comm_release(tm_comm_t c) {
   if (!c) return TM_OK;
-  if (c->refs.fetch_sub(1) != 1) return TM_OK;
   int rc = TM_OK;
   {
     std::lock_guard<std::mutex> lock(c->mu);
@@ -284,19 +270,5 @@ extern "C" int tm_comm_set_op_timeout(tm_comm_t c, int timeout_ms) {
 extern "C" int tm_comm_count_created(long long* out) {
   TM_CHECK_ARG(out != nullptr, "count: out is null");
   *out = g_created.load();
-  return TM_OK;
-}
-
-extern "C" int tm_test_comm_fake(const char* name, int rank, int nranks, tm_comm_t* out) {
-  TM_CHECK_ARG(name && out, "fake comm: name and out must be non-null");
-  TM_CHECK_ARG(nranks >= 1 && rank >= 0 && rank < nranks, "fake comm '%s': bad rank", name);
-  tm_comm* c = new (std::nothrow) tm_comm;
-  if (!c) return TM_FAIL(TM_E_NOMEM, "fake comm '%s': out of host memory", name);
-  c->name = name;
-  c->rank = rank;
-  c->nranks = nranks;
-  c->fake = true;
-  c->state = TM_COMM_READY;
-  *out = c;
   return TM_OK;
 }

@@ -22,14 +22,26 @@ struct tm_comm {
   std::string name;
   int rank = -1, nranks = 0, device = -1;
   ncclComm_t nccl = nullptr;               // null once aborted/destroyed, and for test fakes
-  bool fake = false;
+#ifdef TM_TEST
+  bool fake = false;                       // made by tm_test_comm_fake (src/test_hook.cpp)
+#endif
   std::atomic<int> state{TM_COMM_INITIALIZING};
-  std::atomic<int> refs{1};
   std::atomic<int> op_timeout_ms{300000};
   std::mutex mu;                           // serialises management calls (poll/revoke/abort/...)
 };
 
 namespace tmd {
+
+// A handle with no NCCL communicator behind it: only the test build (make test,
+// libtmdelta_test.so) can make one; in the production library this is always false.
+inline bool is_fake(const tm_comm* c) {
+#ifdef TM_TEST
+  return c->fake;
+#else
+  (void)c;
+  return false;
+#endif
+}
 
 // "comm 'tp2' rank 1/4"
 std::string describe(const tm_comm* c);
@@ -44,9 +56,6 @@ int fail_cuda(const tm_comm* c, const char* phase, const char* call, cudaError_t
 int settle(tm_comm* c, const char* phase, int timeout_ms);
 // ncclCommAbort, state -> ABORTED. Caller holds c->mu.
 int abort_locked(tm_comm* c, const char* phase);
-void retain(tm_comm* c);
-// Revoke (or abort on old NCCL), then destroy; aborts if either step fails. Used by the switch.
-int dispose(tm_comm* c, const char* phase);
 
 }  // namespace tmd
 

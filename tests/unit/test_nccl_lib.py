@@ -1,17 +1,16 @@
-"""The communicator-delta library (cuda/) and its binding (trainmover.nccl.lib).
+"""The communicator library (cuda/) and its binding (trainmover.nccl.lib).
 
-CPU (any machine with a C++ compiler): the build, the delta plan against
-trainmover/runtime/plan.py on random layouts (against both libraries), the slot table, the
-slot logic on test-hook communicators, the exported symbols, the NCCL enum values.
+CPU (a machine with a C++ compiler, a CUDA toolkit and NCCL; the tests skip without them): the
+build, the communicator state logic on the test build's fake handles (libtmdelta_test.so), the
+exported symbols of both builds, the NCCL enum values, the init error path without a GPU.
 GPU (`-m gpu`, >= 2 GPUs; the migration test >= 3): real communicators in spawned processes.
     TM_TEST_GPU=1 python -m pytest tests/unit/test_nccl_lib.py -m gpu   (tests/conftest.py: why apart)
 """
 from __future__ import annotations
 
+import ctypes
 import datetime
-import itertools
 import os
-import random
 import re
 import shutil
 import subprocess
@@ -22,7 +21,6 @@ import pytest
 import torch
 
 from trainmover.nccl import lib
-from trainmover.runtime.plan import GroupSpec, delta
 
 REPO = Path(__file__).resolve().parents[2]
 BUILD = REPO / "scripts" / "build_cuda.sh"
@@ -32,8 +30,9 @@ GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NV
 
 @pytest.fixture(scope="session")
 def build() -> str:
-    """Runs the build script once; returns its last line ("build_cuda: built/skipped ...")."""
-    proc = subprocess.run(["bash", str(BUILD)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    """Runs the build script once (the library and its test build); returns its last line
+    ("build_cuda: built/skipped ...")."""
+    proc = subprocess.run(["bash", str(BUILD), "all", "test"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"build_cuda.sh failed:\n{proc.stdout}\n{proc.stderr}"
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith(("build_cuda: built", "build_cuda: skipped")), proc.stdout
@@ -49,160 +48,42 @@ def full(build):
     return lib.load()
 
 
-@pytest.fixture(params=["plan", "full"])
-def which(request, build, monkeypatch):
-    """Runs a test against each library that was built: one contract, two implementations."""
-    try:
-        chosen = lib._load(request.param)
-    except lib.NcclUnavailable as exc:
-        pytest.skip(f"{request.param} library: {exc} ({build})")
-    monkeypatch.setattr(lib, "_plan_lib", lambda: chosen)
-    return request.param
+@pytest.fixture
+def testlib(build, monkeypatch):
+    """The test build (make test: the production library plus tm_test_comm_fake), loaded in
+    place of the production one for this test through TM_NCCL_LIB."""
+    path = REPO / "cuda/build/libtmdelta_test.so"
+    if not path.is_file():
+        pytest.skip(build)
+    monkeypatch.setenv("TM_NCCL_LIB", str(path))
+    monkeypatch.setattr(lib, "_loaded", {})
+    so = lib.load()
+    so.tm_test_comm_fake.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]
+    so.tm_test_comm_fake.restype = ctypes.c_int
+    return so
+
+
+def fake_comm(so, name: str, rank: int, size: int) -> lib.Comm:
+    """A READY handle without NCCL behind it (the test build's hook)."""
+    h = ctypes.c_void_p()
+    lib._check(so, so.tm_test_comm_fake(name.encode(), rank, size, ctypes.byref(h)))
+    return lib.Comm(h, name)
 
 
 def test_build_script_builds_or_says_what_is_missing(build):
     if "skipped" in build:
         assert "no " in build  # names what is missing
+        assert not (REPO / "cuda/build/libtmdelta.so").exists()  # no stale library left to load
     else:
         assert (REPO / "cuda/build/libtmdelta.so").is_file()
-    if shutil.which(os.environ.get("CXX", "g++")) and shutil.which("make"):
-        assert (REPO / "cuda/build/libtmdelta_plan.so").is_file()
+        assert (REPO / "cuda/build/libtmdelta_test.so").is_file()
 
 
-# ---- delta plan: contract with trainmover/runtime/plan.py -------------------------------------
+# ---- communicator state logic on the test build's fake handles ---------------------------------
 
-def megatron_groups(tp: int, pp: int, dp: int) -> list[GroupSpec]:
-    """Megatron's order: rank = tp_i + tp * (dp_i + dp * pp_i)."""
-    def r(t, d, p):
-        return t + tp * (d + dp * p)
-    groups = [GroupSpec(f"tp{d}.{p}", tuple(r(t, d, p) for t in range(tp))) for d in range(dp) for p in range(pp)]
-    groups += [GroupSpec(f"dp{t}.{p}", tuple(r(t, d, p) for d in range(dp))) for t in range(tp) for p in range(pp)]
-    groups += [GroupSpec(f"pp{t}.{d}", tuple(r(t, d, p) for p in range(pp))) for t in range(tp) for d in range(dp)]
-    groups.append(GroupSpec("world", tuple(range(tp * pp * dp))))
-    return groups
-
-
-def random_layouts(n: int, seed: int = 7):
-    rng = random.Random(seed)
-    shapes = [s for s in itertools.product([1, 2, 4, 8], [1, 2, 4], [1, 2, 4, 8]) if 2 <= s[0] * s[1] * s[2] <= 64]
-    for _ in range(n):
-        tp, pp, dp = rng.choice(shapes)
-        groups = megatron_groups(tp, pp, dp)
-        rng.shuffle(groups)  # the plan must not depend on group order
-        if rng.random() < 0.3:  # a permuted world: group ranks need not be sorted
-            world = list(range(tp * pp * dp))
-            rng.shuffle(world)
-            groups.append(GroupSpec("world_perm", tuple(world)))
-        size = tp * pp * dp
-        leavers = set(rng.sample(range(size), k=min(size, rng.choice([1, 2]))))
-        yield groups, leavers
-
-
-def test_plan_agrees_with_python_plan(which):
-    cases = 0
-    for groups, leavers in random_layouts(300):
-        d = delta(groups, leavers, epoch=1)
-        changed_names = {g.name for g in d.changed}
-        size = max(r for g in groups for r in g.ranks) + 1
-        native = lib.plan(groups, leavers)
-        assert {g.name for g, c in zip(groups, native.changed) if c} == changed_names
-        for rank in range(size):
-            mine = lib.plan(groups, leavers, rank=rank).mine
-            expect = [(groups.index(g), g.ranks.index(rank)) for g in d.groups_to_build(rank)]
-            assert list(mine) == expect, (which, [g.name for g in groups], leavers, rank)
-        cases += 1
-    assert cases == 300
-
-
-def test_plan_known_case(which):
-    groups = [GroupSpec("tp0", (0, 1)), GroupSpec("tp1", (2, 3)), GroupSpec("dp0", (0, 2)),
-              GroupSpec("dp1", (1, 3)), GroupSpec("world", (0, 1, 2, 3))]
-    p = lib.plan(groups, [3], rank=1)
-    assert p.changed == (False, True, False, True, True)
-    assert p.mine == ((3, 0), (4, 1))  # dp1 as group rank 0, world as group rank 1
-    assert lib.plan(groups, [3], rank=3).mine == ((1, 1), (3, 1), (4, 3))  # the joiner's slots
-
-
-@pytest.mark.parametrize("groups, leavers, message", [
-    ([(0, 1)], [9], "leaving rank 9 is not in the job"),
-    ([(0, 1)], [], "no leaving ranks"),
-    ([(0, 0)], [0], "ranks must be distinct"),
-    ([(0, 1), ()], [0], "group 1 is empty"),
-    ([(0, -1)], [0], "negative rank"),  # stricter than plan.py, which accepts negative ranks
-])
-def test_plan_rejects_what_python_rejects(which, groups, leavers, message):
-    with pytest.raises(lib.NcclError, match=message) as err:
-        lib.plan(groups, leavers)
-    assert err.value.status == lib.Status.INVALID
-    specs_ok = all(len(set(g)) == len(g) and g for g in groups)
-    if specs_ok and min(r for g in groups for r in g) >= 0:  # the Python plan rejects it too
-        with pytest.raises(ValueError):
-            delta([GroupSpec(f"g{i}", tuple(g)) for i, g in enumerate(groups)], set(leavers), 1)
-
-
-# ---- slot state machine -----------------------------------------------------------------------
-
-S, E = lib.SlotState, lib.SlotEvent
-LEGAL = {
-    (S.ACTIVE, E.PREPARE): S.PREPARED, (S.ACTIVE, E.CLOSE): S.CLOSED,
-    (S.PREPARED, E.SWITCH): S.SWITCHING, (S.PREPARED, E.CANCEL): S.ACTIVE, (S.PREPARED, E.CLOSE): S.CLOSED,
-    (S.SWITCHING, E.SWITCHED): S.ACTIVE,
-}
-
-
-@pytest.mark.parametrize("state, event", list(itertools.product(S, E)))
-def test_slot_table(which, state, event):
-    if (state, event) in LEGAL:
-        assert lib.slot_transition(state, event) == LEGAL[(state, event)]
-    else:
-        with pytest.raises(lib.NcclStateError, match=f"illegal transition: {event.name.lower()} in state {state.name}"):
-            lib.slot_transition(state, event)
-
-
-def test_slot_switch_revokes_and_destroys_the_old(full):
-    old, new = lib.Comm._fake("tp1", 1, 2), lib.Comm._fake("tp1", 1, 2)
-    slot = lib.Slot("tp1", old)
-    assert slot.state == S.ACTIVE and slot.active is old
-    with pytest.raises(lib.NcclStateError, match="slot 'tp1': illegal transition: switch in state ACTIVE"):
-        slot.switch()
-    with pytest.raises(lib.NcclStateError, match="cancel in state ACTIVE"):
-        slot.cancel()
-    slot.prepare(new)
-    assert slot.state == S.PREPARED and slot.active is old  # Phase 1 leaves the live comm alone
-    with pytest.raises(lib.NcclStateError, match="prepare in state PREPARED"):
-        slot.prepare(lib.Comm._fake("tp1", 1, 2))
-    slot.switch()
-    assert slot.state == S.ACTIVE and slot.active is new
-    assert old.state == lib.CommState.DESTROYED and new.state == lib.CommState.READY
-    slot.close()
-    with pytest.raises(lib.NcclStateError, match="closed"):
-        slot.state
-    assert new.state == lib.CommState.READY  # the Python object still holds its reference
-    new.release()
-
-
-def test_slot_cancel_aborts_only_the_prepared(full):
-    old, new = lib.Comm._fake("dp0", 0, 4), lib.Comm._fake("dp0", 0, 4)
-    slot = lib.Slot("dp0", old)
-    slot.prepare(new)
-    slot.cancel()
-    assert slot.state == S.ACTIVE and slot.active is old
-    assert new.state == lib.CommState.ABORTED and old.state == lib.CommState.READY
-    with pytest.raises(lib.NcclStateError, match="must be READY"):
-        slot.prepare(new)  # an aborted communicator cannot be prepared again
-    slot.close()
-
-
-def test_slot_refuses_a_replacement_in_another_slot_position(full):
-    slot = lib.Slot("pp0", lib.Comm._fake("pp0", 0, 2))
-    with pytest.raises(lib.NcclError, match="does not keep the slot's rank 0/2"):
-        slot.prepare(lib.Comm._fake("pp0", 1, 2))
-    assert slot.state == S.ACTIVE
-    slot.close()
-
-
-def test_comm_lifecycle_on_fakes(full):
-    c = lib.Comm._fake("x", 0, 1)
+def test_comm_lifecycle_on_fakes(testlib):
+    c = fake_comm(testlib, "x", 0, 1)
+    assert c.state == lib.CommState.READY and c.poll()
     c.revoke()
     assert c.state == lib.CommState.REVOKED
     c.destroy()
@@ -214,17 +95,32 @@ def test_comm_lifecycle_on_fakes(full):
         c.state
 
 
+def test_collectives_refuse_a_handle_without_nccl_and_abort_is_final(testlib):
+    c = fake_comm(testlib, "y", 1, 2)
+    with pytest.raises(lib.NcclError, match="comm 'y' rank 1/2 phase=allreduce: test fake has no NCCL communicator"):
+        lib._check(testlib, testlib.tm_allreduce(c._handle(), None, None, 0, 7, 0, None))
+    c.abort()
+    assert c.state == lib.CommState.ABORTED
+    c.destroy()  # destroying an aborted communicator is a no-op, not an error
+    assert c.state == lib.CommState.ABORTED
+    with pytest.raises(lib.NcclStateError, match="phase=poll: communicator is ABORTED"):
+        c.poll()
+    c.release()
+
+
 # ---- native hygiene and binding details ------------------------------------------------------
 
 @pytest.mark.skipif(not shutil.which("nm"), reason="nm (binutils) not installed")
-@pytest.mark.parametrize("name", ["libtmdelta.so", "libtmdelta_plan.so"])
-def test_only_tm_symbols_are_exported(build, name):
+@pytest.mark.parametrize("name", ["libtmdelta.so", "libtmdelta_test.so"])
+def test_only_tm_symbols_are_exported_and_the_test_hook_only_by_the_test_build(build, name):
     path = REPO / "cuda/build" / name
     if not path.is_file():
         pytest.skip(build)
     out = subprocess.run(["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True).stdout
     names = [line.split()[-1] for line in out.splitlines() if line.strip()]
     assert names and all(n.startswith("tm_") for n in names), names
+    assert ("tm_test_comm_fake" in names) == (name == "libtmdelta_test.so"), names
+    assert set(lib._SIGS) <= set(names)  # the binding's every function is there
 
 
 def _nccl_header() -> Path | None:
@@ -274,11 +170,11 @@ def test_init_without_a_gpu_names_comm_rank_and_phase(full):
     assert err.value.status == lib.Status.CUDA
 
 
-def test_unique_ids_differ_and_no_comm_was_created(full):
+def test_unique_ids_differ_and_no_comm_was_created(testlib):
     before = lib.created_count()
     a, b = lib.unique_id(), lib.unique_id()
     assert len(a) == lib.UNIQUE_ID_BYTES and a != b
-    lib.Comm._fake("f", 0, 1).release()
+    fake_comm(testlib, "f", 0, 1).release()
     assert lib.created_count() == before
 
 
@@ -328,17 +224,18 @@ def _state_tensors(seed: int):
 def _migration_child(i: int, port: int, m: int, k: int):
     """Members 0..m-1 on GPUs 0..m-1 share `world`; process m (GPU m) is the spare. Member k
     leaves: the spare takes group rank k in a new `world`, receives k's state in one grouped
-    transfer, stayers switch their slot, the old comm is revoked and the results agree."""
+    transfer, stayers switch to the new comm (the old one revoked, then destroyed, as
+    trainmover/nccl/backend.py retires one) and the results agree."""
     store = _store(port)
     torch.cuda.set_device(i)
     role = "joiner" if i == m else ("leaver" if i == k else "stayer")
     grank = k if role == "joiner" else i
-    slot = None
+    active = None
     if role != "joiner":
         old = lib.Comm.init_start("world", _uid(store, "e0/world", i == 0), m, i, i)
         old.wait(TIMEOUT_MS)
-        slot = lib.Slot("world", old)
-        _check_collectives(slot.active, i, m)
+        active = old
+        _check_collectives(active, i, m)
     # Phase 1, while the old comm keeps working.
     if role in ("stayer", "joiner"):
         new = lib.Comm.init_start("world@e1", _uid(store, "e1/world", i == 0), m, grank, i)
@@ -347,7 +244,7 @@ def _migration_child(i: int, port: int, m: int, k: int):
                                    0 if role == "leaver" else 1, i)
     if role != "joiner":
         y = torch.ones(16, device="cuda")
-        slot.active.allreduce(y)
+        active.allreduce(y)
         torch.cuda.synchronize()
         assert torch.all(y == m)
     t0 = time.perf_counter()
@@ -357,8 +254,7 @@ def _migration_child(i: int, port: int, m: int, k: int):
         xfer.wait(TIMEOUT_MS)
     print(f"rank {i} ({role}): Phase-1 comms ready {1e3 * (time.perf_counter() - t0):.1f} ms after the old comm's check")
     if role == "stayer":
-        slot.prepare(new)
-        assert slot.active is old and slot.state == lib.SlotState.PREPARED
+        assert old.state == lib.CommState.READY and new.state == lib.CommState.READY  # Phase 1 left the live one alone
     # State transfer: several tensors of several dtypes, one grouped send/recv.
     if role == "leaver":
         with lib.group():
@@ -376,27 +272,26 @@ def _migration_child(i: int, port: int, m: int, k: int):
     # Switch (the iteration boundary).
     if role == "stayer":
         t0 = time.perf_counter()
-        slot.switch()
+        active = new
+        old.revoke()
+        old.destroy()
         print(f"rank {i}: switch (revoke + destroy of the old comm) {1e3 * (time.perf_counter() - t0):.1f} ms")
         # NCCL >= 2.28.7 revokes then destroys; older NCCL has no revoke and aborts.
         revoked = lib.nccl_version()[1] >= 22807
-        assert slot.active is new
         assert old.state == (lib.CommState.DESTROYED if revoked else lib.CommState.ABORTED), old
         with pytest.raises(lib.NcclStateError, match="communicator is"):
             old.allreduce(torch.ones(4, device="cuda"))
     if role == "leaver":
         old.revoke()
         old.destroy()
-        slot.close()
         xfer.destroy()
     if role == "joiner":
         xfer.destroy()
-        slot = lib.Slot("world", new)
+        active = new
     if role != "leaver":
         new.set_op_timeout(TIMEOUT_MS)
-        _check_collectives(slot.active, grank, m)  # the joiner answers as rank k did
+        _check_collectives(active, grank, m)  # the joiner answers as rank k did
         assert lib.created_count() == 2
-        slot.close()
     store.set(f"done/{i}", b"1")
     store.wait([f"done/{j}" for j in range(m + 1)])
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from trainmover import config
 from trainmover.cluster import daemons, install, netblock, plugin, rootfs, spec as specmod, users
 from trainmover.cluster.daemons import STEP_TIMEOUT
 from trainmover.cluster.procs import ClusterError, find_pids, flocked, running_pid, tail, terminate, wait_until
@@ -70,8 +71,8 @@ def resolve_dir(state_dir: Optional[os.PathLike | str] = None, slurm: Optional[s
     cluster's directory, and `trainmover demo --slurm 25.11` then runs beside that cluster,
     in 25.11's own directory, rather than stop at it."""
     default = f"{DEFAULT_DIR}-{release(slurm).version}" if slurm else DEFAULT_DIR
-    if state_dir is None and os.environ.get("TM_CLUSTER_DIR"):
-        state_dir = Path(os.environ["TM_CLUSTER_DIR"]).expanduser().absolute()
+    if state_dir is None and config.setting("TM_CLUSTER_DIR"):
+        state_dir = Path(config.setting("TM_CLUSTER_DIR")).expanduser().absolute()
         other = _load_spec(state_dir) if slurm else None
         if other is not None and other.slurm != release(slurm).version:
             _log(f"$TM_CLUSTER_DIR {state_dir} holds a Slurm {other.slurm} cluster; Slurm {release(slurm).version} "

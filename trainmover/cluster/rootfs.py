@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from trainmover import config
 from trainmover.cluster import install, source
 from trainmover.cluster.procs import ClusterError, flocked, run_cmd
 from trainmover.cluster.releases import RELEASES, Release, parse_version, release
@@ -63,7 +64,7 @@ def host_suite() -> Optional[str]:
 
 def resolve_cache(cache: Optional[os.PathLike | str] = None) -> Path:
     """The root filesystem cache: the argument, else $TM_ROOTFS_CACHE, else /var/cache/trainmover/rootfs."""
-    d = cache if cache is not None else os.environ.get("TM_ROOTFS_CACHE") or DEFAULT_CACHE
+    d = cache if cache is not None else config.setting("TM_ROOTFS_CACHE") or DEFAULT_CACHE
     return Path(d).expanduser().absolute()
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from trainmover import config
 from trainmover.cluster.procs import ClusterError, run_cmd
 
 CHECKOUT = Path(__file__).resolve().parents[2]
@@ -109,7 +110,7 @@ def apply_fixes(tree: Path, fixes: tuple[Fix, ...]) -> list[str]:
 def find_tarball(src: Source, where: Optional[str] = None) -> Path:
     """The verified tarball of `src`: `where` (a file or a directory), else $TM_SLURM_SOURCE,
     else VENDOR. ClusterError naming every place looked and the checksum seen otherwise."""
-    given = where if where is not None else os.environ.get("TM_SLURM_SOURCE") or ""
+    given = where if where is not None else config.setting("TM_SLURM_SOURCE")
     places = [Path(given).expanduser()] if given else [VENDOR]
     candidates = [p / src.tarball if p.is_dir() else p for p in places]
     path = next((p for p in candidates if p.is_file()), None)

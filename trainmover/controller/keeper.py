@@ -36,13 +36,13 @@ from trainmover.config import Config
 from trainmover.control import channel, endpoint, files
 from trainmover.control.messages import make
 from trainmover.controller import journal, records, succession
+from trainmover.controller.exit_codes import MOVED
 from trainmover.controller.steps import start_srun, step_environment
 from trainmover.errors import ProtocolError, TrainMoverError
 
 log = logging.getLogger("trainmover.keeper")
 
 CONTROLLER_STEP = "tm-controller"  # the controller's step name (kill_steps picks it by name)
-MOVED = succession.MOVED  # the controller's exit code when its home leaves the job (controller/main.py)
 PROBE_S = 1.0        # the keeper asks the controller for its status this often (a failed send: channel
                      # closed); the controller's own beats (`alive`, every 0.25 s) prove it alive
 START_DEADLINE_S = 120.0  # a controller that never writes its endpoint is lost too

@@ -26,6 +26,7 @@ from trainmover.control import channel, checkpoints, endpoint, files
 from trainmover.control.messages import make
 from trainmover.controller import journal, records, tiers
 from trainmover.controller.fencing import FencedNodes
+from trainmover.controller.exit_codes import CRASHED, MOVED, REFUSED, SUPERSEDED
 from trainmover.controller.actions import (AcquireStandby, CheckpointDone, Fence, Finish, LaunchStandby, Record,
                                           ReleaseNode, Rewind, Send)
 from trainmover.controller.node_watch import NodeWatch
@@ -33,6 +34,7 @@ from trainmover.controller.policy import Policy
 from trainmover.controller.steps import KeeperSteps, LocalSteps, step_environment
 from trainmover.controller.view import JobView
 from trainmover.errors import ConfigError, SlurmError, TrainMoverError
+from trainmover.logs import setup_logging
 from trainmover.control.spec import ENV as SPEC_ENV, WorkerSpec
 from trainmover.slurm.client import client
 from trainmover.slurm.model import BatchHostRelease, NoStandbyAvailable
@@ -196,25 +198,18 @@ class Controller:
 
     # --- launching -----------------------------------------------------------------------
     def _spec(self, role: str, node: str, ranks: tuple[int, ...]) -> WorkerSpec:
-        return WorkerSpec(role=role, ranks=ranks, world_size=self.view.world_size, node=node,
-                          node_addr=self.addr[node], controller=tuple(self.server.address),
-                          store=(self.store_host, self.store_port), secret_file=str(self.files.secret),
-                          controller_file=str(self.files.root / endpoint.NAME),
-                          workload=self.cfg.workload, workload_options=self.cfg.workload_kwargs(),
-                          device=self.cfg.device, backend=self.cfg.backend,
-                          record_iterations=self.cfg.record_iterations,
-                          recording_dir=str(self.files.root / "recordings") if self.cfg.record_iterations else "",
-                          record_from_step=self.cfg.record_from_step, record_versions=self.cfg.record_versions,
-                          standby_warmup=self.cfg.standby_warmup, standby_nice=self.cfg.standby_nice,
-                          standby_compile_threads=self.cfg.standby_compile_threads,
-                          seed=self.cfg.seed, steps=self.cfg.steps, group_timeout_s=self.cfg.group_timeout_s,
-                          switch_timeout_s=self.cfg.switch_timeout_s, recovery_timeout_s=self.cfg.recovery_timeout_s,
-                          reconnect_timeout_s=self.cfg.reconnect_timeout_s, heartbeat_s=self.cfg.heartbeat_s,
-                          shadow_steps=self.cfg.shadow_steps,
-                          snapshot_every=self.snapshot_every, checkpoint_every=self.cfg.checkpoint_every,
-                          checkpoint_dir=str(self.checkpoint_root), ranks_per_node=self.view.ranks_per_node,
-                          inject=faults.for_launch(self.cfg.inject, role, self.standby_launches,
-                                                           first_controller=self.attempt == 0))
+        """The job's configuration as the spec copies it, plus this launch's own fields and the
+        values the controller decides: snapshot_every (0 where no snapshot could be used), the
+        layout's ranks per node, the faults this launch injects."""
+        return WorkerSpec.from_config(
+            self.cfg, role=role, ranks=ranks, world_size=self.view.world_size, node=node,
+            node_addr=self.addr[node], controller=tuple(self.server.address),
+            store=(self.store_host, self.store_port), secret_file=str(self.files.secret),
+            controller_file=str(self.files.root / endpoint.NAME),
+            recording_dir=str(self.files.root / "recordings") if self.cfg.record_iterations else "",
+            snapshot_every=self.snapshot_every, checkpoint_dir=str(self.checkpoint_root),
+            ranks_per_node=self.view.ranks_per_node,
+            inject=faults.for_launch(self.cfg.inject, role, self.standby_launches, first_controller=self.attempt == 0))
 
     def _launch(self, role: str, node: str, ranks: tuple[int, ...]) -> None:
         if role == "standby":
@@ -624,9 +619,6 @@ TICK_S = 1.0  # the policy's tick at most this far apart (the node poll may be f
 KEEPER_BEAT_S = 0.25  # the controller's beat to the keeper (controller/keeper.py)
 LOOP_STALL_S = 30.0   # a main loop that has not turned for this long is hung: no more beats
 RANK_STEPS = ("tm-worker", "tm-standby")  # the steps a fence kills: never the controller's own
-CRASHED = 70  # an unexpected exception (EX_SOFTWARE): the supervisor restarts the controller
-MOVED = 3     # its node leaves the job: the keeper resumes the controller elsewhere (controller/keeper.py)
-SUPERSEDED = 4  # demoted: a successor claimed the journal (journal.Journal); not an end of the job
 
 
 def main(argv=None) -> int:
@@ -642,8 +634,7 @@ def main(argv=None) -> int:
                                                 "(EOF: not needed), then resume")
     p.add_argument("--keeper", help="the job's keeper node, which runs the steps (controller/keeper.py)")
     args = p.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("TM_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    setup_logging()
     if args.spare_fd is not None:  # imports are done: a takeover costs only the journal and Slurm queries
         log.info("controller pid %d warm (imports done): waiting to take over", os.getpid())
         with os.fdopen(args.spare_fd, "rb") as pipe:
@@ -666,7 +657,7 @@ def main(argv=None) -> int:
                           keeper=args.keeper).run()
     except TrainMoverError as exc:  # a clear error (config, corrupt journal): restarting cannot help
         log.error("controller: %s", exc)
-        return 2
+        return REFUSED
     except Exception:  # noqa: BLE001 - a bug or a lost dependency: the supervisor may restart from the journal
         log.exception("controller crashed")
         return CRASHED

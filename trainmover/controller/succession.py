@@ -27,10 +27,10 @@ import enum
 import logging
 from dataclasses import dataclass
 
+from trainmover.controller.exit_codes import MOVED
+
 log = logging.getLogger("trainmover.keeper")
 
-MOVED = 3       # the controller's exit code when its node leaves the job (controller/main.py)
-SUPERSEDED = 4  # the controller found the journal claimed by a successor (controller/main.py)
 
 
 class State(enum.Enum):

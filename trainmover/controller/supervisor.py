@@ -35,13 +35,13 @@ from pathlib import Path
 from trainmover.config import Config
 from trainmover.control import files
 from trainmover.controller import journal, records
+from trainmover.controller.exit_codes import FAILED, FINISHED, MOVED, REFUSED, SUPERSEDED
 from trainmover.errors import ConfigError, TrainMoverError
+from trainmover.logs import setup_logging
 
 log = logging.getLogger("trainmover.supervisor")
 
-MOVED = 3
-SUPERSEDED = 4
-FINAL = {0: "training finished", 1: "the job stopped with an error", 2: "a configuration or journal error",
+FINAL = {FINISHED: "training finished", FAILED: "the job stopped with an error", REFUSED: "a configuration or journal error",
          MOVED: "its node leaves the job: the controller moves to another node",
          SUPERSEDED: "another controller took the job over (it claimed the journal)"}
 
@@ -77,8 +77,8 @@ def _refused(root: Path, job_id: int, exc: Exception, last_line: bool) -> int:
                     "user": user, "error": exc.error if user else str(exc)[:1000],
                     "traceback": exc.traceback if user else ""}})
     if last_line:
-        print(records.final_line(root, job_id, 2), file=sys.stderr, flush=True)
-    return 2
+        print(records.final_line(root, job_id, REFUSED), file=sys.stderr, flush=True)
+    return REFUSED
 
 
 def _bind(host: str) -> socket.socket:
@@ -98,8 +98,7 @@ def main(argv=None) -> int:
                         "over on `takeover <attempt>` read from stdin (EOF: not needed, exit 0)")
     args = p.parse_args(argv)
     files.private_umask()  # the job's files are its user's alone (docs/security.md)
-    logging.basicConfig(level=os.environ.get("TM_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    setup_logging()
     try:
         job_id = int(os.environ["SLURM_JOB_ID"])
     except (KeyError, ValueError):

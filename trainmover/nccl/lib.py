@@ -1,29 +1,23 @@
-"""ctypes binding of the communicator-delta library (`cuda/`, built by scripts/build_cuda.sh).
+"""ctypes binding of the communicator library (`cuda/`, built by scripts/build_cuda.sh):
+`cuda/build/libtmdelta.so`, which needs libnccl.so.2 and libcudart.so at load time.
 
-Two shared objects:
-* `cuda/build/libtmdelta.so`: everything (needs libnccl.so.2 and libcudart.so at load time);
-* `cuda/build/libtmdelta_plan.so`: the delta plan and the slot transition table only (no
-  NCCL/CUDA), so `plan()` and `slot_transition()` work on any machine the library builds on.
-
-`TM_NCCL_LIB` / `TM_NCCL_PLAN_LIB` override their paths (read once, in `_paths`). Nothing is
-compiled at import; nothing is loaded until first use. ctypes releases the GIL during every
-call, so `Comm.wait` in a Phase-1 thread does not stall training.
+`TM_NCCL_LIB` (trainmover/config.py) overrides its path. Nothing is compiled at import; nothing
+is loaded until first use. ctypes releases the GIL during every call, so `Comm.wait` in a
+Phase-1 thread does not stall training.
 
 Every nonzero status raises `NcclError` (a `MigrationError`) carrying the library's message,
-which names the communicator or slot, its rank and the phase; timeouts raise `NcclTimeout`
-(also a `DeadlineExceeded`), illegal transitions `NcclStateError`.
+which names the communicator, its rank and the phase; timeouts raise `NcclTimeout` (also a
+`DeadlineExceeded`), calls on a communicator in the wrong state `NcclStateError`.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import enum
-import os
 import threading
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
 
+from trainmover import config
 from trainmover.errors import DeadlineExceeded, MigrationError
 
 UNIQUE_ID_BYTES = 128
@@ -51,21 +45,6 @@ class CommState(enum.IntEnum):  # tm_comm_state
     DESTROYED = 5
 
 
-class SlotState(enum.IntEnum):  # tm_slot_state
-    ACTIVE = 0
-    PREPARED = 1
-    SWITCHING = 2
-    CLOSED = 3
-
-
-class SlotEvent(enum.IntEnum):  # tm_slot_event
-    PREPARE = 0
-    SWITCH = 1
-    SWITCHED = 2
-    CANCEL = 3
-    CLOSE = 4
-
-
 class NcclError(MigrationError):
     """A call into libtmdelta failed; `status` is the library's tm_status."""
 
@@ -79,7 +58,7 @@ class NcclTimeout(NcclError, DeadlineExceeded):
 
 
 class NcclStateError(NcclError):
-    """An illegal transition of a slot or a call on a communicator in the wrong state."""
+    """A call on a communicator in the wrong state (e.g. a collective on a revoked one)."""
 
 
 class NcclUnavailable(NcclError):
@@ -88,28 +67,18 @@ class NcclUnavailable(NcclError):
 
 # ---- loading ----------------------------------------------------------------------------------
 
-def _paths() -> tuple[Path, Path]:
-    build = _REPO / "cuda" / "build"
-    full = os.environ.get("TM_NCCL_LIB") or str(build / "libtmdelta.so")
-    plan = os.environ.get("TM_NCCL_PLAN_LIB") or str(build / "libtmdelta_plan.so")
-    return Path(full), Path(plan)
+def _path() -> Path:
+    return Path(config.setting("TM_NCCL_LIB") or _REPO / "cuda" / "build" / "libtmdelta.so")
 
 
 _lock = threading.Lock()
-_loaded: dict[str, ctypes.CDLL | str] = {}  # "full"/"plan" -> library, or the reason it failed
+_loaded: dict[str, ctypes.CDLL | str] = {}  # "lib" -> the library, or the reason it failed to load
 
 _c_int_p = ctypes.POINTER(ctypes.c_int)
-_PLAN_SIGS = {
-    "tm_last_error": ([], ctypes.c_char_p),
-    "tm_nccl_version": ([_c_int_p, _c_int_p], ctypes.c_int),
-    "tm_plan_changed": ([ctypes.c_int, _c_int_p, _c_int_p, ctypes.c_int, _c_int_p,
-                         ctypes.POINTER(ctypes.c_ubyte)], ctypes.c_int),
-    "tm_plan_for_rank": ([ctypes.c_int, _c_int_p, _c_int_p, ctypes.c_int, _c_int_p, ctypes.c_int,
-                          ctypes.c_int, _c_int_p, _c_int_p, _c_int_p], ctypes.c_int),
-    "tm_slot_transition": ([ctypes.c_int, ctypes.c_int, _c_int_p], ctypes.c_int),
-}
 _vp, _sz, _ci = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
-_FULL_SIGS = dict(_PLAN_SIGS, **{
+_SIGS = {
+    "tm_last_error": ([], ctypes.c_char_p),
+    "tm_nccl_version": ([_c_int_p, _c_int_p], _ci),
     "tm_get_unique_id": ([ctypes.c_char_p], _ci),
     "tm_comm_init_start": ([ctypes.c_char_p, ctypes.c_char_p, _ci, _ci, _ci, ctypes.POINTER(_vp)], _ci),
     "tm_comm_poll": ([_vp, _c_int_p], _ci),
@@ -129,58 +98,37 @@ _FULL_SIGS = dict(_PLAN_SIGS, **{
     "tm_recv": ([_vp, _vp, _sz, _ci, _ci, _vp], _ci),
     "tm_group_start": ([], _ci),
     "tm_group_end": ([], _ci),
-    "tm_slot_create": ([ctypes.c_char_p, _vp, ctypes.POINTER(_vp)], _ci),
-    "tm_slot_prepare": ([_vp, _vp], _ci),
-    "tm_slot_switch": ([_vp], _ci),
-    "tm_slot_cancel": ([_vp], _ci),
-    "tm_slot_active": ([_vp, ctypes.POINTER(_vp)], _ci),
-    "tm_slot_state_of": ([_vp, _c_int_p], _ci),
-    "tm_slot_destroy": ([_vp], _ci),
-    "tm_test_comm_fake": ([ctypes.c_char_p, _ci, _ci, ctypes.POINTER(_vp)], _ci),
-})
+}
 
 
-def _load(kind: str) -> ctypes.CDLL:
+def load() -> ctypes.CDLL:
+    """The library; raises NcclUnavailable with the reason if it cannot be loaded."""
     with _lock:
-        got = _loaded.get(kind)
+        got = _loaded.get("lib")
         if got is None:
-            path = _paths()[0 if kind == "full" else 1]
-            sigs = _FULL_SIGS if kind == "full" else _PLAN_SIGS
+            path = _path()
             if not path.is_file():
                 got = f"{path} is not built (run scripts/build_cuda.sh)"
             else:
                 try:
                     lib = ctypes.CDLL(str(path))
-                    for name, (args, res) in sigs.items():
+                    for name, (args, res) in _SIGS.items():
                         fn = getattr(lib, name)
                         fn.argtypes, fn.restype = args, res
                     got = lib
                 except (OSError, AttributeError) as exc:
                     got = f"cannot load {path}: {exc}"
-            _loaded[kind] = got
+            _loaded["lib"] = got
     if isinstance(got, str):
         raise NcclUnavailable(got, Status.UNSUPPORTED)
     return got
 
 
-def load() -> ctypes.CDLL:
-    """The full library; raises NcclUnavailable with the reason if it cannot be loaded."""
-    return _load("full")
-
-
-def _plan_lib() -> ctypes.CDLL:
-    try:
-        return _load("full")
-    except NcclUnavailable:
-        return _load("plan")
-
-
 def available() -> tuple[bool, str]:
-    """(True, "NCCL <version>") if the full library loads here, else (False, why). Never raises.
+    """(True, "NCCL <version>") if the library loads here, else (False, why). Never raises.
     A GPU is not needed for True: only the NCCL and CUDA runtime libraries."""
     try:
         compiled, runtime = nccl_version()
-        _load("full")
     except NcclError as exc:
         return False, str(exc)
     return True, f"NCCL {_fmt_version(runtime)} (compiled against {_fmt_version(compiled)})"
@@ -200,53 +148,11 @@ def _check(lib: ctypes.CDLL, rc: int) -> None:
     raise cls(msg, rc)
 
 
-# ---- plan and slot table (pure; work with the plan-only library too) --------------------------
-
-@dataclass(frozen=True)
-class NativePlan:
-    changed: tuple[bool, ...]                 # per group, in the order given
-    mine: tuple[tuple[int, int], ...] = ()    # (group index, group rank) for `rank`, if asked
-
-
-def _csr(groups: Sequence) -> tuple[int, ctypes.Array, ctypes.Array]:
-    members = [tuple(getattr(g, "ranks", g)) for g in groups]
-    offsets = [0]
-    for m in members:
-        offsets.append(offsets[-1] + len(m))
-    flat = [r for m in members for r in m]
-    return len(members), (ctypes.c_int * len(offsets))(*offsets), (ctypes.c_int * max(1, len(flat)))(*flat)
-
-
-def plan(groups: Sequence, leavers: Iterable[int], rank: int | None = None) -> NativePlan:
-    """Which groups change when `leavers` go (groups: GroupSpecs or rank sequences in group-rank
-    order) and, for `rank`, the changed groups it rebuilds with its group rank in each.
-    Raises NcclError (status INVALID) on the inputs trainmover.runtime.plan.delta rejects."""
-    lib = _plan_lib()
-    n, offsets, ranks = _csr(groups)
-    lv = list(leavers)
-    leave = (ctypes.c_int * max(1, len(lv)))(*lv)
-    changed = (ctypes.c_ubyte * max(1, n))()
-    _check(lib, lib.tm_plan_changed(n, offsets, ranks, len(lv), leave, changed))
-    mine: tuple[tuple[int, int], ...] = ()
-    if rank is not None:
-        og, orank, count = (ctypes.c_int * max(1, n))(), (ctypes.c_int * max(1, n))(), ctypes.c_int()
-        _check(lib, lib.tm_plan_for_rank(n, offsets, ranks, len(lv), leave, rank, n, og, orank,
-                                         ctypes.byref(count)))
-        mine = tuple((og[i], orank[i]) for i in range(count.value))
-    return NativePlan(tuple(bool(changed[i]) for i in range(n)), mine)
-
-
-def slot_transition(state: int, event: int) -> SlotState:
-    """The slot table: the state after `event` in `state`; NcclStateError if illegal."""
-    lib = _plan_lib()
-    nxt = ctypes.c_int()
-    _check(lib, lib.tm_slot_transition(int(state), int(event), ctypes.byref(nxt)))
-    return SlotState(nxt.value)
-
+# ---- version, unique ids, groups ------------------------------------------------------------
 
 def nccl_version() -> tuple[int, int]:
-    """(compiled, runtime) NCCL_VERSION_CODE; (0, 0) from the plan-only library."""
-    lib = _load("full")
+    """(compiled, runtime) NCCL_VERSION_CODE."""
+    lib = load()
     c, r = ctypes.c_int(), ctypes.c_int()
     _check(lib, lib.tm_nccl_version(ctypes.byref(c), ctypes.byref(r)))
     return c.value, r.value
@@ -342,14 +248,6 @@ class Comm:
         _check(lib, lib.tm_comm_init_start(name.encode(), uid, nranks, rank, device, ctypes.byref(h)))
         return cls(h, name)
 
-    @classmethod
-    def _fake(cls, name: str, rank: int, size: int) -> "Comm":
-        """Test hook: a READY handle without NCCL behind it (slot logic without a GPU)."""
-        lib = load()
-        h = ctypes.c_void_p()
-        _check(lib, lib.tm_test_comm_fake(name.encode(), rank, size, ctypes.byref(h)))
-        return cls(h, name)
-
     def _info(self):
         r, n, d, s = ctypes.c_int(), ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
         _check(self._lib, self._lib.tm_comm_info(self._handle(), ctypes.byref(r), ctypes.byref(n),
@@ -439,60 +337,3 @@ class Comm:
     def recv(self, t, peer: int, stream=None) -> None:
         p, n = _buf(t, "recv")
         self._call(self._lib.tm_recv, p, n, _dtype(t), int(peer), _stream(stream))
-
-
-class Slot:
-    """A stable logical group whose communicator is replaced in two phases:
-    `prepare(new)` after Phase 1, `switch()` at the iteration boundary (old one revoked and
-    destroyed), or `cancel()` if the migration is called off (prepared one aborted)."""
-
-    def __init__(self, name: str, initial: Comm):
-        self._lib, self.name = load(), name
-        h = ctypes.c_void_p()
-        _check(self._lib, self._lib.tm_slot_create(name.encode(), initial._handle(), ctypes.byref(h)))
-        self._h = h
-        self._comms = {initial._handle().value: initial}  # keep Python objects of held comms
-
-    def _handle(self) -> ctypes.c_void_p:
-        if self._h is None:
-            raise NcclStateError(f"slot {self.name!r}: closed", Status.STATE)
-        return self._h
-
-    def prepare(self, replacement: Comm) -> None:
-        _check(self._lib, self._lib.tm_slot_prepare(self._handle(), replacement._handle()))
-        self._comms[replacement._handle().value] = replacement
-
-    def switch(self) -> None:
-        _check(self._lib, self._lib.tm_slot_switch(self._handle()))
-        self._forget_all_but_active()
-
-    def cancel(self) -> None:
-        _check(self._lib, self._lib.tm_slot_cancel(self._handle()))
-        self._forget_all_but_active()
-
-    @property
-    def active(self) -> Comm:
-        h = ctypes.c_void_p()
-        _check(self._lib, self._lib.tm_slot_active(self._handle(), ctypes.byref(h)))
-        return self._comms[h.value]
-
-    @property
-    def state(self) -> SlotState:
-        s = ctypes.c_int()
-        _check(self._lib, self._lib.tm_slot_state_of(self._handle(), ctypes.byref(s)))
-        return SlotState(s.value)
-
-    def close(self) -> None:
-        """Aborts a pending replacement, releases the active communicator, frees the slot.
-        Refused (NcclStateError) while a switch is in progress."""
-        if self._h is not None:
-            _check(self._lib, self._lib.tm_slot_destroy(self._h))
-            self._h = None
-        self._comms.clear()
-
-    def _forget_all_but_active(self) -> None:
-        active = self.active
-        self._comms = {active._handle().value: active}
-
-    def __repr__(self) -> str:
-        return f"Slot({self.name!r}, {self.state.name if self._h is not None else 'CLOSED'})"

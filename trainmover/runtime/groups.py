@@ -14,7 +14,6 @@ Inner backends:
 from __future__ import annotations
 
 import datetime
-import os
 import sys
 import threading
 import time
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
+from trainmover import config
 from trainmover.errors import MigrationError
 
 # The runtime's own groups, beside the workload's (every rank is a member of both):
@@ -402,7 +402,7 @@ for _name in ("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesce
 
 # TM_TRACE_COLLECTIVES=1 prints every collective a group forwards (debugging mismatched
 # sequences between ranks, e.g. a joiner's one-time DDP broadcasts).
-_TRACE = bool(os.environ.get("TM_TRACE_COLLECTIVES"))
+_TRACE = bool(config.setting("TM_TRACE_COLLECTIVES"))
 
 
 def _trace(g, op, args):

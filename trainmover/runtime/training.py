@@ -12,9 +12,9 @@ included) ends this process with a `failed` report, and the controller ends the 
 from __future__ import annotations
 
 import logging
-import os
 import time
 
+from trainmover import config
 from trainmover.runtime import boundary
 from trainmover.runtime.context import RankContext
 from trainmover.runtime.groups import CONTROL, CollectiveFailure, first_failure
@@ -25,7 +25,7 @@ from trainmover.runtime.switch import Switch, switch_ready
 
 log = logging.getLogger("trainmover.worker")
 
-TRACE_STEPS = 2 if os.environ.get("TM_TRACE_SWITCH") else 0  # log timings of the steps after a switch
+TRACE_STEPS = 2 if config.setting("TM_TRACE_SWITCH") else 0  # log timings of the steps after a switch
 
 
 def lost_peer(groups: dict) -> CollectiveFailure | None:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from trainmover import faults
+from trainmover.logs import setup_logging
 from trainmover.control import channel, endpoint, files
 from trainmover.control.messages import make
 from trainmover.control.spec import WorkerSpec
@@ -366,8 +367,7 @@ class Agent:
 
 def main() -> int:
     files.private_umask()  # what this rank writes (logs, recordings, checkpoints) is its user's alone
-    logging.basicConfig(level=os.environ.get("TM_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(name)s[" + os.environ.get("SLURMD_NODENAME", "?") + "] %(message)s")
+    setup_logging(node=os.environ.get("SLURMD_NODENAME", "?"))
     torch.set_num_threads(1)  # determinism and fair sharing of the node's cores
     spec = WorkerSpec.from_env()
     local = int(os.environ.get("SLURM_LOCALID", "0"))
