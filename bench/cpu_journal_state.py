@@ -1,6 +1,6 @@
 """What journaling the policy's whole durable state costs per decision (controller/state.py,
 controller/codec.py): the executor encodes the state and diffs it against the last after every
-message it handles (controller/main.py `_journal_decisions`), so this runs at the message rate.
+message it handles (controller/executor.py `_journal_decisions`), so this runs at the message rate.
 
 Most decisions change nothing durable (a step report): then the cost is a typed snapshot and
 its comparison with the last (`unchanged`); a decision that changes it also encodes both and
@@ -39,7 +39,7 @@ def state(ranks: int, migrations: int, per_node: int = 8) -> PolicyState:
 
 
 def hand_list(st: PolicyState) -> dict:
-    """The durable view main journaled before (controller/resume.py `durable`, to_record)."""
+    """The durable view main journaled before (controller/takeover.py `durable`, to_record)."""
     v = st.view
     return {"rank_node": dict(v.rank_node), "standbys": {n: s.state for n, s in v.standbys.items()},
             "released": list(v.released), "epoch": st.epoch, "fenced": sorted([n, p] for n, p in st.fenced_pids),

@@ -42,8 +42,8 @@ def new_job(spec: dict, root: Path):
     `SingleHostAllocation`, one GPU a 'node', the last one the standby; `root` goes on
     PYTHONPATH so that the workers import this checkout."""
     from trainmover.config import Config
-    from trainmover.controller.main import Controller
-    from trainmover.controller.single_host import SingleHostAllocation
+    from trainmover.controller.executor import Controller
+    from trainmover.slurm.single_host import SingleHostAllocation
     workdir = Path(spec["workdir"])
     workdir.mkdir(parents=True, exist_ok=True)
     run = workdir / "run"
@@ -73,8 +73,8 @@ def watch_standby(t: dict, run: Path, status: dict, step: int) -> str | None:
 
 def request_migration(t: dict, run: Path, node: str, step: int) -> None:
     """`trainmover migrate <node>` through the job's authenticated control channel."""
-    from trainmover.control import channel
-    from trainmover.control.messages import make
+    from trainmover.protocol import channel
+    from trainmover.protocol.messages import make
     where = read_json(run / "controller.json")
     t["t"], t["step"] = time.time(), step
     reply = channel.request((where["host"], where["port"]), channel.read_secret(str(run / "secret")),

@@ -2,7 +2,7 @@
 the CLI (a forked `scontrol show node`), on the embedded Slurm 25.11 cluster.
 
 A poll is what the controller's loop does every TM_POLL_S: `slurm.nodes(watched)`, the
-job's training nodes, its standbys and released nodes (controller/main.py). The bench asks
+job's training nodes, its standbys and released nodes (controller/executor.py). The bench asks
 for the 4 training and 2 standby nodes, alternating the backends so that both see the same
 load, and reports the median, 90th percentile and mean per backend. It runs where the
 controller runs: inside the cluster's root filesystem (the host cannot load pyslurm's

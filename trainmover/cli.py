@@ -43,7 +43,7 @@ def _run_dir(job: str, run_dir: str | None) -> Path:
 def _read_run_file(path: Path, job: str, what: str) -> dict:
     """A job's file as its user wrote it: bounded, never through a link or blocking on a FIFO
     (an admin may run this as root on any user's job)."""
-    from trainmover.control import files
+    from trainmover.protocol import files
     try:
         data = json.loads(files.read_limited(path, 16 << 20))
     except FileNotFoundError:
@@ -118,7 +118,7 @@ def _controller() -> int:
     import os
     from trainmover.logs import setup_logging
     from trainmover.controller import keeper, supervisor
-    from trainmover.control import files
+    from trainmover.protocol import files
     files.private_umask()  # the job's files are its user's alone (docs/security.md)
     node, job = os.environ.get("SLURMD_NODENAME", ""), os.environ.get("SLURM_JOB_ID", "")
     if node and job.isdigit():
@@ -133,10 +133,10 @@ def _controller() -> int:
 
 
 def _migrate(args) -> int:
-    from trainmover.control import channel
-    from trainmover.control.messages import make
+    from trainmover.protocol import channel
+    from trainmover.protocol.messages import make
     path = _run_dir(args.job, args.run_dir)
-    from trainmover.control import endpoint
+    from trainmover.protocol import endpoint
     key = channel.read_secret(str(path / "secret"))
     where = endpoint.read(path / endpoint.NAME, key)
     if where is None:

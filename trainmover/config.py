@@ -65,7 +65,7 @@ class Variable:
 
 
 VARIABLES = (
-    Variable("TM_WORKER_SPEC", "process", "", "the spec the controller hands a rank process (JSON, control/spec.py); set by the controller"),
+    Variable("TM_WORKER_SPEC", "process", "", "the spec the controller hands a rank process (JSON, protocol/worker_spec.py); set by the controller"),
     Variable("TM_PYTHON", "process", "", "the interpreter the sbatch templates run (default $SLURM_SUBMIT_DIR/.venv/bin/python); read by the templates"),
     Variable("TM_LOG_LEVEL", "process", "INFO", "log level of TrainMover's processes (a logging level name: DEBUG, INFO, WARNING, ...)"),
     Variable("TM_NCCL_LIB", "tool", "", "path of the communicator library (default cuda/build/libtmdelta.so)"),

@@ -289,8 +289,8 @@ def test_hostile_control_messages_are_rejected_and_the_job_is_unaffected(demo, r
     import socket
     import struct
 
-    from trainmover.control import channel
-    from trainmover.control.messages import make
+    from trainmover.protocol import channel
+    from trainmover.protocol.messages import make
     run = demo("hostile")
     start_training(run, slurm_client)
     where = json.loads((run.dir / "controller.json").read_text())

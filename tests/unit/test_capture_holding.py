@@ -15,7 +15,7 @@ import torch.distributed as dist
 from trainmover.runtime import capture, holding, transfer
 from trainmover.runtime.snapshot import Snapshots
 
-KEY = b"k" * 32  # the job's key: the rendezvous values are tagged with it (control/store.py)
+KEY = b"k" * 32  # the job's key: the rendezvous values are tagged with it (protocol/store.py)
 TIMEOUT_S = 20
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from tests.unit.test_policy import Node, new_policy, ready_standby, sends
 from trainmover.config import Config
-from trainmover.control.messages import make
+from trainmover.protocol.messages import make
 from trainmover.controller import journal
 from trainmover.controller.actions import Finish, Record, ReleaseNode
 from trainmover.controller.journal import Journal, JournalError, fold

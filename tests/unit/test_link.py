@@ -4,8 +4,8 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from trainmover.control import channel
-from trainmover.control.messages import make
+from trainmover.protocol import channel
+from trainmover.protocol.messages import make
 from trainmover.runtime.link import Link
 
 

@@ -21,7 +21,7 @@ def beat(p, now, rank, step, issued, cpu, waiting=None):
 
 
 def step(p, now, rank, n, t=None):
-    """A step report, heard as the executor hears every message (controller/main.py)."""
+    """A step report, heard as the executor hears every message (controller/executor.py)."""
     msg = {"type": "step", "rank": rank, "step": n, "loss": 1.0, "step_s": 0.1, "compute_s": 0.05,
            "t": now if t is None else t}
     p.heard(now, NODES[rank], PIDS[rank], msg)

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from trainmover.control import channel
-from trainmover.control.messages import make, validate
+from trainmover.protocol import channel
+from trainmover.protocol.messages import make, validate
 from trainmover.errors import DeadlineExceeded, ProtocolError
 
 

@@ -2,7 +2,7 @@
 says when no rank survives, and the pause of a planned migration without a stayer. Pure: a
 fake clock and fake observations, as test_policy.py."""
 from trainmover.config import Config
-from trainmover.control.messages import JOINER, make
+from trainmover.protocol.messages import JOINER, make
 from trainmover.controller import tiers
 from trainmover.controller.actions import AcquireStandby, Finish, LaunchStandby, Rewind
 from trainmover.controller.migration import Phase

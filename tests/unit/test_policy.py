@@ -2,7 +2,7 @@
 from dataclasses import dataclass
 
 from trainmover.config import Config
-from trainmover.control.messages import make
+from trainmover.protocol.messages import make
 from trainmover.controller.actions import AcquireStandby, Finish, LaunchStandby, Record, ReleaseNode, Send
 from trainmover.controller.migration import Phase
 from trainmover.controller.policy import Policy

@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainmover.control import checkpoints
-from trainmover.control.messages import make
-from trainmover.control.spec import WorkerSpec
+from trainmover.protocol import checkpoint_layout
+from trainmover.protocol.messages import make
+from trainmover.protocol.worker_spec import WorkerSpec
 from trainmover.runtime.rankstate import TRANSITIONS, IllegalTransition, RankState, RankStateMachine
 from trainmover.runtime.worker import Agent
 from trainmover.workloads.base import BuildContext, Workload
@@ -301,7 +301,7 @@ def test_a_lost_rank_is_recovered_by_the_standby_bit_exact(job, tmp_path, tier):
         resume_at, source, needers, holders = 4, -1, [], {"1": 0}
     elif tier == "checkpoint":  # as the controller does once every rank wrote its file: the manifest
         written = {r: link.wait_for("checkpointed", step=4)["digest"] for r, link in enumerate((live_link, lost_link))}
-        checkpoints.write_manifest(tmp_path / "ckpt", 4, written, live.key)
+        checkpoint_layout.write_manifest(tmp_path / "ckpt", 4, written, live.key)
         resume_at, source, needers = 4, -1, []
     recover = make("recover", epoch=1, failed=[1], step=resume_at, source=source, needers=needers,
                    assign={"0": 1}, tier=tier, holders=holders)
@@ -346,6 +346,6 @@ def test_every_state_is_reachable_and_an_illegal_transition_names_both_ends():
     for terminal in (S.LEFT, S.FINISHED):
         with pytest.raises(IllegalTransition, match="allowed from .*: none"):
             RankStateMachine(terminal).to(S.TRAINING)
-    # the values are the wire's: the controller reads them in a resync (controller/resume.py)
+    # the values are the wire's: the controller reads them in a resync (controller/takeover.py)
     assert [s.value for s in RankState] == ["starting", "ready", "warming", "joining", "training", "stalled",
                                             "left", "finished"]

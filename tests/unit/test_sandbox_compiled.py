@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from trainmover.config import Config, parse_options
 from trainmover.errors import ConfigError
 from trainmover.runtime.groups import SwappableGroup, gloo_group
-from trainmover.runtime.plan import GroupSpec
+from trainmover.runtime.group_plan import GroupSpec
 from trainmover.sandbox import shadow
 from trainmover.sandbox.live import Recorder
 from trainmover.workloads.base import BuildContext

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from trainmover.config import Config
-from trainmover.controller.main import Controller
-from trainmover.controller.single_host import SingleHostAllocation
+from trainmover.controller.executor import Controller
+from trainmover.slurm.single_host import SingleHostAllocation
 
 pytest.importorskip("h5py")
 HERE = Path(__file__).resolve().parent

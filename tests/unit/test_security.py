@@ -18,9 +18,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainmover.control import channel, checkpoints, endpoint, files
-from trainmover.control.messages import make
-from trainmover.control.store import AuthStore, ForgedValue, open_value, seal
+from trainmover.protocol import channel, endpoint, files
+from trainmover.protocol import checkpoint_layout
+from trainmover.protocol.messages import make
+from trainmover.protocol.store import AuthStore, ForgedValue, open_value, seal
 from trainmover.controller.steps import step_environment
 from trainmover.errors import ProtocolError, SlurmError
 from trainmover.healthcheck import Finding, Options, checks, run
@@ -159,10 +160,10 @@ def test_a_controller_json_not_sealed_with_the_key_is_ignored(tmp_path):
 
 
 def test_a_checkpoint_manifest_is_sealed(tmp_path):
-    checkpoints.step_dir(tmp_path, 10).mkdir()
-    checkpoints.write_manifest(tmp_path, 10, {0: "ab"}, KEY)
-    assert checkpoints.read_manifest(tmp_path, 10, KEY)["digests"] == {"0": "ab"}
-    assert checkpoints.complete(tmp_path, b"x" * 32) == []
+    checkpoint_layout.step_dir(tmp_path, 10).mkdir()
+    checkpoint_layout.write_manifest(tmp_path, 10, {0: "ab"}, KEY)
+    assert checkpoint_layout.read_manifest(tmp_path, 10, KEY)["digests"] == {"0": "ab"}
+    assert checkpoint_layout.complete(tmp_path, b"x" * 32) == []
 
 
 # --- the rendezvous store ------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The one-host allocation of the GPU benchmarks: GPUs as nodes, CPU shares of whole cores."""
 import pytest
 
-from trainmover.controller.single_host import SingleHostAllocation, cpu_share, physical_cores
+from trainmover.slurm.single_host import SingleHostAllocation, cpu_share, physical_cores
 
 
 def test_cpu_shares_keep_hyperthread_siblings_together():
@@ -30,7 +30,7 @@ def test_a_reference_job_alone_on_the_second_gpu(tmp_path):
 
 
 def test_a_shared_gpu_runs_every_node_on_the_one_physical_gpu(tmp_path):
-    from trainmover.controller.single_host import SingleHostAllocation
+    from trainmover.slurm.single_host import SingleHostAllocation
     alloc = SingleHostAllocation(gpus=2, train=1, work_dir=str(tmp_path), share_gpu=True)
     assert alloc.host_gpus == 1
     for node in ("gpu0", "gpu1"):

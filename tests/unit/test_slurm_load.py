@@ -150,7 +150,6 @@ def test_pool_gate_asks_slurm_only_when_a_spare_was_idle():
     assert pool.none_idle() == ""
     pool.asked()  # after a request: the reservation is read again at the next poll
     assert pool.nodes() == ["spare1", "spare2"] and slurm.asked == 2
-    assert PoolWatch(object(), "r").nodes() == []  # a backend without reservations: never gated
 
 
 @needs_root
@@ -254,3 +253,13 @@ def test_node_watch_takes_the_readers_table_instead_of_polling(tmp_path):
     # the reader stopped: its table goes stale and the job polls for itself
     assert set(watch.turn(102.0 + 3 * 2.0 + 0.5, ["train1"], ["train1"])) == {"train1"}
     assert slurm.queries == [["train1", "spare1", "spare2"]]
+
+
+class _NoReservation:
+    def reservation_nodes(self, name):
+        raise SlurmError(f"reservation {name} not found")
+
+
+def test_pool_gate_without_a_readable_reservation_never_gates():
+    pool = PoolWatch(_NoReservation(), "r")
+    assert pool.nodes() == [] and pool.none_idle() == ""

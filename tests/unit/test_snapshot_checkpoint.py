@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainmover.control import checkpoints as layout
+from trainmover.protocol import checkpoint_layout as layout
 from trainmover.errors import MigrationError
 from trainmover.runtime import checkpoint, transfer
 from trainmover.runtime.groups import gloo_group
 from trainmover.runtime.snapshot import Snapshots, holder_of, ward_of
 
-KEY = b"k" * 32  # the job's key (control/files.py seals the manifest with it)
+KEY = b"k" * 32  # the job's key (protocol/files.py seals the manifest with it)
 
 TIMEOUT = datetime.timedelta(seconds=20)
 WORLD = 3

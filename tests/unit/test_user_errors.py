@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from trainmover import faults
-from trainmover.control.messages import make
+from trainmover.protocol.messages import make
 from trainmover.controller import journal, records
 from trainmover.controller.actions import Fence, Finish, Send
 from trainmover.controller.migration import Phase

@@ -1,4 +1,4 @@
-"""The spec a rank process gets (control/spec.py) is derived from the job's Config: one set of
+"""The spec a rank process gets (protocol/worker_spec.py) is derived from the job's Config: one set of
 defaults, copied by one function, and a JSON that round-trips."""
 import dataclasses
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 
 from trainmover.config import Config
-from trainmover.control.spec import ENV, WorkerSpec
+from trainmover.protocol.worker_spec import ENV, WorkerSpec
 from trainmover.errors import ConfigError
 
 LAUNCH = dict(role="worker", ranks=(2, 3), world_size=4, node="n2", node_addr="10.0.0.2",

@@ -26,7 +26,7 @@ from trainmover.check.fingerprint import differences, fingerprint, unplain
 from trainmover.check.plan import shadow_total
 from trainmover.runtime import rng, transfer
 from trainmover.runtime.groups import SandboxBackend, SwappableGroup, gloo_group
-from trainmover.runtime.plan import GroupSpec
+from trainmover.runtime.group_plan import GroupSpec
 from trainmover.workloads import base as workloads
 
 REFERENCE, JOINER = "reference", "joiner"

@@ -15,9 +15,11 @@ Pure: the executor reports each fence's drain result and passes its actions thro
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from trainmover.controller.actions import ReleaseNode
+from trainmover.errors import SlurmError
 
 PENDING, DRAINED, HELD = "drain pending", "drained", "held"
 
@@ -93,3 +95,28 @@ class FencedNodes:
 
     def status(self) -> list[dict]:
         return [f.to_status() for f in self.nodes.values()]
+
+
+log = logging.getLogger("trainmover.controller")
+RANK_STEPS = ("tm-worker", "tm-standby")  # the steps a fence kills: never the controller's own
+
+
+def kill_and_drain(slurm, job_id: int, proc, node: str, reason: str, drain: bool) -> tuple:
+    """The fence's effects, off the controller's loop: the node's rank steps killed (or `proc`,
+    the process the controller started, where there is no Slurm step), then the node drained
+    if `drain`. Returns the executor's ("fenced", node, kill errors, drain, drain error) event."""
+    errors = []
+    try:
+        killed = slurm.kill_steps(job_id, node, names=RANK_STEPS)
+        log.info("fenced %s: killed step(s) %s", node, killed)
+        if not killed and proc is not None:  # no Slurm step (single host, or it ended): the process itself
+            proc.kill()
+    except (SlurmError, OSError) as exc:  # a partitioned node: its slurmd cannot be reached
+        errors.append(f"kill: {exc}")
+    drain_error = ""
+    if drain:
+        try:
+            slurm.drain(node, f"trainmover: {reason}"[:200])
+        except SlurmError as exc:
+            drain_error = str(exc)[:300]
+    return ("fenced", node, "; ".join(errors), drain, drain_error)

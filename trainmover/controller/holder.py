@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 
-from trainmover.control.messages import make
+from trainmover.protocol.messages import make
 from trainmover.controller.actions import Send
 from trainmover.controller.standby_pool import StandbyPool
 from trainmover.controller.state import PolicyState

@@ -33,10 +33,9 @@ import time
 from pathlib import Path
 
 from trainmover.config import Config
-from trainmover.control import channel, endpoint, files
-from trainmover.control.messages import make
+from trainmover.protocol import channel, endpoint, files
+from trainmover.protocol.messages import make
 from trainmover.controller import journal, records, succession
-from trainmover.controller.exit_codes import MOVED
 from trainmover.controller.steps import start_srun, step_environment
 from trainmover.errors import ProtocolError, TrainMoverError
 
@@ -65,7 +64,7 @@ class Keeper:
         self.cfg, self.slurm, self.job_id, self.node = cfg, slurm, job_id, node
         self.environ = dict(environ)
         job = slurm.job(job_id)
-        # the job's user's alone; one someone else made first is refused (control/files.py)
+        # the job's user's alone; one someone else made first is refused (protocol/files.py)
         self.root = files.private_dir(Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id)))
         self.key: bytes | None = None  # the job's secret: read once, when the controller has made it
         self.steps: dict[str, tuple[str, object]] = {}  # node -> (role, Popen)

@@ -34,7 +34,7 @@ class PoolWatch:
         self.idle: list[str] | None = None  # None: not seen yet (then ask Slurm)
 
     def nodes(self) -> list[str]:
-        if self._nodes is None and hasattr(self.slurm, "reservation_nodes"):
+        if self._nodes is None:
             try:
                 self._nodes = self.slurm.reservation_nodes(self.reservation)
             except SlurmError as exc:

@@ -1,7 +1,7 @@
 """Planned migrations: a node asked to leave, a warm standby prepared for it, the switch, the
 release (pure). The migrations' own phases are controller/migration.py's state machine; this
 part starts them (`request`, `dispatch`), abandons them (`abort`) and ends them (`released`).
-Recoveries (controller/recovery.py) and a successor's takeover (controller/resume.py) use it too.
+Recoveries (controller/recovery.py) and a successor's takeover (controller/takeover.py) use it too.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import logging
 from typing import Callable
 
 from trainmover.config import Config
-from trainmover.control.messages import make
+from trainmover.protocol.messages import make
 from trainmover.controller.actions import Record, ReleaseNode, Send
 from trainmover.controller.migration import Migration, Phase
 from trainmover.controller.progress import Progress

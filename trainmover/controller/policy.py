@@ -1,6 +1,6 @@
 """The controller's decisions: events in, actions out. No clock, no I/O, no Slurm.
 
-The executor (`controller.main`) feeds it what it observed (node states from Slurm,
+The executor (`controller/executor.py`) feeds it what it observed (node states from Slurm,
 messages from ranks, results of Slurm operations, `now`) and applies the actions it returns.
 
 The policy is one durable state (controller/state.py: journaled whole, by construction) and
@@ -33,7 +33,7 @@ from trainmover.controller.migration import Migration, Phase
 from trainmover.controller.planner import Planner
 from trainmover.controller.progress import Progress
 from trainmover.controller.recovery import Recovery
-from trainmover.controller.resume import Takeover
+from trainmover.controller.takeover import Takeover
 from trainmover.controller.standby_loss import StandbyLoss
 from trainmover.controller.standby_pool import StandbyPool
 from trainmover.controller.state import PolicyState

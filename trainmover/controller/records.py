@@ -8,14 +8,14 @@ controller.json where the controller listens (address from Slurm, port), sealed 
 secret          the job's channel key
 
 The directory is the job's user's alone (0700, refused if someone else made it first) and
-every file in it 0600: control/files.py, docs/security.md.
+every file in it 0600: protocol/files.py, docs/security.md.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from trainmover.control import files
+from trainmover.protocol import files
 
 
 def write_json(path: Path, obj: dict) -> None:

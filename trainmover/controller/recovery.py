@@ -20,8 +20,8 @@ import logging
 from typing import Callable
 
 from trainmover.config import Config, parse_tiers
-from trainmover.control.checkpoints import KEEP as KEEP_CHECKPOINTS  # complete checkpoints kept
-from trainmover.control.messages import make
+from trainmover.protocol.checkpoint_layout import KEEP as KEEP_CHECKPOINTS  # complete checkpoints kept
+from trainmover.protocol.messages import make
 from trainmover.controller import tiers
 from trainmover.controller.actions import CheckpointDone, Finish, Rewind, Send
 from trainmover.controller.holder import SnapshotHolder
@@ -44,8 +44,8 @@ class Recovery:
         self.cfg, self.state, self.pool, self.progress = cfg, state, pool, progress
         self.planner, self.snapshots, self.done = planner, snapshots, done
         # Not journaled: a recovery in flight is not resumed by a successor (the job stops,
-        # controller/resume.py), so what the stalled ranks said dies with it; the complete
-        # checkpoints are read from disk by the executor (main.py sets checkpoint_steps).
+        # controller/takeover.py), so what the stalled ranks said dies with it; the complete
+        # checkpoints are read from disk by the executor (executor.py sets checkpoint_steps).
         self.stalled: dict[int, dict] = {}                 # rank -> its 'stalled' report
         self.checkpoints: dict[int, dict[int, str]] = {}   # step -> rank -> digest, until every rank wrote it
         self.checkpoint_steps: list[int] = []              # complete checkpoints (manifest written), oldest first

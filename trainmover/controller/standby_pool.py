@@ -27,7 +27,7 @@ ALLOWED: dict[S, set[S]] = {
     S.READY: {S.JOINING, S.WARMING, S.READY, S.STARTING},  # READY again: a re-ready after a re-warm
     S.WARMING: {S.READY, S.STARTING},
     # an aborted join warms up again; a successor finds the joiner never took the epoch up
-    # (controller/resume.py) and takes it as warm as it says
+    # (controller/takeover.py) and takes it as warm as it says
     S.JOINING: {S.STARTING, S.READY},
 }
 

@@ -19,8 +19,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from trainmover.control import files
-from trainmover.control.messages import make
+from trainmover.protocol import files
+from trainmover.protocol.messages import make
 
 log = logging.getLogger("trainmover.controller")
 

@@ -1,4 +1,4 @@
-"""The ranks' compute times folded into windows for the straggler policy (policy/straggler.py),
+"""The ranks' compute times folded into windows for the straggler policy (controller/straggler.py),
 and its verdict: whom to evict, if anyone (pure)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import statistics
 
 from trainmover.config import Config
 from trainmover.controller.state import PolicyState
-from trainmover.policy import straggler
+from trainmover.controller import straggler
 
 
 class StragglerWatch:

@@ -9,7 +9,7 @@ It holds, for the whole job:
   * the rendezvous store (TCPStore) that ranks use to build groups and hand state over, so
     that a migration's Phase 1 and state copy are not cut by the controller's death.
 
-It runs the controller (`python -m trainmover.controller.main`) as a child. When the child
+It runs the controller (`python -m trainmover.controller.process`) as a child. When the child
 dies abnormally (a signal such as SIGKILL or an OOM kill, or a crash: exit code 70) it hands
 over to a new one with `--resume`, which rebuilds the job's view from the journal; at most
 `TM_CONTROLLER_RESTARTS` times. The next controller is pre-started as an idle spare (its
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from trainmover.config import Config
-from trainmover.control import files
+from trainmover.protocol import files
 from trainmover.controller import journal, records
 from trainmover.controller.exit_codes import FAILED, FINISHED, MOVED, REFUSED, SUPERSEDED
 from trainmover.errors import ConfigError, TrainMoverError
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    base = [sys.executable, "-m", "trainmover.controller.main", "--listen-fd", str(listen.fileno()),
+    base = [sys.executable, "-m", "trainmover.controller.process", "--listen-fd", str(listen.fileno()),
             "--store", f"{host}:{store_port}"] + (["--keeper", args.keeper] if args.keeper else [])
 
     def start_spare(force=False):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainmover.control.messages import JOINER  # noqa: F401 - `holders`: the joiner holds the copy itself
+from trainmover.protocol.messages import JOINER  # noqa: F401 - `holders`: the joiner holds the copy itself
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ class Standby:
     node: str
     state: StandbyState = StandbyState.STARTING
     # The rest a standby reports again to a controller that takes over (it starts as STARTING
-    # there, controller/resume.py): nothing of it is journaled.
+    # there, controller/takeover.py): nothing of it is journaled.
     since: float = transient("when it entered its state: the successor's clock starts afresh", default=0.0)
     warmup_s: float | None = transient("reported again with 'ready'", default=None)
     shadow_steps: int | None = transient("reported again with 'ready'", default=None)

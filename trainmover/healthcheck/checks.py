@@ -81,7 +81,7 @@ def read_statuses(jobs: Sequence[tuple[int, str]]) -> list[dict]:
     The files are the jobs' users': read without following a final link, without blocking on
     a FIFO, at most STATUS_MAX_BYTES; anything odd (a list, bad JSON) is skipped, never raised."""
     import json
-    from trainmover.control import files
+    from trainmover.protocol import files
     out = []
     for job, work_dir in jobs:
         path = Path(work_dir) / "runs" / str(job) / "status.json"

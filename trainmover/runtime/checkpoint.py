@@ -6,7 +6,7 @@ step boundary (the only part on the training thread) and a background thread wri
     <run dir>/checkpoints/step-000000200/rank-00001.h5    one per rank (temp file + rename)
     <run dir>/checkpoints/step-000000200/manifest.json    step, ranks, per-rank checksums
 
-(the layout and the manifest: control/checkpoints.py, which the controller imports too). Each rank reports its file to the controller (`checkpointed`: step, checksum); once every rank
+(the layout and the manifest: protocol/checkpoint_layout.py, which the controller imports too). Each rank reports its file to the controller (`checkpointed`: step, checksum); once every rank
 has, the controller writes the manifest (temp + rename, last) and prunes all but the newest
 KEEP complete checkpoints. A checkpoint counts only with its manifest: a rank file without one
 (a write cut by a failure) is never read.
@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from trainmover.errors import MigrationError
-from trainmover.control import files
-from trainmover.control.checkpoints import fsync_dir, rank_file, read_manifest
+from trainmover.protocol import files
+from trainmover.protocol.checkpoint_layout import fsync_dir, rank_file, read_manifest
 from trainmover.runtime import transfer
 
 log = logging.getLogger("trainmover.checkpoint")

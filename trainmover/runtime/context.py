@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from trainmover.faults import Injector
-    from trainmover.control.spec import WorkerSpec
-    from trainmover.control.store import AuthStore
+    from trainmover.protocol.worker_spec import WorkerSpec
+    from trainmover.protocol.store import AuthStore
     from trainmover.runtime import phase1
     from trainmover.runtime.groups import SwappableGroup
-    from trainmover.runtime.plan import GroupSpec
+    from trainmover.runtime.group_plan import GroupSpec
     from trainmover.runtime.rankstate import RankState, RankStateMachine
     from trainmover.runtime.usercode import UserWorkload
     from trainmover.workloads.base import BuildContext

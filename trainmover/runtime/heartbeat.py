@@ -19,7 +19,7 @@ import os
 import threading
 import time
 
-from trainmover.control.messages import make
+from trainmover.protocol.messages import make
 
 log = logging.getLogger("trainmover.heartbeat")
 

@@ -42,7 +42,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from trainmover.control.store import AuthStore
+from trainmover.protocol.store import AuthStore
 from trainmover.errors import MigrationError
 from trainmover.runtime import capture, transfer
 from trainmover.runtime.groups import gloo_group
@@ -59,7 +59,7 @@ def ward_prefix(prefix: str, rank: int) -> str:
 
 
 def _client(store_addr: tuple[str, int], timeout_s: float, key: bytes) -> AuthStore:
-    """A store client of this side's own, its values tagged with the job's key (control/store.py)."""
+    """A store client of this side's own, its values tagged with the job's key (protocol/store.py)."""
     return AuthStore(dist.TCPStore(store_addr[0], store_addr[1], is_master=False, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=timeout_s)), key)
 

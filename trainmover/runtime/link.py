@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Callable
 
-from trainmover.control import channel
+from trainmover.protocol import channel
 from trainmover.errors import TrainMoverError
 
 log = logging.getLogger("trainmover.link")
@@ -36,7 +36,7 @@ class Link:
                  source: str | None = None, where: Callable[[], tuple[str, int]] | None = None,
                  news: Callable[[], object] = lambda: None):
         """`where()`: the controller's address now, asked before each reconnection attempt
-        (a successor may run on another node: control/endpoint.py). `news()`: a cheap token
+        (a successor may run on another node: protocol/endpoint.py). `news()`: a cheap token
         that changes when `where()` may have (the endpoint file's mtime): a backoff pause ends
         early then."""
         self.address, self.key, self.source = address, key, source

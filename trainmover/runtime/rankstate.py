@@ -9,7 +9,7 @@
               TRAINING ──> FINISHED                                          (all steps done)
 
 Every allowed transition is in `TRANSITIONS`; any other raises `IllegalTransition` naming
-both ends. The values are what the controller reads in a `resync` (control/messages.py):
+both ends. The values are what the controller reads in a `resync` (protocol/messages.py):
 they are part of the wire protocol and must not change.
 """
 from __future__ import annotations

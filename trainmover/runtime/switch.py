@@ -22,12 +22,12 @@ import torch.distributed as dist
 from trainmover.errors import MigrationError
 from trainmover.runtime import phase1, rng, transfer, xferplan
 from trainmover.runtime.context import RankContext
-from trainmover.runtime.plan import delta
+from trainmover.runtime.group_plan import delta
 from trainmover.runtime.rankstate import RankState
 
 if TYPE_CHECKING:  # roles this one calls, handed to it by the process (worker.Agent)
     from trainmover.runtime.protection import Protection
-    from trainmover.runtime.recovery import Recovery
+    from trainmover.runtime.rank_recovery import Recovery
     from trainmover.runtime.standby import StandbyRole
 
 log = logging.getLogger("trainmover.worker")

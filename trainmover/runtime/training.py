@@ -20,7 +20,7 @@ from trainmover.runtime.context import RankContext
 from trainmover.runtime.groups import CONTROL, CollectiveFailure, first_failure
 from trainmover.runtime.protection import Protection
 from trainmover.runtime.rankstate import RankState
-from trainmover.runtime.recovery import Recovery
+from trainmover.runtime.rank_recovery import Recovery
 from trainmover.runtime.switch import Switch, switch_ready
 
 log = logging.getLogger("trainmover.worker")

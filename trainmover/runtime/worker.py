@@ -36,17 +36,17 @@ import torch.distributed as dist
 
 from trainmover import faults
 from trainmover.logs import setup_logging
-from trainmover.control import channel, endpoint, files
-from trainmover.control.messages import make
-from trainmover.control.spec import WorkerSpec
-from trainmover.control.store import AuthStore
+from trainmover.protocol import channel, endpoint, files
+from trainmover.protocol.messages import make
+from trainmover.protocol.worker_spec import WorkerSpec
+from trainmover.protocol.store import AuthStore
 from trainmover.runtime import heartbeat, phase1, rng, transfer, usercode
 from trainmover.runtime.groups import CONTROL, SNAPSHOT, Revoked, SandboxBackend, SwappableGroup, gloo_group
 from trainmover.runtime.link import Link
-from trainmover.runtime.plan import GroupSpec
+from trainmover.runtime.group_plan import GroupSpec
 from trainmover.runtime.protection import Protection
 from trainmover.runtime.rankstate import RankState, RankStateMachine
-from trainmover.runtime.recovery import Recovery
+from trainmover.runtime.rank_recovery import Recovery
 from trainmover.runtime.standby import REWARM_POLL_S, StandbyRole
 from trainmover.runtime.switch import Switch
 from trainmover.runtime.training import TRACE_STEPS, TrainingLoop
@@ -157,7 +157,7 @@ class Agent:
 
     def _store_client(self, host: str, port: int, connect_s: float | None = None) -> AuthStore:
         """A client of the job's rendezvous store whose every value is tagged with the job's key
-        (control/store.py): nobody else can cancel, misdirect or feed a migration through it.
+        (protocol/store.py): nobody else can cancel, misdirect or feed a migration through it.
         `connect_s`: the deadline of the connect alone; its operations keep the group timeout."""
         connect = self.timeout if connect_s is None else datetime.timedelta(seconds=connect_s)
         client = dist.TCPStore(host, port, is_master=False, timeout=connect, wait_for_workers=False)
@@ -181,7 +181,7 @@ class Agent:
             _exit_now(ENDED)
 
     def resync_messages(self) -> list[dict]:
-        """What a restarted controller needs, sent right after `hello` (see controller/resume.py):
+        """What a restarted controller needs, sent right after `hello` (see controller/takeover.py):
         where this process is, its recent step reports (the controller skips those it logged)
         and the last message of each kind that changes the controller's view."""
         prep = self.pending

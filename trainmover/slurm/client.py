@@ -56,6 +56,16 @@ class SlurmClient(Protocol):
 
     def free_standbys(self, reservation: str) -> list[str]: ...
 
+    def reservation_nodes(self, reservation: str) -> list[str]:
+        """Every node of `reservation` (the standby pool), free or not."""
+
+    def kill_steps(self, job_id: int, node: str, names: Sequence[str] = ()) -> list[str]:
+        """SIGKILL the job's steps on `node` (named one of `names` if given); their ids. A backend
+        without Slurm steps returns [] and the caller kills the process it started."""
+
+    def cancel_donors(self, job_id: int) -> list[int]:
+        """Withdraw the job's pending standby requests (a controller ending while it takes one)."""
+
     def step_argv(self, job_id: int, node: str, argv: Sequence[str], *, ntasks: int = 1,
                   env_overrides: Optional[Mapping[str, str]] = None, name: str = "") -> list[str]: ...
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from trainmover.errors import ConfigError
 from trainmover.runtime.groups import SwappableGroup
-from trainmover.runtime.plan import GroupSpec
+from trainmover.runtime.group_plan import GroupSpec
 
 
 @dataclass

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 
 from trainmover.config import Config
-from trainmover.control.messages import make
+from trainmover.protocol.messages import make
 from trainmover.controller import codec
 from trainmover.controller.actions import Finish, Record, ReleaseNode, Send
 from trainmover.controller.journal import Replayed

@@ -5,7 +5,7 @@ that takes over binds its control socket and rendezvous store on its own node an
 file (temp + rename). A rank that lost its controller reads it on every reconnection attempt,
 so it finds the successor wherever it is; the launch spec's address holds until the first move.
 
-The file is sealed with the job's key (control/files.py): a process that moves its channel and
+The file is sealed with the job's key (protocol/files.py): a process that moves its channel and
 rendezvous store by what it says must know the job's controller wrote it.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from trainmover.control import files
+from trainmover.protocol import files
 from trainmover.errors import ProtocolError
 
 log = logging.getLogger(__name__)

@@ -27,11 +27,11 @@ import time
 from collections import deque
 from pathlib import Path
 
-from trainmover.control.messages import JOINER
+from trainmover.protocol.messages import JOINER
 from trainmover.errors import MigrationError
 from trainmover.runtime import capture, checkpoint, phase1, rng, transfer
 from trainmover.runtime.context import RankContext
-from trainmover.runtime.plan import delta
+from trainmover.runtime.group_plan import delta
 from trainmover.runtime.protection import Protection
 from trainmover.runtime.rankstate import RankState
 from trainmover.runtime.standby import StandbyRole

@@ -6,7 +6,7 @@ rank files; the controller writes the manifest once every rank reported its file
     <run dir>/checkpoints/step-000000200/manifest.json    step, ranks, per-rank checksums
 
 A checkpoint counts only with its manifest, written last: a rank file without one (a write
-cut by a failure) is never read. The manifest is sealed with the job's key (control/files.py):
+cut by a failure) is never read. The manifest is sealed with the job's key (protocol/files.py):
 its per-rank checksums are then the job's own, so a rank file replaced by anyone else fails
 its checksum on recovery, and a manifest forged or altered without the key is not read.
 """
@@ -17,7 +17,7 @@ import os
 import shutil
 from pathlib import Path
 
-from trainmover.control import files
+from trainmover.protocol import files
 from trainmover.errors import MigrationError, ProtocolError
 
 KEEP = 2  # complete checkpoints kept on the shared directory (the controller prunes older ones)

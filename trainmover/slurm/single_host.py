@@ -69,6 +69,19 @@ class SingleHostAllocation:
         from trainmover.slurm.rights import Capabilities
         return Capabilities(user=str(os.getuid()), grow=True, shrink=True, drain=True)
 
+    def free_standbys(self, reservation: str) -> list[str]:
+        return [n for n in self.reservation_nodes(reservation) if n not in self.drained]
+
+    def reservation_nodes(self, reservation: str) -> list[str]:
+        """The host's GPUs outside the job: its "reservation"."""
+        return [n for n in self.all if n not in self.in_job]
+
+    def kill_steps(self, job_id: int, node: str, names: Sequence[str] = ()) -> list[str]:
+        return []  # no Slurm steps: the controller kills the process it started
+
+    def cancel_donors(self, job_id: int) -> list[int]:
+        return []  # grow() takes a GPU at once: no request is ever pending
+
     def step_argv(self, job_id: int, node: str, argv: Sequence[str], *, ntasks: int = 1,
                   env_overrides: Mapping[str, str] | None = None, name: str = "") -> list[str]:
         if ntasks != 1:

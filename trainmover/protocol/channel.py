@@ -22,8 +22,8 @@ import threading
 import time
 import logging
 
-from trainmover.control import files
-from trainmover.control.messages import validate
+from trainmover.protocol import files
+from trainmover.protocol.messages import validate
 from trainmover.errors import DeadlineExceeded, ProtocolError
 
 log = logging.getLogger(__name__)

@@ -22,20 +22,20 @@ import torch.distributed as dist
 
 from trainmover import faults
 from trainmover.config import Config, parse_tiers
-from trainmover.control import channel, checkpoints, endpoint, files
-from trainmover.control.messages import make
+from trainmover.protocol import channel, endpoint
+from trainmover.protocol import checkpoint_layout
+from trainmover.protocol.messages import make
 from trainmover.controller import journal, records, tiers
-from trainmover.controller.fencing import FencedNodes
-from trainmover.controller.exit_codes import CRASHED, MOVED, REFUSED, SUPERSEDED
+from trainmover.controller.fencing import FencedNodes, kill_and_drain
+from trainmover.controller.exit_codes import MOVED, SUPERSEDED
 from trainmover.controller.actions import (AcquireStandby, CheckpointDone, Fence, Finish, LaunchStandby, Record,
                                           ReleaseNode, Rewind, Send)
 from trainmover.controller.node_watch import NodeWatch
 from trainmover.controller.policy import Policy
 from trainmover.controller.steps import KeeperSteps, LocalSteps, step_environment
 from trainmover.controller.view import JobView
-from trainmover.errors import ConfigError, SlurmError, TrainMoverError
-from trainmover.logs import setup_logging
-from trainmover.control.spec import ENV as SPEC_ENV, WorkerSpec
+from trainmover.errors import ConfigError, SlurmError
+from trainmover.protocol.worker_spec import ENV as SPEC_ENV, WorkerSpec
 from trainmover.slurm.client import client
 from trainmover.slurm.model import BatchHostRelease, NoStandbyAvailable
 from trainmover.standbys import auto as auto_pool, site
@@ -114,7 +114,7 @@ class Controller:
                 raise ConfigError(f"{self.files.root} already holds a job secret: a controller of job {job_id} ran "
                                   "there before (a requeued job?). Move that directory away, or set TM_RUN_DIR "
                                   "to a new one; TrainMover never reuses another controller's secret.") from None
-        self.policy.checkpoint_steps = checkpoints.complete(self.checkpoint_root, self.key)[-checkpoints.KEEP:]
+        self.policy.checkpoint_steps = checkpoint_layout.complete(self.checkpoint_root, self.key)[-checkpoint_layout.KEEP:]
         self.capabilities: dict = {}
         self.fencing = FencedNodes()
         if not resume:  # a resuming controller checks in the background: a move must stay quick
@@ -146,8 +146,6 @@ class Controller:
         """Ask Slurm what this job's user may do; say what is missing and what follows, in the
         log and status.json. A reservation that refuses the user, with standbys wanted, is a clear
         error now (ConfigError), not a standby request retried for ever."""
-        if not hasattr(self.slurm, "capabilities"):
-            return
         try:
             caps = self.slurm.capabilities(self.job_id, self.cfg.reservation)
         except SlurmError as exc:  # not known: try each action, and hold a fenced node whose drain fails
@@ -306,8 +304,8 @@ class Controller:
                 log.info("rolled back to step %d: %d metrics rows of later steps dropped (they are redone)",
                          a.step, dropped)
             elif isinstance(a, CheckpointDone):
-                checkpoints.write_manifest(self.checkpoint_root, a.step, a.digests, self.key)
-                gone = checkpoints.prune(self.checkpoint_root, list(a.keep))
+                checkpoint_layout.write_manifest(self.checkpoint_root, a.step, a.digests, self.key)
+                gone = checkpoint_layout.prune(self.checkpoint_root, list(a.keep))
                 log.info("checkpoint of step %d complete; pruned %s", a.step, [d.name for d in gone])
             elif isinstance(a, Fence):
                 self._fence(a)
@@ -333,26 +331,8 @@ class Controller:
         if not drain:
             log.warning("fenced %s is not drained (%s): held in the job until it ends", a.node,
                         self.fencing.nodes[a.node].held or "drained already")
-        self._background("fence", lambda: self._kill_and_drain(a, drain))
-
-    def _kill_and_drain(self, a: Fence, drain: bool = True):
-        errors = []
-        proc = self.launcher.get(a.node)
-        try:
-            if hasattr(self.slurm, "kill_steps"):
-                killed = self.slurm.kill_steps(self.job_id, a.node, names=RANK_STEPS)
-                log.info("fenced %s: killed step(s) %s", a.node, killed)
-            elif proc is not None:  # no Slurm (single host): the step is the process itself
-                proc.kill()
-        except (SlurmError, OSError) as exc:  # a partitioned node: its slurmd cannot be reached
-            errors.append(f"kill: {exc}")
-        drain_error = ""
-        if drain:
-            try:
-                self.slurm.drain(a.node, f"trainmover: {a.reason}"[:200])
-            except SlurmError as exc:
-                drain_error = str(exc)[:300]
-        return ("fenced", a.node, "; ".join(errors), drain, drain_error)
+        self._background("fence", lambda: kill_and_drain(self.slurm, self.job_id, self.launcher.get(a.node), a.node,
+                                                           a.reason, drain))
 
     def handle_peer(self, conn, msg, now: float) -> list:
         kind = msg["type"]
@@ -571,13 +551,13 @@ class Controller:
         status["outcome"] = {"ok": ok, "message": message}
         self.files.write("status", status)
         log.info("controller: %s", message)
-        if hasattr(self.slurm, "cancel_donors"):  # a standby being taken right now must not outlive us
-            try:
-                gone = self.slurm.cancel_donors(self.job_id)
-                if gone:
-                    log.info("withdrew donor allocation(s) %s", gone)
-            except SlurmError as exc:
-                log.warning("could not withdraw donor allocations: %s", exc)
+        # a standby being taken right now must not outlive us
+        try:
+            gone = self.slurm.cancel_donors(self.job_id)
+            if gone:
+                log.info("withdrew donor allocation(s) %s", gone)
+        except SlurmError as exc:
+            log.warning("could not withdraw donor allocations: %s", exc)
         for conns in self.conns.values():  # standbys exit when the controller says bye
             for conn in conns:
                 try:
@@ -618,50 +598,3 @@ class Controller:
 TICK_S = 1.0  # the policy's tick at most this far apart (the node poll may be further)
 KEEPER_BEAT_S = 0.25  # the controller's beat to the keeper (controller/keeper.py)
 LOOP_STALL_S = 30.0   # a main loop that has not turned for this long is hung: no more beats
-RANK_STEPS = ("tm-worker", "tm-standby")  # the steps a fence kills: never the controller's own
-
-
-def main(argv=None) -> int:
-    """One controller process, started by `controller.supervisor` (`trainmover controller`)."""
-    import argparse
-    p = argparse.ArgumentParser(prog="python -m trainmover.controller.main")
-    files.private_umask()  # the job's files are its user's alone (docs/security.md)
-    p.add_argument("--listen-fd", type=int, help="the supervisor's listening control socket")
-    p.add_argument("--store", help="host:port of the supervisor's rendezvous store")
-    p.add_argument("--attempt", type=int, default=0, help="0 for the first controller, n for the n-th restart")
-    p.add_argument("--resume", action="store_true", help="take over from the journal of a controller that died")
-    p.add_argument("--spare-fd", type=int, help="a pre-started spare: wait for the attempt number on this pipe "
-                                                "(EOF: not needed), then resume")
-    p.add_argument("--keeper", help="the job's keeper node, which runs the steps (controller/keeper.py)")
-    args = p.parse_args(argv)
-    setup_logging()
-    if args.spare_fd is not None:  # imports are done: a takeover costs only the journal and Slurm queries
-        log.info("controller pid %d warm (imports done): waiting to take over", os.getpid())
-        with os.fdopen(args.spare_fd, "rb") as pipe:
-            word = pipe.readline().strip()
-        if not word:
-            return 0
-        args.attempt, args.resume = int(word), True
-    try:
-        job_id = int(os.environ["SLURM_JOB_ID"])
-    except (KeyError, ValueError):
-        raise ConfigError("trainmover controller runs inside a Slurm job (SLURM_JOB_ID is not set)") from None
-    cfg = Config.from_env()
-    listen = socket.socket(fileno=args.listen_fd) if args.listen_fd is not None else None
-    store = None
-    if args.store:
-        host, _, port = args.store.rpartition(":")
-        store = (host, int(port))
-    try:
-        return Controller(cfg, job_id, listen=listen, store=store, resume=args.resume, attempt=args.attempt,
-                          keeper=args.keeper).run()
-    except TrainMoverError as exc:  # a clear error (config, corrupt journal): restarting cannot help
-        log.error("controller: %s", exc)
-        return REFUSED
-    except Exception:  # noqa: BLE001 - a bug or a lost dependency: the supervisor may restart from the journal
-        log.exception("controller crashed")
-        return CRASHED
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,64 @@
+"""The controller process (`python -m trainmover.controller.process`), started by
+`controller.supervisor` (`trainmover controller`): its arguments, then the executor
+(controller/executor.py) until the job ends or it moves; the exit code says which
+(controller/exit_codes.py)."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+
+from trainmover.config import Config
+from trainmover.controller.executor import Controller
+from trainmover.controller.exit_codes import CRASHED, REFUSED
+from trainmover.errors import ConfigError, TrainMoverError
+from trainmover.logs import setup_logging
+from trainmover.protocol import files
+
+log = logging.getLogger("trainmover.controller")
+
+def main(argv=None) -> int:
+    """One controller process, started by `controller.supervisor` (`trainmover controller`)."""
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m trainmover.controller.process")
+    files.private_umask()  # the job's files are its user's alone (docs/security.md)
+    p.add_argument("--listen-fd", type=int, help="the supervisor's listening control socket")
+    p.add_argument("--store", help="host:port of the supervisor's rendezvous store")
+    p.add_argument("--attempt", type=int, default=0, help="0 for the first controller, n for the n-th restart")
+    p.add_argument("--resume", action="store_true", help="take over from the journal of a controller that died")
+    p.add_argument("--spare-fd", type=int, help="a pre-started spare: wait for the attempt number on this pipe "
+                                                "(EOF: not needed), then resume")
+    p.add_argument("--keeper", help="the job's keeper node, which runs the steps (controller/keeper.py)")
+    args = p.parse_args(argv)
+    setup_logging()
+    if args.spare_fd is not None:  # imports are done: a takeover costs only the journal and Slurm queries
+        log.info("controller pid %d warm (imports done): waiting to take over", os.getpid())
+        with os.fdopen(args.spare_fd, "rb") as pipe:
+            word = pipe.readline().strip()
+        if not word:
+            return 0
+        args.attempt, args.resume = int(word), True
+    try:
+        job_id = int(os.environ["SLURM_JOB_ID"])
+    except (KeyError, ValueError):
+        raise ConfigError("trainmover controller runs inside a Slurm job (SLURM_JOB_ID is not set)") from None
+    cfg = Config.from_env()
+    listen = socket.socket(fileno=args.listen_fd) if args.listen_fd is not None else None
+    store = None
+    if args.store:
+        host, _, port = args.store.rpartition(":")
+        store = (host, int(port))
+    try:
+        return Controller(cfg, job_id, listen=listen, store=store, resume=args.resume, attempt=args.attempt,
+                          keeper=args.keeper).run()
+    except TrainMoverError as exc:  # a clear error (config, corrupt journal): restarting cannot help
+        log.error("controller: %s", exc)
+        return REFUSED
+    except Exception:  # noqa: BLE001 - a bug or a lost dependency: the supervisor may restart from the journal
+        log.exception("controller crashed")
+        return CRASHED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

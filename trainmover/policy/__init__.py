@@ -1,1 +1,0 @@
-"""Pure decision policies fed with measurements (no clock, no I/O): straggler detection."""
