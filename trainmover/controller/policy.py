@@ -14,7 +14,7 @@ parts that each own a piece of it and are handed what they need:
     liveness    liveness.py        silent and stuck processes: verdicts
     snapshots   holder.py          who holds a one-node job's snapshots
     stragglers  straggler_watch.py compute-time windows, evictions
-    takeover    resume.py          a successor controller resuming from the journal
+    takeover    takeover.py        a successor controller resuming from the journal
 
 This class routes events to them and keeps the job's outcome (done, failure).
 """

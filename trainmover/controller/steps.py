@@ -28,7 +28,7 @@ log = logging.getLogger("trainmover.controller")
 class Adopted:
     """A Slurm step started by a controller that died: not our child, so watched by pid
     (srun runs on this node). Its exit code is unknown; a lost rank is detected by its
-    channel (resume.py), so an exit reads as 0 here."""
+    channel (takeover.py), so an exit reads as 0 here."""
 
     def __init__(self, pid: int):
         self.pid = pid
