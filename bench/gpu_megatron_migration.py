@@ -53,11 +53,8 @@ def run_job(spec: dict) -> int:
         """`migrate` the leaver once the standby is ready and `migrate_at` steps are done."""
         if "ready_step" not in t or step < spec["migrate_at"]:
             return False
-        if step >= spec["steps"] - spec["min_steps_after"]:
-            t["error"] = (f"standby ready only at step {t['ready_step']}, too late to migrate and compare "
-                          f"(training ends at {spec['steps']}): use more --steps")
-            return True
-        jobs.request_migration(t, run, spec["leaver"], step)
+        if not jobs.too_late(t, spec, step, "migrate"):
+            jobs.request_migration(t, run, spec["leaver"], step)
         return True
 
     def give_up() -> str:
@@ -130,9 +127,7 @@ def main() -> int:
     result = {
         "scenario": scenario, "machine": args.machine if cuda else "cpu-local",
         "gpus": jobs.gpu_names() if cuda else "none", "leaver": args.leaver,
-        "commit": results_io.commit(),
-        "command": " ".join(["python", "bench/gpu_megatron_migration.py", *sys.argv[1:]]),
-        "when": results_io.now(),
+        **results_io.provenance(__file__),
         "settings": {"model_params": None, "preset": args.preset, "workload": "megatron_gpt", **lay,
                      "distributed_optimizer": dist_opt, "dtype": args.dtype, "workers": workers, "standbys": 1,
                      "steps": args.steps, "migrate_at": args.migrate_at, "torch": torch.__version__,

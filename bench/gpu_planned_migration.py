@@ -82,9 +82,7 @@ def run_job(spec: dict) -> int:
         """Migrate or kill the leaver once the standby is ready and `migrate_at` steps are done."""
         if "ready_t" not in t or step < spec["migrate_at"]:
             return False
-        if step >= spec["steps"] - spec["min_steps_after"]:
-            t["error"] = (f"too late to {spec['fault']} at step {step} (training ends at {spec['steps']}, "
-                          f"standby ready at step {t['ready_step']}): use more --steps")
+        if jobs.too_late(t, spec, step, spec["fault"]):
             return True
         if spec["fault"] == "migrate":
             jobs.request_migration(t, run, spec["leaver"], step)
@@ -405,9 +403,7 @@ def main() -> int:
                         f"-{args.preset}",
             "machine": args.machine if cuda else "cpu-local", "leaver": args.leaver,
             "gpus": jobs.gpu_names() if cuda else "none",
-            "commit": results_io.commit(),
-            "command": " ".join(["python", "bench/gpu_planned_migration.py", *sys.argv[1:]]),
-            "when": results_io.now(),
+            **results_io.provenance(__file__),
             "settings": {"model_params": params, "preset": args.preset, "dtype": "bf16 autocast, fp32 master + AdamW",
                          "workers": args.gpus - 1, "standbys": 1, "steps": args.steps, "migrate_at": args.migrate_at,
                          "fault": f"SIG{args.signal} of the leaver's worker" if fault == "kill" else "trainmover migrate",

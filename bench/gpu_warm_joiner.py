@@ -168,9 +168,7 @@ def main() -> int:
     result = {
         "scenario": scenario, "machine": args.machine if args.device == "cuda" else "cpu-local",
         "gpus": jobs.gpu_names() if args.device == "cuda" else "none",
-        "commit": results_io.commit(),
-        "command": " ".join(["python", "bench/gpu_warm_joiner.py", *sys.argv[1:]]),
-        "when": results_io.now(),
+        **results_io.provenance(__file__),
         "settings": {"preset": args.preset, "compile": not args.no_compile, "workers": gpus - 1, "standbys": 1,
                      "jobs": args.jobs,
                      "record_iterations": 3, "record_from_step": args.record_from, "torch": torch.__version__,

@@ -107,6 +107,16 @@ def parse_args(ap, run_job):
     return args
 
 
+def too_late(t: dict, spec: dict, step: int, what: str) -> bool:
+    """Whether `what` (the migration or the kill) at `step` would leave fewer than
+    `min_steps_after` steps to compare with the reference; then `t["error"]` says so."""
+    if step < spec["steps"] - spec["min_steps_after"]:
+        return False
+    t["error"] = (f"too late to {what} at step {step} (training ends at {spec['steps']}, "
+                  f"standby ready at step {t['ready_step']}): use more --steps")
+    return True
+
+
 def request_migration(t: dict, run: Path, node: str, step: int) -> None:
     """`trainmover migrate <node>` through the job's authenticated control channel."""
     from trainmover.protocol import channel
