@@ -164,9 +164,7 @@ def main():
     workdir.mkdir(parents=True, exist_ok=True)
     trials = [baseline_trial(ops, slurm, workdir, ranks=args.ranks, scenario=args.scenario, steps=args.steps,
                              event_at=args.event_at, ckpt_every=args.ckpt_every, tag=str(i)) for i in range(args.repeats)]
-    result = {"scenario": f"baseline-{args.scenario}-cpu-demo", **machine(), "commit": results_io.commit(),
-              "command": " ".join(["python", "bench/cpu_checkpoint_restart.py", *sys.argv[1:]]),
-              "when": results_io.now(),
+    result = {"scenario": f"baseline-{args.scenario}-cpu-demo", **machine(), **results_io.provenance(__file__),
               "settings": {"workload": "gpt_demo tiny", "workers": args.ranks, "backend": "gloo",
                            "ckpt_every": args.ckpt_every, "event_at": args.event_at,
                            "storage": "run directory on the local disk (the cluster's shared filesystem)",

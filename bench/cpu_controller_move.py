@@ -178,9 +178,7 @@ def main():
     result = {
         "scenario": "controller-move-cpu", **machine(),
         "machine": "cpu-local (2 cores, every node on one host)",
-        "commit": results_io.commit(),
-        "command": " ".join(["python", "bench/cpu_controller_move.py", *sys.argv[1:]]),
-        "when": results_io.now(),
+        **results_io.provenance(__file__),
         "settings": {"template": "demo_gpt_cpu.sbatch", "training_nodes": 3, "standbys": 1, "repeats": args.repeats,
                      "TM_CONTROLLER_RESTARTS": 50, "controller_deadline_s": 2.0, "job_id": job.id,
                      "TM_CONTROLLER_SUCCESSORS": args.successors},

@@ -74,9 +74,7 @@ def main() -> None:
     result = {
         "scenario": "journal-state-per-decision", "machine": "cpu-local",
         "gpus": "none", "cpu": platform.processor() or platform.machine(), "load": list(os.getloadavg()),
-        "commit": results_io.commit(),
-        "command": " ".join(["python", "bench/cpu_journal_state.py", *sys.argv[1:]]),
-        "when": results_io.now(),
+        **results_io.provenance(__file__),
         "settings": {"ranks_per_node": 8, "standbys": 4, "number": args.number, "repeat": args.repeat,
                      "note": "per decision: the executor encodes and diffs after every message it handles"},
         "metrics": metrics,

@@ -122,9 +122,7 @@ def main():
     result = {
         "scenario": "planned-cpu-demo", "machine": "cpu-local-cluster",
         "gpus": "none", "cpu": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
-        "commit": results_io.commit(),
-        "command": " ".join(["python", "bench/cpu_planned_migration.py", *sys.argv[1:]]),
-        "when": results_io.now(),
+        **results_io.provenance(__file__),
         "settings": {"workload": "gpt_demo tiny", "workers": 3, "standbys": 1, "backend": "gloo", "steps": args.steps,
                      "slurm": "22.05.8 embedded, one machine"},
         "metrics": {"planned_downtime_s": statistics.median(downs), "planned_downtime_s_all": downs,

@@ -58,9 +58,7 @@ def main():
     downs = [m["downtime_s"] for m in migrations if m["downtime_s"] is not None]
     result = {
         "scenario": "rebalance-cpu-demo", "machine": "cpu-local-cluster", "gpus": "none",
-        "commit": results_io.commit(),
-        "command": " ".join(["python", "bench/cpu_rebalance.py", *sys.argv[1:]]),
-        "when": results_io.now(),
+        **results_io.provenance(__file__),
         "settings": {"steps": args.steps, "rebalance_every_steps": args.every, "workers": 3, "standbys": 1},
         "metrics": {"migrations": len(migrations), "triggers": sorted({m["trigger"] for m in migrations}),
                     "downtime_s_each": downs, "steady_step_s": steady, "elapsed_s": elapsed,

@@ -110,9 +110,7 @@ def main():
             "baseline_downtime_slope_s_per_rank": slope(bx, by)["slope"],
             "downtime_ratio_by_ranks": {str(n): med[n] / bmed[n] for n in args.ranks},
         })
-    result = {"scenario": "scaling-cpu-demo", **machine(), "commit": results_io.commit(),
-              "command": " ".join(["python", "bench/cpu_scaling.py", *sys.argv[1:]]),
-              "when": results_io.now(),
+    result = {"scenario": "scaling-cpu-demo", **machine(), **results_io.provenance(__file__),
               "settings": {"workload": "gpt_demo tiny", "ranks_per_node": 1, "standbys": 1, "backend": "gloo",
                            "event_at": args.event_at, "repeats": args.repeats,
                            "baseline_repeats": args.baseline_repeats,

@@ -135,9 +135,7 @@ def main():
     metrics["unexpected_downtime_s"] = (statistics.median(x["downtime_s"] for x in tm_failure) if tm_failure else None)
     metrics["unexpected_note"] = ("" if tm_failure else "TrainMover's unexpected-failure path (issue #6) is not in "
                                   "this commit: not measured")
-    result = {"scenario": "side-by-side-cpu-demo", **machine(), "commit": results_io.commit(),
-              "command": " ".join(["python", "bench/cpu_side_by_side.py", *sys.argv[1:]]),
-              "when": results_io.now(),
+    result = {"scenario": "side-by-side-cpu-demo", **machine(), **results_io.provenance(__file__),
               "settings": {"workload": "gpt_demo tiny", "workers": args.ranks, "standbys": 1, "backend": "gloo",
                            "event_at": args.event_at, "baseline_ckpt_every": args.ckpt_every,
                            "cluster": f"{args.cluster_nodes} training + 2 standby nodes, {info.state_dir}",

@@ -261,9 +261,7 @@ def main():
     result = {
         "scenario": "slurmctld-load", "machine": "cpu-local-cluster",
         "gpus": "none", "cpu": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
-        "commit": results_io.commit(),
-        "command": " ".join(["python", "bench/cpu_slurmctld_load.py", *sys.argv[1:]]),
-        "when": results_io.now(),
+        **results_io.provenance(__file__),
         "settings": {"workload": "gpt_demo tiny", "ranks_per_job": 1, "standbys_per_job": 1, "backend": "gloo",
                      "pace_s": args.pace, "slurm": info.slurm, "window_s": args.window,
                      "node_query": "tm_nodes" if node_query.exists() else "scontrol",

@@ -144,9 +144,7 @@ def main():
     result = {
         "scenario": "planned-cpu-megatron-whole-node-tp2", **machine(),
         "machine": "cpu-local (2 cores, every node on one host)",
-        "commit": results_io.commit(),
-        "command": " ".join(["python", "bench/cpu_whole_node_migration.py", *sys.argv[1:]]),
-        "when": results_io.now(),
+        **results_io.provenance(__file__),
         "settings": {"workload": "megatron_gpt tiny (fp32, DDP optimizer)", "layout": "TP2 x PP2 x DP1",
                      "ranks_per_node": 2, "training_nodes": 2, "standby_nodes": 1, "moved": "node of ranks 2, 3",
                      "backend": "gloo", "steps": args.steps, "drain_at_step": args.at_step,

@@ -239,9 +239,7 @@ def main():
     result = {
         "scenario": name, "machine": args.machine,
         "gpus": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}" if args.device == "cuda" else "none",
-        "commit": results_io.commit(),
-        "command": " ".join(["python", "bench/gpu_checkpoint_restart.py", *sys.argv[1:]]),
-        "when": results_io.now(),
+        **results_io.provenance(__file__),
         "settings": {"model_params": params, "preset": args.preset, "workers": args.gpus - 1, "standbys": 1,
                      "device": args.device, "repeats": args.repeats, "event_at": args.event_at,
                      "ckpt_every": args.ckpt_every, "storage": f"local disk under {out}", "compile": False,

@@ -296,8 +296,7 @@ def main() -> int:
     dry = DryGpus(scratch / "reading.json") if args.dry_run else None
     extra = [f"--gpu-source file:{dry.path}"] if dry else []
     result = {"scenario": "gpu-healthcheck-dryrun" if dry else "gpu-healthcheck",
-              "machine": "cpu-dry-run" if dry else args.machine, "gpus": gpus, "commit": results_io.commit(),
-              "command": " ".join(["python", "bench/gpu_healthcheck.py", *sys.argv[1:]]), "when": results_io.now(),
+              "machine": "cpu-dry-run" if dry else args.machine, "gpus": gpus, **results_io.provenance(__file__),
               "settings": {"dry_run": bool(dry), "node": node, "healthy_runs": args.healthy_runs, "gap_s": gap,
                            "how": "slurm_plugin/healthcheck.sh under env -i SLURMD_NODENAME=<node>, "
                                   "--no-drain --no-straggler --json, python -I from a scratch venv",

@@ -28,7 +28,6 @@ Writes <out>/<scenario>.json after every stage, also when a job fails or runs ou
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import threading
@@ -41,40 +40,28 @@ sys.path.insert(0, str(ROOT))
 from bench import results_io  # noqa: E402
 from bench.gpu_planned_migration import GPU_ENV, p2p_bandwidth, summarize  # noqa: E402  (sets GPU_ENV)
 from bench import single_host_jobs as jobs  # noqa: E402
-from bench.single_host_jobs import read_json, read_rows  # noqa: E402
+from bench.single_host_jobs import read_json  # noqa: E402
 
 
 # --- one job (a child process: a hung job can be killed, its files stay) ----------------------
 def run_job(spec: dict) -> int:
     ctl, run, raw = jobs.new_job(spec, ROOT)
 
-    def trigger():
+    t = raw["trigger"]
+
+    def act(status: dict, step: int) -> bool:
         """`migrate` the leaver once the standby is ready and `migrate_at` steps are done."""
-        t = raw["trigger"]
-        deadline = time.monotonic() + spec["deadline_s"]
-        try:
-            while time.monotonic() < deadline:
-                rows = read_rows(run / "metrics.jsonl")
-                status = read_json(run / "status.json")
-                step = rows[-1]["step"] if rows else 0
-                lost = jobs.watch_standby(t, run, status, step)
-                if lost:
-                    t["error"] = lost
-                    return
-                if "ready_step" in t and step >= spec["migrate_at"]:
-                    if step >= spec["steps"] - spec["min_steps_after"]:
-                        t["error"] = (f"standby ready only at step {t['ready_step']}, too late to migrate and compare "
-                                      f"(training ends at {spec['steps']}): use more --steps")
-                        return
-                    jobs.request_migration(t, run, spec["leaver"], step)
-                    return
-                time.sleep(0.05)
-            t["error"] = f"standby not ready with {spec['migrate_at']} steps done within {spec['deadline_s']:.0f}s"
-        except Exception as exc:  # noqa: BLE001 - reported in the result
-            t["error"] = f"trigger failed: {exc!r}"
+        if "ready_step" not in t or step < spec["migrate_at"]:
+            return False
+        if not jobs.too_late(t, spec, step, "migrate"):
+            jobs.request_migration(t, run, spec["leaver"], step)
+        return True
+
+    def give_up() -> str:
+        return f"standby not ready with {spec['migrate_at']} steps done within {spec['deadline_s']:.0f}s"
 
     if spec["migrate"]:
-        threading.Thread(target=trigger, daemon=True).start()
+        threading.Thread(target=jobs.watch_job, args=(spec, run, t, act, 0.05, give_up), daemon=True).start()
     return jobs.run_controller(ctl, run, raw, Path(spec["workdir"]) / "raw.json")
 
 
@@ -120,10 +107,7 @@ def main() -> int:
     ap.add_argument("--deadline-s", type=float, default=420.0, help="the whole run, both jobs")
     ap.add_argument("--record-iterations", type=int, default=3,
                     help="recorded iterations per standby role (0: the standby warms on local answers)")
-    ap.add_argument("--run-job", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.run_job:
-        return run_job(json.loads(args.run_job))
+    args = jobs.parse_args(ap, run_job)
 
     t_begin = time.monotonic()
     args.leaver = args.leaver or ("gpu0" if args.gpus == 2 else "gpu1")
@@ -143,9 +127,7 @@ def main() -> int:
     result = {
         "scenario": scenario, "machine": args.machine if cuda else "cpu-local",
         "gpus": jobs.gpu_names() if cuda else "none", "leaver": args.leaver,
-        "commit": results_io.commit(),
-        "command": " ".join(["python", "bench/gpu_megatron_migration.py", *sys.argv[1:]]),
-        "when": results_io.now(),
+        **results_io.provenance(__file__),
         "settings": {"model_params": None, "preset": args.preset, "workload": "megatron_gpt", **lay,
                      "distributed_optimizer": dist_opt, "dtype": args.dtype, "workers": workers, "standbys": 1,
                      "steps": args.steps, "migrate_at": args.migrate_at, "torch": torch.__version__,

@@ -26,7 +26,6 @@ Writes <out>/gpu-planned-<preset>-<leaver>.json and gpu-failure-<preset>-<leaver
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -77,32 +76,21 @@ def p2p_bandwidth() -> float:
 def run_job(spec: dict) -> int:
     ctl, run, raw = jobs.new_job(spec, ROOT)
 
-    def trigger():
-        t = raw["trigger"]
-        deadline = time.monotonic() + spec["deadline_s"]
-        try:
-            while time.monotonic() < deadline:
-                rows = jobs.read_rows(run / "metrics.jsonl")
-                status = jobs.read_json(run / "status.json")
-                step = rows[-1]["step"] if rows else 0
-                lost = jobs.watch_standby(t, run, status, step)
-                if lost:
-                    t["error"] = lost
-                    return
-                if "ready_t" in t and step >= spec["migrate_at"]:
-                    if step >= spec["steps"] - spec["min_steps_after"]:
-                        t["error"] = (f"too late to {spec['fault']} at step {step} (training ends at {spec['steps']}, "
-                                      f"standby ready at step {t['ready_step']}): use more --steps")
-                        return
-                    if spec["fault"] == "migrate":
-                        jobs.request_migration(t, run, spec["leaver"], step)
-                        return
-                    if _kill_now(t, status, step, spec):
-                        return
-                time.sleep(0.02)
-            t["error"] = f"no {spec['fault']} within {spec['deadline_s']:.0f}s (standby ready: {'ready_t' in t})"
-        except Exception as exc:  # noqa: BLE001 - reported in the result
-            t["error"] = f"trigger failed: {exc!r}"
+    t = raw["trigger"]
+
+    def act(status: dict, step: int) -> bool:
+        """Migrate or kill the leaver once the standby is ready and `migrate_at` steps are done."""
+        if "ready_t" not in t or step < spec["migrate_at"]:
+            return False
+        if jobs.too_late(t, spec, step, spec["fault"]):
+            return True
+        if spec["fault"] == "migrate":
+            jobs.request_migration(t, run, spec["leaver"], step)
+            return True
+        return _kill_now(t, status, step, spec)
+
+    def give_up() -> str:
+        return f"no {spec['fault']} within {spec['deadline_s']:.0f}s (standby ready: {'ready_t' in t})"
 
     def _kill_now(t: dict, status: dict, step: int, spec: dict) -> bool:
         """SIGKILL the leaver's worker once the state it will need exists: with one worker a
@@ -128,7 +116,7 @@ def run_job(spec: dict) -> int:
         return True
 
     if spec["fault"] != "none":
-        threading.Thread(target=trigger, daemon=True).start()
+        threading.Thread(target=jobs.watch_job, args=(spec, run, t, act, 0.02, give_up), daemon=True).start()
     return jobs.run_controller(ctl, run, raw, Path(spec["workdir"]) / "raw.json")
 
 
@@ -352,10 +340,7 @@ def main() -> int:
     ap.add_argument("--machine", default=results_io.machine())
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run of the same flow (gloo)")
     ap.add_argument("--deadline-s", type=float, default=540.0, help="the whole run, every job")
-    ap.add_argument("--run-job", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.run_job:
-        return run_job(json.loads(args.run_job))
+    args = jobs.parse_args(ap, run_job)
     t_begin = time.monotonic()
     args.leaver = args.leaver or ("gpu0" if args.gpus == 2 else "gpu1")
     args.host_gpus = args.host_gpus or (1 if args.share_gpu else max(args.gpus, args.first_gpu + 1))
@@ -418,9 +403,7 @@ def main() -> int:
                         f"-{args.preset}",
             "machine": args.machine if cuda else "cpu-local", "leaver": args.leaver,
             "gpus": jobs.gpu_names() if cuda else "none",
-            "commit": results_io.commit(),
-            "command": " ".join(["python", "bench/gpu_planned_migration.py", *sys.argv[1:]]),
-            "when": results_io.now(),
+            **results_io.provenance(__file__),
             "settings": {"model_params": params, "preset": args.preset, "dtype": "bf16 autocast, fp32 master + AdamW",
                          "workers": args.gpus - 1, "standbys": 1, "steps": args.steps, "migrate_at": args.migrate_at,
                          "fault": f"SIG{args.signal} of the leaver's worker" if fault == "kill" else "trainmover migrate",

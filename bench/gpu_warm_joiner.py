@@ -49,36 +49,27 @@ TARGETS = {"first_step_ratio_max": 1.2, "stayer_throughput_ratio_min": 0.99}
 def run_job(spec: dict) -> int:
     ctl, run, raw = jobs.new_job(spec, ROOT)
 
-    def trigger():
+    t = raw["trigger"]
+
+    def act(status: dict, step: int) -> bool:
         """Migrate the leaver once the standby is ready and a steady window has passed; stop
         the job `after_steps` steps after the switch (the numbers are in by then)."""
-        t = raw["trigger"]
-        deadline = time.monotonic() + spec["deadline_s"]
-        try:
-            while time.monotonic() < deadline:
-                rows = jobs.read_rows(run / "metrics.jsonl")
-                status = jobs.read_json(run / "status.json")
-                step = rows[-1]["step"] if rows else 0
-                lost = jobs.watch_standby(t, run, status, step)
-                if lost:
-                    t["error"] = lost
-                    _stop(ctl)
-                    return
-                if ("t" not in t and "ready_t" in t and step >= t["ready_step"] + spec["steady_steps"]
-                        and step >= spec["min_step"]):
-                    jobs.request_migration(t, run, spec["leaver"], step)
-                migrations = status.get("migrations") or []
-                switch = migrations[0]["switch_step"] if migrations else None
-                if switch is not None and step >= switch + spec["after_steps"]:
-                    t["stopped_at_step"] = step
-                    _stop(ctl)
-                    return
-                time.sleep(0.05)
-            t["error"] = f"no switch and {spec['after_steps']} steps after it within {spec['deadline_s']:.0f}s"
-        except Exception as exc:  # noqa: BLE001 - reported in the result
-            t["error"] = f"trigger failed: {exc!r}"
+        if ("t" not in t and "ready_t" in t and step >= t["ready_step"] + spec["steady_steps"]
+                and step >= spec["min_step"]):
+            jobs.request_migration(t, run, spec["leaver"], step)
+        migrations = status.get("migrations") or []
+        switch = migrations[0]["switch_step"] if migrations else None
+        if switch is not None and step >= switch + spec["after_steps"]:
+            t["stopped_at_step"] = step
+            _stop(ctl)
+            return True
+        return False
 
-    threading.Thread(target=trigger, daemon=True).start()
+    def give_up() -> str:
+        return f"no switch and {spec['after_steps']} steps after it within {spec['deadline_s']:.0f}s"
+
+    threading.Thread(target=jobs.watch_job, args=(spec, run, t, act, 0.05, give_up, lambda: _stop(ctl)),
+                     daemon=True).start()
     return jobs.run_controller(ctl, run, raw, Path(spec["workdir"]) / "raw.json")
 
 
@@ -164,10 +155,7 @@ def main() -> int:
     ap.add_argument("--standby-nice", type=int, default=10, help="TM_STANDBY_NICE of the jobs (0: not niced)")
     ap.add_argument("--standby-compile-threads", type=int, default=4,
                     help="TM_STANDBY_COMPILE_THREADS of the jobs (0: torch's default, one per CPU of its share)")
-    ap.add_argument("--run-job", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.run_job:
-        return run_job(json.loads(args.run_job))
+    args = jobs.parse_args(ap, run_job)
 
     t_begin = time.monotonic()
     out = Path(args.out)
@@ -180,9 +168,7 @@ def main() -> int:
     result = {
         "scenario": scenario, "machine": args.machine if args.device == "cuda" else "cpu-local",
         "gpus": jobs.gpu_names() if args.device == "cuda" else "none",
-        "commit": results_io.commit(),
-        "command": " ".join(["python", "bench/gpu_warm_joiner.py", *sys.argv[1:]]),
-        "when": results_io.now(),
+        **results_io.provenance(__file__),
         "settings": {"preset": args.preset, "compile": not args.no_compile, "workers": gpus - 1, "standbys": 1,
                      "jobs": args.jobs,
                      "record_iterations": 3, "record_from_step": args.record_from, "torch": torch.__version__,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 from trainmover import config
@@ -25,6 +26,14 @@ def machine() -> str:
 
 def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def provenance(script: str) -> dict:
+    """commit, command and when: what every result carries besides its scenario and machine.
+    `script` is the benchmark's own file (__file__); the command is it with this run's arguments."""
+    return {"commit": commit(),
+            "command": " ".join(["python", Path(script).resolve().relative_to(ROOT).as_posix(), *sys.argv[1:]]),
+            "when": now()}
 
 
 def write(path: Path, result: dict) -> Path:

@@ -3,6 +3,7 @@ runs in a child process with a deadline, a trigger thread watches its run files,
 wrote is salvaged even when it had to be killed."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -69,6 +70,51 @@ def watch_standby(t: dict, run: Path, status: dict, step: int) -> str | None:
         last = log.read_text().strip().splitlines()[-1:] if log.exists() else ["(no log)"]
         return f"standby on {t['standby_seen']} exited before it was ready: {last[0][-500:]}"
     return None
+
+
+def watch_job(spec: dict, run: Path, t: dict, act, interval: float, give_up, on_lost=None) -> None:
+    """A trigger thread's loop: every `interval` s until `spec["deadline_s"]`, read the job's rows
+    and status, note the standby (`watch_standby`) and call `act(status, step)` until it returns
+    True. What went wrong goes into `t["error"]`: the standby's exit (then `on_lost()`),
+    `give_up()` at the deadline, or an exception of the loop's own."""
+    deadline = time.monotonic() + spec["deadline_s"]
+    try:
+        while time.monotonic() < deadline:
+            rows = read_rows(run / "metrics.jsonl")
+            status = read_json(run / "status.json")
+            step = rows[-1]["step"] if rows else 0
+            lost = watch_standby(t, run, status, step)
+            if lost:
+                t["error"] = lost
+                if on_lost:
+                    on_lost()
+                return
+            if act(status, step):
+                return
+            time.sleep(interval)
+        t["error"] = give_up()
+    except Exception as exc:  # noqa: BLE001 - reported in the result
+        t["error"] = f"trigger failed: {exc!r}"
+
+
+def parse_args(ap, run_job):
+    """`ap`'s arguments in the benchmark's own process; in a job's child process (`launch` runs
+    `script --run-job SPEC`) it runs `run_job(SPEC)` and exits with its code."""
+    ap.add_argument("--run-job", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.run_job:
+        sys.exit(run_job(json.loads(args.run_job)))
+    return args
+
+
+def too_late(t: dict, spec: dict, step: int, what: str) -> bool:
+    """Whether `what` (the migration or the kill) at `step` would leave fewer than
+    `min_steps_after` steps to compare with the reference; then `t["error"]` says so."""
+    if step < spec["steps"] - spec["min_steps_after"]:
+        return False
+    t["error"] = (f"too late to {what} at step {step} (training ends at {spec['steps']}, "
+                  f"standby ready at step {t['ready_step']}): use more --steps")
+    return True
 
 
 def request_migration(t: dict, run: Path, node: str, step: int) -> None:

@@ -4,14 +4,14 @@ c10d's view of our groups, sandbox answers for shadow steps, and the CPU compat 
 from __future__ import annotations
 
 import datetime
-import socket
 import threading
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from trainmover.runtime.groups import SandboxBackend, SwappableGroup, gloo_group
+from trainmover.runtime.groups import SandboxBackend, SwappableGroup
+from tests.unit.gloo_world import gloo_groups, serve_store
 
 pytestmark = pytest.mark.gloo_threads  # see tests/unit/conftest.py
 
@@ -21,20 +21,8 @@ TIMEOUT = datetime.timedelta(seconds=20)
 @pytest.fixture
 def pair():
     """Two SwappableGroups over one real gloo group (threads of this process)."""
-    s = socket.create_server(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=s.detach(),
-                           use_libuv=False, timeout=TIMEOUT)
-    out = [None, None]
-
-    def build(r):
-        client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=TIMEOUT)
-        out[r] = SwappableGroup("dp.0", r, 2, [0, 1], gloo_group(client, "t/", r, 2, host="127.0.0.1",
-                                                                   timeout=TIMEOUT))
-    threads = [threading.Thread(target=build, args=(r,)) for r in (0, 1)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
-    yield out
+    master, port = serve_store(TIMEOUT)
+    yield [SwappableGroup("dp.0", r, 2, [0, 1], g) for r, g in enumerate(gloo_groups(port, "t/", 2, TIMEOUT))]
     del master
 
 

@@ -1,18 +1,16 @@
 """The snapshot exchange over a real gloo group (threads of one process stand for ranks on
 three nodes) and the checkpoint files: verified copies, a corrupted copy or file detected."""
 import datetime
-import socket
 import threading
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from trainmover.protocol import checkpoint_layout as layout
 from trainmover.errors import MigrationError
 from trainmover.runtime import checkpoint, transfer
-from trainmover.runtime.groups import gloo_group
 from trainmover.runtime.snapshot import Snapshots, holder_of, ward_of
+from tests.unit.gloo_world import gloo_groups, serve_store
 
 KEY = b"k" * 32  # the job's key (protocol/files.py seals the manifest with it)
 
@@ -35,18 +33,8 @@ def same(a: dict, b: dict) -> bool:
 
 
 def world_groups():
-    s = socket.create_server(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=s.detach(),
-                           use_libuv=False, timeout=TIMEOUT)
-    groups = [None] * WORLD
-
-    def build(r):  # one store client per member, as on separate nodes
-        client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=TIMEOUT)
-        groups[r] = gloo_group(client, "snap/", r, WORLD, host="127.0.0.1", timeout=TIMEOUT)
-    threads = [threading.Thread(target=build, args=(r,)) for r in range(WORLD)]
-    [t.start() for t in threads]
-    [t.join(30) for t in threads]
+    master, port = serve_store(TIMEOUT)
+    groups = gloo_groups(port, "snap/", WORLD, TIMEOUT)
     assert all(groups), "gloo group not built within 30 s"
     return master, groups
 

@@ -1,16 +1,15 @@
 """State transfer and swappable groups over real gloo groups (threads of one process)."""
 import datetime
-import socket
 import threading
 import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from trainmover.errors import MigrationError
 from trainmover.runtime import heartbeat, transfer
-from trainmover.runtime.groups import SandboxBackend, SwappableGroup, gloo_group
+from trainmover.runtime.groups import SandboxBackend, SwappableGroup
+from tests.unit.gloo_world import gloo_groups, serve_store
 
 pytestmark = pytest.mark.gloo_threads  # see tests/unit/conftest.py
 
@@ -19,24 +18,13 @@ TIMEOUT = datetime.timedelta(seconds=20)
 
 @pytest.fixture
 def store():
-    s = socket.create_server(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=s.detach(),
-                           use_libuv=False, timeout=TIMEOUT)
+    master, port = serve_store(TIMEOUT)
     yield port
     del master
 
 
 def pair(store, prefix):
-    out = [None, None]
-
-    def build(r):  # one store client per member, as on separate nodes
-        client = dist.TCPStore("127.0.0.1", store, is_master=False, wait_for_workers=False, timeout=TIMEOUT)
-        out[r] = gloo_group(client, prefix, r, 2, host="127.0.0.1", timeout=TIMEOUT)
-    threads = [threading.Thread(target=build, args=(r,)) for r in (0, 1)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
-    return out
+    return gloo_groups(store, prefix, 2, TIMEOUT)
 
 
 def state():
@@ -49,20 +37,28 @@ def state():
             "rng": {"torch": torch.get_rng_state()}, "step": 5, "scalar": torch.tensor(3.5)}
 
 
-def run_pair(store, prefix, sent, like=None, corrupt=False):
+def exchange(store, prefix, send, recv):
+    """`send(a)` here while `recv(b)` runs on a thread, over a fresh pair (a, b); returns what
+    send returned and {"state", "stats"} from recv, or {"error"} with its MigrationError."""
     a, b = pair(store, prefix)
     result = {}
 
-    def recv():
+    def receive():
         try:
-            result["state"], result["stats"] = transfer.recv_state(b, src=0, like=like)
+            result["state"], result["stats"] = recv(b)
         except MigrationError as exc:
             result["error"] = exc
-    t = threading.Thread(target=recv)
+    t = threading.Thread(target=receive)
     t.start()
-    stats = transfer.send_state(sent, a, dst=1, corrupt=corrupt)
-    t.join(30)
-    return stats, result
+    try:
+        return send(a), result
+    finally:
+        t.join(30)
+
+
+def run_pair(store, prefix, sent, like=None, corrupt=False):
+    return exchange(store, prefix, lambda a: transfer.send_state(sent, a, dst=1, corrupt=corrupt),
+                    lambda b: transfer.recv_state(b, src=0, like=like))
 
 
 def flat(obj):
@@ -128,22 +124,13 @@ def test_swappable_group_switches_backend_under_ddp(store):
 
 
 def run_verified(store, prefix, sent, corrupt=False):
-    a, b = pair(store, prefix)
-    result = {}
-
-    def recv():
+    def send(a):
         try:
-            result["state"], result["stats"] = transfer.recv_verified(b, src=0, like=None)
+            return {"sent": transfer.send_verified(sent, a, dst=1, corrupt=corrupt)}
         except MigrationError as exc:
-            result["error"] = exc
-    t = threading.Thread(target=recv)
-    t.start()
-    try:
-        result["sent"] = transfer.send_verified(sent, a, dst=1, corrupt=corrupt)
-    except MigrationError as exc:
-        result["send_error"] = exc
-    t.join(30)
-    return result
+            return {"send_error": exc}
+    sender, result = exchange(store, prefix, send, lambda b: transfer.recv_verified(b, src=0, like=None))
+    return {**result, **sender}
 
 
 def test_corrupted_copy_is_retried_and_then_exact(store):
@@ -172,15 +159,7 @@ def test_revoke_frees_ranks_waiting_on_a_peer_that_never_comes(store):
     """A member alive but silent (a hung node): without revoke the others would wait for the
     group timeout (20 s here); revoke fails their collective at once, and so does any later
     one, until a new backend is swapped in."""
-    groups = [None] * 3
-
-    def build(r):
-        client = dist.TCPStore("127.0.0.1", store, is_master=False, wait_for_workers=False, timeout=TIMEOUT)
-        groups[r] = SwappableGroup("world", r, 3, [0, 1, 2], gloo_group(client, "rv/", r, 3, host="127.0.0.1",
-                                                                        timeout=TIMEOUT))
-    threads = [threading.Thread(target=build, args=(r,)) for r in range(3)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
+    groups = [SwappableGroup("world", r, 3, [0, 1, 2], g) for r, g in enumerate(gloo_groups(store, "rv/", 3, TIMEOUT))]
     outcome = {}
 
     def reduce(r):  # rank 2 never joins
