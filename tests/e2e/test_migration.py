@@ -413,7 +413,9 @@ def test_two_jobs_share_the_standby_pool_and_a_drain_moves_only_its_own_job(demo
     a drain of a node of the first moves its rank to its own standby; the second, identical and
     left alone, is the first's uninterrupted reference (same seed, layout and steps)."""
     small = ("--nodes=3", "--constraint=[tm_keeper*1&tm_train*2]")
-    moved, alone = demo("pool-a", sbatch_args=small), demo("pool-b", sbatch_args=small)
+    # Paced alike (same bits): two ranks train 500 steps in ~5 s once warm, and a plain drain is
+    # seen at the next node poll (TM_POLL_S, 10 s): unpaced, job A ended first (CI, no migration).
+    moved, alone = (demo(name, sbatch_args=small, TM_INJECT="pace:0.05") for name in ("pool-a", "pool-b"))
     for run in (moved, alone):
         start_training(run, slurm_client)
         wait_for(f"job {run.job_id}'s standby warm", lambda r=run: any(s["state"] == "ready" for s in r.status()["standbys"]),
