@@ -161,7 +161,8 @@ def assert_same_training(run: Run, reference: Run, lost: tuple[int, int] | None 
 
 
 def test_drain_moves_the_rank_to_a_standby_bit_exactly(demo, reference, slurm_client):
-    run = demo("drain")
+    # pace:0.02 (same bits): the job outlasts a plain drain's detection by the node poll (TM_POLL_S, 10 s)
+    run = demo("drain", TM_INJECT="pace:0.02")
     job = start_training(run, slurm_client)
     # The standby warmed up on the live job's recorded collectives and reproduced its losses.
     wait_for("a warm standby", lambda: any(s["state"] == "ready" for s in run.status()["standbys"]), timeout=60)
@@ -173,8 +174,8 @@ def test_drain_moves_the_rank_to_a_standby_bit_exactly(demo, reference, slurm_cl
     commands.run(["scontrol", "update", f"nodename={leaver}", "state=drain", f"reason={DRAIN_REASON}"],
                  timeout=10, env=run.env)
     t0 = time.monotonic()
-    wait_for("rank 1 to run on a standby", lambda: run.metrics()[-1]["nodes"][1] != leaver, timeout=10,
-             interval=0.1)
+    wait_for("rank 1 to run on a standby", lambda: run.metrics()[-1]["nodes"][1] != leaver, timeout=15,
+             interval=0.1)  # the poll's 10 s, the migration, a loaded machine
     moved_after = time.monotonic() - t0
     joiner = run.metrics()[-1]["nodes"][1]
     assert joiner.startswith("spare")
