@@ -38,3 +38,30 @@ def test_a_shared_gpu_runs_every_node_on_the_one_physical_gpu(tmp_path):
         assert "CUDA_VISIBLE_DEVICES=0" in argv and f"SLURMD_NODENAME={node}" in argv
     apart = SingleHostAllocation(gpus=2, train=1, work_dir=str(tmp_path))
     assert "CUDA_VISIBLE_DEVICES=1" in apart.step_argv(1, "gpu1", ["python"])
+
+
+def test_the_single_host_allocation_keeps_the_slurm_client_contract(tmp_path):
+    """The SlurmClient protocol, as tests/e2e/test_slurm_contract.py holds the Slurm backends
+    to it: grow takes a free node into the job, shrink gives back all but what is kept (never
+    the batch host), drain and resume show in the node's state, none left is NoStandbyAvailable."""
+    from trainmover.slurm.client import SlurmClient
+    from trainmover.slurm.model import BatchHostRelease, NoStandbyAvailable
+    alloc = SingleHostAllocation(gpus=3, train=1, work_dir=str(tmp_path))
+    assert isinstance(alloc, SlurmClient)
+    assert alloc.hostnames("gpu0,gpu2") == ["gpu0", "gpu2"] and alloc.hostnames("") == []
+    assert alloc.reservation_nodes("r") == alloc.free_standbys("r") == ["gpu1", "gpu2"]
+    new = alloc.grow(1, reservation="r")
+    assert new == "gpu1" and alloc.job(1).nodes == ("gpu0", "gpu1") and alloc.job(1).num_nodes == 2
+    assert alloc.nodes([new])[new].state.startswith("ALLOCATED") and alloc.free_standbys("r") == ["gpu2"]
+    alloc.drain("gpu2", "test")
+    assert "DRAIN" in alloc.nodes(["gpu2"])["gpu2"].state and alloc.free_standbys("r") == []
+    with pytest.raises(NoStandbyAvailable):
+        alloc.grow(1, reservation="r")
+    alloc.resume("gpu2")
+    assert "DRAIN" not in alloc.nodes(["gpu2"])["gpu2"].state and alloc.free_standbys("r") == ["gpu2"]
+    with pytest.raises(BatchHostRelease):
+        alloc.shrink(1, ["gpu1"])
+    assert alloc.shrink(1, ["gpu0"]) == ["gpu1"] and alloc.job(1).nodes == ("gpu0",)
+    assert alloc.kill_steps(1, "gpu1") == [] and alloc.cancel_donors(1) == []
+    caps = alloc.capabilities(1, "r")
+    assert caps.grow and caps.shrink and caps.drain

@@ -61,8 +61,14 @@ class SingleHostAllocation:
         self.in_job = [n for n in self.in_job if n in keep]
         return gone
 
+    def hostnames(self, nodelist_expr: str) -> list[str]:
+        return [n for n in nodelist_expr.split(",") if n]  # its names are plain: gpu0,gpu1
+
     def drain(self, node: str, reason: str) -> None:
         self.drained.add(node)
+
+    def resume(self, node: str) -> None:
+        self.drained.discard(node)
 
     def capabilities(self, job_id: int, reservation: str):
         """Everything: the allocation is this process's own (its "drain" is a set of names)."""
