@@ -414,9 +414,15 @@ def test_two_jobs_share_the_standby_pool_and_a_drain_moves_only_its_own_job(demo
     a drain of a node of the first moves its rank to its own standby; the second, identical and
     left alone, is the first's uninterrupted reference (same seed, layout and steps)."""
     small = ("--nodes=3", "--constraint=[tm_keeper*1&tm_train*2]")
+    # Both jobs must run side by side: an earlier test's cancelled job still completing on its
+    # nodes left the second pending until the first ended (CI: both then took spare1).
+    wait_for("no node busy with an earlier test's job", lambda: not any(n.busy for n in slurm_client.nodes().values()),
+             timeout=90, interval=1.0)
     # Paced alike (same bits): two ranks train 500 steps in ~5 s once warm, and a plain drain is
     # seen at the next node poll (TM_POLL_S, 10 s): unpaced, job A ended first (CI, no migration).
     moved, alone = (demo(name, sbatch_args=small, TM_INJECT="pace:0.05") for name in ("pool-a", "pool-b"))
+    wait_for("both jobs running", lambda: all(slurm_client.job(r.job_id).state == "RUNNING" for r in (moved, alone)),
+             timeout=60, interval=0.5)
     for run in (moved, alone):
         start_training(run, slurm_client)
         wait_for(f"job {run.job_id}'s standby warm", lambda r=run: any(s["state"] == "ready" for s in r.status()["standbys"]),
