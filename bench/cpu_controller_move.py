@@ -139,12 +139,15 @@ def summary(xs: list[float]) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--cluster-dir", default="/var/tmp/trainmover-cluster-e2e",
-                    help="embedded cluster state (the e2e tests' cluster: run under /tmp/tm-e2e.lock)")
+    ap.add_argument("--cluster-dir", default="/var/tmp/trainmover-cluster-ctlmove",
+                    help="embedded cluster state of its own (run under /tmp/tm-e2e.lock: one cluster at a time)")
     ap.add_argument("--timeout", type=float, default=120, help="longest one wait may take")
     ap.add_argument("--successors", type=int, default=1, help="TM_CONTROLLER_SUCCESSORS of the job")
     args = ap.parse_args()
-    info = cluster.up(nodes=4, standby=2, state_dir=args.cluster_dir)
+    # Each drain trial moves a rank onto the standby and gives its node back to the partition,
+    # not to the standby reservation: a standby per drain trial, or the pool runs dry.
+    drains = args.repeats * 2  # planned and killed_after_move
+    info = cluster.up(nodes=4, standby=drains + 1, state_dir=args.cluster_dir)
     slurm = CliSlurm(slurm_conf=str(info.slurm_conf))
     env = {k: v for k, v in os.environ.items() if not k.startswith("TM_")}
     # Many controller moves in one job: TM_CONTROLLER_RESTARTS bounds losses (default 3).
