@@ -25,7 +25,7 @@ class Protection:
 
     def __init__(self, ctx: RankContext):
         self.ctx = ctx
-        self.snapshots: snapshot.Snapshots | None = None  # made once the rank is known (snapshot_keeper)
+        self.snapshots: snapshot.Snapshots | None = None  # made once the rank is known (own_snapshots)
         self.checkpoints: checkpoint.Writer | None = None
         self.updates_gated = False  # the workload called before_update at least once: copies gated there
         self.holding: holding.Holding | None = None  # a standby: its holding of the rank it would take
@@ -36,7 +36,7 @@ class Protection:
             self.holding.close()
             self.holding = None
 
-    def snapshot_keeper(self) -> snapshot.Snapshots:
+    def own_snapshots(self) -> snapshot.Snapshots:
         if self.snapshots is None or self.snapshots.rank != self.ctx.rank:
             spec = self.ctx.spec
             self.snapshots = snapshot.Snapshots(self.ctx.rank, spec.world_size, spec.ranks_per_node,
@@ -50,7 +50,7 @@ class Protection:
         self._report_snapshots()
         every_s, every_c = self.ctx.spec.snapshot_every, self.ctx.spec.checkpoint_every
         if every_s and self.ctx.device == "cuda":
-            cap = self.snapshot_keeper().capture
+            cap = self.own_snapshots().capture
             if not cap.slabs and cap.allocating is None:
                 # pinned host buffers for the first snapshot, allocated now in the background (the
                 # layout is known once the optimizer has its state, after a first step)
@@ -60,7 +60,7 @@ class Protection:
         if step >= self.ctx.spec.steps or not (due_s or due_c):
             return
         if due_s:
-            cap = self.snapshot_keeper().take(step, self.ctx.full_state(step), self.ctx.groups[SNAPSHOT].inner)
+            cap = self.own_snapshots().take(step, self.ctx.full_state(step), self.ctx.groups[SNAPSHOT].inner)
             if cap is not None and not self.updates_gated:
                 # a workload that never called before_update: the training stream waits right
                 # here (on the device), before anything of the next step can write the state
@@ -92,25 +92,25 @@ class Protection:
         """One node on GPUs: the first version goes to the standby holder as soon as the link is
         built and the host buffers are pinned, not at the next multiple of the interval: until a
         holder has one, a SIGKILL loses the job's progress (measured as protection_ready_s)."""
-        keeper = self.snapshots
-        if self.ctx.device != "cuda" or keeper is None or not keeper.one_node or keeper.standby is None:
+        snaps = self.snapshots
+        if self.ctx.device != "cuda" or snaps is None or not snaps.one_node or snaps.standby is None:
             return False
-        link = keeper.standby
-        return (link.built.is_set() and link.pair is not None and link.version == 0 and bool(keeper.capture.slabs)
-                and keeper.capture.ready() and not any(t.is_alive() for t in keeper.threads))
+        link = snaps.standby
+        return (link.built.is_set() and link.pair is not None and link.version == 0 and bool(snaps.capture.slabs)
+                and snaps.capture.ready() and not any(t.is_alive() for t in snaps.threads))
 
     def on_hold(self, msg: dict) -> None:
         """A worker of a one-node job: the controller names the standby that holds its snapshots
         (`holder` "": nobody, e.g. it took a rank)."""
         if not self.ctx.spec.snapshot_every or self.ctx.rank is None:
             return
-        keeper = self.snapshot_keeper()
-        if not keeper.one_node:
+        snaps = self.own_snapshots()
+        if not snaps.one_node:
             return
-        keeper.standby = None
+        snaps.standby = None
         if msg["holder"] and self.ctx.rank in msg["wards"]:
             spec = self.ctx.spec
-            keeper.standby = holding.StandbyLink(tuple(spec.store), msg["prefix"], self.ctx.rank, msg["holder"],
+            snaps.standby = holding.StandbyLink(tuple(spec.store), msg["prefix"], self.ctx.rank, msg["holder"],
                                                  spec.node_addr, spec.group_timeout_s, key=self.ctx.key)
             log.info("snapshots of rank %d go to standby %s", self.ctx.rank, msg["holder"])
 

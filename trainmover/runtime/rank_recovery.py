@@ -115,19 +115,19 @@ def _roll_back(rec: Recovery, role: str, load) -> dict:
 
 def _from_snapshot(rec: Recovery, msg: dict, role: str) -> dict:
     epoch, step = msg["epoch"], msg["step"]
-    keeper = rec.protection.snapshot_keeper()
+    snaps = rec.protection.own_snapshots()
     report: dict = {}
     for lost, holder in sorted(msg["holders"].items()):
         if rec.ctx.rank == holder:
-            report.setdefault("sent", []).append(_send(rec, keeper.held_state(int(lost), step), epoch, int(lost), step))
+            report.setdefault("sent", []).append(_send(rec, snaps.held_state(int(lost), step), epoch, int(lost), step))
     if rec.ctx.rank in msg["failed"] and msg["holders"].get(str(rec.ctx.rank)) == JOINER:
         return {**report, **_from_own_holding(rec, step)}
     if rec.ctx.rank in msg["failed"]:
         state, received = _receive(rec, epoch, step, like=None)
-        keeper.rolled_back(step, mine=state)
+        snaps.rolled_back(step, mine=state)
         return {**report, **received, **_roll_back(rec, role, lambda: state)}
-    report.update(_roll_back(rec, role, lambda: keeper.own_state(step)))
-    keeper.rolled_back(step)
+    report.update(_roll_back(rec, role, lambda: snaps.own_state(step)))
+    snaps.rolled_back(step)
     return report
 
 
@@ -149,7 +149,7 @@ def _from_own_holding(rec: Recovery, step: int) -> dict:
     if int(state["step"]) != step:
         raise MigrationError(f"held snapshot is of step {state['step']}, not {step}", phase="recover",
                              rank=rec.ctx.rank)
-    rec.protection.snapshot_keeper().rolled_back(step, mine=version.state())
+    rec.protection.own_snapshots().rolled_back(step, mine=version.state())
     return {"held_by": "joiner", "recv_bytes": version.slab.bytes, "recv_s": 0.0, "restore_s": time.perf_counter() - t0,
             "restore_GBps": placed / max(time.perf_counter() - t0, 1e-9) / 1e9, "pinned": version.slab.pinned}
 
