@@ -21,15 +21,41 @@ from _pytest.runner import runtestprotocol
 CHILD_DEADLINE_S = 600
 
 
+OWN_PROCESS_CHILD = "PYTEST_OWN_PROCESS_CHILD"  # set in the fresh process: run the test there
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
-    if item.get_closest_marker("gloo_threads") is None:
+    own = item.get_closest_marker("own_process") is not None and not os.environ.get(OWN_PROCESS_CHILD)
+    if not own and item.get_closest_marker("gloo_threads") is None:
         return None
     item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-    for report in _run_forked(item):
+    for report in (_run_fresh(item) if own else _run_forked(item)):
         item.ihook.pytest_runtest_logreport(report=report)
     item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
     return True
+
+
+def _run_fresh(item) -> list[TestReport]:
+    """The test in a new pytest process (`own_process`). Why: a forked child inherits whatever
+    earlier tests left in this worker (threads of torch's compiler, gloo, stores, and the locks
+    they held at the fork); the rank-process tests, many threads of real groups in one child,
+    crashed there once in CI (SIGSEGV in train_step), never when run alone."""
+    import subprocess
+    import sys
+    env = {**os.environ, OWN_PROCESS_CHILD: "1"}
+    argv = [sys.executable, "-m", "pytest", item.nodeid, "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+            "--tb=short", "-rN"]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(argv, cwd=str(item.config.rootpath), env=env, capture_output=True, text=True,
+                              timeout=CHILD_DEADLINE_S)
+        rc, out = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, out = -1, f"no result within {CHILD_DEADLINE_S}s\n{exc.stdout or ''}"
+    outcome = "passed" if rc == 0 else "failed"
+    longrepr = None if rc == 0 else f"the test's own pytest process exited {rc}:\n{out[-6000:]}"
+    return [TestReport(item.nodeid, item.location, {}, outcome, longrepr, "call", duration=time.monotonic() - t0)]
 
 
 def _run_forked(item) -> list[TestReport]:

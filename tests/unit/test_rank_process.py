@@ -183,6 +183,7 @@ def trained_steps(link: FakeLink) -> list[int]:
 
 
 @pytest.mark.gloo_threads
+@pytest.mark.own_process  # conftest: a fresh process, then the forked child
 @pytest.mark.parametrize("negative", [False, True], ids=["exact", "negative-control"])
 def test_a_standby_joins_the_leavers_slot_trains_on_and_the_run_ends_bit_exact(job, negative):
     """standby -> ready -> join (planned migration of rank 1) -> train -> finished; the leaver
@@ -237,6 +238,7 @@ def test_a_standby_joins_the_leavers_slot_trains_on_and_the_run_ends_bit_exact(j
 
 
 @pytest.mark.gloo_threads
+@pytest.mark.own_process  # conftest: a fresh process, then the forked child
 def test_a_join_the_controller_aborts_leaves_the_standby_ready_again(job):
     """standby -> ready -> joining -> (abort during Phase 1) -> ready; the channel's end ends it."""
     standby, s_link, s_seen = job("standby", "spare0")
@@ -266,6 +268,7 @@ def wait_until(what: str, check) -> None:
 
 
 @pytest.mark.gloo_threads
+@pytest.mark.own_process  # conftest: a fresh process, then the forked child
 @pytest.mark.parametrize("tier", ["replica", "snapshot", "checkpoint", "snapshot-no-rollback"])
 def test_a_lost_rank_is_recovered_by_the_standby_bit_exact(job, tmp_path, tier):
     """rank 1's training thread hangs (TM_INJECT hang:1:5); the controller revokes rank 0's
