@@ -66,6 +66,10 @@ def slurm_cluster():
     info = cluster.attach(E2E_DIR) if INSIDE_ROOT else cluster.up(nodes=4, standby=2, state_dir=E2E_DIR, slurm=E2E_SLURM)
     client = CliSlurm(slurm_conf=str(info.slurm_conf))
     _clean(client, info.slurm_conf)
+    # An earlier session cut short leaves jobs completing on their nodes: the tests start once
+    # every node is free (seen: a node still completing at the start made `cluster up` restart).
+    wait_for("the cluster's nodes free of earlier jobs", lambda: not any(n.busy for n in client.nodes().values()),
+             timeout=120, interval=1.0)
     print(f"\ne2e cluster on {info.slurm}")
     yield info
     _clean(client, info.slurm_conf)
