@@ -98,8 +98,12 @@ def planned(job: Job, timeout: float) -> dict:
     ctl = job.controller()
     node, attempt = ctl["node"], ctl["attempt"]
     t_drain = time.time()
-    commands.run(["scontrol", "update", f"nodename={node}", "state=drain", f"reason={REASON}"], timeout=10,
-                 env=job.env)
+    if job.drain_with == "trainmover":  # an admin's drain: the job is told at once (drain notice)
+        commands.run([sys.executable, "-m", "trainmover.cli", "drain", node, f"--reason={REASON}"], timeout=60,
+                     env=job.env)
+    else:  # a plain drain: found by the job's node poll (TM_POLL_S, 10 s)
+        commands.run(["scontrol", "update", f"nodename={node}", "state=drain", f"reason={REASON}"], timeout=10,
+                     env=job.env)
     wait(f"{node} to leave the job", lambda: node not in job.slurm.job(job.id).nodes, timeout, 0.1)
     out_s = time.time() - t_drain
     serving = serving_after(job, attempt, timeout)
@@ -133,6 +137,8 @@ def lost(job: Job, how: str, timeout: float) -> dict:
 
 
 def summary(xs: list[float]) -> dict:
+    if not xs:
+        return {"median": None, "max": None, "all": []}
     return {"median": round(statistics.median(xs), 3), "max": round(max(xs), 3), "all": xs}
 
 
@@ -143,21 +149,29 @@ def main():
                     help="embedded cluster state of its own (run under /tmp/tm-e2e.lock: one cluster at a time)")
     ap.add_argument("--timeout", type=float, default=120, help="longest one wait may take")
     ap.add_argument("--successors", type=int, default=1, help="TM_CONTROLLER_SUCCESSORS of the job")
+    ap.add_argument("--drain-with", choices=("trainmover", "scontrol"), default="trainmover",
+                    help="how the controller's node is drained: `trainmover drain` (the job is told at once) "
+                         "or a plain `scontrol update` (found by the job's node poll within TM_POLL_S)")
     args = ap.parse_args()
     # Each drain trial moves a rank onto the standby and gives its node back to the partition,
     # not to the standby reservation: a standby per drain trial, or the pool runs dry.
-    drains = args.repeats * 2  # planned and killed_after_move
+    # A frozen controller's node may be drained by Slurm too ("Kill task failed": its step did not
+    # end in time once SIGKILLed after SIGCONT-less SIGSTOP): a standby for that trial as well.
+    drains = args.repeats * 3  # planned, killed_after_move, frozen
     info = cluster.up(nodes=4, standby=drains + 1, state_dir=args.cluster_dir)
     slurm = CliSlurm(slurm_conf=str(info.slurm_conf))
     env = {k: v for k, v in os.environ.items() if not k.startswith("TM_")}
     # Many controller moves in one job: TM_CONTROLLER_RESTARTS bounds losses (default 3).
     env.update(SLURM_CONF=str(info.slurm_conf), TM_STEPS="1000000", TM_PYTHON=sys.executable,
                PYTHONPATH=str(ROOT), TM_CONTROLLER_RESTARTS="50", TM_CONTROLLER_SUCCESSORS=str(args.successors))
-    workdir = ROOT / "runs" / "bench-controller-move"
+    # a submit directory of its own: job ids start again at 1 on a new cluster, and a controller
+    # refuses a run directory an earlier job of that id left (its secret)
+    workdir = ROOT / "runs" / f"bench-controller-move-{time.strftime('%Y%m%d-%H%M%S')}"
     workdir.mkdir(parents=True, exist_ok=True)
     job = Job(env, workdir, slurm)
-    job.successors = args.successors
+    job.successors, job.drain_with = args.successors, args.drain_with
     trials: dict[str, list] = {"planned": [], "killed": [], "frozen": [], "killed_after_move": []}
+    error, trained_on = "", False
     try:
         wait(f"job {job.id} to train", lambda: job.step() >= 20, 180, 0.5)
         for _ in range(args.repeats):
@@ -171,6 +185,9 @@ def main():
         steps_before = job.step()
         time.sleep(3)
         trained_on = job.step() > steps_before
+    except (TimeoutError, AssertionError) as exc:  # written with the trials done so far, and why it stopped
+        error = f"{type(exc).__name__}: {exc}"
+        print("stopped:", error, flush=True)
     finally:
         commands.run(["scancel", str(job.id)], timeout=10, env=env, check=False)
         wait(f"job {job.id} to end", lambda: slurm.job(job.id).state not in ("RUNNING", "COMPLETING"), 120, 1.0)
@@ -184,7 +201,7 @@ def main():
         **results_io.provenance(__file__),
         "settings": {"template": "demo_gpt_cpu.sbatch", "training_nodes": 3, "standbys": 1, "repeats": args.repeats,
                      "TM_CONTROLLER_RESTARTS": 50, "controller_deadline_s": 2.0, "job_id": job.id,
-                     "TM_CONTROLLER_SUCCESSORS": args.successors},
+                     "TM_CONTROLLER_SUCCESSORS": args.successors, "drain_with": args.drain_with},
         "metrics": {
             "hand_over_to_serving_s": summary([t["hand_over_to_serving_s"] for t in trials["planned"]]),
             "drain_to_node_out_s": summary([t["drain_to_node_out_s"] for t in trials["planned"]]),
@@ -192,6 +209,7 @@ def main():
             "frozen_to_serving_s": summary([t["stopped_to_serving_s"] for t in trials["frozen"]]),
             "killed_after_move_to_serving_s": summary([t["stopped_to_serving_s"] for t in trials["killed_after_move"]]),
             "trained_on_after_the_last_move": trained_on,
+            "complete": not error, "error": error,
             "controller_restarts": st.get("controller", {}).get("restarts"),
             "migrations_done": sum(m["state"] == "done" for m in st.get("migrations", [])),
         },
