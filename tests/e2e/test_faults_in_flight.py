@@ -36,10 +36,6 @@ def drain(run, node: str) -> float:
     return time.time()
 
 
-def missing_losses(run) -> list[tuple[int, int]]:
-    return [(r, m["step"]) for m in run.metrics() for r, x in enumerate(m["losses"]) if x is None]
-
-
 def first_step_after(run, t: float) -> float:
     return min(m["t"] for m in run.metrics() if m["t"] > t)
 
@@ -74,9 +70,9 @@ def test_a_stayer_killed_in_phase1_aborts_the_drain_is_recovered_and_the_drain_c
     assert recovered["state_source"]["tier"] == "replica"
     assert (retry["leaver"], retry["trigger"], retry["state"]) == (leaver, "drain", "done")
     assert retry["joiner"] not in (planned["joiner"], None)
-    lost = missing_losses(run)
-    assert lost in ([], [(2, lost[0][1] if lost else 0)]), lost
-    assert_same_training(run, reference, *lost)
+    # the victim's loss at the switch step may have died with it, and a lagger's (see may_miss)
+    assert_same_training(run, reference, *[(r, recovered["switch_step"])
+                                          for r in {2, *recovered["state_source"].get("laggers", [])}])
     job = slurm_client.job(run.job_id)
     assert job.restart_count == 0 and leaver not in job.nodes and victim not in job.nodes
     ev = {(e["migration"], e["event"]): e for e in timeline(run)}

@@ -25,12 +25,11 @@ import os
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import (DRAIN_PREFIX, OTHER_USER, TEST_JOB_PREFIX, as_user, assert_runs_as_user, job_ended,
+from tests.e2e.conftest import (DRAIN_PREFIX, OTHER_USER, TEST_JOB_PREFIX, as_user, job_ended,
                                 user_dir, wait_for)
 from tests.e2e.test_migration import (STEPS, TEMPLATE, Run, assert_same_training, leaver_of, start_training)
 from trainmover.cluster.users import host_account
