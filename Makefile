@@ -8,10 +8,9 @@ PYTEST_ARGS ?=
 # Debian root filesystem, built once into /var/cache/trainmover/rootfs/<release>; 25.11's from
 # source: $TM_SLURM_SOURCE or ../shared/vendor): the Slurm contract, the embedded cluster's own
 # tests (grow/shrink repeated, no standby, down/up), the drain migration compared bit for bit
-# with an uninterrupted run, and the SPANK plugin. On 25.11 pyslurm is built (make pyslurm) and
-# the contract's pyslurm cases run inside its root; the jobs' controllers stay on the CLI backend:
-# with pyslurm a controller was judged lost 2 s after its start (a pyslurm call holding the GIL
-# stops its beat thread; TM_CONTROLLER_DEADLINE_S is 2 s), then its ranks never reconnected.
+# with an uninterrupted run, and the SPANK plugin. On 25.11 pyslurm is built (make pyslurm), the
+# contract's pyslurm cases run inside its root and the jobs' controllers use it
+# (TM_SLURM_BACKEND=pyslurm).
 SLURM_MATRIX_TESTS := tests/e2e/test_slurm_contract.py tests/e2e/test_cluster.py \
 	tests/e2e/test_migration.py::test_drain_moves_the_rank_to_a_standby_bit_exactly tests/e2e/test_spank.py
 
@@ -61,7 +60,7 @@ slurm-matrix: $(VENV)/.installed
 	test -n "$$releases" || { echo "slurm-matrix: no Slurm release to run" >&2; exit 1; }; \
 	for v in $$releases; do \
 	  start=$$(date +%s); $(VENV)/bin/python -m trainmover.cluster build --slurm $$v >/dev/null; \
-	  backend=cli; if [ "$$v" = "$(PYSLURM_SLURM)" ]; then $(MAKE) --no-print-directory pyslurm; fi; \
+	  backend=cli; if [ "$$v" = "$(PYSLURM_SLURM)" ]; then $(MAKE) --no-print-directory pyslurm; backend=pyslurm; fi; \
 	  echo "== Slurm $$v: ready in $$(( $$(date +%s) - start ))s; $(SLURM_MATRIX_TESTS) (TM_SLURM_BACKEND=$$backend)"; \
 	  start=$$(date +%s); \
 	  TM_E2E_SLURM=$$v TM_SLURM_BACKEND=$$backend $(VENV)/bin/python -m pytest $(SLURM_MATRIX_TESTS) -ra $(PYTEST_ARGS); \

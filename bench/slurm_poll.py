@@ -1,5 +1,9 @@
-"""One controller poll through each Slurm backend: pyslurm (the C API in-process) against
-the CLI (a forked `scontrol show node`), on the embedded Slurm 25.11 cluster.
+"""One controller poll through each Slurm backend: pyslurm (the C API, in the backend's own
+pyslurm process: slurm/pyslurm_backend.py says why) against the CLI (a forked `scontrol show
+node`), on the embedded Slurm 25.11 cluster; and, for what the process boundary costs and
+saves, the same pyslurm call made in the bench's process ("pyslurm_in_process"). For each, the
+longest pause a 10 ms ticking thread of the caller saw during the polls: pyslurm holds the GIL
+through its RPCs, so in-process every thread (a controller's heartbeat) stops that long.
 
 A poll is what the controller's loop does every TM_POLL_S: `slurm.nodes(watched)`, the
 job's training nodes, its standbys and released nodes (controller/executor.py). The bench asks
@@ -40,19 +44,50 @@ def _stats(xs: list[float]) -> dict:
             "mean_ms": round(1e3 * statistics.fmean(xs), 3), "min_ms": round(1e3 * xs[0], 3), "polls": len(xs)}
 
 
+class _InProcess:
+    """pyslurm's node load made in this process (what the backend did before its process)."""
+
+    def __init__(self, conf: str):
+        from trainmover.slurm.pyslurm_server import Calls, load
+        self.calls = Calls(load(conf))
+
+    def nodes(self, names: list[str]) -> dict:
+        from trainmover.slurm.pyslurm_backend import _node
+        every = {d["name"]: _node(d) for d in self.calls.nodes()}
+        return {n: every[n] for n in names}
+
+
 def measure(conf: str, nodes: list[str], polls: int) -> dict:
+    import threading
     from trainmover.slurm import client
-    backends = {"pyslurm": client("pyslurm", slurm_conf=conf), "cli": client("cli", slurm_conf=conf)}
-    for b in backends.values():  # same answer from both, and warm (first RPC, page cache)
+    backends = {"pyslurm": client("pyslurm", slurm_conf=conf), "cli": client("cli", slurm_conf=conf),
+                "pyslurm_in_process": _InProcess(conf)}
+    for b in backends.values():  # same answer from each, and warm (first RPC, page cache)
         got = b.nodes(nodes)
-    assert {n: i.state for n, i in backends["cli"].nodes(nodes).items()} == {n: i.state for n, i in got.items()}
+        assert {n: i.state for n, i in backends["cli"].nodes(nodes).items()} == {n: i.state for n, i in got.items()}
     times: dict[str, list[float]] = {k: [] for k in backends}
+    pauses: dict[str, list[float]] = {k: [] for k in backends}
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def tick():  # a thread like the controller's heartbeat: wakes every 10 ms
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.01)
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
     for _ in range(polls):
         for name, b in backends.items():
+            time.sleep(0.02)
             t = time.perf_counter()
             b.nodes(nodes)
-            times[name].append(time.perf_counter() - t)
-    return {k: _stats(v) for k, v in times.items()}
+            end = time.perf_counter()
+            times[name].append(end - t)
+            time.sleep(0.02)  # the ticker's first tick after the call ends its pause
+            seen = [x for x in ticks[-64:] if t - 0.02 <= x <= end + 0.02]
+            pauses[name].append(max((b2 - a for a, b2 in zip(seen, seen[1:])), default=0.0))
+    stop.set()
+    return {k: {**_stats(v), "longest_thread_pause_ms": round(1e3 * max(pauses[k]), 3)} for k, v in times.items()}
 
 
 def main() -> int:

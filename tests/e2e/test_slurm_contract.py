@@ -36,8 +36,8 @@ def _pyslurm_loads() -> tuple[bool, str]:
     if importlib.util.find_spec("pyslurm") is None:
         return False, "pyslurm is not installed (`make pyslurm`: pyslurm 25.11.2 against Slurm 25.11)"
     try:
-        from trainmover.slurm.pyslurm_backend import load
-        load(None)
+        from trainmover.slurm.pyslurm_backend import PySlurm
+        PySlurm().close()  # its pyslurm process loads the library, or says why not
     except (SlurmError, OSError, ImportError) as exc:
         return False, f"pyslurm does not load in this process: {exc}"
     return True, ""

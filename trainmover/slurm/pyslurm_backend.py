@@ -1,10 +1,15 @@
-"""SlurmClient through pyslurm (the Slurm C API in-process) where pyslurm has the call,
-and through the command line (CliSlurm) where it has none.
+"""SlurmClient through pyslurm (the Slurm C API) where pyslurm has the call, and through the
+command line (CliSlurm) where it has none.
+
+pyslurm's calls run in a process of their own (slurm/pyslurm_server.py), started with the
+client and kept for its life: pyslurm 25.11.2 holds the GIL through each RPC, so made in the
+controller they would stop its heartbeat and every other thread while slurmctld answers. A
+call is one JSON line each way on a pipe (no fork or exec per call, no output to parse).
 
 pyslurm 25.11 needs Slurm 25.11's libslurmfull: `make pyslurm` builds it against the
 25.11 root filesystem (docs/admin.md). The embedded cluster's jobs run inside that root,
-so a controller there imports it; a process outside the root cannot load that library
-(its C library is newer than the host's) and gets a SlurmError from `PySlurm()`.
+so a controller there can load it; outside the root the library does not load (its C library
+is newer than the host's) and `PySlurm()` raises a SlurmError saying so.
 
 | method                  | how                                                          |
 |-------------------------|--------------------------------------------------------------|
@@ -18,79 +23,110 @@ so a controller there imports it; a process outside the root cannot load that li
 | jobs_on, kill_steps, cancel_donors | CLI: `squeue`, `scancel` (pyslurm's job list has no per-node filter in one RPC; signals to steps are rare) |
 | step_argv, step_env     | CLI: `srun` command lines (a step is a process the caller starts) |
 
-Deadlines: an in-process call is bounded by libslurm itself (slurm.conf's MessageTimeout,
-10 s by default, per RPC); the CLI calls by `timeout` as in CliSlurm. libslurm keeps
-global state (its configuration, errno), so calls are serialised by one lock and one
-process uses one slurm.conf.
+Deadlines: each call waits for its reply at most `timeout` seconds (as a CLI command does);
+past it the pyslurm process is killed, the call raises SlurmError and the next call starts a
+new process. Calls are serialised (libslurm keeps global state: its configuration, errno).
 """
 from __future__ import annotations
 
+import json
 import os
+import select
+import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import Optional
 
 from trainmover.errors import SlurmError
-from trainmover.slurm import parse
 from trainmover.slurm.client import CliSlurm
 from trainmover.slurm.model import JobInfo, NodeInfo, UnknownNodes
 
-__all__ = ["PySlurm", "load"]
+__all__ = ["PySlurm"]
 
-_init_lock = threading.Lock()
-_inited: Optional[str] = None  # the slurm.conf libslurm was initialised with
-
-
-def load(slurm_conf: Optional[str]):
-    """The pyslurm module, its libslurm initialised with `slurm_conf` (None: $SLURM_CONF or
-    Slurm's default). SlurmError when pyslurm is missing or cannot load its library."""
-    global _inited
-    # pyslurm's import calls slurm_init() with the environment's SLURM_CONF; ours is passed.
-    os.environ.setdefault("PYSLURM_DISABLE_AUTO_INIT", "1")
-    flags = sys.getdlopenflags()  # pyslurm's import sets RTLD_DEEPBIND for every later extension
-    try:
-        import pyslurm
-    except ImportError as exc:
-        raise SlurmError(f"the pyslurm backend needs pyslurm built against this Slurm (`make pyslurm`, "
-                         f"docs/admin.md): {exc}") from None
-    finally:
-        sys.setdlopenflags(flags)
-    conf = slurm_conf or os.environ.get("SLURM_CONF") or ""
-    if conf and not os.path.isfile(conf):  # libslurm would exit the process (fatal()) on it
-        raise SlurmError(f"pyslurm: slurm.conf {conf} does not exist")
-    with _init_lock:
-        if _inited != conf:
-            if _inited is not None:
-                pyslurm.slurm_fini()
-            pyslurm.slurm_init(conf or None)
-            _inited = conf
-    return pyslurm
+START_TIMEOUT_S = 30.0  # interpreter start and pyslurm's import, on a loaded node
 
 
 class PySlurm(CliSlurm):
-    """SlurmClient with pyslurm's in-process calls (see the module's table); the rest is
-    CliSlurm's. Same arguments as CliSlurm."""
+    """SlurmClient with pyslurm's calls (see the module's table); the rest is CliSlurm's.
+    Same arguments as CliSlurm. SlurmError at once when pyslurm cannot load here."""
 
     def __init__(self, *, slurm_conf: Optional[str] = None, **kwargs):
         super().__init__(slurm_conf=slurm_conf, **kwargs)
-        self._ps = load(slurm_conf)
+        self._conf = slurm_conf or ""
         self._lock = threading.Lock()
-
-    def _call(self, what: str, fn, *args):
-        """One pyslurm call; its RPCError as a SlurmError naming what failed."""
+        self._proc: Optional[subprocess.Popen] = None
         with self._lock:
+            self._start()
+
+    # --- the pyslurm process ----------------------------------------------------------
+    def _start(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self._conf:
+            env["SLURM_CONF"] = self._conf
+        self._proc = subprocess.Popen([sys.executable, "-m", "trainmover.slurm.pyslurm_server", self._conf],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                      env=env, text=True, bufsize=1)
+        first = self._reply(START_TIMEOUT_S, "start")
+        if not first.get("ready"):
+            self._stop()
+            raise SlurmError(f"pyslurm does not load here: {first.get('error', first)}")
+
+    def _stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    def _reply(self, timeout: float, what: str) -> dict:
+        """The process's next line within `timeout` s; SlurmError (and the process killed) if none."""
+        proc = self._proc
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            ready = select.select([proc.stdout], [], [], max(left, 0))[0] if left > 0 else []
+            if ready:
+                line = proc.stdout.readline()
+                if line:
+                    return json.loads(line)
+                self._stop()
+                raise SlurmError(f"pyslurm {what}: its process ended (exit {proc.poll()})")
+            if left <= 0:
+                self._stop()
+                raise SlurmError(f"pyslurm {what}: no answer within {timeout:g}s (its process was stopped)")
+
+    def _call(self, what: str, op: str, **args):
+        """One request to the pyslurm process; its error as a SlurmError naming what failed."""
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._start()
             try:
-                return fn(*args)
-            except self._ps.RPCError as exc:
+                self._proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+                self._proc.stdin.flush()
+            except OSError as exc:
+                self._stop()
                 raise SlurmError(f"pyslurm {what}: {exc}") from None
+            reply = self._reply(self.timeout, what)
+        if "error" in reply:
+            raise SlurmError(f"pyslurm {what}: {reply['error']}")
+        return reply["ok"]
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop()
+
+    def __del__(self):
+        proc = getattr(self, "_proc", None)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
 
     # --- queries ------------------------------------------------------------------
     def nodes(self, names: Optional[Sequence[str]] = None) -> dict[str, NodeInfo]:
         names = list(names) if names is not None else None
         if names == []:
             return {}
-        found = {n.name: _node(n) for n in self._call("load nodes", self._ps.Nodes.load).values()}
+        found = {d["name"]: _node(d) for d in self._call("load nodes", "nodes")}
         if names is None:
             return found
         missing = [n for n in names if n not in found]
@@ -99,29 +135,27 @@ class PySlurm(CliSlurm):
         return {n: found[n] for n in names}
 
     def job(self, job_id: int) -> JobInfo:
-        return _job(self._call(f"load job {job_id}", self._ps.Job.load, int(job_id)))
+        return _job(self._call(f"load job {job_id}", "job", job_id=int(job_id)))
 
     def hostnames(self, nodelist_expr: str) -> list[str]:
         if not nodelist_expr.strip():
             return []
-        from pyslurm.utils.helpers import nodelist_from_range_str
-        out = self._call(f"expand {nodelist_expr!r}", nodelist_from_range_str, nodelist_expr)
+        out = self._call(f"expand {nodelist_expr!r}", "hostnames", expr=nodelist_expr)
         if not out:
             raise SlurmError(f"invalid node list expression {nodelist_expr!r}")
         return list(out)
 
     def reservation_nodes(self, reservation: str) -> list[str]:
-        res = self._call(f"load reservation {reservation}", self._ps.Reservation.load, reservation)
-        return self.hostnames(res.nodes or "")
+        return self.hostnames(self._call(f"load reservation {reservation}", "reservation", name=reservation))
 
     # --- changes --------------------------------------------------------------------
     def drain(self, node: str, reason: str) -> None:
-        self._call(f"drain {node}", self._ps.Node(node).modify, self._ps.Node(state="DRAIN", reason=reason))
+        self._call(f"drain {node}", "drain", node=node, reason=reason)
 
     def resume(self, node: str) -> None:
         """As CliSlurm.resume: a node already in service is left as is."""
         try:
-            self._call(f"resume {node}", self._ps.Node(node).modify, self._ps.Node(state="RESUME"))
+            self._call(f"resume {node}", "resume", node=node)
             return
         except SlurmError as exc:
             err = exc
@@ -130,20 +164,13 @@ class PySlurm(CliSlurm):
             raise SlurmError(f"could not resume {node} ({info.state}): {err}")
 
     def _set_nodes(self, job_id: int, keep: list[str]) -> None:
-        """In-process: the job's required nodes set to `keep` (CliSlurm.shrink checks around it)."""
-        changes = self._ps.JobSubmitDescription(required_nodes=list(keep))
-        self._call(f"shrink job {job_id} to {keep}", self._ps.Job(int(job_id)).modify, changes)
+        """The job's required nodes set to `keep` (CliSlurm.shrink checks around it)."""
+        self._call(f"shrink job {job_id} to {keep}", "set_nodes", job_id=int(job_id), keep=list(keep))
 
 
-def _node(n) -> NodeInfo:
-    return NodeInfo(name=n.name, addr=n.address or n.name, state=(n.state or "UNKNOWN").upper(),
-                    reason=n.reason or "", features=tuple(n.active_features or ()))
+def _node(d: dict) -> NodeInfo:
+    return NodeInfo(**{**d, "features": tuple(d["features"])})
 
 
-def _job(j) -> JobInfo:
-    nodelist = j.allocated_nodes or ""
-    return JobInfo(job_id=int(j.id), state=j.state or "UNKNOWN", nodes=tuple(parse.expand_hostlist(nodelist)),
-                   batch_host=j.batch_host or "", restart_count=int(j.requeue_count or 0),
-                   work_dir=j.working_directory or "", partition=j.partition or "", num_nodes=int(j.num_nodes or 0),
-                   nodelist=nodelist, name=j.name or "", reason=j.state_reason or "")
-
+def _job(d: dict) -> JobInfo:
+    return JobInfo(**{**d, "nodes": tuple(d["nodes"])})
