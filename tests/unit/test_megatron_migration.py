@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
-import socket
 import traceback
 
 import pytest
@@ -25,6 +24,7 @@ pytest.importorskip("megatron.core")
 import torch.distributed as dist  # noqa: E402
 
 import trainmover.megatron.stack  # noqa: E402,F401  - Megatron imported before the fork
+from tests.unit.late_store import LateStore  # noqa: E402
 from trainmover.runtime import rng, transfer  # noqa: E402
 from trainmover.runtime.groups import SandboxBackend, SwappableGroup, gloo_group  # noqa: E402
 from trainmover.runtime.phase1 import xfer_prefix  # noqa: E402
@@ -152,11 +152,8 @@ def _joiner(index, port, options, migrations, drop, results):
 
 def run_job(distributed_optimizer: bool, migrations=(), drop=None, dtype="fp32"):
     """Per rank: the losses of every step (whoever played the rank) and the final digest."""
-    # The store's server thread starts only after the fork: a child forked while another
-    # thread of this process holds a lock can hang (seen: a rank that never reached its first
-    # group). Its socket listens before, so early clients are queued, not refused.
-    sock = socket.create_server(("127.0.0.1", 0), backlog=64)
-    port = sock.getsockname()[1]
+    store = LateStore(TIMEOUT)  # its server starts after the fork (late_store.py says why)
+    port = store.port
     options = {**LAYOUT, "distributed_optimizer": distributed_optimizer, "dtype": dtype}
     ctx = mp.get_context("fork")
     results = ctx.Queue()
@@ -166,8 +163,7 @@ def run_job(distributed_optimizer: bool, migrations=(), drop=None, dtype="fp32")
               for i in range(len(migrations))]
     for p in procs:
         p.start()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=TIMEOUT,
-                          master_listen_fd=sock.detach(), use_libuv=False)
+    store.serve()
     losses = {r: {} for r in range(WORLD)}
     digests, errors = {}, []
     try:
@@ -184,7 +180,7 @@ def run_job(distributed_optimizer: bool, migrations=(), drop=None, dtype="fp32")
             p.join(timeout=5 if errors else 60)
             if p.is_alive():
                 p.kill()
-    del store
+    store.close()
     assert not errors, errors[0]
     return losses, digests
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
-import socket
 import traceback
 
 import pytest
@@ -27,6 +26,7 @@ pytest.importorskip("h5py")
 import torch.distributed as dist  # noqa: E402
 
 import trainmover.megatron.stack  # noqa: E402,F401  - Megatron imported before the fork
+from tests.unit.late_store import LateStore  # noqa: E402
 from trainmover.runtime.groups import SandboxBackend, SwappableGroup, gloo_group  # noqa: E402
 from trainmover.sandbox import live, shadow  # noqa: E402
 from trainmover.workloads import base as workloads  # noqa: E402
@@ -116,14 +116,11 @@ def _collect(procs, results, n):
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     directory = tmp_path_factory.mktemp("recordings")
-    # The store's server thread starts after the fork (see test_megatron_migration.run_job).
-    sock = socket.create_server(("127.0.0.1", 0), backlog=16)
-    port = sock.getsockname()[1]
-    procs, results = _run(_live, [(r, port, directory) for r in range(WORLD)])
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=TIMEOUT,
-                          master_listen_fd=sock.detach(), use_libuv=False)
+    store = LateStore(TIMEOUT)  # its server starts after the fork (late_store.py says why)
+    procs, results = _run(_live, [(r, store.port, directory) for r in range(WORLD)])
+    store.serve()
     losses = _collect(procs, results, WORLD)
-    del store
+    store.close()
     return directory, losses
 
 
