@@ -44,6 +44,31 @@ def test_authenticated_round_trip(server):
     conn.close()
 
 
+def test_on_hello_runs_at_authentication_without_waiting_for_the_inbox_reader():
+    """The controller beats to its keeper from the keeper's hello on, while its own loop is
+    still blocked (a throttled Slurm query): the hook runs on the connection's thread, before
+    the hello is queued and whether or not anyone reads the inbox. A wrong key never reaches it."""
+    key = channel.new_secret()
+    seen = []
+    srv = channel.Server("127.0.0.1", key, handshake_timeout=2.0,
+                         on_hello=lambda conn, msg: seen.append((conn, msg, srv.inbox.qsize())))
+    try:
+        stranger = channel.connect(srv.address, channel.new_secret(), hello(), timeout=1.0)
+        assert _wait_rejected(srv, 1) >= 1 and seen == []
+        stranger.close()
+        peer = channel.connect(srv.address, key, make("hello", role="keeper", node="k1", ranks=[], pid=7))
+        deadline = time.monotonic() + 5
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (conn, msg, queued), = seen
+        assert msg["role"] == "keeper" and queued == 0  # before the hello was queued; nobody read it
+        conn.send(make("alive"))  # the hook's connection talks back at once
+        assert peer.framer.recv(deadline=time.monotonic() + 5) == {"type": "alive"}
+        peer.close()
+    finally:
+        srv.close()
+
+
 def _wait_rejected(srv, n):
     deadline = time.monotonic() + 5
     while srv.rejected < n and time.monotonic() < deadline:

@@ -119,7 +119,8 @@ class Controller:
         self.fencing = FencedNodes()
         if not resume:  # a resuming controller checks in the background: a move must stay quick
             self._check_rights()
-        self.server = channel.Server(self.host, self.key, sock=listen)
+        self.keeper_conn = None  # set on the keeper's hello, on its connection's thread (see _beat_keeper)
+        self.server = channel.Server(self.host, self.key, sock=listen, on_hello=self._hello)
         self.store, (self.store_host, self.store_port) = (None, store) if store else self._store()
         if not resume:
             self.journal = journal.Journal(self.files.root / "journal.jsonl", attempt=attempt)
@@ -168,6 +169,12 @@ class Controller:
         return {**self.policy.status(), "capabilities": self.capabilities, "fenced_nodes": self.fencing.status()}
 
 
+    def _hello(self, conn, hello: dict) -> None:
+        # on the connection's thread: beats from the keeper's hello on, not from the loop's next
+        # turn (Slurm queries throttled by slurmctld can outlast the keeper's 2 s deadline)
+        if hello.get("type") == "hello" and hello.get("role") == "keeper":
+            self.keeper_conn = conn
+
     def _beat_keeper(self) -> None:
         """Tell the keeper we live, every KEEPER_BEAT_S, from a thread of our own: the keeper
         promotes the warm successor after TM_CONTROLLER_DEADLINE_S of silence (controller/
@@ -176,7 +183,7 @@ class Controller:
         command's deadline) is hung: the beats stop and the keeper replaces us."""
         while self.outcome is None or self.outcome[0] is not None:
             time.sleep(KEEPER_BEAT_S)
-            conn = getattr(self.launcher, "conn", None)
+            conn = self.keeper_conn
             if conn is None or time.monotonic() - self.loop_at > LOOP_STALL_S:
                 continue
             try:

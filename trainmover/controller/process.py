@@ -15,6 +15,7 @@ from trainmover.controller.exit_codes import CRASHED, REFUSED
 from trainmover.errors import ConfigError, TrainMoverError
 from trainmover.logs import setup_logging
 from trainmover.protocol import files
+from trainmover.slurm.client import client
 
 log = logging.getLogger("trainmover.controller")
 
@@ -32,6 +33,14 @@ def main(argv=None) -> int:
     p.add_argument("--keeper", help="the job's keeper node, which runs the steps (controller/keeper.py)")
     args = p.parse_args(argv)
     setup_logging()
+    cfg = Config.from_env()
+    # the Slurm client before a spare waits: with pyslurm its process starts now (an
+    # interpreter and libslurm: seconds on a busy node), off the takeover's path
+    try:
+        slurm = client(cfg.slurm_backend, node_query=cfg.node_query)
+    except TrainMoverError as exc:  # pyslurm that cannot load here: restarting cannot help
+        log.error("controller: %s", exc)
+        return REFUSED
     if args.spare_fd is not None:  # imports are done: a takeover costs only the journal and Slurm queries
         log.info("controller pid %d warm (imports done): waiting to take over", os.getpid())
         with os.fdopen(args.spare_fd, "rb") as pipe:
@@ -43,7 +52,6 @@ def main(argv=None) -> int:
         job_id = int(os.environ["SLURM_JOB_ID"])
     except (KeyError, ValueError):
         raise ConfigError("trainmover controller runs inside a Slurm job (SLURM_JOB_ID is not set)") from None
-    cfg = Config.from_env()
     listen = socket.socket(fileno=args.listen_fd) if args.listen_fd is not None else None
     store = None
     if args.store:
@@ -51,7 +59,7 @@ def main(argv=None) -> int:
         store = (host, int(port))
     try:
         return Controller(cfg, job_id, listen=listen, store=store, resume=args.resume, attempt=args.attempt,
-                          keeper=args.keeper).run()
+                          keeper=args.keeper, slurm=slurm).run()
     except TrainMoverError as exc:  # a clear error (config, corrupt journal): restarting cannot help
         log.error("controller: %s", exc)
         return REFUSED

@@ -185,9 +185,12 @@ class Server:
     retries, but never locks it out). The accept loop survives any error."""
 
     def __init__(self, host: str, key: bytes, port: int = 0, handshake_timeout: float = 10.0,
-                 sock: socket.socket | None = None, max_pending: int | None = None):
+                 sock: socket.socket | None = None, max_pending: int | None = None, on_hello=None):
         """`sock`: a listening socket to accept on (the supervisor's, which outlives a
-        controller, so that a restarted one is found at the same address)."""
+        controller, so that a restarted one is found at the same address). `on_hello(conn,
+        hello)`: called on the connection's thread once a peer has authenticated, before its
+        hello is queued (for what must not wait for the owner's loop to turn)."""
+        self.on_hello = on_hello
         self.key, self.handshake_timeout = key, handshake_timeout
         self.max_pending = max_pending or MAX_PENDING
         self.sock = sock if sock is not None else socket.create_server((host, port), backlog=1024)
@@ -256,6 +259,8 @@ class Server:
             sock.settimeout(None)  # authenticated peers may stay idle (standbys wait for hours)
             conn.identity = first
             _bounded_sends(sock)
+            if self.on_hello is not None:
+                self.on_hello(conn, first)
             self.inbox.put((conn, first))
             while True:
                 msg = conn.framer.recv()

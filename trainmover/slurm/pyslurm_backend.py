@@ -30,6 +30,7 @@ new process. Calls are serialised (libslurm keeps global state: its configuratio
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
 import subprocess
@@ -45,7 +46,10 @@ from trainmover.slurm.model import JobInfo, NodeInfo, UnknownNodes
 
 __all__ = ["PySlurm"]
 
+log = logging.getLogger("trainmover.slurm")
+
 START_TIMEOUT_S = 30.0  # interpreter start and pyslurm's import, on a loaded node
+SLOW_CALL_S = 1.0       # a call this slow is logged (slurmctld busy, or the node loaded)
 
 
 class PySlurm(CliSlurm):
@@ -62,6 +66,7 @@ class PySlurm(CliSlurm):
 
     # --- the pyslurm process ----------------------------------------------------------
     def _start(self) -> None:
+        t0 = time.monotonic()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if self._conf:
             env["SLURM_CONF"] = self._conf
@@ -72,6 +77,7 @@ class PySlurm(CliSlurm):
         if not first.get("ready"):
             self._stop()
             raise SlurmError(f"pyslurm does not load here: {first.get('error', first)}")
+        log.info("pyslurm process pid %d ready in %.2fs", self._proc.pid, time.monotonic() - t0)
 
     def _stop(self) -> None:
         proc, self._proc = self._proc, None
@@ -100,7 +106,10 @@ class PySlurm(CliSlurm):
         """One request to the pyslurm process; its error as a SlurmError naming what failed."""
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
+                log.warning("pyslurm process %s: starting a new one",
+                            "stopped" if self._proc is None else f"exited ({self._proc.poll()})")
                 self._start()
+            t0 = time.monotonic()
             try:
                 self._proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
                 self._proc.stdin.flush()
@@ -108,6 +117,9 @@ class PySlurm(CliSlurm):
                 self._stop()
                 raise SlurmError(f"pyslurm {what}: {exc}") from None
             reply = self._reply(self.timeout, what)
+            took = time.monotonic() - t0
+        if took > SLOW_CALL_S:
+            log.warning("pyslurm %s took %.2fs", what, took)
         if "error" in reply:
             raise SlurmError(f"pyslurm {what}: {reply['error']}")
         return reply["ok"]

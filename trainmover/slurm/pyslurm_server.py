@@ -33,7 +33,12 @@ def job_info(j) -> JobInfo:
     return JobInfo(job_id=int(j.id), state=j.state or "UNKNOWN", nodes=tuple(parse.expand_hostlist(nodelist)),
                    batch_host=j.batch_host or "", restart_count=int(j.requeue_count or 0),
                    work_dir=j.working_directory or "", partition=j.partition or "", num_nodes=int(j.num_nodes or 0),
-                   nodelist=nodelist, name=j.name or "", reason=j.state_reason or "")
+                   nodelist=nodelist, name=j.name or "", reason=_none(j.state_reason))
+
+
+def _none(reason) -> str:
+    """pyslurm says "None" where squeue says nothing (no reason)."""
+    return "" if reason in (None, "None") else str(reason)
 
 
 def load(slurm_conf: str):
