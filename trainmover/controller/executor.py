@@ -32,12 +32,12 @@ from trainmover.controller.actions import (AcquireStandby, CheckpointDone, Fence
                                           ReleaseNode, Rewind, Send)
 from trainmover.controller.node_watch import NodeWatch
 from trainmover.controller.policy import Policy
+from trainmover.controller.slurm_work import SlurmWork
 from trainmover.controller.steps import KeeperSteps, LocalSteps, step_environment
 from trainmover.controller.view import JobView
 from trainmover.errors import ConfigError, SlurmError
 from trainmover.protocol.worker_spec import ENV as SPEC_ENV, WorkerSpec
 from trainmover.slurm.client import client
-from trainmover.slurm.model import BatchHostRelease, NoStandbyAvailable
 from trainmover.standbys import auto as auto_pool, site
 from trainmover.workloads import base as workloads
 
@@ -131,13 +131,13 @@ class Controller:
         endpoint.write(self.files.root, endpoint.Endpoint(self.server.address[0], self.server.address[1],
                                                           self.store_host, self.store_port, self.home, attempt),
                        self.key, job_id=job_id, batch_host=self.batch_host, keeper=keeper or "", pid=os.getpid())
-        self.events: queue.Queue = queue.Queue()   # results of background Slurm work
         self.conns: dict[str, list] = {}           # node -> authenticated worker connections
         self.conn_ranks: dict = {}                 # connection -> the ranks its process runs (from its messages)
         self.standby_launches = 0                  # for TM_INJECT die-in-warmup:<n>
         self.outcome: tuple[bool, str] | None = None
         self.watch = NodeWatch(self.slurm, reservation=cfg.reservation, poll_s=cfg.poll_s,
                                notices=cfg.drain_notices, slurm_conf=self.environ.get("SLURM_CONF"))
+        self.work = SlurmWork(self.slurm, job_id, cfg, self.watch.pool, self.addr)  # beside the loop
         self.loop_at = time.monotonic()            # the main loop's last turn (see _beat_keeper)
         if keeper:
             threading.Thread(target=self._beat_keeper, name="tm-keeper-beat", daemon=True).start()
@@ -230,40 +230,6 @@ class Controller:
                                           "pid": pid}])
         log.info("launched %s on %s (ranks %s), log %s", role, node, list(ranks), log_path)
 
-    # --- background Slurm work -------------------------------------------------------------
-    def _background(self, name: str, fn) -> None:
-        def run():
-            try:
-                self.events.put(fn())
-            except Exception as exc:  # noqa: BLE001 - turned into an event for the policy
-                self.events.put(("error", name, exc))
-        threading.Thread(target=run, name=f"tm-{name}", daemon=True).start()
-
-    def _acquire(self):
-        idle = self.watch.pool.none_idle()
-        if idle:  # the last node poll saw no free spare: asking slurmctld now would only cost RPCs
-            return ("unavailable", idle)
-        self.watch.pool.asked()
-        try:
-            node = self.slurm.grow(self.job_id, reservation=self.cfg.reservation, timeout=self.cfg.standby_wait_s)
-        except NoStandbyAvailable as exc:
-            self.watch.pool.none_granted()
-            return ("unavailable", str(exc))
-        except SlurmError as exc:
-            return ("unavailable", f"taking a standby failed: {exc}")
-        self.addr[node] = self.slurm.nodes([node])[node].addr
-        return ("acquired", node)
-
-    def _release(self, node: str):
-        keep = [n for n in self.slurm.job(self.job_id).nodes if n != node]
-        try:
-            self.slurm.shrink(self.job_id, keep)
-            return ("released", node, True, "")
-        except BatchHostRelease:
-            return ("released", node, False, f"{node} runs the batch script: it stays in the job until the job ends")
-        except SlurmError as exc:
-            return ("released", node, False, f"release failed: {exc}")
-
     # --- the loop ------------------------------------------------------------------------
     def _journal_decisions(self) -> None:
         """Write ahead: what the policy just decided is durable before any of it is acted on."""
@@ -278,10 +244,10 @@ class Controller:
         actions, held = self.fencing.route(actions)  # a fenced node leaves the job only drained
         for node, why in held:
             log.warning("%s stays in the job: %s", node, why)
-            self.events.put(("released", node, False, why))
+            self.work.events.put(("released", node, False, why))
         for a in actions:
             if isinstance(a, AcquireStandby):
-                self._background("acquire", self._acquire)
+                self.work.start("acquire", self.work.acquire)
             elif isinstance(a, LaunchStandby):
                 self._launch("standby", a.node, ())
             elif isinstance(a, Send):
@@ -300,7 +266,7 @@ class Controller:
                 # journal, where this release is due); releasing it now would end us mid-way.
                 self.outcome = (None, f"{a.node}, this controller's node, leaves the job")
             elif isinstance(a, ReleaseNode):
-                self._background("release", lambda n=a.node: self._release(n))
+                self.work.start("release", lambda n=a.node: self.work.release(n))
             elif isinstance(a, Record):
                 if a.stream == "final":
                     self.files.write("final", a.payload)
@@ -338,7 +304,7 @@ class Controller:
         if not drain:
             log.warning("fenced %s is not drained (%s): held in the job until it ends", a.node,
                         self.fencing.nodes[a.node].held or "drained already")
-        self._background("fence", lambda: kill_and_drain(self.slurm, self.job_id, self.launcher.get(a.node), a.node,
+        self.work.start("fence", lambda: kill_and_drain(self.slurm, self.job_id, self.launcher.get(a.node), a.node,
                                                            a.reason, drain))
 
     def handle_peer(self, conn, msg, now: float) -> list:
@@ -437,7 +403,7 @@ class Controller:
         # a fenced node still in the job, running no rank: its drain was refused (fencing.py)
         self.fencing.restore(sorted(n for n in fenced & in_job if n not in self.view.rank_node.values()
                                     and n not in self.view.standbys and n != self.keeper), "fenced")
-        self._background("rights", lambda: (self._check_rights(), ("rights",))[1])
+        self.work.start("rights", lambda: (self._check_rights(), ("rights",))[1])
         for node, rec in j.steps.items():
             if node in known and node not in self.view.released:
                 self.launcher.adopt(node, rec["pid"])
@@ -487,7 +453,7 @@ class Controller:
                 actions += self.policy.on_step_exit(now, node, code)
             while True:
                 try:
-                    ev = self.events.get_nowait()
+                    ev = self.work.events.get_nowait()
                 except queue.Empty:
                     break
                 actions += self._on_event(now, ev)
@@ -551,6 +517,8 @@ class Controller:
         ok, message = self.outcome
         if ok is None:  # moving: nothing ends, the successor resumes from the journal
             return self._hand_over(message)
+        for ev in self.work.finish_releases():  # a node that left the job is recorded so; nothing new starts
+            self.apply([a for a in self.policy.on_released(time.time(), *ev[1:]) if isinstance(a, Record)])
         # First, durably: the job ended on purpose. Whatever happens to this process from here
         # on, no keeper or supervisor starts a controller again (journal.ended).
         self.journal.write(time.time(), [{"kind": "end", "ok": bool(ok), "message": message[:2000]}])

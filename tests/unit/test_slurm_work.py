@@ -1,0 +1,74 @@
+"""The controller's Slurm work beside its loop (controller/slurm_work.py): a release still
+under way when the job ends is waited for, within its bound, and handed to the policy, so a
+migration whose node left the job is recorded done (seen on Slurm 25.11 with rl_enable: the
+job finished while its throttled shrink ran, and status.json kept saying `releasing`)."""
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+from trainmover.controller import slurm_work
+from trainmover.controller.slurm_work import SlurmWork
+from trainmover.errors import SlurmError
+from trainmover.slurm import BatchHostRelease
+
+
+class SlowShrink:
+    """A Slurm whose shrink takes `shrink_s` (a throttled slurmctld) or fails as told."""
+
+    def __init__(self, shrink_s: float, fail: Exception | None = None):
+        self.shrink_s, self.fail, self.kept = shrink_s, fail, None
+        self.started = threading.Event()
+
+    def job(self, job_id):
+        return SimpleNamespace(nodes=("train1", "train2", "spare1"))
+
+    def shrink(self, job_id, keep):
+        self.started.set()
+        time.sleep(self.shrink_s)
+        if self.fail is not None:
+            raise self.fail
+        self.kept = list(keep)
+        return ["train2"]
+
+
+def work(slurm) -> SlurmWork:
+    return SlurmWork(slurm, 7, SimpleNamespace(reservation="r", standby_wait_s=1), pool=None, addr={})
+
+
+def test_a_release_under_way_at_the_end_is_waited_for_and_handed_over():
+    slurm = SlowShrink(0.5)
+    w = work(slurm)
+    w.start("release", lambda: w.release("train2"))
+    assert slurm.started.wait(5)
+    t0 = time.monotonic()
+    assert w.finish_releases() == [("released", "train2", True, "")]
+    assert 0.2 < time.monotonic() - t0 < 5 and slurm.kept == ["train1", "spare1"]
+
+
+def test_the_wait_is_bounded_and_a_failed_release_is_said(monkeypatch):
+    monkeypatch.setattr(slurm_work, "RELEASE_WAIT_S", 0.2)
+    w = work(SlowShrink(3.0))
+    w.start("release", lambda: w.release("train2"))
+    t0 = time.monotonic()
+    assert w.finish_releases() == []  # not finished within the bound: nothing claimed
+    assert time.monotonic() - t0 < 1.5
+    for fail, said in ((SlurmError("throttled"), "release failed: throttled"),
+                       (BatchHostRelease("x"), "train2 runs the batch script")):
+        w = work(SlowShrink(0.0, fail))
+        w.start("release", lambda: w.release("train2"))
+        (ev,) = w.finish_releases()
+        assert ev[:3] == ("released", "train2", False) and ev[3].startswith(said), ev
+
+
+def test_other_work_is_not_waited_for_and_its_events_stay_out():
+    w = work(SlowShrink(0.0))
+    gate = threading.Event()
+    w.start("acquire", lambda: (gate.wait(5), ("acquired", "spare2"))[1])
+    w.start("rights", lambda: ("rights",))
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    assert w.finish_releases() == []
+    assert time.monotonic() - t0 < 0.5
+    gate.set()
