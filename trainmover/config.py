@@ -153,7 +153,7 @@ class Config:
     progress_timeout_s: float = field(default=5.0, metadata={"env": "TM_PROGRESS_TIMEOUT_S", "doc": "no step completed for max(this, TM_PROGRESS_STEPS x the median step): a rank the others wait on whose training thread idles is judged stuck"})
     progress_steps: float = field(default=10.0, metadata={"env": "TM_PROGRESS_STEPS", "doc": "see TM_PROGRESS_TIMEOUT_S: the stuck deadline in typical steps"})
     inject: tuple[str, ...] = field(default=(), metadata={"env": "TM_INJECT", "doc": "comma-separated fault injections: " + ", ".join(INJECTIONS)})
-    slurm_backend: str = field(default="cli", metadata={"env": "TM_SLURM_BACKEND", "doc": "how the controller talks to Slurm: cli (scontrol, squeue, salloc, srun) or pyslurm (the Slurm C API in-process for job and node reads and updates, the CLI for the rest; needs pyslurm built against the cluster's Slurm: `make pyslurm`, Slurm 25.11; see docs/admin.md)"})
+    slurm_backend: str = field(default="cli", metadata={"env": "TM_SLURM_BACKEND", "doc": "how the controller talks to Slurm: cli (scontrol, squeue, salloc, srun) or pyslurm (the Slurm C API, in a process of the controller's own, for job and node reads and updates, the CLI for the rest; needs pyslurm built against the cluster's Slurm: `make pyslurm`, Slurm 25.11; see docs/admin.md)"})
     run_dir: str = field(default="", metadata={"env": "TM_RUN_DIR", "doc": "output directory (default: <submit dir>/runs/<job id>)"})
 
     def __post_init__(self):
