@@ -320,6 +320,21 @@ def test_grow_merges_one_donor(fake):
     assert [a for a in f.seen if a[0] == "salloc"][0][3] == "--partition=train"  # the job's own partition
 
 
+def test_grow_given_the_partition_asks_only_salloc_the_merge_and_its_check(fake):
+    """Each query is a token of the user's rate-limit bucket: a caller that knows the job's
+    partition spares the first read, and salloc's 'Nodes spare1 are ready' the donor's."""
+    f = fake(
+        (["scontrol", "--local", "-o", "show", "job", "9"], (0, _job_line("spare1,train[3-4]", 3), "")),
+        (["salloc"], (0, "", "salloc: Granted job allocation 10\nsalloc: Nodes spare1 are ready for job\n")),
+        (["scontrol", "update"], (0, "", "")),
+    )
+    assert CliSlurm().grow(9, reservation="trainmover_standby", partition="train", timeout=5) == "spare1"
+    assert [a[0] for a in f.seen] == ["salloc", "scontrol", "scontrol", "scontrol"]
+    assert not any(a[-1] == "10" and "show" in a for a in f.seen)
+    assert parse.salloc_ready_node("salloc: Nodes spare[1-2] are ready for job\n") is None  # a list: ask Slurm
+    assert parse.salloc_ready_node("salloc: Granted job allocation 10\n") is None
+
+
 def test_grow_without_free_standby_withdraws_the_donor(fake):
     f = fake(
         (["scontrol", "--local", "-o", "show", "job", "9"], (0, _job_line("train[3-4]", 2), "")),

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from trainmover.config import Config
@@ -38,6 +39,7 @@ from trainmover.protocol.messages import make
 from trainmover.controller import journal, records, succession
 from trainmover.controller.steps import start_srun, step_environment
 from trainmover.errors import ProtocolError, TrainMoverError
+from trainmover.slurm.model import JobInfo
 
 log = logging.getLogger("trainmover.keeper")
 
@@ -45,8 +47,17 @@ CONTROLLER_STEP = "tm-controller"  # the controller's step name (kill_steps pick
 PROBE_S = 1.0        # the keeper asks the controller for its status this often (a failed send: channel
                      # closed); the controller's own beats (`alive`, every 0.25 s) prove it alive
 START_DEADLINE_S = 120.0  # a controller that never writes its endpoint is lost too
-SUCCESSOR_RETRY_S = 10.0  # between tries to place a warm successor when no node was free (the poll period)
+SUCCESSOR_RETRY_S = 60.0  # between tries to place a warm successor when no node was free: two queries each;
+                          # a standby's launch (a node joined) makes it try at once
 END_WAIT_S = 60.0    # a controller that ended the job (journal `end`) gets this long to exit
+
+
+@dataclass(frozen=True)
+class Home:
+    """A node for a controller, with what the keeper read to choose it."""
+    node: str
+    job: JobInfo
+    addr: str
 
 
 def choose_home(candidates: list[str], avoid: set[str], states: dict[str, str]) -> str | None:
@@ -85,18 +96,21 @@ class Keeper:
         self.why = ""                       # why the keeper itself ended the job, if it did
 
     # --- the controller's steps ---------------------------------------------------------
-    def _srun(self, home: str, argv: list[str], successor: bool):
-        env = self.slurm.step_env(self.slurm.job(self.job_id), self.environ)
-        srun = self.slurm.step_argv(self.job_id, home, argv, ntasks=1, name=CONTROLLER_STEP)
+    def _srun(self, home: Home, argv: list[str], successor: bool):
+        """The supervisor's step on `home`, told what the keeper read already (the job's directory,
+        the node's address), so that it asks slurmctld nothing before it serves."""
+        argv = argv + ["--work-dir", home.job.work_dir or os.getcwd(), "--node-addr", home.addr]
+        env = self.slurm.step_env(home.job, self.environ)  # the job as _next_home just read it
+        srun = self.slurm.step_argv(self.job_id, home.node, argv, ntasks=1, name=CONTROLLER_STEP)
         return start_srun(srun, env, None, stdin_pipe=successor)  # the job's output file, as without a keeper
 
-    def _start_controller(self, home: str, resume: bool) -> None:
+    def _start_controller(self, home: Home, resume: bool) -> None:
         """A cold start (the first controller, or no warm successor to promote)."""
         argv = [sys.executable, "-m", "trainmover.controller.supervisor", "--keeper", self.node]
         if resume:
             argv += ["--resume", "--attempt", str(self.attempt)]
-        self._became_primary(home, self._srun(home, argv, successor=False))
-        log.info("controller started on %s (attempt %d%s)", home, self.attempt, ", resuming" if resume else "")
+        self._became_primary(home.node, self._srun(home, argv, successor=False))
+        log.info("controller started on %s (attempt %d%s)", home.node, self.attempt, ", resuming" if resume else "")
 
     def _became_primary(self, home: str, proc) -> None:
         self.controller = (home, proc)
@@ -126,12 +140,14 @@ class Keeper:
         if home is None:
             if not self.successors:
                 log.warning("no node free of the controller for a warm successor: a move starts one cold")
+            # A node joins the job only as a standby the controller has us launch (_launch asks
+            # again then); until then a try now and then, in case an admin's change freed one.
             self.successor_retry_at = now + SUCCESSOR_RETRY_S
             return
         argv = [sys.executable, "-m", "trainmover.controller.supervisor", "--keeper", self.node, "--successor"]
-        self.successors.append((home, self._srun(home, argv, successor=True)))
+        self.successors.append((home.node, self._srun(home, argv, successor=True)))
         self.successor_starts += 1
-        log.info("warm successor controller starting on %s (%d of %d)", home, len(self.successors),
+        log.info("warm successor controller starting on %s (%d of %d)", home.node, len(self.successors),
                  self.cfg.controller_successors)
 
     def _fence(self, node: str) -> None:
@@ -140,11 +156,14 @@ class Keeper:
         except TrainMoverError as exc:
             log.warning("could not kill the lost controller's step on %s: %s", node, exc)
 
-    def _next_home(self, avoid: set[str]) -> str | None:
+    def _next_home(self, avoid: set[str]) -> Home | None:
+        """Where a controller can run now: two queries (the job, its nodes), whose answers the
+        supervisor started there is given, so that it need not ask them again."""
         job = self.slurm.job(self.job_id)
         candidates = [n for n in job.nodes if n != self.node]
-        states = {n: i.state for n, i in self.slurm.nodes(candidates).items()}
-        return choose_home(candidates, avoid, states)
+        infos = self.slurm.nodes(candidates)
+        node = choose_home(candidates, avoid, {n: i.state for n, i in infos.items()})
+        return Home(node, job, infos[node].addr) if node is not None else None
 
     def _promote(self, p: succession.Promote) -> bool:
         """Hand the job to the warm successor (or, with none, start one cold elsewhere); False when
@@ -183,7 +202,7 @@ class Keeper:
             self.why = f"controller on {old} {p.why}, and no other node of the job can take it"
             log.error("%s", self.why)
             return False
-        log.warning("controller on %s %s: resuming it cold on %s", old, p.why, home)
+        log.warning("controller on %s %s: resuming it cold on %s", old, p.why, home.node)
         self._start_controller(home, resume=True)
         self._start_successor(frozenset({old}))
         return True
@@ -243,6 +262,8 @@ class Keeper:
             return
         self.steps[node] = (role, start_srun(msg["argv"], step_environment(msg["env"]), log_path))
         log.info("launched %s on %s for the controller", role, node)
+        if role == "standby":  # a node joined the job: a warm successor may go there now
+            self.successor_retry_at = 0.0
 
     def _report_exits(self) -> None:
         for node, (role, proc) in list(self.steps.items()):

@@ -83,6 +83,13 @@ class NodeWatch:
         self._shared_at = 0.0
         self._on_shared = False
         self.next_poll = 0.0
+        self.seen: dict = {}  # node -> its NodeInfo at the last poll (the reservation's spares too)
+
+    def addr(self, node: str) -> str:
+        """`node`'s address as the last poll saw it ("" if it did not): a standby just taken is one
+        of the reservation's nodes, which every poll reads, so it costs no query of its own."""
+        info = self.seen.get(node)
+        return info.addr if info is not None else ""
 
     def turn(self, now: float, mine: list[str], ranks: Iterable[str]) -> dict:
         """States new this loop turn (node -> NodeInfo) of `mine` (the job's nodes), and of a rank
@@ -105,6 +112,7 @@ class NodeWatch:
                 log.warning("node poll failed: %s", exc)
         if states:
             self.pool.saw(states)
+            self.seen.update(states)
         states = {n: i for n, i in states.items() if n in set(mine)}
         fresh = self.notices.fresh(ranks) if self.notices is not None else []
         if fresh:

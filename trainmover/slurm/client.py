@@ -249,8 +249,9 @@ class CliSlurm:
 
     def _request_donor(self, job_id: int, partition: str, reservation: str,
                        try_s: float) -> tuple[Optional[int], str]:
-        """One donor request of `try_s` seconds: (donor job id, "") when granted, (None, what
-        salloc said) when no node was granted in time; SlurmError for any other failure."""
+        """One donor request of `try_s` seconds: (donor job id, salloc's stderr) when granted,
+        (None, what salloc said) when no node was granted in time; SlurmError for any other
+        failure."""
         salloc = build.donor_salloc(job_id, partition=partition, reservation=reservation, timeout=try_s)
         try:
             proc = self._run(salloc, timeout=try_s + 15, check=False)
@@ -259,7 +260,7 @@ class CliSlurm:
             raise
         donor = parse.parse_salloc_job_id(proc.stderr)
         if proc.returncode == 0 and parse.salloc_granted(proc.stderr) and donor is not None:
-            return donor, ""
+            return donor, proc.stderr
         self._cancel_donors(job_id)
         err = proc.stderr.strip()
         if "Unable to allocate resources" in err and "timed out" in err:
@@ -268,9 +269,10 @@ class CliSlurm:
 
     def grow(self, job_id: int, *, reservation: str, partition: Optional[str] = None,
              timeout: float = 30.0) -> str:
-        before = self.job(job_id)
-        if not before.running:
-            raise SlurmError(f"cannot grow job {job_id}: it is {before.state}, not RUNNING")
+        if partition is None:  # a caller that knows the job's partition spares this query
+            before = self.job(job_id)
+            if not before.running:
+                raise SlurmError(f"cannot grow job {job_id}: it is {before.state}, not RUNNING")
         part = partition or before.partition
         # Several short donor requests rather than one that waits the whole deadline: a request that
         # finds no node free when submitted (a standby still completing a job it left a moment ago)
@@ -288,7 +290,9 @@ class CliSlurm:
                 f"no free standby node in reservation {reservation} for job {job_id} within {timeout:g}s "
                 f"({err}; reserved nodes now: {self._describe_reservation(reservation)})")
         try:
-            new_nodes = self.job(donor).nodes
+            # salloc names the donor's node ("Nodes spare1 are ready for job"): no query for it
+            ready = parse.salloc_ready_node(err)
+            new_nodes = (ready,) if ready else self.job(donor).nodes
             if len(new_nodes) != 1:
                 raise SlurmError(f"donor job {donor} for job {job_id} holds {new_nodes}, expected one node")
             self._update_job(build.merge_donor(donor))
