@@ -47,8 +47,9 @@ CONTROLLER_STEP = "tm-controller"  # the controller's step name (kill_steps pick
 PROBE_S = 1.0        # the keeper asks the controller for its status this often (a failed send: channel
                      # closed); the controller's own beats (`alive`, every 0.25 s) prove it alive
 START_DEADLINE_S = 120.0  # a controller that never writes its endpoint is lost too
-SUCCESSOR_RETRY_S = 60.0  # between tries to place a warm successor when no node was free: two queries each;
-                          # a standby's launch (a node joined) makes it try at once
+SUCCESSOR_RETRY_S = (60.0, 600.0)  # between tries to place a warm successor when no node was free (two
+                                   # queries each): doubling from the first to the second; a standby's
+                                   # launch (a node joined the job) makes it try at once
 END_WAIT_S = 60.0    # a controller that ended the job (journal `end`) gets this long to exit
 
 
@@ -86,6 +87,7 @@ class Keeper:
         self.successors: list[tuple[str, object]] = []
         self.successor_starts = 0
         self.successor_retry_at = 0.0   # no node for one: asked Slurm again no sooner than this
+        self.successor_retry_s = SUCCESSOR_RETRY_S[0]
         self.retired: list = []         # sruns of former primaries, reaped as they end
         self.attempt = 0
         self.conn = None
@@ -142,7 +144,8 @@ class Keeper:
                 log.warning("no node free of the controller for a warm successor: a move starts one cold")
             # A node joins the job only as a standby the controller has us launch (_launch asks
             # again then); until then a try now and then, in case an admin's change freed one.
-            self.successor_retry_at = now + SUCCESSOR_RETRY_S
+            self.successor_retry_at = now + self.successor_retry_s
+            self.successor_retry_s = min(SUCCESSOR_RETRY_S[1], 2 * self.successor_retry_s)
             return
         argv = [sys.executable, "-m", "trainmover.controller.supervisor", "--keeper", self.node, "--successor"]
         self.successors.append((home.node, self._srun(home, argv, successor=True)))
@@ -263,7 +266,7 @@ class Keeper:
         self.steps[node] = (role, start_srun(msg["argv"], step_environment(msg["env"]), log_path))
         log.info("launched %s on %s for the controller", role, node)
         if role == "standby":  # a node joined the job: a warm successor may go there now
-            self.successor_retry_at = 0.0
+            self.successor_retry_at, self.successor_retry_s = 0.0, SUCCESSOR_RETRY_S[0]
 
     def _report_exits(self) -> None:
         for node, (role, proc) in list(self.steps.items()):
