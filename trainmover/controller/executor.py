@@ -119,6 +119,8 @@ class Controller:
         if not resume:  # a resuming controller checks in the background: a move must stay quick
             self._check_rights()
         self.server = channel.Server(self.host, self.key, sock=listen)
+        self.keeper_conn = None  # the keeper's channel, known as soon as it authenticates (see _beat_keeper)
+        self.server.on_hello = self._on_hello
         self.store, (self.store_host, self.store_port) = (None, store) if store else self._store()
         if not resume:
             self.journal = journal.Journal(self.files.root / "journal.jsonl", attempt=attempt)
@@ -187,6 +189,13 @@ class Controller:
         return {**self.policy.status(), "capabilities": self.capabilities, "fenced_nodes": self.fencing.status()}
 
 
+    def _on_hello(self, conn) -> None:
+        """A peer authenticated (on its reader thread): the keeper's channel is noted at once, so
+        that the beats reach it even while the loop has not yet turned to its `steps` (a loop
+        held in a throttled Slurm query at the start was taken for a lost controller, 24.11)."""
+        if (conn.identity or {}).get("role") == "keeper":
+            self.keeper_conn = conn
+
     def _beat_keeper(self) -> None:
         """Tell the keeper we live, every KEEPER_BEAT_S, from a thread of our own: the keeper
         promotes the warm successor after TM_CONTROLLER_DEADLINE_S of silence (controller/
@@ -195,8 +204,8 @@ class Controller:
         command's deadline) is hung: the beats stop and the keeper replaces us."""
         while self.outcome is None or self.outcome[0] is not None:
             time.sleep(KEEPER_BEAT_S)
-            conn = getattr(self.launcher, "conn", None)
-            if conn is None or time.monotonic() - self.loop_at > LOOP_STALL_S:
+            conn = self.keeper_conn
+            if conn is None or conn.closed or time.monotonic() - self.loop_at > LOOP_STALL_S:
                 continue
             try:
                 conn.send(make("alive"))

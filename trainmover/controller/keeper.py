@@ -76,6 +76,7 @@ class Keeper:
         self.cfg, self.slurm, self.job_id, self.node = cfg, slurm, job_id, node
         self.environ = dict(environ)
         job = slurm.job(job_id)
+        self.reading: tuple = (job, None)  # the last (job, its nodes' infos) read: reused at the same moment
         # the job's user's alone; one someone else made first is refused (protocol/files.py)
         self.root = files.private_dir(Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id)))
         self.key: bytes | None = None  # the job's secret: read once, when the controller has made it
@@ -121,10 +122,10 @@ class Keeper:
         self.conn = None
         self.inbox = queue.Queue()
 
-    def _start_successor(self, avoid: frozenset = frozenset()) -> None:
+    def _start_successor(self, avoid: frozenset = frozenset(), reading: tuple | None = None) -> None:
         """Warm successors on other nodes, up to TM_CONTROLLER_SUCCESSORS (docs/admin.md, "No
         special node"): each imports, binds and waits for `takeover <attempt>` on its stdin (srun
-        forwards it to the task)."""
+        forwards it to the task). `reading`: what placing the primary read a moment ago."""
         budget = (2 * (self.cfg.controller_restarts + 1)) * max(1, self.cfg.controller_successors)
         if len(self.successors) >= self.cfg.controller_successors or self.successor_starts > budget:
             return
@@ -135,7 +136,7 @@ class Keeper:
         if now < self.successor_retry_at:  # each try costs two Slurm queries: not every loop turn
             return
         try:
-            home = self._next_home(avoid)
+            home = self._next_home(avoid, reading)
         except TrainMoverError as exc:
             log.warning("no warm successor for now (node query failed: %s)", exc)
             home = None
@@ -159,12 +160,15 @@ class Keeper:
         except TrainMoverError as exc:
             log.warning("could not kill the lost controller's step on %s: %s", node, exc)
 
-    def _next_home(self, avoid: set[str]) -> Home | None:
-        """Where a controller can run now: two queries (the job, its nodes), whose answers the
-        supervisor started there is given, so that it need not ask them again."""
-        job = self.slurm.job(self.job_id)
+    def _next_home(self, avoid: set[str], reading: tuple | None = None) -> Home | None:
+        """Where a controller can run now: two queries (the job, its nodes) unless `reading` gives
+        them (the primary and its successor placed at the same moment ask once); the supervisor
+        started there is given the answers, so that it need not ask them again."""
+        job, infos = reading or (None, None)
+        job = job or self.slurm.job(self.job_id)
         candidates = [n for n in job.nodes if n != self.node]
-        infos = self.slurm.nodes(candidates)
+        infos = infos if infos is not None else self.slurm.nodes(candidates)
+        self.reading = (job, infos)
         node = choose_home(candidates, avoid, {n: i.state for n, i in infos.items()})
         return Home(node, job, infos[node].addr) if node is not None else None
 
@@ -207,7 +211,7 @@ class Keeper:
             return False
         log.warning("controller on %s %s: resuming it cold on %s", old, p.why, home.node)
         self._start_controller(home, resume=True)
-        self._start_successor(frozenset({old}))
+        self._start_successor(frozenset({old}), self.reading)
         return True
 
     # --- the channel to the controller ----------------------------------------------------
@@ -284,12 +288,12 @@ class Keeper:
 
     # --- the loop -----------------------------------------------------------------------
     def run(self) -> int:
-        home = self._next_home(set())
+        home = self._next_home(set(), self.reading)  # the job as __init__ read it
         if home is None:
             log.error("job %d has no node besides the keeper %s to run the controller on", self.job_id, self.node)
             return 2
         self._start_controller(home, resume=False)
-        self._start_successor()
+        self._start_successor(reading=self.reading)
         next_probe = 0.0
         while True:
             now = time.monotonic()
@@ -442,6 +446,13 @@ def main(cfg: Config, slurm, job_id: int, node: str) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     code = keeper.run()
+    if keeper._outcome() is None:  # no controller ended the job (its shutdown withdraws its donors)
+        try:  # a standby request it left must not hold a spare after the job (seen on 24.11)
+            gone = slurm.cancel_donors(job_id)
+            if gone:
+                log.warning("withdrew donor allocation(s) %s the controller left", gone)
+        except TrainMoverError as exc:
+            log.warning("could not withdraw the job's donor allocations: %s", exc)
     # The job's last word in slurm-<job>.out, however it ended (records.final_line).
     print(records.final_line(keeper.root, job_id, code, keeper.why, stopped=keeper.stopping), file=sys.stderr,
           flush=True)

@@ -21,6 +21,7 @@ import struct
 import threading
 import time
 import logging
+from collections.abc import Callable
 
 from trainmover.protocol import files
 from trainmover.protocol.messages import validate
@@ -195,6 +196,9 @@ class Server:
         self.inbox: queue.Queue = queue.Queue()
         self.rejected = 0
         self.evicted = 0
+        # called with each peer's connection once it has authenticated, on its reader thread,
+        # before its hello is queued: for what must not wait for the owner's loop
+        self.on_hello: Callable[[Connection], None] | None = None
         self._pending: dict[socket.socket, float] = {}  # in the handshake, oldest first
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -256,6 +260,8 @@ class Server:
             sock.settimeout(None)  # authenticated peers may stay idle (standbys wait for hours)
             conn.identity = first
             _bounded_sends(sock)
+            if self.on_hello is not None:
+                self.on_hello(conn)
             self.inbox.put((conn, first))
             while True:
                 msg = conn.framer.recv()

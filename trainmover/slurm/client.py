@@ -13,6 +13,7 @@ import grp
 import math
 import os
 import pwd
+import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Optional, Protocol, runtime_checkable
@@ -86,6 +87,7 @@ class CliSlurm:
     CRED_REVOKE_MARGIN_S = 1.05
     # Seconds of one donor request: grow() makes several within its deadline (see there).
     DONOR_TRY_S = 2.0
+    RESERVATION_KEEP_S = 5.0
 
     def __init__(self, *, slurm_conf: Optional[str] = None, timeout: float = 15.0,
                  wall_clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
@@ -94,6 +96,10 @@ class CliSlurm:
         self.timeout = timeout
         self._wall_clock, self._sleep, self._clock = wall_clock, sleep, clock
         self._released_at: dict[tuple[int, str], float] = {}
+        # Answers kept a few seconds, each a token of the user's rate-limit bucket: the rights
+        # check at a controller's start asks for the job and the reservation it has just read.
+        self._job_lines: dict[int, str] = {}
+        self._reservations: dict[str, tuple[float, subprocess.CompletedProcess]] = {}
         self._env: Optional[dict[str, str]] = None
         if slurm_conf is not None:
             self._env = {**os.environ, "SLURM_CONF": str(slurm_conf)}
@@ -135,7 +141,18 @@ class CliSlurm:
         return {n: found[n] for n in names}
 
     def job(self, job_id: int) -> JobInfo:
-        return parse.parse_job_text(self._run(build.show_job(job_id)).stdout)
+        out = self._run(build.show_job(job_id)).stdout
+        self._job_lines[job_id] = next((ln for ln in out.splitlines() if ln.startswith("JobId=")), "")
+        return parse.parse_job_text(out)
+
+    def _show_reservation(self, reservation: str) -> subprocess.CompletedProcess:
+        """`scontrol show reservation`, kept RESERVATION_KEEP_S (asked again at once by the
+        controller's start: the rights check and the standby pool)."""
+        now = self._clock()
+        kept = self._reservations.get(reservation)
+        if kept is None or now - kept[0] > self.RESERVATION_KEEP_S:
+            kept = self._reservations[reservation] = (now, self._run(build.show_reservation(reservation), check=False))
+        return kept[1]
 
     def hostnames(self, nodelist_expr: str) -> list[str]:
         if not nodelist_expr.strip():
@@ -153,9 +170,10 @@ class CliSlurm:
         return jobs
 
     def reservation_nodes(self, reservation: str) -> list[str]:
-        out = parse.parse_reservation_text(self._run(build.show_reservation(reservation)).stdout)
+        proc = self._show_reservation(reservation)
+        out = parse.parse_reservation_text(proc.stdout)
         if reservation not in out:
-            raise SlurmError(f"reservation {reservation} not found")
+            raise SlurmError(f"reservation {reservation} not found: {(proc.stderr or proc.stdout).strip()[:200]}")
         return parse.expand_hostlist(out[reservation].get("Nodes", ""))
 
     def free_standbys(self, reservation: str) -> list[str]:
@@ -177,7 +195,8 @@ class CliSlurm:
             except KeyError:
                 pass
         config = rights.parse_config(self._run(["scontrol", "show", "config"]).stdout)
-        line = next((ln for ln in self._run(build.show_job(job_id)).stdout.splitlines() if ln.startswith("JobId=")), "")
+        line = self._job_lines.get(job_id) or next(
+            (ln for ln in self._run(build.show_job(job_id)).stdout.splitlines() if ln.startswith("JobId=")), "")
         account = parse.parse_kv(line).get("Account", "") if line else ""
         accounting = config.get("AccountingStorageType", "").endswith("slurmdbd")
         level = None
@@ -187,7 +206,7 @@ class CliSlurm:
                 level = rights.parse_admin_level(proc.stdout) if proc.returncode == 0 else None
             except SlurmError:
                 level = None
-        proc = self._run(build.show_reservation(reservation), check=False)
+        proc = self._show_reservation(reservation)
         found = parse.parse_reservation_text(proc.stdout).get(reservation)
         return rights.decide(rights.Facts(
             user=user, uid=uid, groups=tuple(groups), account="" if account == "(null)" else account,
