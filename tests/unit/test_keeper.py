@@ -120,6 +120,8 @@ def test_a_successor_with_nowhere_to_go_is_placed_again_rarely_and_at_once_when_
     k.cfg, k.slurm, k.job_id, k.node = Cfg(), Slurm(), 7, "keep1"
     k.successors, k.successor_starts, k.controller = [], 0, ("train1", None)
     k.successor_retry_at, k.successor_retry_s = 0.0, keeper_mod.SUCCESSOR_RETRY_S[0]
+    k.reading, k.joined = (Slurm().job(7), None), None
+    Slurm.queries = 0
     k._start_successor()
     k._start_successor()  # at once again: not asked
     assert Slurm.queries == 2 and k.successors == [] and k.successor_retry_s == 120.0
@@ -128,9 +130,16 @@ def test_a_successor_with_nowhere_to_go_is_placed_again_rarely_and_at_once_when_
         k._start_successor()
         k.successor_retry_at = 0.0
     assert k.successor_retry_s == keeper_mod.SUCCESSOR_RETRY_S[1]
+    assert Slurm.queries == 2  # the job as last read left nowhere, and no standby joined: not asked again
     k.successor_retry_at = 1e18
     monkeypatch.setattr(keeper_mod, "start_srun", lambda *a, **kw: None)
     k.root, k.steps = tmp_path, {}
+    env = {"TM_WORKER_SPEC": json.dumps({"node_addr": "10.0.0.7"}), "SLURM_JOB_NODELIST": "keep1,spare1,train1"}
     k._launch({"node": "spare1", "role": "standby", "log": str(tmp_path / "standby-spare1.log"), "argv": ["srun"],
-               "env": {}})
+               "env": env})
     assert k.successor_retry_at == 0.0 and k.successor_retry_s == keeper_mod.SUCCESSOR_RETRY_S[0]
+    placed = []
+    monkeypatch.setattr(k, "_srun", lambda home, argv, successor: placed.append(home) or "proc")
+    k._start_successor()  # on the standby, from what its launch said: no query
+    assert [(h.node, h.addr, h.job.nodes) for h in placed] == [("spare1", "10.0.0.7", ("keep1", "spare1", "train1"))]
+    assert Slurm.queries == 2 and k.successors == [("spare1", "proc")]

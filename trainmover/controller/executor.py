@@ -57,7 +57,11 @@ class Controller:
         self.slurm = slurm or client(cfg.slurm_backend, node_query=cfg.node_query)
         self.environ = dict(environ)
         job = self.slurm.job(job_id)
-        infos = self.slurm.nodes(list(job.nodes))
+        self.watch = NodeWatch(self.slurm, reservation=cfg.reservation, poll_s=cfg.poll_s,
+                               notices=cfg.drain_notices, slurm_conf=self.environ.get("SLURM_CONF"))
+        # the job's nodes and the reservation's in one query, which is also the first node poll
+        infos = self.slurm.nodes(list(dict.fromkeys(list(job.nodes) + self.watch.pool.nodes())))
+        self.watch.prime(time.time(), infos)
         self.addr = {n: infos[n].addr for n in job.nodes}
         nodes = [n for n in job.nodes if n != keeper]  # the training nodes, to begin with
         self.batch_host = job.batch_host or nodes[0]
@@ -136,8 +140,6 @@ class Controller:
         self.conn_ranks: dict = {}                 # connection -> the ranks its process runs (from its messages)
         self.standby_launches = 0                  # for TM_INJECT die-in-warmup:<n>
         self.outcome: tuple[bool, str] | None = None
-        self.watch = NodeWatch(self.slurm, reservation=cfg.reservation, poll_s=cfg.poll_s,
-                               notices=cfg.drain_notices, slurm_conf=self.environ.get("SLURM_CONF"))
         # the job's record, kept by this controller's own grows and releases (controller/resize.py)
         self.resizer = Resizer(self.slurm, job, reservation=cfg.reservation, standby_wait_s=cfg.standby_wait_s,
                                pool=self.watch.pool, addr=self.watch.addr, clock=time.monotonic)

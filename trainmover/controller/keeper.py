@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +40,9 @@ from trainmover.protocol.messages import make
 from trainmover.controller import journal, records, succession
 from trainmover.controller.steps import start_srun, step_environment
 from trainmover.errors import ProtocolError, TrainMoverError
-from trainmover.slurm.model import JobInfo
+from trainmover.protocol.worker_spec import ENV as SPEC_ENV
+from trainmover.slurm import parse
+from trainmover.slurm.model import JobInfo, NodeInfo
 
 log = logging.getLogger("trainmover.keeper")
 
@@ -61,6 +64,21 @@ class Home:
     addr: str
 
 
+def joined_from_launch(job: JobInfo, node: str, env: dict) -> tuple | None:
+    """What a standby's launch tells of the job (pure): the controller's record of its nodes (the
+    step's SLURM_JOB_NODELIST) and the standby's address (its worker spec), as a reading for
+    placing a successor there without asking Slurm; None if the launch does not say."""
+    try:
+        addr = json.loads(env.get(SPEC_ENV, "{}")).get("node_addr", "")
+        nodes = tuple(parse.expand_hostlist(env.get("SLURM_JOB_NODELIST", "")))
+    except (ValueError, AttributeError):
+        return None
+    if not addr or node not in nodes:
+        return None
+    job = dataclasses.replace(job, nodes=nodes, nodelist=",".join(nodes), num_nodes=len(nodes))
+    return job, {node: NodeInfo(node, addr, "ALLOCATED")}
+
+
 def choose_home(candidates: list[str], avoid: set[str], states: dict[str, str]) -> str | None:
     """The next controller's node: the first candidate neither avoided nor draining or down
     (pure). `states`: Slurm's word for each node."""
@@ -77,6 +95,7 @@ class Keeper:
         self.environ = dict(environ)
         job = slurm.job(job_id)
         self.reading: tuple = (job, None)  # the last (job, its nodes' infos) read: reused at the same moment
+        self.joined: tuple | None = None    # (job, {standby: info}) from a standby's launch: placed there, no query
         # the job's user's alone; one someone else made first is refused (protocol/files.py)
         self.root = files.private_dir(Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id)))
         self.key: bytes | None = None  # the job's secret: read once, when the controller has made it
@@ -135,6 +154,13 @@ class Keeper:
         now = time.monotonic()
         if now < self.successor_retry_at:  # each try costs two Slurm queries: not every loop turn
             return
+        reading, self.joined = reading or self.joined, None
+        job, infos = self.reading
+        if reading is None and infos is not None and choose_home(
+                [n for n in job.nodes if n != self.node], avoid, {}) is None:
+            # the job as last read leaves nowhere, and no node joined since (a standby's launch
+            # would say): asking Slurm again would find no more (a move: its leaver is draining)
+            reading = self.reading
         try:
             home = self._next_home(avoid, reading)
         except TrainMoverError as exc:
@@ -167,7 +193,9 @@ class Keeper:
         job, infos = reading or (None, None)
         job = job or self.slurm.job(self.job_id)
         candidates = [n for n in job.nodes if n != self.node]
-        infos = infos if infos is not None else self.slurm.nodes(candidates)
+        if infos is None:
+            infos = self.slurm.nodes(candidates)
+        candidates = [n for n in candidates if n in infos]  # a standby's launch names its node alone
         self.reading = (job, infos)
         node = choose_home(candidates, avoid, {n: i.state for n, i in infos.items()})
         return Home(node, job, infos[node].addr) if node is not None else None
@@ -271,6 +299,7 @@ class Keeper:
         log.info("launched %s on %s for the controller", role, node)
         if role == "standby":  # a node joined the job: a warm successor may go there now
             self.successor_retry_at, self.successor_retry_s = 0.0, SUCCESSOR_RETRY_S[0]
+            self.joined = joined_from_launch(self.reading[0], node, msg["env"])
 
     def _report_exits(self) -> None:
         for node, (role, proc) in list(self.steps.items()):
