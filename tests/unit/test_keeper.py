@@ -143,3 +143,21 @@ def test_a_successor_with_nowhere_to_go_is_placed_again_rarely_and_at_once_when_
     k._start_successor()  # on the standby, from what its launch said: no query
     assert [(h.node, h.addr, h.job.nodes) for h in placed] == [("spare1", "10.0.0.7", ("keep1", "spare1", "train1"))]
     assert Slurm.queries == 2 and k.successors == [("spare1", "proc")]
+
+
+def test_the_batch_script_reads_its_job_from_the_allocation_and_its_nodes_in_one_query():
+    from trainmover.controller.keeper import start_reading
+    from trainmover.slurm.model import NodeInfo
+    asked = []
+
+    class Slurm:
+        def nodes(self, names):
+            asked.append(list(names))
+            return {n: NodeInfo(n, "10.0.0.1", "ALLOCATED", features=("tm_keeper",) if n == "keep1" else ())
+                    for n in names}
+
+    env = {"SLURM_JOB_NODELIST": "keep1,train[1-2]", "SLURM_JOB_PARTITION": "train"}
+    job, infos = start_reading(Slurm(), 7, "keep1", env, "/w")
+    assert job.nodes == ("keep1", "train1", "train2") and job.work_dir == "/w" and job.partition == "train"
+    assert asked == [["keep1", "train1", "train2"]] and "tm_keeper" in infos["keep1"].features
+    assert start_reading(Slurm(), 7, "keep9", env, "/w") is None and len(asked) == 1  # not ours: ask Slurm

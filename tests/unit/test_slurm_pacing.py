@@ -48,7 +48,8 @@ class _Slurm:
             raise NoStandbyAvailable("none")
         return self.granted.pop(0)
 
-    def shrink(self, job_id, keep):
+    def shrink(self, job_id, keep, job=None):
+        assert job is not None and set(keep) < set(job.nodes)  # the record goes along: no query
         self.shrunk.append(list(keep))
         if "gone" in keep:
             raise SlurmError("cannot shrink: gone not in the job")

@@ -407,6 +407,14 @@ def test_shrink_releases_the_rest(fake):
     assert ["scontrol", "--local", "update", "JobId=9", "NodeList=train3,spare2"] in f.seen
 
 
+def test_shrink_given_the_callers_record_asks_only_the_update_and_its_check(fake):
+    from trainmover.slurm.parse import parse_job_text
+    f = fake((["scontrol", "--local", "-o", "show", "job", "9"], (0, _job_line("spare2,train3", 2), "")),
+             (["scontrol", "--local", "update"], (0, "", "")))
+    assert CliSlurm().shrink(9, ["train3", "spare2"], job=parse_job_text(JOB_TEXT)) == ["spare1", "train4"]
+    assert [a[2] for a in f.seen] == ["update", "-o"]  # the update, then the check; no read before
+
+
 def test_nodes_one_call_and_unknown_names(fake):
     f = fake((["scontrol", "-o", "show", "node", "train1,train2,spare1"], (0, NODES_TEXT, "")),
              (["scontrol", "-o", "show", "node", "train1,nosuch"],

@@ -90,11 +90,12 @@ def choose_home(candidates: list[str], avoid: set[str], states: dict[str, str]) 
 
 
 class Keeper:
-    def __init__(self, cfg: Config, slurm, job_id: int, node: str, environ=os.environ):
+    def __init__(self, cfg: Config, slurm, job_id: int, node: str, environ=os.environ, reading: tuple | None = None):
+        """`reading`: (job, its nodes' infos) as the batch script found them (start_reading)."""
         self.cfg, self.slurm, self.job_id, self.node = cfg, slurm, job_id, node
         self.environ = dict(environ)
-        job = slurm.job(job_id)
-        self.reading: tuple = (job, None)  # the last (job, its nodes' infos) read: reused at the same moment
+        job = reading[0] if reading else slurm.job(job_id)
+        self.reading: tuple = reading or (job, None)  # the last (job, its nodes' infos) read: reused at once
         self.joined: tuple | None = None    # (job, {standby: info}) from a standby's launch: placed there, no query
         # the job's user's alone; one someone else made first is refused (protocol/files.py)
         self.root = files.private_dir(Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id)))
@@ -456,6 +457,19 @@ def sbatch_args(training_nodes: int) -> list[str]:
             f"--batch={KEEPER_FEATURE}"]
 
 
+def start_reading(slurm, job_id: int, node: str, environ, work_dir: str) -> tuple | None:
+    """The batch script's first look at its job: its nodes from the allocation Slurm gave it
+    (SLURM_JOB_NODELIST: the job has not been resized yet), their states and features in one
+    query. (job, infos), or None when the environment does not say (then ask Slurm)."""
+    nodelist = environ.get("SLURM_JOB_NODELIST", "")
+    nodes = tuple(parse.expand_hostlist(nodelist)) if nodelist else ()
+    if node not in nodes:
+        return None
+    job = JobInfo(job_id, "RUNNING", nodes, node, 0, work_dir, environ.get("SLURM_JOB_PARTITION", ""), len(nodes),
+                  nodelist=nodelist)
+    return job, slurm.nodes(list(nodes))
+
+
 def is_keeper(slurm, node: str) -> bool:
     """Whether `node` is a keeper node (Slurm feature tm_keeper): there the batch script keeps
     the job's steps and the controller runs on a training node."""
@@ -463,8 +477,8 @@ def is_keeper(slurm, node: str) -> bool:
     return info is not None and KEEPER_FEATURE in info.features
 
 
-def main(cfg: Config, slurm, job_id: int, node: str) -> int:
-    keeper = Keeper(cfg, slurm, job_id, node)
+def main(cfg: Config, slurm, job_id: int, node: str, reading: tuple | None = None) -> int:
+    keeper = Keeper(cfg, slurm, job_id, node, reading=reading)
 
     def stop(signum, _frame):  # scancel: Slurm signals every step too; end when the controller does
         keeper.stopping = True

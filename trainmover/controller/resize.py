@@ -87,7 +87,7 @@ class Resizer:
         with self._lock:  # after any grow under way: its node must be among those kept
             keep = [n for n in self.job.nodes if n != node]
             try:
-                self.slurm.shrink(self.job.job_id, keep)
+                self.slurm.shrink(self.job.job_id, keep, job=self.job)  # checked against the record: no query
             except BatchHostRelease:
                 return ("released", node, False,
                         f"{node} runs the batch script: it stays in the job until the job ends")

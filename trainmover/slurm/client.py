@@ -43,9 +43,10 @@ class SlurmClient(Protocol):
         return its name; NoStandbyAvailable (job untouched) when none is granted
         within `timeout` seconds."""
 
-    def shrink(self, job_id: int, keep: Sequence[str]) -> list[str]:
+    def shrink(self, job_id: int, keep: Sequence[str], job: Optional[JobInfo] = None) -> list[str]:
         """Release every node of the job not in `keep`; return the released nodes.
-        BatchHostRelease when `keep` lacks the batch host."""
+        BatchHostRelease when `keep` lacks the batch host. `job`: the caller's record of the
+        job, which spares a query (its nodes and batch host are checked against it)."""
 
     def drain(self, node: str, reason: str) -> None: ...
 
@@ -337,9 +338,9 @@ class CliSlurm:
         if wait > 0:
             self._sleep(wait)
 
-    def shrink(self, job_id: int, keep: Sequence[str]) -> list[str]:
+    def shrink(self, job_id: int, keep: Sequence[str], job: Optional[JobInfo] = None) -> list[str]:
         keep = list(dict.fromkeys(keep))
-        cur = self.job(job_id)
+        cur = job if job is not None else self.job(job_id)
         if not cur.running:
             raise SlurmError(f"cannot shrink job {job_id}: it is {cur.state}, not RUNNING")
         strangers = [n for n in keep if n not in cur.nodes]
