@@ -33,6 +33,7 @@ class _Slurm:
         self.queries: list[str] = []
         self.granted = ["spare1"]
         self.shrunk: list[list[str]] = []
+        self.timeouts: list[float] = []
 
     def job(self, job_id):
         self.queries.append("job")
@@ -44,6 +45,7 @@ class _Slurm:
 
     def grow(self, job_id, *, reservation, partition=None, timeout=30.0):
         assert partition == "train"  # the kept record's: grow need not read the job for it
+        self.timeouts.append(timeout)
         if not self.granted:
             raise NoStandbyAvailable("none")
         return self.granted.pop(0)
@@ -104,6 +106,8 @@ def test_standby_requests_are_paced_and_gated_by_the_poll():
     assert "no idle node" in r.acquire()[1]  # ...so not again before a poll sees one idle
     pool.nodes()
     pool.saw({"spare2": NodeInfo("spare2", "10.0.0.6", "IDLE+RESERVED")})
+    # the first could ask four times within its 10 s (2 s each), the second, with what was left, once
+    assert slurm.timeouts == [8.0, 2.0]
     got = r.acquire()  # two grows spent the burst: paced
     assert got[0] == "unavailable" and "paced" in got[1], got
     clock[0] += (2 * resize.GROW_RPCS) / resize.ACQUIRE_RATE

@@ -26,13 +26,14 @@ from trainmover.slurm.pacing import TokenBucket
 
 log = logging.getLogger("trainmover.controller")
 
-# RPCs of one standby taken (salloc: 3 or 4 on 24.11, the merge's 2 updates, the check of the
-# job) and of each further donor request a grow makes when none was granted (salloc, squeue,
-# scancel): sdiag, docs/admin.md. A job spends at most ACQUIRE_RATE a second on them after a
+# RPCs of one standby taken (salloc 2, each of the merge's 2 updates 3, the check of the job 1)
+# and of each further donor request a grow makes when none was granted (salloc's request, its
+# lookups and its withdrawal): slurmctld's log on 24.11, docs/admin.md. A job spends at most ACQUIRE_RATE a second on them after a
 # burst of ACQUIRE_BURST: five jobs of one user 1 RPC/s together, half the bucket's refill.
-GROW_RPCS = 7
-DONOR_RETRY_RPCS = 5
-ACQUIRE_BURST = 14.0
+GROW_RPCS = 9
+DONOR_RETRY_RPCS = 3
+DONOR_TRY_S = 2.0  # one donor request (CliSlurm.DONOR_TRY_S)
+ACQUIRE_BURST = 18.0
 ACQUIRE_RATE = 0.2
 
 
@@ -64,11 +65,16 @@ class Resizer:
             return ("unavailable", f"standby requests paced to {ACQUIRE_RATE * 60:g} RPCs a minute; "
                                    f"the next in {wait:.0f}s")
         self.pool.asked()
+        # as many donor requests as the job's share allows (each of DONOR_TRY_S): when several of a
+        # user's jobs race for one spare that just came free, the losers ask once or twice, not
+        # for all of TM_STANDBY_WAIT_S (24.11: three jobs' retries overdrew the bucket)
+        tries = 1 + int(max(0.0, self.pace.tokens - GROW_RPCS) // DONOR_RETRY_RPCS)
+        timeout = min(self.standby_wait_s, tries * DONOR_TRY_S)
         with self._lock:
             sallocs = commands.calls().get("salloc", 0)
             try:
                 node = self.slurm.grow(self.job.job_id, reservation=self.reservation, partition=self.job.partition,
-                                       timeout=self.standby_wait_s)
+                                       timeout=timeout)
             except NoStandbyAvailable as exc:
                 self.pool.none_granted()
                 return ("unavailable", str(exc))

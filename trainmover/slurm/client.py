@@ -281,10 +281,10 @@ class CliSlurm:
         donor = parse.parse_salloc_job_id(proc.stderr)
         if proc.returncode == 0 and parse.salloc_granted(proc.stderr) and donor is not None:
             return donor, proc.stderr
-        self._cancel_donors(job_id)
         err = proc.stderr.strip()
         if "Unable to allocate resources" in err and "timed out" in err:
-            return None, err.splitlines()[-1]
+            return None, err.splitlines()[-1]  # salloc withdrew it; grow() checks once at its end
+        self._cancel_donors(job_id)
         raise SlurmError(f"salloc for a donor of job {job_id} failed (exit {proc.returncode}): {err}")
 
     def grow(self, job_id: int, *, reservation: str, partition: Optional[str] = None,
@@ -306,6 +306,7 @@ class CliSlurm:
             if donor is not None or deadline - self._clock() < 1.0:
                 break
         if donor is None:
+            self._cancel_donors(job_id)  # any request salloc failed to withdraw: once, not after each try
             raise NoStandbyAvailable(
                 f"no free standby node in reservation {reservation} for job {job_id} within {timeout:g}s "
                 f"({err}; reserved nodes now: {self._describe_reservation(reservation)})")
