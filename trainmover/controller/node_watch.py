@@ -113,8 +113,12 @@ class NodeWatch:
         elif self._primed is not None:
             states, self._primed = self._primed, None
         elif now >= self.next_poll or self._on_shared:  # the reader's table just went stale: poll now
+            # On a fixed grid: a turn that comes a little late (the loop waits up to 0.2 s) does not
+            # push the next poll back, so that a drain is seen within TM_POLL_S of the last poll and a
+            # minute holds 60 / TM_POLL_S polls, not fewer and never more.
+            late = now - self.next_poll
+            self.next_poll = (self.next_poll if 0 <= late < self.poll_s and not self._on_shared else now) + self.poll_s
             self._on_shared = False
-            self.next_poll = now + self.poll_s
             try:
                 states = self.slurm.nodes(wanted)
             except SlurmError as exc:  # slurmctld slow or down: keep training, try again
