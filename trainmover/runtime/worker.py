@@ -77,7 +77,14 @@ class Agent:
             torch.cuda.set_device(local_index % torch.cuda.device_count())
         self.key = channel.read_secret(spec.secret_file)  # once: kept for the process's life
         self.store_addr = tuple(spec.store)  # moves with the controller (see _controller_address)
-        self.store = self._store_client(*spec.store)
+        # A launch a moment before the controller handed over names the old one's store: a standby
+        # then waited the whole group timeout on it and was counted lost (bench, 24.11, twice in a
+        # row). controller.json, sealed with the job's key, names the store that serves now.
+        ep = endpoint.read(spec.controller_file, self.key) if spec.controller_file else None
+        if ep is not None and ep.store != self.store_addr:
+            log.info("rendezvous store moved to %s:%d before this process started", *ep.store)
+            self.store_addr = ep.store
+        self.store = self._store_client(*self.store_addr)
         # what a restarted controller is told (see resync_messages)
         self.state = RankStateMachine(RankState.TRAINING if self.role == "worker" else RankState.STARTING,
                                       who=f"{spec.role} {spec.node}/{local_index}")
