@@ -201,6 +201,8 @@ def main():
     log_from = log.stat().st_size if log.exists() else 0
     jobs: list[tuple[int, Path]] = []
     result_trials: dict = {}
+    drains: list = result_trials.setdefault("drains", [])
+    error = ""
     try:
         idle = window(env, args.window)
         commands.run(["sdiag", "-r"], timeout=10, env=env)
@@ -233,7 +235,6 @@ def main():
             result_trials[f"steady_{args.jobs}_jobs_reader"]["reader_rpcs_per_min_whole_cluster"] = round(
                 (shared["by_type"].get("REQUEST_NODE_INFO", 0)) / (args.window / 60), 2)
             commands.run(["scancel", *[str(j) for j, _ in jobs[1:]]], timeout=10, env=env)
-            drains = []
             for k in range(1, args.reader_drains + 1):
                 drains.append(drain_once("scontrol+reader", env, info, slurm, jobs[0][1], len(drains) + 1, rng))
                 print(drains[-1], flush=True)
@@ -244,7 +245,9 @@ def main():
             drains.append(drain_once("scontrol" if k % 2 else "healthcheck", env, info, slurm, jobs[0][1],
                                      len(drains) + 1, rng))
             print(drains[-1], flush=True)
-        result_trials["drains"] = drains
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - a wait timed out, or stopped (SIGINT): the trials done so far are written
+        error = f"{type(exc).__name__}: {exc}"[:2000]
+        print(f"stopped: {error}", flush=True)
     finally:
         if jobs:
             commands.run(["scancel", *[str(j) for j, _ in jobs]], timeout=10, env=env, check=False)
@@ -256,7 +259,12 @@ def main():
 
     def med(kind):
         xs = [d["drain_to_requested_s"] for d in result_trials["drains"] if d["kind"] == kind]
+        if not xs:
+            return {"median_s": None, "max_s": None, "n": 0}
         return {"median_s": round(statistics.median(xs), 3), "max_s": max(xs), "n": len(xs)}
+
+    def rate(name):
+        return (result_trials.get(name) or {}).get("rpcs_per_job_per_min")
 
     result = {
         "scenario": "slurmctld-load", "machine": "cpu-local-cluster",
@@ -267,15 +275,14 @@ def main():
                      "node_query": "tm_nodes" if node_query.exists() else "scontrol",
                      "poll_s": 10.0, "jobs_run_as": JOB_USER, "rate_limit": "rl_enable defaults" if "rl_enable" in
                      Path(info.slurm_conf).read_text() else "off"},
-        "metrics": {"rpcs_per_job_per_min_1_job": result_trials["steady_1_job"]["rpcs_per_job_per_min"],
-                    "startup_rpcs_1_job": result_trials["startup_1_job"]["user_rpcs"],
-                    f"rpcs_per_job_per_min_{args.jobs}_jobs":
-                        result_trials[f"steady_{args.jobs}_jobs"]["rpcs_per_job_per_min"],
+        "complete": not error, "error": error,
+        "metrics": {"rpcs_per_job_per_min_1_job": rate("steady_1_job"),
+                    "startup_rpcs_1_job": (result_trials.get("startup_1_job") or {}).get("user_rpcs"),
+                    f"rpcs_per_job_per_min_{args.jobs}_jobs": rate(f"steady_{args.jobs}_jobs"),
                     "scontrol_drain_to_requested": med("scontrol"),
                     "healthcheck_drain_to_requested": med("healthcheck"),
                     "scontrol_drain_to_requested_with_reader": med("scontrol+reader"),
-                    f"rpcs_per_job_per_min_{args.jobs}_jobs_with_reader":
-                        result_trials[f"steady_{args.jobs}_jobs_reader"]["rpcs_per_job_per_min"],
+                    f"rpcs_per_job_per_min_{args.jobs}_jobs_with_reader": rate(f"steady_{args.jobs}_jobs_reader"),
                     "slurmctld_rate_limit_exceeded_lines": len(limited)},
         "trials": result_trials,
     }

@@ -126,9 +126,12 @@ def _controller() -> int:
         from trainmover.slurm.client import CliSlurm
         cfg = Config.from_env()
         slurm = CliSlurm(node_query=cfg.node_query)  # tm_nodes: one RPC a node query, not two
-        if keeper.is_keeper(slurm, node):
+        # one query (the allocation's nodes): is this a keeper node, and where can the controller go
+        reading = keeper.start_reading(slurm, int(job), node, os.environ, os.getcwd())
+        info = reading[1].get(node) if reading else None
+        if (keeper.KEEPER_FEATURE in info.features) if info is not None else keeper.is_keeper(slurm, node):
             setup_logging()
-            return keeper.main(cfg, slurm, int(job), node)
+            return keeper.main(cfg, slurm, int(job), node, reading)
     return supervisor.main([])
 
 

@@ -93,3 +93,71 @@ def test_a_controller_that_ended_the_job_is_never_replaced_even_before_its_statu
     primary.ending(10.0)  # what the keeper's loop does with a loss verdict once _outcome() says ended
     assert primary.state is succession.State.ENDING
     assert primary.exited(11.0, 1, k._outcome()) == 0
+
+
+def test_a_successor_with_nowhere_to_go_is_placed_again_rarely_and_at_once_when_a_standby_joins(tmp_path,
+                                                                                             monkeypatch):
+    """Each placement costs two queries of the user's rate-limit bucket (the job, its nodes):
+    with no node free, tries back off from 60 s to 600 s; a standby's launch resets them."""
+    from trainmover.controller import keeper as keeper_mod
+    from trainmover.slurm.model import JobInfo, NodeInfo
+
+    class Slurm:
+        queries = 0
+
+        def job(self, job_id):
+            Slurm.queries += 1
+            return JobInfo(job_id, "RUNNING", ("keep1", "train1"), "keep1", 0, "/w", "train", 2)
+
+        def nodes(self, names):
+            Slurm.queries += 1
+            return {n: NodeInfo(n, "10.0.0.1", "ALLOCATED") for n in names}
+
+    class Cfg:
+        controller_successors, controller_restarts = 1, 3
+
+    k = Keeper.__new__(Keeper)
+    k.cfg, k.slurm, k.job_id, k.node = Cfg(), Slurm(), 7, "keep1"
+    k.successors, k.successor_starts, k.controller = [], 0, ("train1", None)
+    k.successor_retry_at, k.successor_retry_s = 0.0, keeper_mod.SUCCESSOR_RETRY_S[0]
+    k.reading, k.joined = (Slurm().job(7), None), None
+    Slurm.queries = 0
+    k._start_successor()
+    k._start_successor()  # at once again: not asked
+    assert Slurm.queries == 2 and k.successors == [] and k.successor_retry_s == 120.0
+    k.successor_retry_at = 0.0  # as if the backoff had run out
+    for _ in range(5):
+        k._start_successor()
+        k.successor_retry_at = 0.0
+    assert k.successor_retry_s == keeper_mod.SUCCESSOR_RETRY_S[1]
+    assert Slurm.queries == 2  # the job as last read left nowhere, and no standby joined: not asked again
+    k.successor_retry_at = 1e18
+    monkeypatch.setattr(keeper_mod, "start_srun", lambda *a, **kw: None)
+    k.root, k.steps = tmp_path, {}
+    env = {"TM_WORKER_SPEC": json.dumps({"node_addr": "10.0.0.7"}), "SLURM_JOB_NODELIST": "keep1,spare1,train1"}
+    k._launch({"node": "spare1", "role": "standby", "log": str(tmp_path / "standby-spare1.log"), "argv": ["srun"],
+               "env": env})
+    assert k.successor_retry_at == 0.0 and k.successor_retry_s == keeper_mod.SUCCESSOR_RETRY_S[0]
+    placed = []
+    monkeypatch.setattr(k, "_srun", lambda home, argv, successor: placed.append(home) or "proc")
+    k._start_successor()  # on the standby, from what its launch said: no query
+    assert [(h.node, h.addr, h.job.nodes) for h in placed] == [("spare1", "10.0.0.7", ("keep1", "spare1", "train1"))]
+    assert Slurm.queries == 2 and k.successors == [("spare1", "proc")]
+
+
+def test_the_batch_script_reads_its_job_from_the_allocation_and_its_nodes_in_one_query():
+    from trainmover.controller.keeper import start_reading
+    from trainmover.slurm.model import NodeInfo
+    asked = []
+
+    class Slurm:
+        def nodes(self, names):
+            asked.append(list(names))
+            return {n: NodeInfo(n, "10.0.0.1", "ALLOCATED", features=("tm_keeper",) if n == "keep1" else ())
+                    for n in names}
+
+    env = {"SLURM_JOB_NODELIST": "keep1,train[1-2]", "SLURM_JOB_PARTITION": "train"}
+    job, infos = start_reading(Slurm(), 7, "keep1", env, "/w")
+    assert job.nodes == ("keep1", "train1", "train2") and job.work_dir == "/w" and job.partition == "train"
+    assert asked == [["keep1", "train1", "train2"]] and "tm_keeper" in infos["keep1"].features
+    assert start_reading(Slurm(), 7, "keep9", env, "/w") is None and len(asked) == 1  # not ours: ask Slurm

@@ -235,6 +235,9 @@ def test_node_watch_polls_every_poll_s_and_hears_a_notice_at_once(tmp_path):
     # a notice whose node Slurm says is fine: the states go to the policy, which sees no drain
     drain_notice.publish(d, "train1", "forged?", 12.0)
     assert not watch.turn(12.1, mine, ranks)["train1"].draining
+    # polls keep to their grid: a turn 0.15 s late does not push the next one back
+    watch.turn(20.15, mine, ranks)
+    assert watch.next_poll == 30.0 and watch.turn(29.9, mine, ranks) == {} and watch.turn(30.0, mine, ranks)
 
 
 @needs_root

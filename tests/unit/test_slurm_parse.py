@@ -185,9 +185,9 @@ def test_donor_salloc_argv():
 
 
 def test_update_argvs():
-    assert build.merge_donor(10) == ["scontrol", "update", "JobId=10", "NumNodes=0"]
-    assert build.absorb(9) == ["scontrol", "update", "JobId=9", "NumNodes=ALL"]
-    assert build.set_nodelist(9, ["train3", "spare1"]) == ["scontrol", "update", "JobId=9", "NodeList=train3,spare1"]
+    assert build.merge_donor(10) == ["scontrol", "--local", "update", "JobId=10", "NumNodes=0"]
+    assert build.absorb(9) == ["scontrol", "--local", "update", "JobId=9", "NumNodes=ALL"]
+    assert build.set_nodelist(9, ["train3", "spare1"]) == ["scontrol", "--local", "update", "JobId=9", "NodeList=train3,spare1"]
     assert build.drain("train2", "xid 79, gpu 0") == [
         "scontrol", "update", "NodeName=train2", "State=DRAIN", "Reason=xid 79, gpu 0"]
     assert build.resume("train2") == ["scontrol", "update", "NodeName=train2", "State=RESUME"]
@@ -312,12 +312,27 @@ def test_grow_merges_one_donor(fake):
         (["scontrol", "--local", "-o", "show", "job", "9"], lambda: (0, next(jobs), "")),
         (["salloc"], (0, "", "salloc: Granted job allocation 10\n")),
         (["scontrol", "--local", "-o", "show", "job", "10"], (0, _job_line("spare1", 1, job_id=10, batch="spare1"), "")),
-        (["scontrol", "update"], (0, "", "")),
+        (["scontrol", "--local", "update"], (0, "", "")),
     )
     assert CliSlurm().grow(9, reservation="trainmover_standby", timeout=5) == "spare1"
-    assert ["scontrol", "update", "JobId=10", "NumNodes=0"] in f.seen
-    assert ["scontrol", "update", "JobId=9", "NumNodes=ALL"] in f.seen
+    assert ["scontrol", "--local", "update", "JobId=10", "NumNodes=0"] in f.seen
+    assert ["scontrol", "--local", "update", "JobId=9", "NumNodes=ALL"] in f.seen
     assert [a for a in f.seen if a[0] == "salloc"][0][3] == "--partition=train"  # the job's own partition
+
+
+def test_grow_given_the_partition_asks_only_salloc_the_merge_and_its_check(fake):
+    """Each query is a token of the user's rate-limit bucket: a caller that knows the job's
+    partition spares the first read, and salloc's 'Nodes spare1 are ready' the donor's."""
+    f = fake(
+        (["scontrol", "--local", "-o", "show", "job", "9"], (0, _job_line("spare1,train[3-4]", 3), "")),
+        (["salloc"], (0, "", "salloc: Granted job allocation 10\nsalloc: Nodes spare1 are ready for job\n")),
+        (["scontrol", "--local", "update"], (0, "", "")),
+    )
+    assert CliSlurm().grow(9, reservation="trainmover_standby", partition="train", timeout=5) == "spare1"
+    assert [a[0] for a in f.seen] == ["salloc", "scontrol", "scontrol", "scontrol"]
+    assert not any(a[-1] == "10" and "show" in a for a in f.seen)
+    assert parse.salloc_ready_node("salloc: Nodes spare[1-2] are ready for job\n") is None  # a list: ask Slurm
+    assert parse.salloc_ready_node("salloc: Granted job allocation 10\n") is None
 
 
 def test_grow_without_free_standby_withdraws_the_donor(fake):
@@ -336,7 +351,7 @@ def test_grow_without_free_standby_withdraws_the_donor(fake):
         CliSlurm().grow(9, reservation="trainmover_standby", timeout=3)
     assert ["squeue", "--local", "-h", "--me", "--name=trainmover-donor-9", "-o", "%i"] in f.seen
     assert ["scancel", "14"] in f.seen
-    assert not any(a[:2] == ["scontrol", "update"] for a in f.seen)
+    assert not any(a[:3] == ["scontrol", "--local", "update"] for a in f.seen)
 
 
 def test_grow_asks_again_while_its_deadline_lasts(fake):
@@ -357,12 +372,12 @@ def test_grow_asks_again_while_its_deadline_lasts(fake):
         (["squeue"], (0, "14\n", "")),
         (["scancel"], (0, "", "")),
         (["scontrol", "--local", "-o", "show", "job", "16"], (0, _job_line("spare1", 1, job_id=16, batch="spare1"), "")),
-        (["scontrol", "update"], (0, "", "")),
+        (["scontrol", "--local", "update"], (0, "", "")),
     )
     assert CliSlurm(clock=lambda: now[0]).grow(9, reservation="trainmover_standby", timeout=10) == "spare1"
     tries = [a for a in f.seen if a[0] == "salloc"]
     assert len(tries) == 3 and all("--immediate=2" in a for a in tries)
-    assert ["scontrol", "update", "JobId=16", "NumNodes=0"] in f.seen
+    assert ["scontrol", "--local", "update", "JobId=16", "NumNodes=0"] in f.seen
 
 
 def test_grow_other_salloc_failures_are_plain_slurm_errors(fake):
@@ -381,15 +396,23 @@ def test_shrink_refuses_the_batch_host_without_touching_slurm(fake):
     f = fake((["scontrol", "--local", "-o", "show", "job", "9"], (0, JOB_TEXT, "")))
     with pytest.raises(BatchHostRelease, match="train3"):
         CliSlurm().shrink(9, ["train4", "spare1"])
-    assert all(a[:2] != ["scontrol", "update"] for a in f.seen)
+    assert all(a[:3] != ["scontrol", "--local", "update"] for a in f.seen)
 
 
 def test_shrink_releases_the_rest(fake):
     jobs = iter([JOB_TEXT, _job_line("spare2,train3", 2)])
     f = fake((["scontrol", "--local", "-o", "show", "job", "9"], lambda: (0, next(jobs), "")),
-             (["scontrol", "update"], (0, "", "")))
+             (["scontrol", "--local", "update"], (0, "", "")))
     assert CliSlurm().shrink(9, ["train3", "spare2"]) == ["spare1", "train4"]
-    assert ["scontrol", "update", "JobId=9", "NodeList=train3,spare2"] in f.seen
+    assert ["scontrol", "--local", "update", "JobId=9", "NodeList=train3,spare2"] in f.seen
+
+
+def test_shrink_given_the_callers_record_asks_only_the_update_and_its_check(fake):
+    from trainmover.slurm.parse import parse_job_text
+    f = fake((["scontrol", "--local", "-o", "show", "job", "9"], (0, _job_line("spare2,train3", 2), "")),
+             (["scontrol", "--local", "update"], (0, "", "")))
+    assert CliSlurm().shrink(9, ["train3", "spare2"], job=parse_job_text(JOB_TEXT)) == ["spare1", "train4"]
+    assert [a[2] for a in f.seen] == ["update", "-o"]  # the update, then the check; no read before
 
 
 def test_nodes_one_call_and_unknown_names(fake):
@@ -440,7 +463,7 @@ def test_grow_waits_out_the_credential_revocation_of_a_node_it_just_released(fak
     fake((["scontrol", "--local", "-o", "show", "job", "9"], lambda: (0, next(jobs), "")),
          (["scontrol", "--local", "-o", "show", "job", "10"], (0, _job_line("spare1", 1, job_id=10, batch="spare1"), "")),
          (["salloc"], (0, "", "salloc: Granted job allocation 10\n")),
-         (["scontrol", "update"], (0, "", "")))
+         (["scontrol", "--local", "update"], (0, "", "")))
     now = [1000.30]
     slept = []
     c = CliSlurm(wall_clock=lambda: now[0], sleep=lambda s: (slept.append(s), now.__setitem__(0, now[0] + s)))
@@ -456,12 +479,12 @@ def test_job_updates_run_without_the_job_environment(fake, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "9")
     jobs = iter([JOB_TEXT, _job_line("spare2,train3", 2)])
     f = fake((["scontrol", "--local", "-o", "show", "job", "9"], lambda: (0, next(jobs), "")),
-             (["scontrol", "update"], (0, "", "")))
+             (["scontrol", "--local", "update"], (0, "", "")))
     CliSlurm().shrink(9, ["train3", "spare2"])
-    updates = [e for a, e in zip(f.seen, f.envs) if a[:2] == ["scontrol", "update"]]
+    updates = [e for a, e in zip(f.seen, f.envs) if a[:3] == ["scontrol", "--local", "update"]]
     assert updates and all("SLURM_JOBID" not in e and "SLURM_JOB_ID" not in e for e in updates)
-    queries = [e for a, e in zip(f.seen, f.envs) if a[:3] == ["scontrol", "-o", "show"]]
-    assert all(e.get("SLURM_JOBID") == "9" for e in queries)
+    queries = [e for a, e in zip(f.seen, f.envs) if a[:4] == ["scontrol", "--local", "-o", "show"]]
+    assert queries and all(e.get("SLURM_JOBID") == "9" for e in queries)
 
 
 def test_resume_of_a_node_that_is_just_back_in_service_is_not_an_error(fake):

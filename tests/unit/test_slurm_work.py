@@ -1,17 +1,19 @@
-"""The controller's Slurm work beside its loop (controller/slurm_work.py): a release still
-under way when the job ends is waited for, within its bound, and handed to the policy, so a
-migration whose node left the job is recorded done (seen on Slurm 25.11 with rl_enable: the
-job finished while its throttled shrink ran, and status.json kept saying `releasing`)."""
+"""The controller's Slurm work beside its loop (controller/slurm_work.py, with the releases of
+controller/resize.py): a release still under way when the job ends is waited for, within its
+bound, and handed to the policy, so a migration whose node left the job is recorded done (seen
+on Slurm 25.11 with rl_enable: the job finished while its throttled shrink ran, and status.json
+kept saying `releasing`)."""
 from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
 
 from trainmover.controller import slurm_work
+from trainmover.controller.resize import Resizer
 from trainmover.controller.slurm_work import SlurmWork
 from trainmover.errors import SlurmError
 from trainmover.slurm import BatchHostRelease
+from trainmover.slurm.model import JobInfo
 
 
 class SlowShrink:
@@ -22,9 +24,9 @@ class SlowShrink:
         self.started = threading.Event()
 
     def job(self, job_id):
-        return SimpleNamespace(nodes=("train1", "train2", "spare1"))
+        return JOB
 
-    def shrink(self, job_id, keep):
+    def shrink(self, job_id, keep, job=None):
         self.started.set()
         time.sleep(self.shrink_s)
         if self.fail is not None:
@@ -33,8 +35,17 @@ class SlowShrink:
         return ["train2"]
 
 
+JOB = JobInfo(job_id=7, state="RUNNING", nodes=("train1", "train2", "spare1"), batch_host="train1",
+              restart_count=0, work_dir="/w", partition="p", num_nodes=3)
+
+
 def work(slurm) -> SlurmWork:
-    return SlurmWork(slurm, 7, SimpleNamespace(reservation="r", standby_wait_s=1), pool=None, addr={})
+    """The controller's work, with its Resizer's release of train2 bound as `w.release`."""
+    w = SlurmWork()
+    resizer = Resizer(slurm, JOB, reservation="r", standby_wait_s=1, pool=None, addr=lambda n: "",
+                      clock=time.monotonic)
+    w.release = resizer.release
+    return w
 
 
 def test_a_release_under_way_at_the_end_is_waited_for_and_handed_over():

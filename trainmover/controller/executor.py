@@ -32,6 +32,7 @@ from trainmover.controller.actions import (AcquireStandby, CheckpointDone, Fence
                                           ReleaseNode, Rewind, Send)
 from trainmover.controller.node_watch import NodeWatch
 from trainmover.controller.policy import Policy
+from trainmover.controller.resize import Resizer
 from trainmover.controller.slurm_work import SlurmWork
 from trainmover.controller.steps import KeeperSteps, LocalSteps, step_environment
 from trainmover.controller.view import JobView
@@ -57,8 +58,11 @@ class Controller:
         self.slurm = slurm or client(cfg.slurm_backend, node_query=cfg.node_query)
         self.environ = dict(environ)
         job = self.slurm.job(job_id)
-        self.job = job
-        infos = self.slurm.nodes(list(job.nodes))
+        self.watch = NodeWatch(self.slurm, reservation=cfg.reservation, poll_s=cfg.poll_s,
+                               notices=cfg.drain_notices, slurm_conf=self.environ.get("SLURM_CONF"))
+        # the job's nodes and the reservation's in one query, which is also the first node poll
+        infos = self.slurm.nodes(list(dict.fromkeys(list(job.nodes) + self.watch.pool.nodes())))
+        self.watch.prime(time.time(), infos)
         self.addr = {n: infos[n].addr for n in job.nodes}
         nodes = [n for n in job.nodes if n != keeper]  # the training nodes, to begin with
         self.batch_host = job.batch_host or nodes[0]
@@ -135,9 +139,10 @@ class Controller:
         self.conn_ranks: dict = {}                 # connection -> the ranks its process runs (from its messages)
         self.standby_launches = 0                  # for TM_INJECT die-in-warmup:<n>
         self.outcome: tuple[bool, str] | None = None
-        self.watch = NodeWatch(self.slurm, reservation=cfg.reservation, poll_s=cfg.poll_s,
-                               notices=cfg.drain_notices, slurm_conf=self.environ.get("SLURM_CONF"))
-        self.work = SlurmWork(self.slurm, job_id, cfg, self.watch.pool, self.addr)  # beside the loop
+        # the job's record, kept by this controller's own grows and releases (controller/resize.py)
+        self.resizer = Resizer(self.slurm, job, reservation=cfg.reservation, standby_wait_s=cfg.standby_wait_s,
+                               pool=self.watch.pool, addr=self.watch.addr, clock=time.monotonic)
+        self.work = SlurmWork()  # grows, releases, fencing: on threads beside the loop
         self.loop_at = time.monotonic()            # the main loop's last turn (see _beat_keeper)
         if keeper:
             threading.Thread(target=self._beat_keeper, name="tm-keeper-beat", daemon=True).start()
@@ -164,6 +169,23 @@ class Controller:
             self.files.write("status", {**self.status(), "outcome": {"ok": False, "message": error}})
             raise ConfigError(error)
 
+    def _rights_from_predecessor(self) -> bool:
+        """A resuming controller takes the rights its predecessor found (status.json, the job's
+        own file in its private directory): asking Slurm again costs 3-4 of the user's tokens at
+        every move of the controller, and a user's rights do not change with its node."""
+        try:
+            caps = json.loads((self.files.root / "status.json").read_text()).get("capabilities") or {}
+        except (OSError, ValueError, AttributeError):
+            return False
+        if not isinstance(caps, dict) or "unknown" in caps or not isinstance(caps.get("why"), dict) \
+                or not all(isinstance(caps.get(k), bool) for k in ("grow", "shrink", "drain")):
+            return False
+        self.capabilities = caps
+        self.fencing.may_drain, self.fencing.why_not = caps["drain"], str(caps["why"].get("drain", ""))
+        log.info("user %s may (as the previous controller found): grow %s, shrink %s, drain %s", caps.get("user"),
+                 *("yes" if caps[k] else "no" for k in ("grow", "shrink", "drain")))
+        return True
+
     def status(self) -> dict:
         """The policy's status with what only the executor knows: the user's rights, fenced nodes."""
         return {**self.policy.status(), "capabilities": self.capabilities, "fenced_nodes": self.fencing.status()}
@@ -184,7 +206,7 @@ class Controller:
         while self.outcome is None or self.outcome[0] is not None:
             time.sleep(KEEPER_BEAT_S)
             conn = self.keeper_conn
-            if conn is None or time.monotonic() - self.loop_at > LOOP_STALL_S:
+            if conn is None or conn.closed or time.monotonic() - self.loop_at > LOOP_STALL_S:
                 continue
             try:
                 conn.send(make("alive"))
@@ -222,7 +244,7 @@ class Controller:
         spec = self._spec(role, node, ranks)
         argv = self.slurm.step_argv(self.job_id, node, [sys.executable, "-m", "trainmover.runtime.worker"],
                                     ntasks=self.cfg.ranks_per_node, name=f"tm-{role}")
-        env = step_environment(self.slurm.step_env(self.slurm.job(self.job_id), self.environ))  # no tokens
+        env = step_environment(self.slurm.step_env(self.resizer.job, self.environ))  # the kept record: no RPC
         env[SPEC_ENV] = spec.to_env()
         log_path = self.files.root / f"{role}-{node}.log"
         pid = self.launcher.launch(node, role, argv, env, log_path)
@@ -247,7 +269,7 @@ class Controller:
             self.work.events.put(("released", node, False, why))
         for a in actions:
             if isinstance(a, AcquireStandby):
-                self.work.start("acquire", self.work.acquire)
+                self.work.start("acquire", self.resizer.acquire)
             elif isinstance(a, LaunchStandby):
                 self._launch("standby", a.node, ())
             elif isinstance(a, Send):
@@ -266,7 +288,7 @@ class Controller:
                 # journal, where this release is due); releasing it now would end us mid-way.
                 self.outcome = (None, f"{a.node}, this controller's node, leaves the job")
             elif isinstance(a, ReleaseNode):
-                self.work.start("release", lambda n=a.node: self.work.release(n))
+                self.work.start("release", lambda n=a.node: self.resizer.release(n))
             elif isinstance(a, Record):
                 if a.stream == "final":
                     self.files.write("final", a.payload)
@@ -398,12 +420,13 @@ class Controller:
         fenced = {n for n, _ in self.policy.fenced_pids}
         known = (set(self.view.rank_node.values()) | set(self.view.standbys) | set(self.view.released)
                  | {m.leaver for m in self.policy.migrations if m.active} | {self.keeper} | fenced)
-        job_nodes = self.slurm.job(self.job_id).nodes
+        job_nodes = self.resizer.job.nodes  # read in __init__, a moment ago
         in_job = set(job_nodes)
         # a fenced node still in the job, running no rank: its drain was refused (fencing.py)
         self.fencing.restore(sorted(n for n in fenced & in_job if n not in self.view.rank_node.values()
                                     and n not in self.view.standbys and n != self.keeper), "fenced")
-        self.work.start("rights", lambda: (self._check_rights(), ("rights",))[1])
+        if not self._rights_from_predecessor():
+            self.work.start("rights", lambda: (self._check_rights(), ("rights",))[1])
         for node, rec in j.steps.items():
             if node in known and node not in self.view.released:
                 self.launcher.adopt(node, rec["pid"])
@@ -411,8 +434,7 @@ class Controller:
             if node not in known:
                 log.warning("%s joined the job but is not in the journal (taken while the controller died): "
                             "made a standby", node)
-                self.addr[node] = self.slurm.nodes([node])[node].addr
-                actions += self.policy.on_standby_acquired(t0, node)
+                actions += self.policy.on_standby_acquired(t0, node)  # its address: read in __init__
         log.info("resumed from the journal (%d records) in %.3fs; waiting for the ranks", j.records, time.time() - t0)
         self.apply(actions)
 
@@ -503,6 +525,7 @@ class Controller:
             return []
         if kind == "acquired":
             log.info("standby %s joined the allocation", ev[1])
+            self.addr[ev[1]] = ev[2]
             return self.policy.on_standby_acquired(now, ev[1])
         if kind == "unavailable":
             return self.policy.on_standby_unavailable(now, ev[1])

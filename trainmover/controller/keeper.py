@@ -30,6 +30,8 @@ import subprocess
 import sys
 import threading
 import time
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
 from trainmover.config import Config
@@ -38,6 +40,9 @@ from trainmover.protocol.messages import make
 from trainmover.controller import journal, records, succession
 from trainmover.controller.steps import start_srun, step_environment
 from trainmover.errors import ProtocolError, TrainMoverError
+from trainmover.protocol.worker_spec import ENV as SPEC_ENV
+from trainmover.slurm import parse
+from trainmover.slurm.model import JobInfo, NodeInfo
 
 log = logging.getLogger("trainmover.keeper")
 
@@ -45,8 +50,33 @@ CONTROLLER_STEP = "tm-controller"  # the controller's step name (kill_steps pick
 PROBE_S = 1.0        # the keeper asks the controller for its status this often (a failed send: channel
                      # closed); the controller's own beats (`alive`, every 0.25 s) prove it alive
 START_DEADLINE_S = 120.0  # a controller that never writes its endpoint is lost too
-SUCCESSOR_RETRY_S = 10.0  # between tries to place a warm successor when no node was free (the poll period)
+SUCCESSOR_RETRY_S = (60.0, 600.0)  # between tries to place a warm successor when no node was free (two
+                                   # queries each): doubling from the first to the second; a standby's
+                                   # launch (a node joined the job) makes it try at once
 END_WAIT_S = 60.0    # a controller that ended the job (journal `end`) gets this long to exit
+
+
+@dataclass(frozen=True)
+class Home:
+    """A node for a controller, with what the keeper read to choose it."""
+    node: str
+    job: JobInfo
+    addr: str
+
+
+def joined_from_launch(job: JobInfo, node: str, env: dict) -> tuple | None:
+    """What a standby's launch tells of the job (pure): the controller's record of its nodes (the
+    step's SLURM_JOB_NODELIST) and the standby's address (its worker spec), as a reading for
+    placing a successor there without asking Slurm; None if the launch does not say."""
+    try:
+        addr = json.loads(env.get(SPEC_ENV, "{}")).get("node_addr", "")
+        nodes = tuple(parse.expand_hostlist(env.get("SLURM_JOB_NODELIST", "")))
+    except (ValueError, AttributeError):
+        return None
+    if not addr or node not in nodes:
+        return None
+    job = dataclasses.replace(job, nodes=nodes, nodelist=",".join(nodes), num_nodes=len(nodes))
+    return job, {node: NodeInfo(node, addr, "ALLOCATED")}
 
 
 def choose_home(candidates: list[str], avoid: set[str], states: dict[str, str]) -> str | None:
@@ -60,10 +90,13 @@ def choose_home(candidates: list[str], avoid: set[str], states: dict[str, str]) 
 
 
 class Keeper:
-    def __init__(self, cfg: Config, slurm, job_id: int, node: str, environ=os.environ):
+    def __init__(self, cfg: Config, slurm, job_id: int, node: str, environ=os.environ, reading: tuple | None = None):
+        """`reading`: (job, its nodes' infos) as the batch script found them (start_reading)."""
         self.cfg, self.slurm, self.job_id, self.node = cfg, slurm, job_id, node
         self.environ = dict(environ)
-        job = slurm.job(job_id)
+        job = reading[0] if reading else slurm.job(job_id)
+        self.reading: tuple = reading or (job, None)  # the last (job, its nodes' infos) read: reused at once
+        self.joined: tuple | None = None    # (job, {standby: info}) from a standby's launch: placed there, no query
         # the job's user's alone; one someone else made first is refused (protocol/files.py)
         self.root = files.private_dir(Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id)))
         self.key: bytes | None = None  # the job's secret: read once, when the controller has made it
@@ -75,6 +108,7 @@ class Keeper:
         self.successors: list[tuple[str, object]] = []
         self.successor_starts = 0
         self.successor_retry_at = 0.0   # no node for one: asked Slurm again no sooner than this
+        self.successor_retry_s = SUCCESSOR_RETRY_S[0]
         self.retired: list = []         # sruns of former primaries, reaped as they end
         self.attempt = 0
         self.conn = None
@@ -85,18 +119,21 @@ class Keeper:
         self.why = ""                       # why the keeper itself ended the job, if it did
 
     # --- the controller's steps ---------------------------------------------------------
-    def _srun(self, home: str, argv: list[str], successor: bool):
-        env = self.slurm.step_env(self.slurm.job(self.job_id), self.environ)
-        srun = self.slurm.step_argv(self.job_id, home, argv, ntasks=1, name=CONTROLLER_STEP)
+    def _srun(self, home: Home, argv: list[str], successor: bool):
+        """The supervisor's step on `home`, told what the keeper read already (the job's directory,
+        the node's address), so that it asks slurmctld nothing before it serves."""
+        argv = argv + ["--work-dir", home.job.work_dir or os.getcwd(), "--node-addr", home.addr]
+        env = self.slurm.step_env(home.job, self.environ)  # the job as _next_home just read it
+        srun = self.slurm.step_argv(self.job_id, home.node, argv, ntasks=1, name=CONTROLLER_STEP)
         return start_srun(srun, env, None, stdin_pipe=successor)  # the job's output file, as without a keeper
 
-    def _start_controller(self, home: str, resume: bool) -> None:
+    def _start_controller(self, home: Home, resume: bool) -> None:
         """A cold start (the first controller, or no warm successor to promote)."""
         argv = [sys.executable, "-m", "trainmover.controller.supervisor", "--keeper", self.node]
         if resume:
             argv += ["--resume", "--attempt", str(self.attempt)]
-        self._became_primary(home, self._srun(home, argv, successor=False))
-        log.info("controller started on %s (attempt %d%s)", home, self.attempt, ", resuming" if resume else "")
+        self._became_primary(home.node, self._srun(home, argv, successor=False))
+        log.info("controller started on %s (attempt %d%s)", home.node, self.attempt, ", resuming" if resume else "")
 
     def _became_primary(self, home: str, proc) -> None:
         self.controller = (home, proc)
@@ -105,10 +142,10 @@ class Keeper:
         self.conn = None
         self.inbox = queue.Queue()
 
-    def _start_successor(self, avoid: frozenset = frozenset()) -> None:
+    def _start_successor(self, avoid: frozenset = frozenset(), reading: tuple | None = None) -> None:
         """Warm successors on other nodes, up to TM_CONTROLLER_SUCCESSORS (docs/admin.md, "No
         special node"): each imports, binds and waits for `takeover <attempt>` on its stdin (srun
-        forwards it to the task)."""
+        forwards it to the task). `reading`: what placing the primary read a moment ago."""
         budget = (2 * (self.cfg.controller_restarts + 1)) * max(1, self.cfg.controller_successors)
         if len(self.successors) >= self.cfg.controller_successors or self.successor_starts > budget:
             return
@@ -118,20 +155,30 @@ class Keeper:
         now = time.monotonic()
         if now < self.successor_retry_at:  # each try costs two Slurm queries: not every loop turn
             return
+        reading, self.joined = reading or self.joined, None
+        job, infos = self.reading
+        if reading is None and infos is not None and choose_home(
+                [n for n in job.nodes if n != self.node], avoid, {}) is None:
+            # the job as last read leaves nowhere, and no node joined since (a standby's launch
+            # would say): asking Slurm again would find no more (a move: its leaver is draining)
+            reading = self.reading
         try:
-            home = self._next_home(avoid)
+            home = self._next_home(avoid, reading)
         except TrainMoverError as exc:
             log.warning("no warm successor for now (node query failed: %s)", exc)
             home = None
         if home is None:
             if not self.successors:
                 log.warning("no node free of the controller for a warm successor: a move starts one cold")
-            self.successor_retry_at = now + SUCCESSOR_RETRY_S
+            # A node joins the job only as a standby the controller has us launch (_launch asks
+            # again then); until then a try now and then, in case an admin's change freed one.
+            self.successor_retry_at = now + self.successor_retry_s
+            self.successor_retry_s = min(SUCCESSOR_RETRY_S[1], 2 * self.successor_retry_s)
             return
         argv = [sys.executable, "-m", "trainmover.controller.supervisor", "--keeper", self.node, "--successor"]
-        self.successors.append((home, self._srun(home, argv, successor=True)))
+        self.successors.append((home.node, self._srun(home, argv, successor=True)))
         self.successor_starts += 1
-        log.info("warm successor controller starting on %s (%d of %d)", home, len(self.successors),
+        log.info("warm successor controller starting on %s (%d of %d)", home.node, len(self.successors),
                  self.cfg.controller_successors)
 
     def _fence(self, node: str) -> None:
@@ -140,11 +187,19 @@ class Keeper:
         except TrainMoverError as exc:
             log.warning("could not kill the lost controller's step on %s: %s", node, exc)
 
-    def _next_home(self, avoid: set[str]) -> str | None:
-        job = self.slurm.job(self.job_id)
+    def _next_home(self, avoid: set[str], reading: tuple | None = None) -> Home | None:
+        """Where a controller can run now: two queries (the job, its nodes) unless `reading` gives
+        them (the primary and its successor placed at the same moment ask once); the supervisor
+        started there is given the answers, so that it need not ask them again."""
+        job, infos = reading or (None, None)
+        job = job or self.slurm.job(self.job_id)
         candidates = [n for n in job.nodes if n != self.node]
-        states = {n: i.state for n, i in self.slurm.nodes(candidates).items()}
-        return choose_home(candidates, avoid, states)
+        if infos is None:
+            infos = self.slurm.nodes(candidates)
+        candidates = [n for n in candidates if n in infos]  # a standby's launch names its node alone
+        self.reading = (job, infos)
+        node = choose_home(candidates, avoid, {n: i.state for n, i in infos.items()})
+        return Home(node, job, infos[node].addr) if node is not None else None
 
     def _promote(self, p: succession.Promote) -> bool:
         """Hand the job to the warm successor (or, with none, start one cold elsewhere); False when
@@ -183,9 +238,9 @@ class Keeper:
             self.why = f"controller on {old} {p.why}, and no other node of the job can take it"
             log.error("%s", self.why)
             return False
-        log.warning("controller on %s %s: resuming it cold on %s", old, p.why, home)
+        log.warning("controller on %s %s: resuming it cold on %s", old, p.why, home.node)
         self._start_controller(home, resume=True)
-        self._start_successor(frozenset({old}))
+        self._start_successor(frozenset({old}), self.reading)
         return True
 
     # --- the channel to the controller ----------------------------------------------------
@@ -243,6 +298,9 @@ class Keeper:
             return
         self.steps[node] = (role, start_srun(msg["argv"], step_environment(msg["env"]), log_path))
         log.info("launched %s on %s for the controller", role, node)
+        if role == "standby":  # a node joined the job: a warm successor may go there now
+            self.successor_retry_at, self.successor_retry_s = 0.0, SUCCESSOR_RETRY_S[0]
+            self.joined = joined_from_launch(self.reading[0], node, msg["env"])
 
     def _report_exits(self) -> None:
         for node, (role, proc) in list(self.steps.items()):
@@ -260,12 +318,12 @@ class Keeper:
 
     # --- the loop -----------------------------------------------------------------------
     def run(self) -> int:
-        home = self._next_home(set())
+        home = self._next_home(set(), self.reading)  # the job as __init__ read it
         if home is None:
             log.error("job %d has no node besides the keeper %s to run the controller on", self.job_id, self.node)
             return 2
         self._start_controller(home, resume=False)
-        self._start_successor()
+        self._start_successor(reading=self.reading)
         next_probe = 0.0
         while True:
             now = time.monotonic()
@@ -399,6 +457,19 @@ def sbatch_args(training_nodes: int) -> list[str]:
             f"--batch={KEEPER_FEATURE}"]
 
 
+def start_reading(slurm, job_id: int, node: str, environ, work_dir: str) -> tuple | None:
+    """The batch script's first look at its job: its nodes from the allocation Slurm gave it
+    (SLURM_JOB_NODELIST: the job has not been resized yet), their states and features in one
+    query. (job, infos), or None when the environment does not say (then ask Slurm)."""
+    nodelist = environ.get("SLURM_JOB_NODELIST", "")
+    nodes = tuple(parse.expand_hostlist(nodelist)) if nodelist else ()
+    if node not in nodes:
+        return None
+    job = JobInfo(job_id, "RUNNING", nodes, node, 0, work_dir, environ.get("SLURM_JOB_PARTITION", ""), len(nodes),
+                  nodelist=nodelist)
+    return job, slurm.nodes(list(nodes))
+
+
 def is_keeper(slurm, node: str) -> bool:
     """Whether `node` is a keeper node (Slurm feature tm_keeper): there the batch script keeps
     the job's steps and the controller runs on a training node."""
@@ -406,8 +477,8 @@ def is_keeper(slurm, node: str) -> bool:
     return info is not None and KEEPER_FEATURE in info.features
 
 
-def main(cfg: Config, slurm, job_id: int, node: str) -> int:
-    keeper = Keeper(cfg, slurm, job_id, node)
+def main(cfg: Config, slurm, job_id: int, node: str, reading: tuple | None = None) -> int:
+    keeper = Keeper(cfg, slurm, job_id, node, reading=reading)
 
     def stop(signum, _frame):  # scancel: Slurm signals every step too; end when the controller does
         keeper.stopping = True
@@ -418,6 +489,13 @@ def main(cfg: Config, slurm, job_id: int, node: str) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     code = keeper.run()
+    if keeper._outcome() is None:  # no controller ended the job (its shutdown withdraws its donors)
+        try:  # a standby request it left must not hold a spare after the job (seen on 24.11)
+            gone = slurm.cancel_donors(job_id)
+            if gone:
+                log.warning("withdrew donor allocation(s) %s the controller left", gone)
+        except TrainMoverError as exc:
+            log.warning("could not withdraw the job's donor allocations: %s", exc)
     # The job's last word in slurm-<job>.out, however it ended (records.final_line).
     print(records.final_line(keeper.root, job_id, code, keeper.why, stopped=keeper.stopping), file=sys.stderr,
           flush=True)

@@ -83,6 +83,20 @@ class NodeWatch:
         self._shared_at = 0.0
         self._on_shared = False
         self.next_poll = 0.0
+        self.seen: dict = {}  # node -> its NodeInfo at the last poll (the reservation's spares too)
+        self._primed: dict | None = None
+
+    def prime(self, now: float, states: dict) -> None:
+        """The controller's first read of its nodes and the reservation's (`states`) stands in for
+        the first poll: one RPC fewer at every start and takeover."""
+        self._primed = dict(states)
+        self.next_poll = now + self.poll_s
+
+    def addr(self, node: str) -> str:
+        """`node`'s address as the last poll saw it ("" if it did not): a standby just taken is one
+        of the reservation's nodes, which every poll reads, so it costs no query of its own."""
+        info = self.seen.get(node)
+        return info.addr if info is not None else ""
 
     def turn(self, now: float, mine: list[str], ranks: Iterable[str]) -> dict:
         """States new this loop turn (node -> NodeInfo) of `mine` (the job's nodes), and of a rank
@@ -96,15 +110,22 @@ class NodeWatch:
             if table[0] != self._shared_at:
                 self._shared_at = table[0]
                 states = {n: table[1][n] for n in wanted}
+        elif self._primed is not None:
+            states, self._primed = self._primed, None
         elif now >= self.next_poll or self._on_shared:  # the reader's table just went stale: poll now
+            # On a fixed grid: a turn that comes a little late (the loop waits up to 0.2 s) does not
+            # push the next poll back, so that a drain is seen within TM_POLL_S of the last poll and a
+            # minute holds 60 / TM_POLL_S polls, not fewer and never more.
+            late = now - self.next_poll
+            self.next_poll = (self.next_poll if 0 <= late < self.poll_s and not self._on_shared else now) + self.poll_s
             self._on_shared = False
-            self.next_poll = now + self.poll_s
             try:
                 states = self.slurm.nodes(wanted)
             except SlurmError as exc:  # slurmctld slow or down: keep training, try again
                 log.warning("node poll failed: %s", exc)
         if states:
             self.pool.saw(states)
+            self.seen.update(states)
         states = {n: i for n, i in states.items() if n in set(mine)}
         fresh = self.notices.fresh(ranks) if self.notices is not None else []
         if fresh:

@@ -96,6 +96,8 @@ def main(argv=None) -> int:
     p.add_argument("--successor", action="store_true",
                    help="a warm successor (controller/keeper.py): bind, start the controller idle, and take the job "
                         "over on `takeover <attempt>` read from stdin (EOF: not needed, exit 0)")
+    p.add_argument("--work-dir", help="the job's working directory (the keeper read it from Slurm: not asked again)")
+    p.add_argument("--node-addr", help="this node's address (the keeper read it from Slurm: not asked again)")
     args = p.parse_args(argv)
     files.private_umask()  # the job's files are its user's alone (docs/security.md)
     setup_logging()
@@ -109,9 +111,12 @@ def main(argv=None) -> int:
     from trainmover.slurm.client import client
     slurm = client(cfg.slurm_backend, node_query=cfg.node_query)  # tm_nodes: one RPC a node query, not two
     log.info("Slurm backend: %s (TM_SLURM_BACKEND)", cfg.slurm_backend)
-    job = slurm.job(job_id)
+    # Started by the keeper, which read the job and this node just before: asking slurmctld again
+    # would spend two more of the user's tokens on each start (docs/admin.md, "Load on slurmctld").
+    job = None if args.work_dir and args.node_addr else slurm.job(job_id)
+    work_dir = args.work_dir or job.work_dir
     # verified first: a run directory someone else planted (with a final.json saying "done") is refused
-    root = files.private_dir(Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id)))
+    root = files.private_dir(Path(cfg.run_dir or records.run_dir(work_dir or os.getcwd(), job_id)))
     try:
         with user_code("construction"):  # constructing the workload runs the user's code
             preflight(cfg)  # options the workload does not take, TM_CHECK_WORKLOAD: before anything starts
@@ -122,8 +127,8 @@ def main(argv=None) -> int:
     if done:
         log.warning("%s", done)
         return 0
-    me = os.environ.get("SLURMD_NODENAME") or job.batch_host or job.nodes[0]
-    host = slurm.nodes([me])[me].addr  # our node's own address, from Slurm
+    me = os.environ.get("SLURMD_NODENAME") or (job.batch_host or job.nodes[0] if job else "")
+    host = args.node_addr or slurm.nodes([me])[me].addr  # our node's own address, from Slurm
     listen = _bind(host)
     store_sock = _bind(host)
     store_port = store_sock.getsockname()[1]

@@ -77,7 +77,15 @@ class Agent:
             torch.cuda.set_device(local_index % torch.cuda.device_count())
         self.key = channel.read_secret(spec.secret_file)  # once: kept for the process's life
         self.store_addr = tuple(spec.store)  # moves with the controller (see _controller_address)
-        self.store = self._store_client(*spec.store)
+        # A launch a moment before the controller handed over names the old one's store: a standby
+        # then waited the whole group timeout on it and was counted lost (bench, 24.11, twice in a
+        # row). controller.json, sealed with the job's key, names the store that serves now.
+        ep = endpoint.read(spec.controller_file, self.key) if spec.controller_file else None
+        controller = tuple(spec.controller)
+        if ep is not None and ep.store != self.store_addr:
+            log.info("rendezvous store moved to %s:%d before this process started", *ep.store)
+            self.store_addr, controller = ep.store, tuple(ep.address)  # the controller moved with it
+        self.store = self._store_client(*self.store_addr)
         # what a restarted controller is told (see resync_messages)
         self.state = RankStateMachine(RankState.TRAINING if self.role == "worker" else RankState.STARTING,
                                       who=f"{spec.role} {spec.node}/{local_index}")
@@ -91,7 +99,7 @@ class Agent:
         self.train_thread = threading.get_native_id()  # the heartbeat reports its CPU time
         # From this node's address, as every connection of the node: a node is its address.
         self.link = link if link is not None else Link(
-            tuple(spec.controller), self.key, self._hello, self.resync_messages, self._on_control,
+            controller, self.key, self._hello, self.resync_messages, self._on_control,
             connect_timeout=spec.group_timeout_s, reconnect_timeout=spec.reconnect_timeout_s,
             on_gone=self._controller_gone, source=spec.node_addr, where=self._controller_address,
             news=lambda: endpoint.mtime(spec.controller_file))

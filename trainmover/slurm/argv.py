@@ -57,16 +57,16 @@ def donor_salloc(job_id: int, *, partition: str, reservation: str, timeout: floa
 
 def merge_donor(donor_id: int) -> list[str]:
     """Give the donor's nodes to the job it depends on (expand:J)."""
-    return ["scontrol", "update", f"JobId={int(donor_id)}", "NumNodes=0"]
+    return ["scontrol", LOCAL, "update", f"JobId={int(donor_id)}", "NumNodes=0"]
 
 
 def absorb(job_id: int) -> list[str]:
     """Make the job take all nodes given to it."""
-    return ["scontrol", "update", f"JobId={int(job_id)}", "NumNodes=ALL"]
+    return ["scontrol", LOCAL, "update", f"JobId={int(job_id)}", "NumNodes=ALL"]
 
 
 def set_nodelist(job_id: int, keep: Sequence[str]) -> list[str]:
-    return ["scontrol", "update", f"JobId={int(job_id)}", f"NodeList={','.join(keep)}"]
+    return ["scontrol", LOCAL, "update", f"JobId={int(job_id)}", f"NodeList={','.join(keep)}"]
 
 
 def drain(node: str, reason: str) -> list[str]:

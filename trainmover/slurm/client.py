@@ -13,6 +13,7 @@ import grp
 import math
 import os
 import pwd
+import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Optional, Protocol, runtime_checkable
@@ -42,9 +43,10 @@ class SlurmClient(Protocol):
         return its name; NoStandbyAvailable (job untouched) when none is granted
         within `timeout` seconds."""
 
-    def shrink(self, job_id: int, keep: Sequence[str]) -> list[str]:
+    def shrink(self, job_id: int, keep: Sequence[str], job: Optional[JobInfo] = None) -> list[str]:
         """Release every node of the job not in `keep`; return the released nodes.
-        BatchHostRelease when `keep` lacks the batch host."""
+        BatchHostRelease when `keep` lacks the batch host. `job`: the caller's record of the
+        job, which spares a query (its nodes and batch host are checked against it)."""
 
     def drain(self, node: str, reason: str) -> None: ...
 
@@ -86,6 +88,7 @@ class CliSlurm:
     CRED_REVOKE_MARGIN_S = 1.05
     # Seconds of one donor request: grow() makes several within its deadline (see there).
     DONOR_TRY_S = 2.0
+    RESERVATION_KEEP_S = 5.0
 
     def __init__(self, *, slurm_conf: Optional[str] = None, timeout: float = 15.0,
                  wall_clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
@@ -94,6 +97,10 @@ class CliSlurm:
         self.timeout = timeout
         self._wall_clock, self._sleep, self._clock = wall_clock, sleep, clock
         self._released_at: dict[tuple[int, str], float] = {}
+        # Answers kept a few seconds, each a token of the user's rate-limit bucket: the rights
+        # check at a controller's start asks for the job and the reservation it has just read.
+        self._job_lines: dict[int, str] = {}
+        self._reservations: dict[str, tuple[float, subprocess.CompletedProcess]] = {}
         self._env: Optional[dict[str, str]] = None
         if slurm_conf is not None:
             self._env = {**os.environ, "SLURM_CONF": str(slurm_conf)}
@@ -135,7 +142,18 @@ class CliSlurm:
         return {n: found[n] for n in names}
 
     def job(self, job_id: int) -> JobInfo:
-        return parse.parse_job_text(self._run(build.show_job(job_id)).stdout)
+        out = self._run(build.show_job(job_id)).stdout
+        self._job_lines[job_id] = next((ln for ln in out.splitlines() if ln.startswith("JobId=")), "")
+        return parse.parse_job_text(out)
+
+    def _show_reservation(self, reservation: str) -> subprocess.CompletedProcess:
+        """`scontrol show reservation`, kept RESERVATION_KEEP_S (asked again at once by the
+        controller's start: the rights check and the standby pool)."""
+        now = self._clock()
+        kept = self._reservations.get(reservation)
+        if kept is None or now - kept[0] > self.RESERVATION_KEEP_S:
+            kept = self._reservations[reservation] = (now, self._run(build.show_reservation(reservation), check=False))
+        return kept[1]
 
     def hostnames(self, nodelist_expr: str) -> list[str]:
         if not nodelist_expr.strip():
@@ -153,9 +171,10 @@ class CliSlurm:
         return jobs
 
     def reservation_nodes(self, reservation: str) -> list[str]:
-        out = parse.parse_reservation_text(self._run(build.show_reservation(reservation)).stdout)
+        proc = self._show_reservation(reservation)
+        out = parse.parse_reservation_text(proc.stdout)
         if reservation not in out:
-            raise SlurmError(f"reservation {reservation} not found")
+            raise SlurmError(f"reservation {reservation} not found: {(proc.stderr or proc.stdout).strip()[:200]}")
         return parse.expand_hostlist(out[reservation].get("Nodes", ""))
 
     def free_standbys(self, reservation: str) -> list[str]:
@@ -177,7 +196,8 @@ class CliSlurm:
             except KeyError:
                 pass
         config = rights.parse_config(self._run(["scontrol", "show", "config"]).stdout)
-        line = next((ln for ln in self._run(build.show_job(job_id)).stdout.splitlines() if ln.startswith("JobId=")), "")
+        line = self._job_lines.get(job_id) or next(
+            (ln for ln in self._run(build.show_job(job_id)).stdout.splitlines() if ln.startswith("JobId=")), "")
         account = parse.parse_kv(line).get("Account", "") if line else ""
         accounting = config.get("AccountingStorageType", "").endswith("slurmdbd")
         level = None
@@ -187,7 +207,7 @@ class CliSlurm:
                 level = rights.parse_admin_level(proc.stdout) if proc.returncode == 0 else None
             except SlurmError:
                 level = None
-        proc = self._run(build.show_reservation(reservation), check=False)
+        proc = self._show_reservation(reservation)
         found = parse.parse_reservation_text(proc.stdout).get(reservation)
         return rights.decide(rights.Facts(
             user=user, uid=uid, groups=tuple(groups), account="" if account == "(null)" else account,
@@ -249,8 +269,9 @@ class CliSlurm:
 
     def _request_donor(self, job_id: int, partition: str, reservation: str,
                        try_s: float) -> tuple[Optional[int], str]:
-        """One donor request of `try_s` seconds: (donor job id, "") when granted, (None, what
-        salloc said) when no node was granted in time; SlurmError for any other failure."""
+        """One donor request of `try_s` seconds: (donor job id, salloc's stderr) when granted,
+        (None, what salloc said) when no node was granted in time; SlurmError for any other
+        failure."""
         salloc = build.donor_salloc(job_id, partition=partition, reservation=reservation, timeout=try_s)
         try:
             proc = self._run(salloc, timeout=try_s + 15, check=False)
@@ -259,18 +280,19 @@ class CliSlurm:
             raise
         donor = parse.parse_salloc_job_id(proc.stderr)
         if proc.returncode == 0 and parse.salloc_granted(proc.stderr) and donor is not None:
-            return donor, ""
-        self._cancel_donors(job_id)
+            return donor, proc.stderr
         err = proc.stderr.strip()
         if "Unable to allocate resources" in err and "timed out" in err:
-            return None, err.splitlines()[-1]
+            return None, err.splitlines()[-1]  # salloc withdrew it; grow() checks once at its end
+        self._cancel_donors(job_id)
         raise SlurmError(f"salloc for a donor of job {job_id} failed (exit {proc.returncode}): {err}")
 
     def grow(self, job_id: int, *, reservation: str, partition: Optional[str] = None,
              timeout: float = 30.0) -> str:
-        before = self.job(job_id)
-        if not before.running:
-            raise SlurmError(f"cannot grow job {job_id}: it is {before.state}, not RUNNING")
+        if partition is None:  # a caller that knows the job's partition spares this query
+            before = self.job(job_id)
+            if not before.running:
+                raise SlurmError(f"cannot grow job {job_id}: it is {before.state}, not RUNNING")
         part = partition or before.partition
         # Several short donor requests rather than one that waits the whole deadline: a request that
         # finds no node free when submitted (a standby still completing a job it left a moment ago)
@@ -284,11 +306,14 @@ class CliSlurm:
             if donor is not None or deadline - self._clock() < 1.0:
                 break
         if donor is None:
+            self._cancel_donors(job_id)  # any request salloc failed to withdraw: once, not after each try
             raise NoStandbyAvailable(
                 f"no free standby node in reservation {reservation} for job {job_id} within {timeout:g}s "
                 f"({err}; reserved nodes now: {self._describe_reservation(reservation)})")
         try:
-            new_nodes = self.job(donor).nodes
+            # salloc names the donor's node ("Nodes spare1 are ready for job"): no query for it
+            ready = parse.salloc_ready_node(err)
+            new_nodes = (ready,) if ready else self.job(donor).nodes
             if len(new_nodes) != 1:
                 raise SlurmError(f"donor job {donor} for job {job_id} holds {new_nodes}, expected one node")
             self._update_job(build.merge_donor(donor))
@@ -314,9 +339,9 @@ class CliSlurm:
         if wait > 0:
             self._sleep(wait)
 
-    def shrink(self, job_id: int, keep: Sequence[str]) -> list[str]:
+    def shrink(self, job_id: int, keep: Sequence[str], job: Optional[JobInfo] = None) -> list[str]:
         keep = list(dict.fromkeys(keep))
-        cur = self.job(job_id)
+        cur = job if job is not None else self.job(job_id)
         if not cur.running:
             raise SlurmError(f"cannot shrink job {job_id}: it is {cur.state}, not RUNNING")
         strangers = [n for n in keep if n not in cur.nodes]

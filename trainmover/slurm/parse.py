@@ -200,3 +200,13 @@ def parse_salloc_job_id(stderr: str) -> int | None:
 
 def salloc_granted(stderr: str) -> bool:
     return "Granted job allocation" in (stderr or "")
+
+
+_SALLOC_READY = re.compile(r"^salloc: Nodes (\S+) are ready for job", re.M)
+
+
+def salloc_ready_node(stderr: str) -> str | None:
+    """The one node salloc said is ready ('Nodes spare1 are ready for job'); None when it did
+    not say, or named a list (a hostlist expression: the caller asks Slurm instead)."""
+    m = _SALLOC_READY.search(stderr or "")
+    return m.group(1) if m and not any(c in m.group(1) for c in "[],") else None

@@ -54,7 +54,7 @@ class SingleHostAllocation:
         self.in_job.append(free[0])
         return free[0]
 
-    def shrink(self, job_id: int, keep: Sequence[str]) -> list[str]:
+    def shrink(self, job_id: int, keep: Sequence[str], job: JobInfo | None = None) -> list[str]:
         if self.in_job[0] not in keep:
             raise BatchHostRelease(f"{self.in_job[0]} runs the controller")
         gone = [n for n in self.in_job if n not in keep]

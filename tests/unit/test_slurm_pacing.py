@@ -1,0 +1,116 @@
+"""The job's own diet on slurmctld (issue 30): the token bucket that paces standby requests, and
+the controller's resizes, which keep the job's record instead of asking Slurm for it. A fake
+Slurm that counts its queries; no cluster."""
+from __future__ import annotations
+
+import pytest
+
+from trainmover.controller import resize
+from trainmover.controller.node_watch import PoolWatch
+from trainmover.errors import SlurmError
+from trainmover.slurm.model import JobInfo, NodeInfo, NoStandbyAvailable
+from trainmover.slurm.pacing import TokenBucket
+
+
+def test_bucket_allows_its_burst_then_its_rate_and_repays_debt_first():
+    b = TokenBucket(10, 0.5, now=0.0)
+    assert b.wait(0.0, 7) == 0.0
+    b.take(0.0, 7)
+    assert b.wait(0.0, 7) == pytest.approx(8.0)   # 3 left, 4 more at 0.5 a second
+    assert b.wait(8.0, 7) == 0.0
+    b.take(8.0, 7 + 20)                           # a grow that asked four times: 27 spent, 20 in debt
+    assert b.wait(8.0, 1) == pytest.approx(42.0)  # the debt first, then the token
+    assert b.wait(1000.0, 100) == 0.0             # never more than the capacity is asked for
+    assert b.tokens == 10
+    with pytest.raises(ValueError):
+        TokenBucket(0, 1, 0.0)
+
+
+class _Slurm:
+    """Counts what the controller asks; grow takes spare1, then finds none."""
+
+    def __init__(self):
+        self.queries: list[str] = []
+        self.granted = ["spare1"]
+        self.shrunk: list[list[str]] = []
+        self.timeouts: list[float] = []
+
+    def job(self, job_id):
+        self.queries.append("job")
+        return _job(("keep1", "train1", "spare1"))
+
+    def nodes(self, names):
+        self.queries.append("nodes")
+        return {n: NodeInfo(n, "10.0.0.9", "IDLE") for n in names}
+
+    def grow(self, job_id, *, reservation, partition=None, timeout=30.0):
+        assert partition == "train"  # the kept record's: grow need not read the job for it
+        self.timeouts.append(timeout)
+        if not self.granted:
+            raise NoStandbyAvailable("none")
+        return self.granted.pop(0)
+
+    def shrink(self, job_id, keep, job=None):
+        assert job is not None and set(keep) < set(job.nodes)  # the record goes along: no query
+        self.shrunk.append(list(keep))
+        if "gone" in keep:
+            raise SlurmError("cannot shrink: gone not in the job")
+        return []
+
+
+def _job(nodes):
+    return JobInfo(7, "RUNNING", tuple(nodes), "keep1", 0, "/w", "train", len(nodes))
+
+
+class _Reservation:
+    def reservation_nodes(self, name):
+        return ["spare1", "spare2"]
+
+
+def _resizer(slurm, clock):
+    pool = PoolWatch(_Reservation(), "trainmover_standby")
+    pool.nodes()
+    pool.saw({"spare1": NodeInfo("spare1", "10.0.0.5", "IDLE+RESERVED")})
+    seen = {"spare1": "10.0.0.5"}
+    return resize.Resizer(slurm, _job(("keep1", "train1")), reservation="trainmover_standby", standby_wait_s=10,
+                          pool=pool, addr=lambda n: seen.get(n, ""), clock=lambda: clock[0]), pool
+
+
+def test_resizes_keep_the_jobs_record_and_ask_slurm_nothing_more():
+    slurm, clock = _Slurm(), [0.0]
+    r, pool = _resizer(slurm, clock)
+    assert r.acquire() == ("acquired", "spare1", "10.0.0.5")  # its address from the node poll
+    assert r.job.nodes == ("keep1", "train1", "spare1") and r.job.nodelist == "keep1,train1,spare1"
+    assert r.release("train1") == ("released", "train1", True, "")
+    assert slurm.shrunk == [["keep1", "spare1"]] and r.job.nodes == ("keep1", "spare1")
+    assert slurm.queries == []  # no job or node query: the record and the poll had it all
+
+
+def test_a_failed_release_reads_the_job_again():
+    slurm, clock = _Slurm(), [0.0]
+    r, _ = _resizer(slurm, clock)
+    r.job = _job(("keep1", "train1", "gone"))  # a record gone wrong
+    ok = r.release("train1")
+    assert ok[:3] == ("released", "train1", False) and "release failed" in ok[3]
+    assert slurm.queries == ["job"] and r.job.nodes == ("keep1", "train1", "spare1")
+
+
+def test_standby_requests_are_paced_and_gated_by_the_poll():
+    slurm, clock = _Slurm(), [0.0]
+    r, pool = _resizer(slurm, clock)
+    assert r.acquire()[0] == "acquired"
+    slurm.granted = []
+    pool.nodes()
+    pool.saw({"spare2": NodeInfo("spare2", "10.0.0.6", "IDLE+RESERVED")})
+    assert r.acquire()[0] == "unavailable"  # asked: none granted...
+    assert "no idle node" in r.acquire()[1]  # ...so not again before a poll sees one idle
+    pool.nodes()
+    pool.saw({"spare2": NodeInfo("spare2", "10.0.0.6", "IDLE+RESERVED")})
+    # the first could ask four times within its 10 s (2 s each), the second, with what was left, once
+    assert slurm.timeouts == [8.0, 2.0]
+    got = r.acquire()  # two grows spent the burst: paced
+    assert got[0] == "unavailable" and "paced" in got[1], got
+    clock[0] += (2 * resize.GROW_RPCS) / resize.ACQUIRE_RATE
+    pool.nodes()
+    pool.saw({"spare2": NodeInfo("spare2", "10.0.0.6", "IDLE+RESERVED")})
+    assert "paced" not in r.acquire()[1]
