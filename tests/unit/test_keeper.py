@@ -93,3 +93,20 @@ def test_a_controller_that_ended_the_job_is_never_replaced_even_before_its_statu
     primary.ending(10.0)  # what the keeper's loop does with a loss verdict once _outcome() says ended
     assert primary.state is succession.State.ENDING
     assert primary.exited(11.0, 1, k._outcome()) == 0
+
+
+def test_a_controller_that_ended_the_job_is_not_connected_to_again(tmp_path, monkeypatch):
+    """ENDING: its outcome is written and only its step's exit is awaited. A connect would retry
+    its closed port for the whole 2 s deadline while the loop sees no exit (every job ended 2 s
+    late); before that, and for a new primary, the keeper connects as ever."""
+    from trainmover.controller import succession
+
+    tried = []
+    monkeypatch.setattr(Keeper, "_connect", lambda self: tried.append(self.primary.state))
+    k = Keeper.__new__(Keeper)
+    k.primary = succession.Primary("train1", 0, 0.0, 2.0, 120.0)
+    k._reach()
+    k.primary.heard(0.5)
+    k.primary.ending(1.0)
+    k._reach()
+    assert tried == [succession.State.STARTING]
