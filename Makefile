@@ -29,7 +29,8 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/trainmover demo
 
 # pytest exits 5 when it collects no test: that fails this target (and CI), as it should.
-# --durations: CI's output names the slowest tests, and each phase prints its seconds
+# --durations: CI's output names the slowest tests (of the end-to-end phase every test, setup or
+# teardown of 15 s or more: most of its time, not only the 15 slowest), and each phase prints its seconds
 # (`== unit tests: …s`, `== end-to-end tests …: …s`, `== Slurm V: …s`, then the total): where
 # CI's ~45 minutes on 2 cores go. A phase that fails still prints its time, then stops make.
 # The unit tests run on UNIT_WORKERS processes (pytest-xdist), each test file whole on one of
@@ -43,7 +44,7 @@ test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest tests/unit -n $(UNIT_WORKERS) --dist loadfile -ra --durations=15 $(PYTEST_ARGS) || rc=$$?; \
 	echo "== unit tests ($(UNIT_WORKERS) workers): $$(( $$(date +%s) - start ))s"; exit $$rc
 	@start=$$(date +%s); rc=0; \
-	$(VENV)/bin/python -m pytest tests/e2e -ra --durations=15 $(PYTEST_ARGS) || rc=$$?; \
+	$(VENV)/bin/python -m pytest tests/e2e -ra --durations=0 --durations-min=15 $(PYTEST_ARGS) || rc=$$?; \
 	echo "== end-to-end tests (the host's Slurm): $$(( $$(date +%s) - start ))s"; exit $$rc
 	@# The GPU tests in a session of their own (tests/conftest.py says why), where there is a GPU.
 	@if ls /dev/nvidia[0-9]* >/dev/null 2>&1; then \

@@ -24,9 +24,12 @@ pytestmark = pytest.mark.slurm
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "sbatch_templates" / "torch_ddp.sbatch"
-STEPS = 4000  # about a minute: the leaver's node is released (seconds after the switch) before the end
+# About 15 s of steps: the drain is seen within TM_POLL_S (1 s here, not the default 10 s, for
+# which 4000 steps, 40 s, were needed) and the leaver's node is released a second after the
+# switch, well before the end (the switch near step 150 of 1500).
+STEPS = 1500
 DRAIN_REASON = "tm-e2e cnn maintenance"
-JOB = {"TM_WORKLOAD": "cnn:CNN", "TM_STEPS": str(STEPS)}
+JOB = {"TM_WORKLOAD": "cnn:CNN", "TM_STEPS": str(STEPS), "TM_POLL_S": "1"}
 
 
 @pytest.fixture(scope="module")

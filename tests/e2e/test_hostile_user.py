@@ -31,7 +31,8 @@ import pytest
 
 from tests.e2e.conftest import (DRAIN_PREFIX, OTHER_USER, TEST_JOB_PREFIX, as_user, job_ended,
                                 user_dir, wait_for)
-from tests.e2e.test_migration import (STEPS, TEMPLATE, Run, assert_same_training, leaver_of, start_training)
+from tests.e2e.test_migration import (  # noqa: F401 - demo, reference: the session's uninterrupted run
+    STEPS, TEMPLATE, Run, assert_same_training, demo, leaver_of, reference, start_training)
 from trainmover.cluster.users import host_account
 from trainmover.slurm import commands
 from trainmover.slurm import argv as build
@@ -78,7 +79,7 @@ def private_tree(root: Path) -> list[str]:
     return bad
 
 
-def test_another_user_can_neither_read_change_nor_steer_a_job(env, slurm_client, tmp_path):
+def test_another_user_can_neither_read_change_nor_steer_a_job(env, slurm_client, tmp_path, reference):
     ids: list[int] = []
     attacker = None
     leaver = None
@@ -101,16 +102,13 @@ def test_another_user_can_neither_read_change_nor_steer_a_job(env, slurm_client,
         for name, text in (("final.json", forged_final), ("status.json", json.dumps({"outcome": {"ok": True}}))):
             assert as_other(["sh", "-c", f"cat > {planted / name}"], input=text).returncode == 0
         as_user(["scontrol", "release", str(refused.job_id)], env)
-
-        # --- the uninterrupted reference, beside it ------------------------------------------
-        reference = submit(env, user_dir("hostile-ref"), "hostile-ref")
-        ids.append(reference.job_id)
+        # The uninterrupted run to compare with is the session's (`reference`: the same template,
+        # steps, seed and user), not one of this test's own (about 15 s more of it).
         assert refused.wait_done(slurm_client, timeout=120) == "FAILED", refused.slurm_out()[-2000:]
         out = refused.slurm_out()
         assert f"belongs to uid {host_account(OTHER_USER).uid}" in out and "Refusing to use it" in out, out[-2000:]
         assert sorted(p.name for p in planted.iterdir()) == ["final.json", "status.json"]  # nothing of the job's
         assert (planted / "final.json").read_text() == forged_final
-        assert reference.wait_done(slurm_client, timeout=240) == "COMPLETED", reference.slurm_out()[-3000:]
 
         # --- the attacked job ----------------------------------------------------------------
         run = submit(env, home, "hostile")

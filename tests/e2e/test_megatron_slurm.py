@@ -31,7 +31,13 @@ pytest.importorskip("megatron.core")
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "sbatch_templates" / "megatron_gpt.sbatch"
 STATE_DIR = os.environ.get("TM_E2E_MEGATRON_CLUSTER_DIR", "/var/tmp/trainmover-cluster-megatron")
-STEPS = 160
+# The three moves are done by about step 55 (the standbys warm by step ~35, each drain seen
+# within TM_POLL_S): 100 steps leave a margin, and every step more costs all five jobs (160
+# steps: the module took 398 s on 2 loaded cores, 292 s with 100).
+STEPS = 100
+# A drain reaches the job at the controller's next node poll (TM_POLL_S, default 10 s): 1 s
+# here, or the second drain waited up to 10 s more for nothing the test asserts.
+POLL_S = 1
 DRAIN_REASON = "tm-e2e megatron"
 # rank = tp + 2 * dp + 4 * pp. Rank 0 runs on the batch host, which a job cannot release.
 FIRST_STAGE, LAST_STAGE, TP_PEER = 2, 7, 1
@@ -58,7 +64,7 @@ def submit(cluster, tmp_path_factory):
 
     def _submit(name: str, **tm_env) -> Run:
         workdir = tmp_path_factory.mktemp(name)
-        job_env = {**env, "TM_STEPS": str(STEPS), **{k: str(v) for k, v in tm_env.items()}}
+        job_env = {**env, "TM_STEPS": str(STEPS), "TM_POLL_S": str(POLL_S), **{k: str(v) for k, v in tm_env.items()}}
         # 8 nodes of one rank: TP2 x PP2 x DP2 (the template's default TM_DP takes what the job holds)
         out = commands.run(["sbatch", "--parsable", *sbatch_args(8), f"--job-name={TEST_JOB_PREFIX}{name}",
                             f"--chdir={workdir}", str(TEMPLATE)], timeout=15, env=job_env).stdout

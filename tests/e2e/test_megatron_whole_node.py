@@ -35,6 +35,10 @@ ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "sbatch_templates" / "megatron_gpt.sbatch"
 STATE_DIR = os.environ.get("TM_E2E_WHOLE_NODE_CLUSTER_DIR", "/var/tmp/trainmover-cluster-wholenode")
 STEPS = 150
+# Each drain reaches its job within TM_POLL_S: 1 s here, not the default 10 s, for margin, not
+# time: the second drain comes last, once its standby node is warm, and with 120 steps it
+# landed at step 96 on 2 cores loaded by other work (the jobs' first step 61 s after their start).
+POLL_S = 1
 DRAIN_REASON = "tm-e2e whole node"
 LAYOUT = {"TM_TP": 2, "TM_PP": 2, "TM_DP": 1, "TM_RANKS_PER_NODE": 2}
 MOVED = [2, 3]  # the second node: pipeline stage 1, its TP pair
@@ -73,7 +77,8 @@ def runs(cluster, tmp_path_factory):
     out: dict[str, Run] = {}
     for name, extra in kinds.items():
         workdir = tmp_path_factory.mktemp(f"wn-{name}")
-        job_env = {**env, "TM_STEPS": str(STEPS), **{k: str(v) for k, v in {**LAYOUT, **extra}.items()}}
+        job_env = {**env, "TM_STEPS": str(STEPS), "TM_POLL_S": str(POLL_S),
+                   **{k: str(v) for k, v in {**LAYOUT, **extra}.items()}}
         sub = commands.run(["sbatch", "--parsable", *sbatch_args(2), f"--job-name={TEST_JOB_PREFIX}wn-{name}",
                             f"--chdir={workdir}", str(TEMPLATE)], timeout=15, env=job_env).stdout
         out[name] = Run(int(sub.strip().split(";")[0]), workdir, job_env)

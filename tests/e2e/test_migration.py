@@ -70,8 +70,10 @@ class Run:
                 f"controller log (tail):\n{self.slurm_out()[-2000:]}")
 
     def wait_done(self, client, timeout=180) -> str:
+        # every 0.5 s (one `scontrol show job`): each second of the interval cost ~0.5 s per job,
+        # and about 40 tests wait for a job's end
         wait_for(f"job {self.job_id} to end", lambda: client.job(self.job_id).state not in
-                 ("RUNNING", "PENDING", "COMPLETING", "CONFIGURING"), timeout=timeout, interval=1.0)
+                 ("RUNNING", "PENDING", "COMPLETING", "CONFIGURING"), timeout=timeout, interval=0.5)
         return client.job(self.job_id).state
 
 
@@ -241,10 +243,11 @@ def test_drain_outside_the_job_and_with_no_free_standby(demo, reference, slurm_c
                            "-N2", "-w", "spare[1-2]", "--wrap", "sleep 600"], timeout=15, env=slurm_env).stdout.strip()
     try:
         wait_for("the holder job to hold both spares", lambda: slurm_client.job(int(holder)).running, timeout=30)
-        # The free standby is seen at the next node poll (TM_POLL_S, 10 s: one RPC, issue 30), then
-        # warms up: pace:0.1 (the same bits) keeps the job running well past that (CI on an idle
-        # machine: the 500 steps ended first, the migration still waiting).
-        run = demo("nostandby", TM_INJECT="pace:0.1")
+        # The free standby is seen at the next node poll (TM_POLL_S: 1 s here, default 10 s), then
+        # warms up: pace:0.05 (the same bits) keeps the job running well past that (CI on an idle
+        # machine, unpaced: the 500 steps ended first, the migration still waiting). With the
+        # default poll it took pace:0.1, 25 s more of this test.
+        run = demo("nostandby", TM_INJECT="pace:0.05", TM_POLL_S=1)
         start_training(run, slurm_client)
         outsider = next(n for n in ("train4", "train3", "train2") if n not in slurm_client.job(run.job_id).nodes)
         leaver = leaver_of(run)
@@ -325,8 +328,9 @@ def test_two_nodes_drained_at_once_both_move_bit_exactly(demo, reference, slurm_
     the migrations run one after the other, each into its own standby; nothing is lost.
     (Waiting for a refill when no standby is warm is covered by the no-standby test.)"""
     # Two standbys warm in turn on 2 shared cores while 500 steps run (~20 s when idle): under CI
-    # load the job could end first. pace:0.1 adds 50 s to it and leaves its bits unchanged.
-    run = demo("twodrains", TM_STANDBYS=2, TM_INJECT="pace:0.1")
+    # load the job could end first. pace:0.05 adds 25 s to it and leaves its bits unchanged; the
+    # drains reach the job within TM_POLL_S (1 s here; with the default 10 s it took pace:0.1).
+    run = demo("twodrains", TM_STANDBYS=2, TM_INJECT="pace:0.05", TM_POLL_S=1)
     start_training(run, slurm_client)
     wait_for("two warm standbys", lambda: sum(s["state"] == "ready" for s in run.status()["standbys"]) == 2,
              timeout=90, explain=run.explain)
@@ -424,8 +428,9 @@ def test_two_jobs_share_the_standby_pool_and_a_drain_moves_only_its_own_job(demo
     wait_for("no node busy with an earlier test's job", lambda: not any(n.busy for n in slurm_client.nodes().values()),
              timeout=90, interval=1.0)
     # Paced alike (same bits): two ranks train 500 steps in ~5 s once warm, and a plain drain is
-    # seen at the next node poll (TM_POLL_S, 10 s): unpaced, job A ended first (CI, no migration).
-    moved, alone = (demo(name, sbatch_args=small, TM_INJECT="pace:0.05") for name in ("pool-a", "pool-b"))
+    # seen at the next node poll (TM_POLL_S: 1 s here; with the default 10 s it took pace:0.05):
+    # unpaced, job A ended first (CI, no migration).
+    moved, alone = (demo(name, sbatch_args=small, TM_INJECT="pace:0.03", TM_POLL_S=1) for name in ("pool-a", "pool-b"))
     wait_for("both jobs running", lambda: all(slurm_client.job(r.job_id).state == "RUNNING" for r in (moved, alone)),
              timeout=60, interval=0.5)
     for run in (moved, alone):

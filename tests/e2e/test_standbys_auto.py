@@ -2,7 +2,8 @@
 site file (TM_SITE_CONFIG), picks its pool size at start, says so in status.json and in
 `trainmover status`, and keeps that size when a drained node's ranks take the standby.
 
-Short: 300 steps, paced to last ~30 s (pace:0.1 leaves the bits unchanged), one drain.
+Short: 300 steps, paced to last ~12 s (pace:0.04 leaves the bits unchanged), one drain, seen
+within TM_POLL_S (1 s here: with the default 10 s it took pace:0.1).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def auto_run(slurm_cluster, job_user):
     workdir = user_dir("auto")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TM_")}
     env.update({"SLURM_CONF": str(slurm_cluster.slurm_conf), "TM_PYTHON": sys.executable, "PYTHONPATH": str(ROOT),
-                "TM_STEPS": "300", "TM_INJECT": "pace:0.1", "TM_STANDBYS": "auto",
+                "TM_STEPS": "300", "TM_INJECT": "pace:0.04", "TM_STANDBYS": "auto", "TM_POLL_S": "1",
                 "TM_SITE_CONFIG": str(site / "site.toml")})
     out = as_user(["sbatch", "--parsable", f"--job-name={TEST_JOB_PREFIX}auto", f"--chdir={workdir}", str(TEMPLATE)],
                   env).stdout

@@ -161,3 +161,20 @@ def test_the_batch_script_reads_its_job_from_the_allocation_and_its_nodes_in_one
     assert job.nodes == ("keep1", "train1", "train2") and job.work_dir == "/w" and job.partition == "train"
     assert asked == [["keep1", "train1", "train2"]] and "tm_keeper" in infos["keep1"].features
     assert start_reading(Slurm(), 7, "keep9", env, "/w") is None and len(asked) == 1  # not ours: ask Slurm
+
+
+def test_a_controller_that_ended_the_job_is_not_connected_to_again(tmp_path, monkeypatch):
+    """ENDING: its outcome is written and only its step's exit is awaited. A connect would retry
+    its closed port for the whole 2 s deadline while the loop sees no exit (every job ended 2 s
+    late); before that, and for a new primary, the keeper connects as ever."""
+    from trainmover.controller import succession
+
+    tried = []
+    monkeypatch.setattr(Keeper, "_connect", lambda self: tried.append(self.primary.state))
+    k = Keeper.__new__(Keeper)
+    k.primary = succession.Primary("train1", 0, 0.0, 2.0, 120.0)
+    k._reach()
+    k.primary.heard(0.5)
+    k.primary.ending(1.0)
+    k._reach()
+    assert tried == [succession.State.STARTING]

@@ -244,6 +244,13 @@ class Keeper:
         return True
 
     # --- the channel to the controller ----------------------------------------------------
+    def _reach(self) -> None:
+        """Connect to the primary, unless it ended the job (ENDING): then only its step's exit is
+        awaited, and a connect would retry its closed port for its whole 2 s deadline, during
+        which the loop sees no exit (it delayed every job's end by 2 s)."""
+        if self.primary.state is not succession.State.ENDING:
+            self._connect()
+
     def _connect(self) -> None:
         if self.key is None:
             if not (self.root / "secret").exists():
@@ -331,7 +338,7 @@ class Keeper:
             if isinstance(verdict, int):
                 return self._finish(verdict)
             if verdict is None and self.conn is None:
-                self._connect()
+                self._reach()
             elif verdict is None:
                 verdict = self._serve()
                 if verdict is None and self.conn is not None and now >= next_probe:
