@@ -5,12 +5,17 @@ filesystem when the host does not have it: trainmover/cluster/rootfs.py), submit
 of the job's nodes once training is under way, and prints the migration: the rank's new
 node, the drained node leaving the job, per-phase times and the downtime. Every wait has
 a deadline; on failure it says what it waited for and where the logs are.
+
+Run by root (who starts the cluster and drains the node, as an admin would), it submits the
+job as the cluster's ordinary user (cluster/users.py: JOB_USER), from a directory of theirs
+(0700 under DEMO_DIR): no step of the job runs as root, and its files are that user's alone.
 """
 from __future__ import annotations
 
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,6 +26,22 @@ from trainmover.slurm.client import CliSlurm
 
 ROOT = Path(__file__).resolve().parents[1]
 REASON = "trainmover-demo maintenance"  # only nodes drained with this reason are resumed by a later demo
+DEMO_DIR = Path("/var/tmp/trainmover-demo")  # the submit directories of JOB_USER's demo jobs
+
+
+def _submit_dir(user: str) -> Path:
+    """A fresh directory of `user`'s (0700) under DEMO_DIR (0755, root's)."""
+    from trainmover.cluster.users import host_account
+    acct = host_account(user)
+    if acct is None:
+        raise TrainMoverError(f"demo: the cluster's user {user} is missing (`trainmover cluster up` creates it)")
+    DEMO_DIR.mkdir(mode=0o755, exist_ok=True)
+    if DEMO_DIR.is_symlink() or DEMO_DIR.stat().st_uid != 0:
+        raise TrainMoverError(f"demo: {DEMO_DIR} is not root's own directory; remove it and try again")
+    os.chmod(DEMO_DIR, 0o755)
+    d = Path(tempfile.mkdtemp(prefix="demo-", dir=DEMO_DIR))
+    os.chown(d, acct.uid, acct.gid)
+    return d
 
 
 def _wait(what: str, check, timeout: float, interval: float = 0.5):
@@ -42,9 +63,14 @@ def _last(path: Path) -> dict | None:
     return json.loads(lines[-1]) if lines else None
 
 
-def main(steps: int = 1500, workdir: Path = ROOT, slurm: str | None = None) -> int:
+def main(steps: int = 1500, workdir: Path | None = None, slurm: str | None = None) -> int:
     info = cluster.up(nodes=4, standby=2, slurm=slurm)
-    env = {**os.environ, "SLURM_CONF": str(info.slurm_conf), "TM_STEPS": str(steps)}
+    from trainmover.cluster.users import JOB_USER
+    user = JOB_USER if os.geteuid() == 0 else None  # root only starts the cluster and drains
+    if workdir is None:
+        workdir = _submit_dir(user) if user else ROOT
+    env = {**os.environ, "SLURM_CONF": str(info.slurm_conf), "TM_STEPS": str(steps),
+           "TM_PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}  # the checkout's, from any directory
     slurm = CliSlurm(slurm_conf=str(info.slurm_conf))
     for name, node in slurm.nodes().items():  # an earlier demo's drained node: give it back
         if "DRAIN" in node.flags and node.reason == REASON:
@@ -52,10 +78,10 @@ def main(steps: int = 1500, workdir: Path = ROOT, slurm: str | None = None) -> i
     print(f"[demo] cluster up on {info.slurm}: training nodes {','.join(info.train_nodes)}, "
           f"standbys {','.join(info.standby_nodes)} (reservation {info.reservation})")
     out = commands.run(["sbatch", "--parsable", f"--chdir={workdir}", str(ROOT / "sbatch_templates" / "demo_gpt_cpu.sbatch")],
-                       timeout=15, env=env).stdout
+                       timeout=15, env=env, user=user).stdout
     job_id = int(out.strip().split(";")[0])
     run = workdir / "runs" / str(job_id)
-    print(f"[demo] submitted job {job_id}; outputs in {run}")
+    print(f"[demo] submitted job {job_id} as {user or 'you'}; outputs in {run}")
     metrics = run / "metrics.jsonl"
 
     def training(step: int) -> bool:
