@@ -114,3 +114,16 @@ def test_standby_requests_are_paced_and_gated_by_the_poll():
     pool.nodes()
     pool.saw({"spare2": NodeInfo("spare2", "10.0.0.6", "IDLE+RESERVED")})
     assert "paced" not in r.acquire()[1]
+
+
+def test_the_pool_the_job_asked_for_is_taken_at_once_and_only_refills_are_paced():
+    """TM_STANDBYS=3: three grows at the start, none put off (paced from a burst of two, the
+    third came 45 s late and a short job ended without it); a fourth, a refill, waits."""
+    for standbys, paced_at in ((1, 2), (3, 3)):
+        r = resize.Resizer(_Slurm(), _job(("keep1", "train1")), reservation="trainmover_standby",
+                           standby_wait_s=10, pool=None, addr=lambda n: "", clock=lambda: 0.0, standbys=standbys)
+        waits = []
+        for _ in range(paced_at + 1):
+            waits.append(r.pace.wait(0.0, resize.GROW_RPCS))
+            r.pace.take(0.0, resize.GROW_RPCS)
+        assert waits[:paced_at] == [0.0] * paced_at and waits[paced_at] > 0, (standbys, waits)

@@ -29,7 +29,9 @@ log = logging.getLogger("trainmover.controller")
 # RPCs of one standby taken (salloc 2, each of the merge's 2 updates 3, the check of the job 1)
 # and of each further donor request a grow makes when none was granted (salloc's request, its
 # lookups and its withdrawal): slurmctld's log on 24.11, docs/admin.md. A job spends at most ACQUIRE_RATE a second on them after a
-# burst of ACQUIRE_BURST: five jobs of one user 1 RPC/s together, half the bucket's refill.
+# burst of ACQUIRE_BURST, or of the pool the job asked for if larger (TM_STANDBYS standbys are
+# taken at once at its start: paced, a third one came 45 s late and a short Megatron job ended
+# without it): five jobs of one user 1 RPC/s together, half the bucket's refill.
 GROW_RPCS = 9
 DONOR_RETRY_RPCS = 3
 DONOR_TRY_S = 2.0  # one donor request (CliSlurm.DONOR_TRY_S)
@@ -48,12 +50,12 @@ class Resizer:
     it ("" if not seen)."""
 
     def __init__(self, slurm, job: JobInfo, *, reservation: str, standby_wait_s: float, pool,
-                 addr: Callable[[str], str], clock: Callable[[], float]):
+                 addr: Callable[[str], str], clock: Callable[[], float], standbys: int = 1):
         self.slurm, self.job = slurm, job
         self.reservation, self.standby_wait_s = reservation, standby_wait_s
         self.pool, self._addr, self._clock = pool, addr, clock
         self._lock = threading.Lock()  # a grow and a release never overlap: each changes self.job
-        self.pace = TokenBucket(ACQUIRE_BURST, ACQUIRE_RATE, clock())
+        self.pace = TokenBucket(max(ACQUIRE_BURST, GROW_RPCS * standbys), ACQUIRE_RATE, clock())
 
     def acquire(self) -> tuple:
         """One try to take a standby: ("acquired", node, address) or ("unavailable", why)."""
