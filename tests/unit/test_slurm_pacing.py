@@ -106,8 +106,8 @@ def test_standby_requests_are_paced_and_gated_by_the_poll():
     assert "no idle node" in r.acquire()[1]  # ...so not again before a poll sees one idle
     pool.nodes()
     pool.saw({"spare2": NodeInfo("spare2", "10.0.0.6", "IDLE+RESERVED")})
-    # the first could ask four times within its 10 s (2 s each), the second, with what was left, once
-    assert slurm.timeouts == [8.0, 2.0]
+    # each asked once (2 s): a grow's retries never spend the next grow's tokens
+    assert slurm.timeouts == [2.0, 2.0]
     got = r.acquire()  # two grows spent the burst: paced
     assert got[0] == "unavailable" and "paced" in got[1], got
     clock[0] += (2 * resize.GROW_RPCS) / resize.ACQUIRE_RATE
@@ -127,3 +127,16 @@ def test_the_pool_the_job_asked_for_is_taken_at_once_and_only_refills_are_paced(
             waits.append(r.pace.wait(0.0, resize.GROW_RPCS))
             r.pace.take(0.0, resize.GROW_RPCS)
         assert waits[:paced_at] == [0.0] * paced_at and waits[paced_at] > 0, (standbys, waits)
+
+
+def test_a_fruitless_ask_leaves_the_next_grow_its_tokens():
+    """No spare free (another job holds them): one donor request, not the whole burst's worth,
+    so the spare freed a moment later is taken at once, not 45 s later."""
+    slurm, clock = _Slurm(), [0.0]
+    r, pool = _resizer(slurm, clock)
+    slurm.granted = []
+    assert r.acquire()[0] == "unavailable" and slurm.timeouts == [2.0]
+    slurm.granted = ["spare1"]
+    pool.nodes()
+    pool.saw({"spare1": NodeInfo("spare1", "10.0.0.5", "IDLE+RESERVED")})
+    assert r.acquire() == ("acquired", "spare1", "10.0.0.5")

@@ -70,7 +70,9 @@ class Resizer:
         # as many donor requests as the job's share allows (each of DONOR_TRY_S): when several of a
         # user's jobs race for one spare that just came free, the losers ask once or twice, not
         # for all of TM_STANDBY_WAIT_S (24.11: three jobs' retries overdrew the bucket)
-        tries = 1 + int(max(0.0, self.pace.tokens - GROW_RPCS) // DONOR_RETRY_RPCS)
+        # ... and never with the next grow's tokens: a spare freed a moment after a fruitless ask
+        # is taken at once (CI: an ask that spent the burst left a job waiting 45 s for a free spare)
+        tries = 1 + int(max(0.0, self.pace.tokens - 2 * GROW_RPCS) // DONOR_RETRY_RPCS)
         timeout = min(self.standby_wait_s, tries * DONOR_TRY_S)
         with self._lock:
             sallocs = commands.calls().get("salloc", 0)
