@@ -429,7 +429,7 @@ def test_two_jobs_share_the_standby_pool_and_a_drain_moves_only_its_own_job(demo
     # its slurmd not yet responding: the second job waited 34 s for the scheduler's next pass,
     # and the first finished before the drain); a node left drained or down is not waited for.
     wait_for("every node free of an earlier test's job", timeout=90, interval=1.0,
-             check=lambda: all(n.idle or n.drained or n.down for n in slurm_client.nodes().values()))
+             check=lambda: all(n.idle or n.drained or n.base_state == "DOWN" for n in slurm_client.nodes().values()))
     # Paced alike (same bits): two ranks train 500 steps in ~5 s once warm, and a plain drain is
     # seen at the next node poll (TM_POLL_S: 1 s here; with the default 10 s it took pace:0.05):
     # unpaced, job A ended first (CI, no migration).
