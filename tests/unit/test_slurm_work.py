@@ -39,19 +39,16 @@ JOB = JobInfo(job_id=7, state="RUNNING", nodes=("train1", "train2", "spare1"), b
               restart_count=0, work_dir="/w", partition="p", num_nodes=3)
 
 
-def work(slurm) -> SlurmWork:
-    """The controller's work, with its Resizer's release of train2 bound as `w.release`."""
-    w = SlurmWork()
-    resizer = Resizer(slurm, JOB, reservation="r", standby_wait_s=1, pool=None, addr=lambda n: "",
-                      clock=time.monotonic)
-    w.release = resizer.release
-    return w
+def work(slurm) -> tuple[SlurmWork, Resizer]:
+    """The controller's pair: its work beside the loop and its Resizer (the releases)."""
+    return SlurmWork(), Resizer(slurm, JOB, reservation="r", standby_wait_s=1, pool=None, addr=lambda n: "",
+                                clock=time.monotonic)
 
 
 def test_a_release_under_way_at_the_end_is_waited_for_and_handed_over():
     slurm = SlowShrink(0.5)
-    w = work(slurm)
-    w.start("release", lambda: w.release("train2"))
+    w, r = work(slurm)
+    w.start("release", lambda: r.release("train2"))
     assert slurm.started.wait(5)
     t0 = time.monotonic()
     assert w.finish_releases() == [("released", "train2", True, "")]
@@ -60,21 +57,21 @@ def test_a_release_under_way_at_the_end_is_waited_for_and_handed_over():
 
 def test_the_wait_is_bounded_and_a_failed_release_is_said(monkeypatch):
     monkeypatch.setattr(slurm_work, "RELEASE_WAIT_S", 0.2)
-    w = work(SlowShrink(3.0))
-    w.start("release", lambda: w.release("train2"))
+    w, r = work(SlowShrink(3.0))
+    w.start("release", lambda: r.release("train2"))
     t0 = time.monotonic()
     assert w.finish_releases() == []  # not finished within the bound: nothing claimed
     assert time.monotonic() - t0 < 1.5
     for fail, said in ((SlurmError("throttled"), "release failed: throttled"),
                        (BatchHostRelease("x"), "train2 runs the batch script")):
-        w = work(SlowShrink(0.0, fail))
-        w.start("release", lambda: w.release("train2"))
+        w, r = work(SlowShrink(0.0, fail))
+        w.start("release", lambda: r.release("train2"))
         (ev,) = w.finish_releases()
         assert ev[:3] == ("released", "train2", False) and ev[3].startswith(said), ev
 
 
 def test_other_work_is_not_waited_for_and_its_events_stay_out():
-    w = work(SlowShrink(0.0))
+    w, _ = work(SlowShrink(0.0))
     gate = threading.Event()
     w.start("acquire", lambda: (gate.wait(5), ("acquired", "spare2"))[1])
     w.start("rights", lambda: ("rights",))

@@ -142,7 +142,7 @@ class Controller:
         # the job's record, kept by this controller's own grows and releases (controller/resize.py)
         self.resizer = Resizer(self.slurm, job, reservation=cfg.reservation, standby_wait_s=cfg.standby_wait_s,
                                pool=self.watch.pool, addr=self.watch.addr, clock=time.monotonic,
-                               standbys=cfg.standbys if isinstance(cfg.standbys, int) else 1)
+                               standbys=cfg.standbys)  # a number: 'auto' was resolved above
         self.work = SlurmWork()  # grows, releases, fencing: on threads beside the loop
         self.loop_at = time.monotonic()            # the main loop's last turn (see _beat_keeper)
         if keeper:

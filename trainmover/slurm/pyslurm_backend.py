@@ -95,7 +95,11 @@ class PySlurm(CliSlurm):
             if ready:
                 line = proc.stdout.readline()
                 if line:
-                    return json.loads(line)
+                    try:
+                        return json.loads(line)
+                    except ValueError:  # not our protocol: a stray write to its stdout
+                        self._stop()
+                        raise SlurmError(f"pyslurm {what}: unreadable answer {line[:200]!r}") from None
                 self._stop()
                 raise SlurmError(f"pyslurm {what}: its process ended (exit {proc.poll()})")
             if left <= 0:
