@@ -11,6 +11,7 @@
 # Parts, in order of importance (a part gets min(its maximum, what is left of TM_BUDGET_S)):
 #   setup    nvidia-smi, cuda/libtmdelta.so (scripts/build_cuda.sh), megatron-core from .whl/ (carried)
 #   tests    unit tests of the new paths, the CUDA capture test included (pinned, side stream, gate)
+#   p2p      bench/p2p_plan.py: the planned transfer alone (chunk sizes; checks as CUDA graphs or not)
 #   refs     the two uninterrupted reference jobs side by side: gpt_demo 1B on GPU 0, Megatron 1B on GPU 1
 #   gpt      gpt_demo 1B: planned migration, then SIGKILL of the worker (snapshot tier, the standby
 #            holds the snapshots), both against the reference: gpu-planned-1b-gpu0.json,
@@ -25,11 +26,15 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . bench/gpu_common.sh
-gpu_begin 27 nvidia-h100-x2 "tests refs gpt megatron health warm"
+gpu_begin 27 nvidia-h100-x2 "tests p2p refs gpt megatron health warm"
 gpu_setup
 
 part tests 90 env TM_TEST_GPU=1 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_xferplan.py \
   tests/unit/test_capture_holding.py
+
+# the planned transfer alone, GPU 0 to GPU 1: chunk sizes, checks as CUDA graphs or kernel by kernel
+[ "$DEVICE" = cuda ] && part p2p 100 "$PY" bench/p2p_plan.py --preset "$GPT" --machine "$TM_BENCH_MACHINE" \
+  --out "$W/res/p2p-plan-$GPT.json" --timeout-s 85
 
 gpu_models
 

@@ -117,6 +117,7 @@ def test_the_standby_holds_the_two_newest_verified_versions_and_a_spoilt_copy_is
     link.send(c)
     _held(reports, 4)
     assert holder.steps() == [120, 200] and digest(holder.version(200).state()) == digest(good)
+    assert reports[-1][2]["streams"] == holding.STREAMS > 1
     holder.close()
 
 
@@ -198,3 +199,21 @@ def test_a_snapshot_due_while_its_host_buffers_are_being_allocated_is_skipped():
     slab = snaps.capture.slabs[0]
     cap = snaps.take(40, s1, None)
     assert cap is not None and cap.slab is slab and snaps.last["alloc_s"] is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_checks_on_the_gpu_in_pieces_match_the_cpus_and_find_a_nan_in_a_later_piece(monkeypatch):
+    monkeypatch.setattr(capture, "VERIFY_CHUNK_BYTES", 4096)  # many pieces per tensor, one buffer reused
+    torch.manual_seed(1)
+    host = [torch.randn(10_001).pin_memory(), torch.randn(3, 1001).to(torch.bfloat16).pin_memory(),  # odd: 16-bit words
+            torch.randn(2049, dtype=torch.float64), torch.arange(5000, dtype=torch.int64), torch.empty(0)]
+    on_gpu, on_cpu = capture.Checker("cuda"), capture.Checker(None)
+    for t in host:
+        on_gpu.add(t)
+        on_cpu.add(t)
+    assert on_gpu.sums() == on_cpu.sums() == capture.word_sums(host)
+    assert on_gpu.nonfinite() == on_cpu.nonfinite() == 0
+    host[1].view(-1)[2900] = float("inf")  # far past the first piece
+    host[2][2000] = float("nan")
+    assert capture.nonfinite_count(host, via="cuda") == capture.nonfinite_count(host) == 2

@@ -171,14 +171,34 @@ def test_gpu_checks_on_a_side_stream_match_the_word_sums():
     assert plan.verdict() == (0, 0)
     plan.warm()  # the checks once before the pause: same sums, nothing left behind
     assert plan.sums.tolist() == want and plan.verdict() == (0, 0)
+    assert plan._graphs is not None and len(plan._graphs) == len(plan.chunks)  # captured: replayed from here on
     other = xferplan.into(plan.specs, None)  # host tensors travel packed in the manifest
     other.unpack_host(plan.pack_host(plan.tensors))
     assert torch.equal(other.tensors[3], cuda["rng"])
-    cuda["w"][0, 0] = float("nan")
+    cuda["w"][0, 0] = float("nan")  # written in place: the graphs read the new bytes
     plan.reset()
-    for c in range(len(plan.chunks)):
-        plan.check_chunk(c)
+    plan.sums.zero_()
+    with torch.cuda.stream(side):
+        for c in range(len(plan.chunks)):
+            plan.check_chunk(c)
+    torch.cuda.current_stream().wait_stream(side)
+    assert plan.sums.tolist() == [int(transfer._word_view(t).sum(dtype=torch.int64)) for t in plan.wire]
     assert plan.verdict() == (1, 1)
+    # the sender's kind (no norms): its own graphs; a receiver's check on it runs eagerly
+    sender = xferplan.of_state({"a": torch.randn(300, 300, device="cuda"), "b": torch.randn(5, device="cuda")})[1]
+    sender.warm(finite=False)
+    assert sender._graphs is not None and not sender._graphs_finite
+    sender.pack()
+    sender.sums.zero_()
+    for c in range(len(sender.chunks)):
+        sender.check_chunk(c, finite=False)
+    assert sender.sums.tolist() == [int(transfer._word_view(t).sum(dtype=torch.int64)) for t in sender.wire]
+    assert sender._norms == []
+    sender.tensors[0][0, 0] = float("inf")
+    for c in range(len(sender.chunks)):
+        sender.check_chunk(c)  # with norms: eager
+    sender.peer_sums.copy_(sender.sums)
+    assert sender.verdict() == (0, 1)
 
 
 def test_a_leaver_votes_for_the_switch_only_a_boundary_after_its_plan():

@@ -224,7 +224,9 @@ class NcclChannel:
         on a side stream beside the sends (reads only), sent last. The plan's signature goes
         to the store first (a joiner with the same plan posts its receives at once), the
         manifest (`manifest()`) once the sends are posted."""
+        ts = [time.perf_counter()]
         self.b.store.set(self._key("sig"), plan.sig)
+        ts.append(time.perf_counter())
         main, side = torch.cuda.current_stream(), self._side()
         plan.pack()
         side.wait_stream(main)
@@ -237,16 +239,22 @@ class NcclChannel:
             bad.view(-1).view(torch.uint8)[0] ^= 0xFF
             chunks = [[bad] + chunks[0][1:]] + chunks[1:]
         t0 = time.perf_counter()
+        ts.append(t0)
         for chunk in chunks:
             with lib.group():
                 for t in chunk:
                     self.b.comm.send(t, dst)
+            ts.append(time.perf_counter())
         main.wait_stream(side)
         with lib.group():
             self.b.comm.send(plan.sums, dst)
         self.send_bytes(manifest(), dst)
+        ts.append(time.perf_counter())
         main.synchronize()
         self.group_s = time.perf_counter() - t0
+        # where the sender's host time went, from its first call: signature stored, checks
+        # enqueued, each chunk posted, manifest stored, (then) the device done
+        self.send_marks = [round(t - ts[0], 5) for t in ts[1:]] + [round(time.perf_counter() - ts[0], 5)]
 
     def recv_planned(self, plan, src: int):
         """Chunks straight into the plan's buffers; after each, the side stream checks it while
@@ -257,6 +265,7 @@ class NcclChannel:
         side.wait_stream(main)  # the buffers' earlier users come first
         ev[0].record(main)
         t0 = time.perf_counter()
+        self.post_marks = []  # host time each chunk's receives were posted (and its checks enqueued)
         for c, chunk in enumerate(plan.chunks):
             with lib.group():
                 for t in chunk:
@@ -266,6 +275,7 @@ class NcclChannel:
             side.wait_event(landed)
             with torch.cuda.stream(side):
                 plan.check_chunk(c)
+            self.post_marks.append(round(time.perf_counter() - t0, 5))
         with lib.group():
             self.b.comm.recv(plan.peer_sums, src)
         ev[1].record(main)
@@ -281,7 +291,8 @@ class NcclChannel:
         torch.cuda.current_stream().synchronize()
         self.group_s = ev[0].elapsed_time(ev[1]) / 1000
         return {"copy_s": round(self.group_s, 5), "verify_tail_s": round(max(0.0, ev[1].elapsed_time(ev[2])) / 1000, 5),
-                "post_s": round(posted, 5), "host_wait_s": round(time.perf_counter() - t0, 5)}
+                "post_s": round(posted, 5), "host_wait_s": round(time.perf_counter() - t0, 5),
+                "post_marks": list(getattr(self, "post_marks", [])), "checks_graphed": plan._graphs is not None}
 
 
 PACK_BELOW_BYTES = 1 << 20  # smaller tensors travel packed: one message per dtype, not hundreds

@@ -76,57 +76,80 @@ def word_digest(specs: list[tuple[str, tuple, str]], sums: list[int]) -> str:
     return h.hexdigest()
 
 
-def _sum_on(t: torch.Tensor, device: torch.device, scratch: dict) -> torch.Tensor:
-    """Word sum of host tensor `t` on `device`, moved there in chunks through a reused buffer."""
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    words = _word_view(flat)
-    step = max(1, VERIFY_CHUNK_BYTES // words.element_size())
-    total = torch.zeros((), dtype=torch.int64, device=device)
-    for start in range(0, words.numel(), step):
-        part = words[start:start + step]
-        buf = scratch.get(part.dtype)
-        if buf is None or buf.numel() < part.numel():
-            buf = scratch[part.dtype] = torch.empty(max(step, part.numel()), dtype=part.dtype, device=device)
-        dev = buf[:part.numel()]
-        dev.copy_(part, non_blocking=part.is_pinned())
-        total += dev.sum(dtype=torch.int64)
-    return total
+class Checker:
+    """Word sums and non-finite counts of tensors, added one at a time (a holder checks each
+    tensor as it lands while the rest are still on the wire). CUDA tensors are checked where
+    they are; host tensors on `via` when it is a CUDA device, else on the CPU. On `via` each
+    piece of up to VERIFY_CHUNK_BYTES is copied there once and both checks read that copy:
+    one pass over the bytes, not one per check (two passes took 0.95 s for 14.6 GB on an H100)."""
+
+    def __init__(self, via: torch.device | str | None = None):
+        via = torch.device(via) if via is not None else None
+        self.via = via if via is not None and via.type == "cuda" else None
+        self._sums: list[torch.Tensor] = []
+        self._bad: list[torch.Tensor] = []
+        self._buf: dict[torch.dtype, torch.Tensor] = {}  # a reused device buffer per word type
+
+    def add(self, t: torch.Tensor, sums: bool = True, finite: bool = True) -> None:
+        """Check `t`: its word sum (`sums`) and whether it holds a NaN or Inf (`finite`, for
+        floating-point tensors)."""
+        check = finite and t.is_floating_point() and t.numel() > 0
+        if not t.numel() or t.device.type == "cuda" or self.via is None:
+            if sums:
+                self._sums.append(_word_view(t).sum(dtype=torch.int64) if t.numel()
+                                  else torch.zeros((), dtype=torch.int64))
+            if check:
+                self._bad.append(torch.isfinite(t).logical_not().any())
+            return
+        # the word type is the whole tensor's (a piece alone might pick another and sum differently)
+        words = _word_view(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        step = max(1, VERIFY_CHUNK_BYTES // words.element_size())
+        need = min(step, words.numel())
+        buf = self._buf.get(words.dtype)
+        if buf is None or buf.numel() < need:
+            buf = self._buf[words.dtype] = torch.empty(step, dtype=words.dtype, device=self.via)
+        total = torch.zeros((), dtype=torch.int64, device=self.via)
+        bad = torch.zeros((), dtype=torch.bool, device=self.via)
+        for start in range(0, words.numel(), step):
+            part = words[start:start + step]
+            dev = buf[:part.numel()]
+            dev.copy_(part, non_blocking=part.is_pinned())
+            if sums:
+                total += dev.sum(dtype=torch.int64)
+            if check and (part.numel() * part.element_size()) % t.element_size() == 0:
+                bad |= torch.isfinite(dev.view(torch.uint8).view(t.dtype)).logical_not().any()
+        if sums:
+            self._sums.append(total)
+        if check:
+            self._bad.append(bad)
+
+    def sums(self) -> list[int]:
+        """The word sums added, in order (one read back)."""
+        dev = self.via or torch.device("cpu")
+        return [int(x) for x in torch.stack([x.to(dev) for x in self._sums]).tolist()] if self._sums else []
+
+    def nonfinite(self) -> int:
+        """How many of the floating-point tensors added hold a NaN or Inf."""
+        dev = self.via or torch.device("cpu")
+        return int(torch.stack([x.to(dev) for x in self._bad]).sum()) if self._bad else 0
 
 
 def word_sums(tensors: list[torch.Tensor], via: torch.device | str | None = None) -> list[int]:
     """Each tensor's word sum. CUDA tensors are summed where they are; host tensors on `via`
     (a CUDA device: fast, the host's cores stay free) or on the CPU."""
-    via = torch.device(via) if via is not None else None
-    out: list = []
-    scratch: dict = {}
+    check = Checker(via)
     for t in tensors:
-        if not t.numel():
-            out.append(torch.zeros((), dtype=torch.int64))
-        elif t.device.type == "cuda":
-            out.append(_word_view(t).sum(dtype=torch.int64))
-        elif via is not None and via.type == "cuda":
-            out.append(_sum_on(t, via, scratch))
-        else:
-            out.append(_word_view(t).sum(dtype=torch.int64))
-    return [int(x) for x in torch.stack([x.cpu() for x in out]).tolist()] if out else []
+        check.add(t, finite=False)
+    return check.sums()
 
 
 def nonfinite_count(tensors: list[torch.Tensor], via: torch.device | str | None = None) -> int:
     """Floating-point tensors holding a NaN or Inf; host tensors checked on `via` when it is a
-    CUDA device (in chunks), else on the CPU."""
-    via = torch.device(via) if via is not None else None
-    bad = 0
+    CUDA device (in pieces), else on the CPU."""
+    check = Checker(via)
     for t in tensors:
-        if not t.is_floating_point() or not t.numel():
-            continue
-        if t.device.type == "cpu" and via is not None and via.type == "cuda":
-            flat = t.detach().reshape(-1)
-            step = max(1, VERIFY_CHUNK_BYTES // t.element_size())
-            bad += int(any(not bool(torch.isfinite(flat[i:i + step].to(via, non_blocking=True)).all())
-                           for i in range(0, flat.numel(), step)))
-        else:
-            bad += int(not bool(torch.isfinite(t).all()))
-    return bad
+        check.add(t, sums=False)
+    return check.nonfinite()
 
 
 CHUNK_BYTES = 256 << 20  # host buffers are allocated (and pinned) in pieces of at most this

@@ -412,14 +412,17 @@ def _trace(g, op, args):
 
 
 def gloo_group(store: dist.Store, prefix: str, rank: int, size: int, *, host: str,
-               timeout: datetime.timedelta) -> dist.ProcessGroupGloo:
+               timeout: datetime.timedelta, devices: int = 1) -> dist.ProcessGroupGloo:
     """A gloo group built by its members only, on `store` under `prefix`.
 
     `host` is this node's address from Slurm: every node of the local cluster shares one
-    machine's port space, and on a real cluster it picks the right interface."""
+    machine's port space, and on a real cluster it picks the right interface. `devices` > 1:
+    that many connections between each pair of members, each with its own I/O thread; a
+    send or receive with tag t goes over connection t % devices (every member must pass the
+    same number)."""
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host) for _ in range(max(1, devices))]
     try:
         return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, opts)
     except RuntimeError as exc:  # gloo reports rendezvous timeouts as RuntimeError

@@ -135,7 +135,7 @@ class Switch:
         try:
             state = like if like is not None else self.ctx.full_state(0)
             prep.plan = xferplan.of_state(state)[1]
-            prep.plan.warm()
+            prep.plan.warm(finite=like is not None)  # the joiner receives (and checks norms), the leaver sends
             transfer.warm_manifest(state, prep.plan)
         except (RuntimeError, ValueError) as exc:  # made again in the pause instead (slower, still exact)
             log.warning("transfer plan not made ahead: %s", exc)
