@@ -185,7 +185,8 @@ def test_gpu_checks_on_a_side_stream_match_the_word_sums():
     assert plan.sums.tolist() == [int(transfer._word_view(t).sum(dtype=torch.int64)) for t in plan.wire]
     assert plan.verdict() == (1, 1)
     # the sender's kind (no norms): its own graphs; a receiver's check on it runs eagerly
-    sender = xferplan.of_state({"a": torch.randn(300, 300, device="cuda"), "b": torch.randn(5, device="cuda")})[1]
+    sender = xferplan.of_state({"a": torch.randn(600, 512, device="cuda"), "b": torch.randn(5, device="cuda")})[1]
+    assert sender.chunks[0][0].data_ptr() == sender.tensors[0].data_ptr()  # "a" travels alone, not packed
     sender.warm(finite=False)
     assert sender._graphs is not None and not sender._graphs_finite
     sender.pack()

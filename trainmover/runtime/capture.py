@@ -35,6 +35,7 @@ CPU nodes (tests, the CPU demo): the same interface, plain memory, copies made a
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +44,8 @@ from dataclasses import dataclass, field
 import torch
 
 from trainmover.runtime.transfer import _flatten, _unflatten, _word_view
+
+log = logging.getLogger("trainmover.capture")
 
 VERIFY_CHUNK_BYTES = 256 << 20  # a receiver's GPU checksum: host bytes moved to the device this much at a time
 STAGE_MARGIN_BYTES = 8 << 30    # device memory left free beside a stage (fragmentation, a later peak)
@@ -225,7 +228,9 @@ _REGISTERED: list[torch.Tensor] = []  # host memory registered with CUDA: kept f
 def _touched(n: int, dtype: torch.dtype) -> torch.Tensor:
     """n elements of pageable host memory, page aligned, every page written once."""
     size = torch.empty((), dtype=dtype).element_size()
-    raw = torch.empty(n * size + PAGE, dtype=torch.uint8)
+    # two pages of slack: the pages the buffer touches lie inside this allocation, so that no
+    # two registrations share a page (CUDA refuses a page registered twice)
+    raw = torch.empty(n * size + 2 * PAGE, dtype=torch.uint8)
     off = (-raw.data_ptr()) % PAGE
     buf = raw[off:off + n * size]
     buf.zero_()
@@ -242,6 +247,7 @@ def _register(t: torch.Tensor) -> torch.Tensor:
     if rc == 0:
         _REGISTERED.append(t)
         return t
+    log.debug("cudaHostRegister of %d bytes: error %d; allocating it pinned instead", t.numel() * t.element_size(), rc)
     return torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
 
 
