@@ -391,3 +391,28 @@ def test_one_finished_process_of_a_two_rank_node_is_not_the_loss_of_the_node():
     # its node-mate vanishing before it finished is a loss of the node (both ranks)
     p.on_peer_gone(3.2, "train2", (3,))
     assert p.recovery() is not None and p.recovery().leaver_ranks == (2, 3)
+
+
+def test_one_node_planned_pause_is_the_gap_no_rank_trained_not_against_a_median_step():
+    """With no stayer the pause is from the leaver's report of the switch step to the start of
+    the joiner's next step: slow steps before it (Phase 1) or a fast first step after it do
+    not move it (against the median interval it read 0.0 here, clamped)."""
+    from trainmover.controller.migration import Migration
+    from trainmover.controller.progress import Progress
+    from trainmover.controller.state import PolicyState
+    prog = Progress(PolicyState.__new__(PolicyState))
+    t = 0.0
+    for step in range(1, 11):
+        step_s = 0.36 if step < 6 else 0.47          # the leaver slowed by its Phase 1
+        t += step_s
+        prog.steps.setdefault(0, []).append((step, t, step_s))
+    leaver_end = t
+    joiner_start = leaver_end + 0.09                  # the pause: 90 ms nobody trained
+    prog.steps[0].append((11, joiner_start + 0.30, 0.30))  # a first step faster than the median
+    m = Migration.__new__(Migration)
+    m.leaver_ranks, m.recovery, m.switch_step = [0], False, 10
+    assert abs(prog.downtime(m) - 0.09) < 1e-9
+    # with a stayer the stayers' view stays: their gap across the switch less a median step
+    for step in range(1, 12):
+        prog.steps.setdefault(1, []).append((step, step * 0.4 + (0.2 if step == 11 else 0.0), 0.4))
+    assert abs(prog.downtime(m) - 0.2) < 1e-9

@@ -14,7 +14,7 @@ class Progress:
         self.state = state
         # Not journaled: the ranks report their steps again to a successor, which skips those
         # metrics.jsonl logged already (metrics_through, read from that file by the executor).
-        self.steps: dict[int, list[tuple[int, float]]] = {}     # rank -> [(step, t)], the last 64
+        self.steps: dict[int, list[tuple[int, float, float]]] = {}  # rank -> [(step, t, step_s)], the last 64
         self.rows: dict[int, dict[int, dict]] = {}              # step -> rank -> report, until complete
         self.finished: dict[int, dict] = {}                     # rank -> its 'finished' report
         self.metrics_through = 0     # last step in metrics.jsonl
@@ -23,7 +23,7 @@ class Progress:
         """A rank's step report; the row of its step once every rank reported it."""
         rank, step = msg["rank"], msg["step"]
         hist = self.steps.setdefault(rank, [])
-        hist.append((step, msg["t"]))
+        hist.append((step, msg["t"], float(msg.get("step_s") or 0.0)))
         del hist[:-64]
         row = self.rows.setdefault(step, {})
         row[rank] = {"loss": msg["loss"], "step_s": msg["step_s"], "node": node, "t": msg["t"]}
@@ -38,7 +38,7 @@ class Progress:
         return statistics.median(gaps) if gaps else 0.0
 
     def completed(self) -> int | None:
-        return max((s for hist in self.steps.values() for s, _ in hist), default=None)
+        return max((h[0] for hist in self.steps.values() for h in hist), default=None)
 
     def metrics_row(self, step: int, row: dict) -> Record:
         """One line of metrics.jsonl. A rank that died before reporting `step` has no loss
@@ -66,21 +66,26 @@ class Progress:
         one normal step (median interval before), each rank on its own clock; the worst rank.
 
         A planned migration with no stayer (a one-node job) has nobody who sees the pause from
-        outside: it is then the leaver's ranks' own, the end of step s reported by the leaver and
-        of step s+1 by the joiner, i.e. measured on the joiner's side against the leaver's last
-        report (two processes: one clock on one host, else the clocks' skew adds to it)."""
+        outside: it is then the time no rank trained, from the leaver's report of step s to the
+        start of the joiner's step s+1 (its report less its own step time). Not against a median
+        step: Phase 1 slows the leaver's last steps and a host-bound step varies by tens of ms,
+        which made that difference swing either way (0.0 s once, clamped, on a Megatron job).
+        Two processes: one clock on one host, else the clocks' skew adds to it."""
         worst = None
         stayers = [r for r in self.steps if r not in m.leaver_ranks]
+        s = m.switch_step
         for rank, hist in self.steps.items():
             if rank in m.leaver_ranks and (stayers or m.recovery):
                 continue
-            t = dict(hist)
-            s = m.switch_step
+            t = {h[0]: h for h in hist}
             if s not in t or s + 1 not in t:
                 continue
-            before = [t[k + 1] - t[k] for k in range(s - 16, s) if k in t and k + 1 in t]
-            if not before:
-                continue
-            gap = t[s + 1] - t[s] - statistics.median(before)
+            if not stayers and not m.recovery:
+                gap = t[s + 1][1] - t[s + 1][2] - t[s][1]
+            else:
+                before = [t[k + 1][1] - t[k][1] for k in range(s - 16, s) if k in t and k + 1 in t]
+                if not before:
+                    continue
+                gap = t[s + 1][1] - t[s][1] - statistics.median(before)
             worst = gap if worst is None else max(worst, gap)
         return None if worst is None else round(max(worst, 0.0), 6)

@@ -215,6 +215,11 @@ class Holding:
             free = [s for s in self.slabs if id(s) not in in_use and s.matches(specs)]
             if free:
                 return free[0]
+            if self.slabs and not self.held and not self.slabs[0].matches(specs):
+                mine = self.slabs[0].specs
+                diff = next(((a, b) for a, b in zip(mine, specs) if tuple(a) != tuple(b)), (len(mine), len(specs)))
+                log.warning("holding rank %d: the worker's layout differs from the slab allocated ahead (%s vs %s): "
+                            "allocating another", self.ward, diff[0], diff[1])
         if self.second is not None and self.second.is_alive():
             self.second.join(self.timeout_s)  # the second slab, allocated beside the first version
             self.second = None
