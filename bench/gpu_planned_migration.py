@@ -163,7 +163,7 @@ def summarize(ref: dict, mig: dict, p2p: float | None) -> dict:
     return {
         "planned_downtime_s": m["downtime_s"],
         # no stayer (one worker): nobody outside the migration sees the pause; it is the leaver's rank's
-        "pause_measured_on": "stayers" if stayers else "joiner (no stayer: its first step against the leaver's last)",
+        "pause_measured_on": "stayers" if stayers else "no stayer: from the leaver's report of the switch step to the start of the joiner's next step (the time no rank trained; first_step_extra_s apart)",
         "pause_from_rows_s": (round(rows[s + 1]["t"] - rows[s]["t"] - steady_step_s, 6)
                               if s in rows and s + 1 in rows else None),
         "detect_s": round(m["phases"]["requested"] - mig["trigger"]["t"], 4) if mig["trigger"].get("t") else None,
