@@ -40,7 +40,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench import results_io  # noqa: E402
 from bench.cpu_checkpoint_restart import machine  # noqa: E402
+from bench.cpu_slurmctld_load import user_workdir  # noqa: E402
 from bench.polling import read_jsonl, wait  # noqa: E402
+from trainmover.cluster.users import JOB_USER  # noqa: E402
 from trainmover import cluster  # noqa: E402
 from trainmover.slurm import commands  # noqa: E402
 from trainmover.slurm.client import CliSlurm  # noqa: E402
@@ -59,8 +61,9 @@ def read_json(path: Path) -> dict:
 class Job:
     def __init__(self, env: dict, workdir: Path, slurm: CliSlurm):
         self.env, self.slurm = env, slurm
+        # the job is an ordinary user's (its submit directory theirs, 0700); draining is the admin's (root)
         out = commands.run(["sbatch", "--parsable", "--job-name=tm-bench-ctlmove", f"--chdir={workdir}",
-                            str(TEMPLATE)], timeout=15, env=env).stdout
+                            str(TEMPLATE)], timeout=15, env=env, user=JOB_USER).stdout
         self.id = int(out.strip().split(";")[0])
         self.run = workdir / "runs" / str(self.id)
         self.out = workdir / f"slurm-{self.id}.out"
@@ -79,11 +82,24 @@ class Job:
         return len(re.findall(r"warm \(imports done\)", text)) - len(re.findall(
             r"trainmover\.supervisor warm successor on \S+ takes over", text))
 
-    def ready(self) -> bool:
+    def missing(self) -> str:
+        """What the next trial still waits for ('' when nothing): a warm standby, the warm
+        successors, a controller that resumed, no migration under way."""
         st = read_json(self.run / "status.json")
-        return (any(s["state"] == "ready" for s in st.get("standbys", [])) and self.warm_successors() >= self.successors
-                and not st.get("controller", {}).get("resuming", True) and not any(
-                    m["state"] not in ("done", "aborted", "failed") for m in st.get("migrations", [])))
+        why = []
+        if not any(s["state"] == "ready" for s in st.get("standbys", [])):
+            why.append(f"no ready standby ({[(s.get('node'), s.get('state')) for s in st.get('standbys', [])]})")
+        if self.warm_successors() < self.successors:
+            why.append(f"{self.warm_successors()} of {self.successors} warm successors")
+        if st.get("controller", {}).get("resuming", True):
+            why.append("the controller is resuming")
+        busy = [m["state"] for m in st.get("migrations", []) if m["state"] not in ("done", "aborted", "failed")]
+        if busy:
+            why.append(f"migrations under way: {busy}")
+        return "; ".join(why)
+
+    def ready(self) -> bool:
+        return not self.missing()
 
     def step(self) -> int:
         return (read_jsonl(self.run / "metrics.jsonl") or [{}])[-1].get("step", 0)
@@ -132,6 +148,10 @@ def lost(job: Job, how: str, timeout: float) -> dict:
     t_stop = time.time()
     os.kill(pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
     serving = serving_after(job, attempt, timeout)
+    if how == "frozen":
+        # The hung process is the host's to clean up (an admin, or Slurm ending its step): left
+        # stopped, its step could not end in time and slurmd drained the node ("Kill task failed").
+        os.kill(pid, signal.SIGKILL)
     return {"node": node, "to": job.controller()["node"], "attempt": attempt + 1, "how": how,
             "stopped_to_serving_s": round(serving["t"] - t_stop, 3)}
 
@@ -166,8 +186,7 @@ def main():
                PYTHONPATH=str(ROOT), TM_CONTROLLER_RESTARTS="50", TM_CONTROLLER_SUCCESSORS=str(args.successors))
     # a submit directory of its own: job ids start again at 1 on a new cluster, and a controller
     # refuses a run directory an earlier job of that id left (its secret)
-    workdir = ROOT / "runs" / f"bench-controller-move-{time.strftime('%Y%m%d-%H%M%S')}"
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = user_workdir(f"controller-move-{time.strftime('%Y%m%d-%H%M%S')}")
     job = Job(env, workdir, slurm)
     job.successors, job.drain_with = args.successors, args.drain_with
     trials: dict[str, list] = {"planned": [], "killed": [], "frozen": [], "killed_after_move": []}
@@ -176,7 +195,10 @@ def main():
         wait(f"job {job.id} to train", lambda: job.step() >= 20, 180, 0.5)
         for _ in range(args.repeats):
             for kind in trials:
-                wait("a warm standby and a warm successor", job.ready, 180, 0.2)
+                try:
+                    wait("a warm standby and a warm successor", job.ready, 180, 0.2)
+                except TimeoutError as exc:
+                    raise TimeoutError(f"{exc}: {job.missing()}") from None
                 time.sleep(1.0)  # a few steps at the steady state
                 trials[kind].append(planned(job, args.timeout) if kind == "planned" else
                                     killed_after_move(job, args.timeout) if kind == "killed_after_move" else
@@ -201,7 +223,8 @@ def main():
         **results_io.provenance(__file__),
         "settings": {"template": "demo_gpt_cpu.sbatch", "training_nodes": 3, "standbys": 1, "repeats": args.repeats,
                      "TM_CONTROLLER_RESTARTS": 50, "controller_deadline_s": 2.0, "job_id": job.id,
-                     "TM_CONTROLLER_SUCCESSORS": args.successors, "drain_with": args.drain_with},
+                     "TM_CONTROLLER_SUCCESSORS": args.successors, "drain_with": args.drain_with,
+                     "job_user": JOB_USER},
         "metrics": {
             "hand_over_to_serving_s": summary([t["hand_over_to_serving_s"] for t in trials["planned"]]),
             "drain_to_node_out_s": summary([t["drain_to_node_out_s"] for t in trials["planned"]]),

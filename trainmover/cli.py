@@ -5,7 +5,7 @@
     trainmover status --job J [--json]
     trainmover migrate --job J --node N
     trainmover config                      (every TM_* variable, its default and meaning)
-    trainmover demo [--steps N] [--slurm V] (cluster up, submit, drain, show the migration)
+    trainmover demo [--steps N] [--slurm V] [--verify] (cluster up, submit, drain, show the migration)
     trainmover healthcheck [--node N] ...  (node health; drains with a 'trainmover:' reason)
     trainmover drain NODE --reason TEXT   (admin: drain, and tell the jobs there at once)
     trainmover node-reader [--interval S]  (root service: every node's state for every job, one RPC)
@@ -218,8 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="start the local cluster, submit the demo, drain a node, show the migration")
     d.add_argument("--steps", type=int, default=1500)
     d.add_argument("--slurm", metavar="V", default=None,
-                   help="Slurm release (22.05, 24.11, 26.05): the host's when it has it, else from a Debian root "
-                        "filesystem built once (default: the host's)")
+                   help="Slurm release (22.05, 24.11, 25.11, 26.05): the host's when it has it, else from a Debian "
+                        "root filesystem built once, 25.11 from source (default: the host's)")
+    d.add_argument("--verify", action="store_true",
+                   help="then let the job finish, run it again with no drain and compare every loss and the final "
+                        "state digest (exit 1 unless bit-exact)")
     from trainmover.healthcheck.cli import add_arguments as healthcheck_arguments
     healthcheck_arguments(sub.add_parser("healthcheck", help="check this node (GPU, disk); drain it on a fault"))
     u = sub.add_parser("submit", help="sbatch, after asking Slurm (sbatch --test-only) whether the job could "
@@ -277,7 +280,7 @@ def main(argv=None) -> int:
             return _node_reader(args)
         if args.command == "demo":
             from trainmover.demo import main as demo_main
-            return demo_main(steps=args.steps, slurm=args.slurm)
+            return demo_main(steps=args.steps, slurm=args.slurm, check=args.verify)
         if args.command == "healthcheck":
             from trainmover.healthcheck.cli import main as healthcheck_main
             return healthcheck_main(args)

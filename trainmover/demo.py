@@ -3,8 +3,10 @@
 Starts the local Slurm cluster (the host's Slurm, or release V from a Debian root
 filesystem when the host does not have it: trainmover/cluster/rootfs.py), submits `sbatch_templates/demo_gpt_cpu.sbatch`, drains one
 of the job's nodes once training is under way, and prints the migration: the rank's new
-node, the drained node leaving the job, per-phase times and the downtime. Every wait has
-a deadline; on failure it says what it waited for and where the logs are.
+node, the drained node leaving the job, per-phase times and the downtime. With `--verify` it
+then lets the job finish, runs it again with no drain and compares every step's losses and
+the final state digest (bit-exact, or exit 1). Every wait has a deadline; on failure it says
+what it waited for and where the logs are.
 
 Run by root (who starts the cluster and drains the node, as an admin would), it submits the
 job as the cluster's ordinary user (cluster/users.py: JOB_USER), from a directory of theirs
@@ -63,7 +65,53 @@ def _last(path: Path) -> dict | None:
     return json.loads(lines[-1]) if lines else None
 
 
-def main(steps: int = 1500, workdir: Path | None = None, slurm: str | None = None) -> int:
+def _rows(run: Path) -> dict[int, list]:
+    """Each logged step's losses (every rank's) from a run's metrics.jsonl."""
+    path = run / "metrics.jsonl"
+    return {r["step"]: r["losses"] for r in map(json.loads, path.read_text().splitlines())} if path.exists() else {}
+
+
+def _final(slurm: CliSlurm, job_id: int, run: Path, out: Path, timeout: float) -> dict:
+    """The job's final.json once it finished; an error naming its state if it ended without one."""
+    def done():
+        if (run / "final.json").exists():
+            return json.loads((run / "final.json").read_text())
+        if slurm.job(job_id).state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+            tail = "\n".join(out.read_text(errors="replace").splitlines()[-15:]) if out.exists() else "(no output)"
+            raise TrainMoverError(f"demo: job {job_id} ended {slurm.job(job_id).state} without final.json; {out}:\n{tail}")
+        return None
+    return _wait(f"job {job_id} to finish", done, timeout, 1.0)
+
+
+def verify(slurm: CliSlurm, env: dict, user: str | None, workdir: Path, job_id: int, steps: int) -> bool:
+    """`--verify`: let the job finish, run the same job again with no drain, and compare every
+    step's losses and the final state digest. Prints the verdict; True when bit-exact."""
+    run = workdir / "runs" / str(job_id)
+    timeout = 120 + steps * 0.5  # the CPU demo runs ~10 steps a second; generous for a loaded host
+    final = _final(slurm, job_id, run, workdir / f"slurm-{job_id}.out", timeout)
+    ref_dir = _submit_dir(user) if user else workdir
+    ref_id = _sbatch(env, ref_dir, user)
+    print(f"[demo] job {job_id} finished at step {final['steps']}; the reference, job {ref_id}, runs the same with no drain")
+    ref_run = ref_dir / "runs" / str(ref_id)
+    ref = _final(slurm, ref_id, ref_run, ref_dir / f"slurm-{ref_id}.out", timeout)
+    got, want = _rows(run), _rows(ref_run)
+    differ = [s for s in sorted(want) if got.get(s) != want[s]]
+    if sorted(got) != sorted(want) or differ or final["digest"] != ref["digest"]:
+        print(f"[demo] NOT BIT-EXACT: steps logged {len(got)} vs {len(want)}, losses differ at steps {differ[:5]}, "
+              f"digest {final['digest'][:12]} vs {ref['digest'][:12]}")
+        return False
+    print(f"[demo] BIT-EXACT: all {len(want)} steps' losses of every rank and the final state digest "
+          f"({final['digest'][:12]}) equal the uninterrupted run's")
+    return True
+
+
+def _sbatch(env: dict, workdir: Path, user: str | None) -> int:
+    out = commands.run(["sbatch", "--parsable", f"--chdir={workdir}", str(ROOT / "sbatch_templates" / "demo_gpt_cpu.sbatch")],
+                       timeout=15, env=env, user=user).stdout
+    return int(out.strip().split(";")[0])
+
+
+def main(steps: int = 1500, workdir: Path | None = None, slurm: str | None = None, check: bool = False) -> int:
     info = cluster.up(nodes=4, standby=2, slurm=slurm)
     from trainmover.cluster.users import JOB_USER
     user = JOB_USER if os.geteuid() == 0 else None  # root only starts the cluster and drains
@@ -77,9 +125,7 @@ def main(steps: int = 1500, workdir: Path | None = None, slurm: str | None = Non
             slurm.resume(name)
     print(f"[demo] cluster up on {info.slurm}: training nodes {','.join(info.train_nodes)}, "
           f"standbys {','.join(info.standby_nodes)} (reservation {info.reservation})")
-    out = commands.run(["sbatch", "--parsable", f"--chdir={workdir}", str(ROOT / "sbatch_templates" / "demo_gpt_cpu.sbatch")],
-                       timeout=15, env=env, user=user).stdout
-    job_id = int(out.strip().split(";")[0])
+    job_id = _sbatch(env, workdir, user)
     run = workdir / "runs" / str(job_id)
     print(f"[demo] submitted job {job_id} as {user or 'you'}; outputs in {run}")
     metrics = run / "metrics.jsonl"
@@ -118,6 +164,9 @@ def main(steps: int = 1500, workdir: Path | None = None, slurm: str | None = Non
           f"(training continued), switch {d['switch_s']:.3f}s, release {d['release_s']:.3f}s")
     print(f"[demo] DOWNTIME {m['downtime_s']:.3f}s (pause seen by the stayers, minus one normal step) "
           f"on Slurm {info.slurm_version}")
+    if check:
+        slurm.resume(leaver)  # the reference needs as many nodes as the job had
+        return 0 if verify(slurm, env, user, workdir, job_id, steps) else 1
     print(f"[demo] job {job_id} trains on to step {steps}; `trainmover status --job {job_id}` shows it, "
           f"`scontrol update nodename={leaver} state=resume` returns the node"
           + (f" (with the Slurm commands on PATH: eval \"$(trainmover cluster env --dir {info.state_dir})\")"
