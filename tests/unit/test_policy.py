@@ -416,3 +416,38 @@ def test_one_node_planned_pause_is_the_gap_no_rank_trained_not_against_a_median_
     for step in range(1, 12):
         prog.steps.setdefault(1, []).append((step, step * 0.4 + (0.2 if step == 11 else 0.0), 0.4))
     assert abs(prog.downtime(m) - 0.2) < 1e-9
+
+
+def test_a_standbys_ready_that_crossed_the_abort_of_its_join_is_said_again_and_the_retry_goes_on():
+    """The joiner's own Phase 1 failed (cut off from a moved controller's store): it went back to
+    ready and said so while the controller still had it joining (ignored there, as a stale
+    report), then the controller aborted the epoch and waits for a new `ready`. The standby says
+    it again when the abort reaches it (worker.Agent.ready_again_after_abort), and the retry runs."""
+    p = new_policy()
+    ready_standby(p)
+    p.on_nodes(10.0, {"train2": Node("ALLOCATED+DRAIN")})
+    ready = {"type": "ready", "node": "spare1", "local": 0, "warmup_s": 0.0, "shadow_steps": 0, "detail": {}}
+    assert p.on_message(10.5, "spare1", ready) == []  # crossed: still joining here
+    acts = p.on_message(10.6, "train3", {"type": "prepare_failed", "epoch": 1, "rank": 2, "error": "store gone"})
+    assert sends(acts, "abort") and p.migrations[0].phase is Phase.ABORTED
+    assert p.migrations[1].phase is Phase.WAITING_STANDBY and not sends(p.on_tick(11.0), "prepare")
+    again = p.on_message(11.2, "spare1", ready)  # what the standby sends on the abort
+    assert sends(again, "prepare") and p.migrations[1].joiner == "spare1"
+
+
+def test_a_ready_standby_says_ready_again_on_an_abort_and_a_joining_one_does_not():
+    from trainmover.runtime.rankstate import RankState
+    from trainmover.runtime.worker import Agent
+
+    class Stub:
+        def __init__(self, now):
+            self.state, self.spec, self.local, self.sent = type("S", (), {"now": now})(), type("P", (), {"node": "spare1"})(), 0, []
+
+        def send(self, kind, **fields):
+            self.sent.append((kind, fields))
+
+    ready, joining = Stub(RankState.READY), Stub(RankState.JOINING)
+    Agent.ready_again_after_abort(ready, {"type": "abort", "epoch": 1}, 0.0)
+    Agent.ready_again_after_abort(joining, {"type": "abort", "epoch": 1}, 0.0)
+    assert [k for k, _ in ready.sent] == ["ready"] and ready.sent[0][1]["enter"] is RankState.READY
+    assert joining.sent == []

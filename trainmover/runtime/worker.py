@@ -372,6 +372,18 @@ class Agent:
                 return self.training.train(start)
             elif msg["type"] == "hold":
                 self.protection.hold_for(msg)
+            elif msg["type"] == "abort":
+                self.ready_again_after_abort(msg, t0)
+
+    def ready_again_after_abort(self, msg: dict, t0: float) -> None:
+        """An `abort` of an epoch this standby already gave up (its own Phase 1 failed, e.g. cut off
+        from a moved controller's store): its `ready` then reached the controller while the join
+        was still on there, and was ignored as a stale report; the abort makes the controller
+        wait for a new one (seen: a migration waiting for a standby until the job ended)."""
+        if self.state.now == RankState.READY:
+            log.info("epoch %s aborted after this standby left it; ready again", msg.get("epoch"))
+            self.send("ready", enter=RankState.READY, node=self.spec.node, local=self.local,
+                      warmup_s=time.perf_counter() - t0, shadow_steps=0, detail={})
 
 def main() -> int:
     files.private_umask()  # what this rank writes (logs, recordings, checkpoints) is its user's alone
