@@ -72,3 +72,45 @@ def test_no_successor_within_the_deadline_means_gone():
     assert link.inbox.get(timeout=10) is None
     assert time.monotonic() - t0 < 5
     link.close()
+
+
+def test_the_first_connection_follows_a_controller_that_moved_before_this_process_started():
+    """Launched with the address of a controller that has moved on (nothing listens there), the
+    link asks `where()` again between short attempts and connects to the successor well within
+    its deadline, rather than waiting the whole of it on the dead address."""
+    key = channel.new_secret()
+    dead = socket.create_server(("127.0.0.1", 0))
+    gone_addr = dead.getsockname()
+    dead.close()  # the old controller: nothing listens there any more
+    listen = socket.create_server(("127.0.0.1", 0), backlog=16)
+    asked = []
+
+    def where():
+        asked.append(1)
+        return listen.getsockname()  # controller.json names the successor
+
+    accepted = ThreadPoolExecutor(1).submit(accept_one, listen, key)
+    t0 = time.monotonic()
+    link = Link(gone_addr, key, lambda: make("hello", role="standby", node="s", ranks=[], pid=1), lambda: [],
+                lambda m: None, connect_timeout=30, reconnect_timeout=1.0, where=where)
+    conn, msg = accepted.result(timeout=5)
+    assert msg["type"] == "hello" and asked and time.monotonic() - t0 < 5
+    assert link.address == listen.getsockname()
+    conn.close()
+    link.close()
+
+
+def test_the_first_connection_gives_up_at_its_deadline():
+    key = channel.new_secret()
+    dead = socket.create_server(("127.0.0.1", 0))
+    addr = dead.getsockname()
+    dead.close()
+    t0 = time.monotonic()
+    try:
+        Link(addr, key, lambda: make("hello", role="standby", node="s", ranks=[], pid=1), lambda: [], lambda m: None,
+             connect_timeout=1.5, reconnect_timeout=1.0)
+    except Exception as exc:  # noqa: BLE001 - the type and message are what is checked
+        assert type(exc).__name__ == "DeadlineExceeded" and "could not reach the controller within" in str(exc), exc
+    else:
+        raise AssertionError("connected to nothing")
+    assert 1.4 < time.monotonic() - t0 < 4

@@ -20,7 +20,7 @@ import time
 from typing import Callable
 
 from trainmover.protocol import channel
-from trainmover.errors import TrainMoverError
+from trainmover.errors import DeadlineExceeded, TrainMoverError
 
 log = logging.getLogger("trainmover.link")
 
@@ -45,7 +45,7 @@ class Link:
         self.reconnect_timeout, self.on_gone = reconnect_timeout, on_gone
         self.inbox: queue.Queue = queue.Queue()
         self.lock = threading.Lock()     # one writer at a time; a resync is not interleaved
-        self.conn = channel.connect(address, key, hello(), timeout=connect_timeout, source=source)
+        self.conn = self._connect_first(address, connect_timeout)
         self.up = True
         self.closed = False
         self.bye: str | None = None      # the controller's reason, once it said `bye` (the job ends)
@@ -53,6 +53,30 @@ class Link:
         self.settled.set()
         self.reconnects: list[float] = []  # seconds each reconnection took
         threading.Thread(target=self._read, name="tm-inbox", daemon=True).start()
+
+    def _connect_first(self, address: tuple[str, int], timeout: float) -> channel.Connection:
+        """The first connection, within `timeout`: short attempts, the controller's address asked
+        again (`where()`) before each. A controller may move between this process's launch and
+        its start, and the address it was given is then gone: one long attempt there waited its
+        whole 60 s and the standby was counted lost (three times in one job, which then took
+        no more standbys)."""
+        deadline = time.monotonic() + timeout
+        attempt = 0
+        while True:
+            seen = self.news()
+            try:
+                return channel.connect(address, self.key, self.hello(), source=self.source,
+                                       timeout=max(0.1, min(deadline - time.monotonic(), 2.0)))
+            except TrainMoverError as exc:
+                if time.monotonic() >= deadline:
+                    raise DeadlineExceeded(f"could not reach the controller within {timeout:.0f}s "
+                                           f"(last at {address[0]}:{address[1]}): {exc}") from exc
+                log.info("connect attempt %d: %s", attempt + 1, exc)
+            until = min(time.monotonic() + BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)], deadline)
+            while time.monotonic() < until and self.news() == seen:
+                time.sleep(0.02)
+            attempt += 1
+            address = self.address = self.where()
 
     def send(self, msg: dict) -> bool:
         """Send now, or drop if the controller is unreachable (returns whether it was sent)."""

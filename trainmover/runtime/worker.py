@@ -86,6 +86,7 @@ class Agent:
             log.info("rendezvous store moved to %s:%d before this process started", *ep.store)
             self.store_addr, controller = ep.store, tuple(ep.address)  # the controller moved with it
         self.store = self._store_client(*self.store_addr)
+        self.first_address = controller
         # what a restarted controller is told (see resync_messages)
         self.state = RankStateMachine(RankState.TRAINING if self.role == "worker" else RankState.STARTING,
                                       who=f"{spec.role} {spec.node}/{local_index}")
@@ -150,7 +151,8 @@ class Agent:
         to which this process's store client then moves (groups already built need no store)."""
         ep = endpoint.read(self.spec.controller_file, self.key) if self.spec.controller_file else None
         if ep is None:  # none, or not sealed with the job's key: stay where we are
-            return self.link.address
+            link = getattr(self, "link", None)  # none yet while the first connection is made
+            return link.address if link is not None else self.first_address
         if ep.store != self.store_addr:
             try:
                 # a short connect deadline: controller.json may name a controller that has just died
