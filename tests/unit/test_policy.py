@@ -451,3 +451,19 @@ def test_a_ready_standby_says_ready_again_on_an_abort_and_a_joining_one_does_not
     Agent.ready_again_after_abort(joining, {"type": "abort", "epoch": 1}, 0.0)
     assert [k for k, _ in ready.sent] == ["ready"] and ready.sent[0][1]["enter"] is RankState.READY
     assert joining.sent == []
+
+
+def test_a_released_node_taken_again_is_a_standby_not_released():
+    """A node that left the job (released), was resumed and was taken again as a standby: the live
+    controller drops it from `released`; a successor that finds it in the job unjournaled (its
+    grow's controller died) makes it a standby too (executor.came_back), so a drain of it counts."""
+    from trainmover.controller.executor import came_back
+    p = new_policy()
+    p.view.released.append("spare1")
+    p.on_standby_acquired(1.0, "spare1")
+    assert "spare1" not in p.view.released and "spare1" in p.view.standbys
+    view = JobView(7, 3, 1, "train1", {0: "train1", 1: "train2", 2: "spare3"})
+    view.released += ["spare1", "train3", "spare4", "spare5"]
+    got = came_back(["keep1", "train1", "train2", "spare3", "spare1", "spare4", "spare5"], view,
+                    leaving={"spare4"}, keeper="keep1", fenced={"spare5"})
+    assert got == ["spare1"]  # not the ranks' nodes, the keeper, a leaver or a fenced node; train3 is gone

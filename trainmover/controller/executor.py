@@ -45,6 +45,15 @@ from trainmover.workloads import base as workloads
 log = logging.getLogger("trainmover.controller")
 
 
+def came_back(job_nodes, view, leaving: set[str], keeper: str | None, fenced: set[str]) -> list[str]:
+    """Nodes the journal has as released that Slurm lists in the job again, running no rank and
+    no standby, neither leaving nor fenced: a grow that a controller made before it died, not
+    journaled (a node released earlier, resumed, then taken again as a standby). Left as
+    'released', such a node sat in the job unused, a warm successor controller went there, and
+    a drain of it was ignored (the controller never handed over: the benchmark's last trial)."""
+    busy = set(view.rank_node.values()) | set(view.standbys) | leaving | fenced | {keeper}
+    return [n for n in job_nodes if n in view.released and n not in busy]
+
 class Controller:
     def __init__(self, cfg: Config, job_id: int, slurm=None, environ=os.environ, *, listen: socket.socket | None = None,
                  store: tuple[str, int] | None = None, resume: bool = False, attempt: int = 0,
@@ -419,9 +428,14 @@ class Controller:
         # every node the journal accounts for: ranks, standbys, released, a leaver whose release is
         # due (the node a moving controller left), and the keeper, which never trains
         fenced = {n for n, _ in self.policy.fenced_pids}
+        job_nodes = self.resizer.job.nodes  # read in __init__, a moment ago
+        for node in came_back(job_nodes, self.view, {m.leaver for m in self.policy.migrations if m.active},
+                              self.keeper, fenced):
+            log.warning("%s left the job earlier and is in it again (taken while the controller died): made a "
+                        "standby", node)
+            self.view.released.remove(node)
         known = (set(self.view.rank_node.values()) | set(self.view.standbys) | set(self.view.released)
                  | {m.leaver for m in self.policy.migrations if m.active} | {self.keeper} | fenced)
-        job_nodes = self.resizer.job.nodes  # read in __init__, a moment ago
         in_job = set(job_nodes)
         # a fenced node still in the job, running no rank: its drain was refused (fencing.py)
         self.fencing.restore(sorted(n for n in fenced & in_job if n not in self.view.rank_node.values()

@@ -134,6 +134,8 @@ class Policy:
         return self.planner.request(now, node, trigger)
 
     def on_standby_acquired(self, now: float, node: str) -> list:
+        if node in self.view.released:  # it left the job earlier and is back: a standby now, not released
+            self.view.released.remove(node)
         self.pool.acquired()
         self.pool.add(now, node)
         return [LaunchStandby(node)] + self.planner.maybe_acquire(now)
