@@ -103,7 +103,7 @@ def main():
     from bench import results_io
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="1b")
-    ap.add_argument("--machine", default=os.environ.get("TM_BENCH_MACHINE", "unknown"))
+    ap.add_argument("--machine", default="unknown", help="the machine kind, for the result (gpu_issue27.sh passes it)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--timeout-s", type=float, default=240)
     args = ap.parse_args()

@@ -467,3 +467,20 @@ def test_a_released_node_taken_again_is_a_standby_not_released():
     got = came_back(["keep1", "train1", "train2", "spare3", "spare1", "spare4", "spare5"], view,
                     leaving={"spare4"}, keeper="keep1", fenced={"spare5"})
     assert got == ["spare1"]  # not the ranks' nodes, the keeper, a leaver or a fenced node; train3 is gone
+
+
+def test_a_drained_standby_is_given_back_and_replaced_not_counted_as_lost():
+    p = new_policy()
+    ready_standby(p)
+    acts = p.on_nodes(5.0, {"spare1": Node("IDLE+DRAIN")})
+    assert ReleaseNode("spare1") in acts and AcquireStandby() in acts
+    assert any(isinstance(a, Record) and a.payload["event"] == "standby_drained" for a in acts)
+    assert "spare1" not in p.view.standbys and p.standbys_lost == []
+    rel = p.on_released(6.0, "spare1", True, "")
+    assert "spare1" in p.view.released and rel and rel[0].payload["event"] == "standby_released"
+    # a standby already joining is left to its migration
+    q = new_policy()
+    ready_standby(q)
+    q.on_nodes(10.0, {"train2": Node("ALLOCATED+DRAIN")})
+    assert q.active().joiner == "spare1"
+    assert q.on_nodes(10.5, {"spare1": Node("ALLOCATED+DRAIN")}) == [] and "spare1" in q.view.standbys

@@ -480,7 +480,8 @@ class Controller:
             self.loop_at = time.monotonic()
             actions = []
             mine = self.view.train_nodes() + list(self.view.standbys) + self.view.released
-            states = self.watch.turn(now, mine, self.view.rank_node.values())  # controller/node_watch.py
+            # a drain notice counts for the ranks' nodes and the standbys' (a controller may run on either)
+            states = self.watch.turn(now, mine, list(self.view.rank_node.values()) + list(self.view.standbys))
             if states:
                 actions += self.policy.on_nodes(now, states)
             if now >= next_tick:

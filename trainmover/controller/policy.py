@@ -158,6 +158,8 @@ class Policy:
                 # Slurm lost the node's slurmd. Its ranks may still run (slurmstepd outlives
                 # slurmd): move them as planned; if they died too, the recovery path takes over.
                 actions += self.request(now, node, "failure")[2]
+            elif node in self.view.standbys and (info.draining or info.drained):
+                actions += self.losses.drained(now, node, getattr(info, "reason", ""))
         return actions
 
     def on_peer_gone(self, now: float, node: str, ranks: tuple[int, ...] = ()) -> list:
@@ -306,7 +308,7 @@ class Policy:
     def on_released(self, now: float, node: str, ok: bool, message: str) -> list:
         m = next((m for m in self.migrations if m.leaver == node and m.phase is Phase.RELEASING), None)
         if m is None:
-            if any(x["node"] == node for x in self.standbys_lost):
+            if any(x["node"] == node for x in self.standbys_lost) or node in self.losses.drained_nodes:
                 return self.losses.released(now, node, ok, message)
             return []
         return self.planner.released(now, m, node, ok, message)

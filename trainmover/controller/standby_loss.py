@@ -38,6 +38,24 @@ class StandbyLoss:
     def __init__(self, state: PolicyState, pool: StandbyPool, planner: Planner, recovery: Recovery,
                  done: Callable[[], bool]):
         self.state, self.pool, self.planner, self.recovery, self.done = state, pool, planner, recovery, done
+        # transient: drained standbys whose release is under way (Slurm's answer comes to this controller)
+        self.drained_nodes: set[str] = set()
+
+    def drained(self, now: float, node: str, reason: str) -> list:
+        """An admin (or the health check) drained a standby's node: it is given back to Slurm
+        and another taken; not a loss (TM_STANDBY_LOSSES counts standbys that die). A standby
+        already joining is left to its migration: as a rank on a drained node it moves again.
+        Until now a drained standby stayed in the pool, and a controller on its node never
+        handed over (bench/cpu_controller_move.py, a drain waited 120 s for the node to leave)."""
+        s = self.pool.get(node)
+        if s is None or s.state is StandbyState.JOINING:
+            return []
+        self.pool.remove(node)
+        self.drained_nodes.add(node)
+        log.info("standby %s drained (%s): given back", node, reason or "no reason")
+        return ([Record("timeline", {"t": now, "migration": None, "event": "standby_drained", "node": node,
+                                     "reason": reason}), ReleaseNode(node)]
+                + self.planner.maybe_acquire(now) + self.planner.dispatch(now))
 
     def lost(self, now: float, node: str, evidence: str) -> list:
         s = self.pool.lost(now, node, evidence)
