@@ -114,3 +114,28 @@ def test_the_first_connection_gives_up_at_its_deadline():
     else:
         raise AssertionError("connected to nothing")
     assert 1.4 < time.monotonic() - t0 < 4
+
+
+def test_the_first_store_follows_controller_json_when_the_launch_named_a_gone_one():
+    """A process launched with the store of a controller that moved: short attempts, controller.json
+    read before each, the successor's store and controller taken; at the deadline the error."""
+    from types import SimpleNamespace
+    from trainmover.runtime.worker import first_store
+    tried = []
+
+    def connect(host, port):
+        tried.append((host, port))
+        if (host, port) != ("10.0.0.2", 2):
+            raise RuntimeError("connection refused")
+        return "client"
+
+    written = iter([None, None, SimpleNamespace(store=("10.0.0.2", 2), address=("10.0.0.2", 9))])
+    got = first_store(("10.0.0.1", 1), ("10.0.0.1", 8), 30, connect, lambda: next(written, None))
+    assert got == ("client", ("10.0.0.2", 2), ("10.0.0.2", 9)) and tried[0] == ("10.0.0.1", 1) and len(tried) == 3
+    t0 = time.monotonic()
+    try:
+        first_store(("10.0.0.1", 1), ("10.0.0.1", 8), 0.5, connect, lambda: None)
+    except RuntimeError:
+        assert 0.4 < time.monotonic() - t0 < 3
+    else:
+        raise AssertionError("connected to nothing")

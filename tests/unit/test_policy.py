@@ -457,7 +457,7 @@ def test_a_released_node_taken_again_is_a_standby_not_released():
     """A node that left the job (released), was resumed and was taken again as a standby: the live
     controller drops it from `released`; a successor that finds it in the job unjournaled (its
     grow's controller died) makes it a standby too (executor.came_back), so a drain of it counts."""
-    from trainmover.controller.executor import came_back
+    from trainmover.controller.view import came_back
     p = new_policy()
     p.view.released.append("spare1")
     p.on_standby_acquired(1.0, "spare1")

@@ -41,18 +41,10 @@ from trainmover.protocol.worker_spec import ENV as SPEC_ENV, WorkerSpec
 from trainmover.slurm.client import client
 from trainmover.standbys import auto as auto_pool, site
 from trainmover.workloads import base as workloads
+from trainmover.controller import view as view_mod
 
 log = logging.getLogger("trainmover.controller")
 
-
-def came_back(job_nodes, view, leaving: set[str], keeper: str | None, fenced: set[str]) -> list[str]:
-    """Nodes the journal has as released that Slurm lists in the job again, running no rank and
-    no standby, neither leaving nor fenced: a grow that a controller made before it died, not
-    journaled (a node released earlier, resumed, then taken again as a standby). Left as
-    'released', such a node sat in the job unused, a warm successor controller went there, and
-    a drain of it was ignored (the controller never handed over: the benchmark's last trial)."""
-    busy = set(view.rank_node.values()) | set(view.standbys) | leaving | fenced | {keeper}
-    return [n for n in job_nodes if n in view.released and n not in busy]
 
 class Controller:
     def __init__(self, cfg: Config, job_id: int, slurm=None, environ=os.environ, *, listen: socket.socket | None = None,
@@ -429,7 +421,7 @@ class Controller:
         # due (the node a moving controller left), and the keeper, which never trains
         fenced = {n for n, _ in self.policy.fenced_pids}
         job_nodes = self.resizer.job.nodes  # read in __init__, a moment ago
-        for node in came_back(job_nodes, self.view, {m.leaver for m in self.policy.migrations if m.active},
+        for node in view_mod.came_back(job_nodes, self.view, {m.leaver for m in self.policy.migrations if m.active},
                               self.keeper, fenced):
             log.warning("%s left the job earlier and is in it again (taken while the controller died): made a "
                         "standby", node)

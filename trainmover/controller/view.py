@@ -53,3 +53,13 @@ class JobView:
 
     def ranks_of(self, node: str) -> tuple[int, ...]:
         return tuple(sorted(r for r, n in self.rank_node.items() if n == node))
+
+
+def came_back(job_nodes, view, leaving: set[str], keeper: str | None, fenced: set[str]) -> list[str]:
+    """Nodes the journal has as released that Slurm lists in the job again, running no rank and
+    no standby, neither leaving nor fenced: a grow that a controller made before it died, not
+    journaled (a node released earlier, resumed, then taken again as a standby). Left as
+    'released', such a node sat in the job unused, a warm successor controller went there, and
+    a drain of it was ignored (the controller never handed over: the benchmark's last trial)."""
+    busy = set(view.rank_node.values()) | set(view.standbys) | leaving | fenced | {keeper}
+    return [n for n in job_nodes if n in view.released and n not in busy]

@@ -63,6 +63,28 @@ FAILED = 1   # this process's own code (the user's, or TrainMover's) raised: it 
 ENDED = 2    # the controller ended the job (its `bye`) while this rank was still in it
 
 
+def first_store(store: tuple[str, int], controller: tuple[str, int], timeout_s: float, connect, where):
+    """(store client, store address, controller address) at this process's start. A launch a
+    moment before the controller moved names the old one's store (and controller.json may still
+    name it, or a controller that has just died): one connect that waits the group timeout there
+    got a standby counted lost (load benchmark, 24.11, three times in one job). So: short connect
+    attempts, controller.json (`where()`, sealed with the job's key) read before each, until
+    `timeout_s`. `connect(host, port)` raises RuntimeError when nobody serves there."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ep = where()
+        if ep is not None and ep.store != store:
+            log.info("rendezvous store moved to %s:%d before this process started", *ep.store)
+            store, controller = ep.store, tuple(ep.address)  # the controller moved with it
+        try:
+            return connect(*store), store, controller
+        except (RuntimeError, dist.DistStoreError) as exc:
+            if time.monotonic() >= deadline:
+                raise
+            log.info("rendezvous store at %s:%d not reachable yet: %s", *store, exc)
+        time.sleep(0.2)
+
+
 class Agent:
     """One process of a training or standby node (module docstring): what every role shares,
     and the roles. `link`: the control channel (default: a Link to the spec's controller)."""
@@ -76,17 +98,11 @@ class Agent:
         if self.device == "cuda":
             torch.cuda.set_device(local_index % torch.cuda.device_count())
         self.key = channel.read_secret(spec.secret_file)  # once: kept for the process's life
-        self.store_addr = tuple(spec.store)  # moves with the controller (see _controller_address)
-        # A launch a moment before the controller handed over names the old one's store: a standby
-        # then waited the whole group timeout on it and was counted lost (bench, 24.11, twice in a
-        # row). controller.json, sealed with the job's key, names the store that serves now.
-        ep = endpoint.read(spec.controller_file, self.key) if spec.controller_file else None
-        controller = tuple(spec.controller)
-        if ep is not None and ep.store != self.store_addr:
-            log.info("rendezvous store moved to %s:%d before this process started", *ep.store)
-            self.store_addr, controller = ep.store, tuple(ep.address)  # the controller moved with it
-        self.store = self._store_client(*self.store_addr)
-        self.first_address = controller
+        # moves with the controller (see _controller_address)
+        self.store, self.store_addr, self.first_address = first_store(
+            tuple(spec.store), tuple(spec.controller), spec.group_timeout_s,
+            lambda host, port: self._store_client(host, port, connect_s=STORE_CONNECT_S),
+            lambda: endpoint.read(spec.controller_file, self.key) if spec.controller_file else None)
         # what a restarted controller is told (see resync_messages)
         self.state = RankStateMachine(RankState.TRAINING if self.role == "worker" else RankState.STARTING,
                                       who=f"{spec.role} {spec.node}/{local_index}")
@@ -100,7 +116,7 @@ class Agent:
         self.train_thread = threading.get_native_id()  # the heartbeat reports its CPU time
         # From this node's address, as every connection of the node: a node is its address.
         self.link = link if link is not None else Link(
-            controller, self.key, self._hello, self.resync_messages, self._on_control,
+            self.first_address, self.key, self._hello, self.resync_messages, self._on_control,
             connect_timeout=spec.group_timeout_s, reconnect_timeout=spec.reconnect_timeout_s,
             on_gone=self._controller_gone, source=spec.node_addr, where=self._controller_address,
             news=lambda: endpoint.mtime(spec.controller_file))
