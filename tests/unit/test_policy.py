@@ -436,20 +436,25 @@ def test_a_standbys_ready_that_crossed_the_abort_of_its_join_is_said_again_and_t
 
 
 def test_a_ready_standby_says_ready_again_on_an_abort_and_a_joining_one_does_not():
-    from trainmover.runtime.rankstate import RankState
+    from trainmover.runtime.rankstate import RankState, RankStateMachine
     from trainmover.runtime.worker import Agent
 
-    class Stub:
-        def __init__(self, now):
-            self.state, self.spec, self.local, self.sent = type("S", (), {"now": now})(), type("P", (), {"node": "spare1"})(), 0, []
+    class Stub:  # Agent.send's part that matters here: a state entered with the message
+        def __init__(self, *path):
+            self.state = RankStateMachine(RankState.STARTING, who="standby spare1/0")
+            for st in path:
+                self.state.to(st)
+            self.spec, self.local, self.sent = type("P", (), {"node": "spare1"})(), 0, []
 
-        def send(self, kind, **fields):
+        def send(self, kind, *, enter=None, **fields):
+            if enter is not None:
+                self.state.to(enter)
             self.sent.append((kind, fields))
 
-    ready, joining = Stub(RankState.READY), Stub(RankState.JOINING)
-    Agent.ready_again_after_abort(ready, {"type": "abort", "epoch": 1}, 0.0)
+    ready, joining = Stub(RankState.READY), Stub(RankState.READY, RankState.JOINING)
+    Agent.ready_again_after_abort(ready, {"type": "abort", "epoch": 1}, 0.0)  # ready -> ready would raise
     Agent.ready_again_after_abort(joining, {"type": "abort", "epoch": 1}, 0.0)
-    assert [k for k, _ in ready.sent] == ["ready"] and ready.sent[0][1]["enter"] is RankState.READY
+    assert [k for k, _ in ready.sent] == ["ready"] and ready.state.now is RankState.READY
     assert joining.sent == []
 
 

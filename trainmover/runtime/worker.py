@@ -400,8 +400,9 @@ class Agent:
         wait for a new one (seen: a migration waiting for a standby until the job ended)."""
         if self.state.now == RankState.READY:
             log.info("epoch %s aborted after this standby left it; ready again", msg.get("epoch"))
-            self.send("ready", enter=RankState.READY, node=self.spec.node, local=self.local,
-                      warmup_s=time.perf_counter() - t0, shadow_steps=0, detail={})
+            # no `enter`: it is ready already (ready -> ready is no transition)
+            self.send("ready", node=self.spec.node, local=self.local, warmup_s=time.perf_counter() - t0,
+                      shadow_steps=0, detail={})
 
 def main() -> int:
     files.private_umask()  # what this rank writes (logs, recordings, checkpoints) is its user's alone
