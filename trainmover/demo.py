@@ -76,9 +76,10 @@ def _final(slurm: CliSlurm, job_id: int, run: Path, out: Path, timeout: float) -
     def done():
         if (run / "final.json").exists():
             return json.loads((run / "final.json").read_text())
-        if slurm.job(job_id).state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+        state = slurm.job(job_id).state
+        if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
             tail = "\n".join(out.read_text(errors="replace").splitlines()[-15:]) if out.exists() else "(no output)"
-            raise TrainMoverError(f"demo: job {job_id} ended {slurm.job(job_id).state} without final.json; {out}:\n{tail}")
+            raise TrainMoverError(f"demo: job {job_id} ended {state} without final.json; {out}:\n{tail}")
         return None
     return _wait(f"job {job_id} to finish", done, timeout, 1.0)
 

@@ -420,14 +420,14 @@ class Controller:
         # every node the journal accounts for: ranks, standbys, released, a leaver whose release is
         # due (the node a moving controller left), and the keeper, which never trains
         fenced = {n for n, _ in self.policy.fenced_pids}
+        leaving = {m.leaver for m in self.policy.migrations if m.active}
         job_nodes = self.resizer.job.nodes  # read in __init__, a moment ago
-        for node in view_mod.came_back(job_nodes, self.view, {m.leaver for m in self.policy.migrations if m.active},
-                              self.keeper, fenced):
+        for node in view_mod.came_back(job_nodes, self.view, leaving, self.keeper, fenced):
             log.warning("%s left the job earlier and is in it again (taken while the controller died): made a "
                         "standby", node)
             self.view.released.remove(node)
         known = (set(self.view.rank_node.values()) | set(self.view.standbys) | set(self.view.released)
-                 | {m.leaver for m in self.policy.migrations if m.active} | {self.keeper} | fenced)
+                 | leaving | {self.keeper} | fenced)
         in_job = set(job_nodes)
         # a fenced node still in the job, running no rank: its drain was refused (fencing.py)
         self.fencing.restore(sorted(n for n in fenced & in_job if n not in self.view.rank_node.values()

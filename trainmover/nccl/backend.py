@@ -292,7 +292,7 @@ class NcclChannel:
         self.group_s = ev[0].elapsed_time(ev[1]) / 1000
         return {"copy_s": round(self.group_s, 5), "verify_tail_s": round(max(0.0, ev[1].elapsed_time(ev[2])) / 1000, 5),
                 "post_s": round(posted, 5), "host_wait_s": round(time.perf_counter() - t0, 5),
-                "post_marks": list(getattr(self, "post_marks", [])), "checks_graphed": plan._graphs is not None}
+                "post_marks": list(self.post_marks), "checks_graphed": plan.graphed}
 
 
 PACK_BELOW_BYTES = 1 << 20  # smaller tensors travel packed: one message per dtype, not hundreds

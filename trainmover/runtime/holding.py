@@ -221,7 +221,7 @@ class Holding:
                 log.warning("holding rank %d: the worker's layout differs from the slab allocated ahead (%s vs %s): "
                             "allocating another", self.ward, diff[0], diff[1])
         if self.second is not None and self.second.is_alive():
-            self.second.join(self.timeout_s)  # the second slab, allocated beside the first version
+            self.second.join(self.timeout_s)  # the second slab, being pinned since the first version was held
             self.second = None
             return self._slab(specs)
         with self.lock:

@@ -45,9 +45,10 @@ class Link:
         self.reconnect_timeout, self.on_gone = reconnect_timeout, on_gone
         self.inbox: queue.Queue = queue.Queue()
         self.lock = threading.Lock()     # one writer at a time; a resync is not interleaved
+        self.closed = False
+        self.dial_error: Exception | None = None  # the last failed connection attempt's (see _dial)
         self.conn = self._connect_first(address, connect_timeout)
         self.up = True
-        self.closed = False
         self.bye: str | None = None      # the controller's reason, once it said `bye` (the job ends)
         self.settled = threading.Event()  # set while up, and once gone for good
         self.settled.set()
@@ -55,28 +56,39 @@ class Link:
         threading.Thread(target=self._read, name="tm-inbox", daemon=True).start()
 
     def _connect_first(self, address: tuple[str, int], timeout: float) -> channel.Connection:
-        """The first connection, within `timeout`: short attempts, the controller's address asked
-        again (`where()`) before each. A controller may move between this process's launch and
-        its start, and the address it was given is then gone: one long attempt there waited its
-        whole 60 s and the standby was counted lost (three times in one job, which then took
-        no more standbys)."""
-        deadline = time.monotonic() + timeout
+        """The first connection, within `timeout`, dialled as a reconnection is (`_dial`): a
+        controller may move between this process's launch and its start, and the address it
+        was given is then gone: one long attempt there waited its whole 60 s and the standby was
+        counted lost (three times in one job, which then took no more standbys)."""
+        conn = self._dial(time.monotonic() + timeout, "connect", first=address)
+        if conn is None:
+            raise DeadlineExceeded(f"could not reach the controller within {timeout:.0f}s "
+                                   f"(last at {self.address[0]}:{self.address[1]}): {self.dial_error}")
+        return conn
+
+    def _dial(self, deadline: float, what: str, first: tuple[str, int] | None = None) -> channel.Connection | None:
+        """Short connection attempts until `deadline` (None once it passed, or the link closed):
+        the first to `first` when given, every other to `where()` asked anew, a successor
+        elsewhere being looked for again soon; between them a backoff that a rewritten
+        controller.json (`news()` changed) cuts short. The last failure: `dial_error`."""
         attempt = 0
-        while True:
+        while not self.closed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
             seen = self.news()
+            self.address = first if first is not None and attempt == 0 else self.where()
             try:
-                return channel.connect(address, self.key, self.hello(), source=self.source,
-                                       timeout=max(0.1, min(deadline - time.monotonic(), 2.0)))
+                return channel.connect(self.address, self.key, self.hello(), timeout=min(left, 2.0),
+                                       source=self.source)
             except TrainMoverError as exc:
-                if time.monotonic() >= deadline:
-                    raise DeadlineExceeded(f"could not reach the controller within {timeout:.0f}s "
-                                           f"(last at {address[0]}:{address[1]}): {exc}") from exc
-                log.info("connect attempt %d: %s", attempt + 1, exc)
+                self.dial_error = exc
+                log.info("%s attempt %d: %s", what, attempt + 1, exc)
             until = min(time.monotonic() + BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)], deadline)
             while time.monotonic() < until and self.news() == seen:
                 time.sleep(0.02)
             attempt += 1
-            address = self.address = self.where()
+        return None
 
     def send(self, msg: dict) -> bool:
         """Send now, or drop if the controller is unreachable (returns whether it was sent)."""
@@ -129,26 +141,13 @@ class Link:
         deadline = t0 + self.reconnect_timeout
         log.warning("controller lost: trying to reach its successor (last at %s:%d) for %.0fs", *self.address,
                     self.reconnect_timeout)
-        attempt = 0
         while not self.closed:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                log.error("no controller at %s:%d within %.0fs: going on without one", *self.address,
-                          self.reconnect_timeout)
+            conn = self._dial(deadline, "reconnect")
+            if conn is None:
+                if not self.closed:
+                    log.error("no controller at %s:%d within %.0fs: going on without one", *self.address,
+                              self.reconnect_timeout)
                 return False
-            seen = self.news()
-            self.address = self.where()
-            try:
-                # short attempts: a successor elsewhere is looked for again soon
-                conn = channel.connect(self.address, self.key, self.hello(), timeout=min(left, 2.0),
-                                       source=self.source)
-            except TrainMoverError as exc:
-                log.info("reconnect attempt %d: %s", attempt + 1, exc)
-                until = min(time.monotonic() + BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)], deadline)
-                while time.monotonic() < until and self.news() == seen:
-                    time.sleep(0.02)
-                attempt += 1
-                continue
             with self.lock:  # nothing else is sent between the hello and the last re-sent message
                 try:
                     for msg in self.resync_messages():
@@ -156,7 +155,6 @@ class Link:
                 except OSError as exc:
                     log.warning("controller dropped the channel during the resync: %s", exc)
                     conn.close()
-                    attempt += 1
                     continue
                 self.conn, self.up = conn, True
                 self.settled.set()

@@ -322,7 +322,7 @@ def send_planned(state: dict, chan, plan, *, dst: int = 1, corrupt: bool = False
     return TransferStats(plan.bytes, t2 - t0, len(plan.tensors), plan.sig, getattr(chan, "group_s", 0.0) or t2 - t1,
                          parts={"state_walk_s": round(t1 - t0, 5), "manifest_at_s": round(encoded.get("s", 0.0), 5),
                                 "send_s": round(t2 - t1, 5), "plan_ahead": ahead,
-                                "marks": getattr(chan, "send_marks", None), "checks_graphed": plan._graphs is not None,
+                                "marks": getattr(chan, "send_marks", None), "checks_graphed": plan.graphed,
                                 "chunks": len(plan.chunks), "wire_tensors": len(plan.wire)})
 
 

@@ -126,6 +126,11 @@ class Plan:
         self._graphs_finite = True
 
     @property
+    def graphed(self) -> bool:
+        """Whether `warm` captured the checks as CUDA graphs (reported in the pause's parts)."""
+        return self._graphs is not None
+
+    @property
     def device(self) -> torch.device:
         return self.sums.device
 
@@ -183,9 +188,8 @@ class Plan:
     def warm(self, finite: bool = True) -> None:
         """Before the pause: run every kernel the transfer's packing and checks use once (CUDA
         loads a kernel's module at its first use: tens of ms measured inside the pause on an
-        H100, 20 ms for the first packing on an H200),
-        then capture each chunk's checks as a CUDA graph (`finite`: the receiver's checks,
-        else the sender's). Reads this plan's buffers only (the packed ones are scratch)."""
+        H100, 20 ms for the first packing on an H200), then capture each chunk's checks as a
+        CUDA graph (`finite`: the receiver's checks, else the sender's). Reads this plan's buffers only (the packed ones are scratch)."""
         side = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             self.reset()
