@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -215,6 +215,22 @@ def wait_for(what: str, check: Callable[[], bool], timeout: float = 30.0, interv
                     detail = f"\n(could not explain: {exc})"
             raise AssertionError(f"timed out after {timeout:g}s waiting for {what}{detail}")
         time.sleep(interval)
+
+
+def explain_cluster(client: CliSlurm, job_ids: Iterable[int] = ()) -> str:
+    """What the scheduler saw: each job's state and pending reason, each node's state, flags,
+    features' kind and drain reason (a wait for jobs to start that times out says why)."""
+    lines = []
+    for job_id in job_ids:
+        try:
+            job = client.job(job_id)
+            lines.append(f"job {job_id}: {job.state} reason={job.reason or '-'} nodes={job.nodelist or '-'}")
+        except SlurmError as exc:
+            lines.append(f"job {job_id}: {exc}")
+    for name, node in sorted(client.nodes().items()):
+        lines.append(f"node {name}: {node.base_state} flags={','.join(sorted(node.flags)) or '-'} "
+                     f"reason={node.reason or '-'}")
+    return "\n".join(lines)
 
 
 @pytest.fixture

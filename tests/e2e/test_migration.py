@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import (JOB_USER, OTHER_USER, TEST_JOB_PREFIX, as_user, assert_runs_as_user, job_ended, job_process_uids, user_dir,
-                                wait_for)
+from tests.e2e.conftest import (JOB_USER, OTHER_USER, TEST_JOB_PREFIX, as_user, assert_runs_as_user, explain_cluster,
+                                job_ended, job_process_uids, user_dir, wait_for)
 from trainmover.cluster.procs import step_pid
 from trainmover.slurm import commands
 
@@ -429,13 +429,19 @@ def test_two_jobs_share_the_standby_pool_and_a_drain_moves_only_its_own_job(demo
     # its slurmd not yet responding: the second job waited 34 s for the scheduler's next pass,
     # and the first finished before the drain); a node left drained or down is not waited for.
     wait_for("every node free of an earlier test's job", timeout=90, interval=1.0,
-             check=lambda: all(n.idle or n.drained or n.base_state == "DOWN" for n in slurm_client.nodes().values()))
+             check=lambda: all(n.idle or n.drained or n.base_state == "DOWN" for n in slurm_client.nodes().values()),
+             explain=lambda: explain_cluster(slurm_client))
+    # ... and enough of them free for both (a node an earlier test left drained or down would keep
+    # the second pending for ever: say so now, with the nodes' states, not after a minute).
+    free = [name for name, n in slurm_client.nodes().items() if n.idle]
+    assert sum(n.startswith("train") for n in free) >= 4 and sum(n.startswith("keep") for n in free) >= 2, \
+        explain_cluster(slurm_client)
     # Paced alike (same bits): two ranks train 500 steps in ~5 s once warm, and a plain drain is
     # seen at the next node poll (TM_POLL_S: 1 s here; with the default 10 s it took pace:0.05):
     # unpaced, job A ended first (CI, no migration).
     moved, alone = (demo(name, sbatch_args=small, TM_INJECT="pace:0.03", TM_POLL_S=1) for name in ("pool-a", "pool-b"))
     wait_for("both jobs running", lambda: all(slurm_client.job(r.job_id).state == "RUNNING" for r in (moved, alone)),
-             timeout=60, interval=0.5)
+             timeout=60, interval=0.5, explain=lambda: explain_cluster(slurm_client, (moved.job_id, alone.job_id)))
     for run in (moved, alone):
         start_training(run, slurm_client)
         wait_for(f"job {run.job_id}'s standby warm", lambda r=run: any(s["state"] == "ready" for s in r.status()["standbys"]),

@@ -352,3 +352,47 @@ def test_every_state_is_reachable_and_an_illegal_transition_names_both_ends():
     # the values are the wire's: the controller reads them in a resync (controller/takeover.py)
     assert [s.value for s in RankState] == ["starting", "ready", "warming", "joining", "training", "stalled",
                                             "left", "finished"]
+
+
+def _store(port: int = 0, master: bool = True) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, is_master=master, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=5))
+
+
+def test_the_joiners_wait_for_go_outlives_its_store_host_and_follows_the_successors_store():
+    """The controller hosting the store killed while a joiner waits for the leaver's go: the
+    store's errors are "no verdict yet" (seen: they killed the joiner and stopped the job); once
+    the link moves the client to the successor's store, its go is seen."""
+    from trainmover.protocol.store import AuthStore
+    from trainmover.runtime.switch import await_go, go_key
+
+    key = b"k" * 32
+    first = _store()
+    current = {"store": AuthStore(_store(first.port, master=False), key)}
+    del first  # the store's host is gone: every call of the client fails at once
+    successor = _store()
+    AuthStore(successor, key).set(go_key(3, 1), b"1")
+
+    def move_later():
+        time.sleep(0.5)
+        current["store"] = AuthStore(_store(successor.port, master=False), key)
+
+    threading.Thread(target=move_later, daemon=True).start()
+    started = time.monotonic()
+    assert await_go(lambda: current["store"], 3, 1, lambda: False, time.monotonic() + 10) == "go"
+    assert 0.4 < time.monotonic() - started < 5
+
+
+def test_the_joiners_wait_for_go_ends_on_cancel_abort_or_its_deadline():
+    from trainmover.protocol.store import AuthStore
+    from trainmover.runtime.switch import await_go, cancel_key
+
+    key = b"k" * 32
+    server = _store()
+    store = AuthStore(_store(server.port, master=False), key)
+    assert await_go(lambda: store, 1, 0, lambda: False, time.monotonic() + 0.3) == "timeout"
+    assert await_go(lambda: store, 1, 0, lambda: True, time.monotonic() + 10) == "cancelled"
+    store.inner.set(cancel_key(1, 0), b"forged")  # not tagged with the job's key: ignored
+    assert await_go(lambda: store, 1, 0, lambda: False, time.monotonic() + 0.3) == "timeout"
+    store.set(cancel_key(1, 0), b"1")
+    assert await_go(lambda: store, 1, 0, lambda: False, time.monotonic() + 10) == "cancelled"

@@ -68,6 +68,30 @@ def switch_ready(prep: phase1.Prepared | None, step: int) -> int:
     return prep.epoch
 
 
+
+def await_go(store, epoch: int, leaver: int, aborted, deadline: float, poll_s: float = 0.05) -> str:
+    """The joiner's wait for the leaver's verdict: "go" (it is sending its state), "cancelled"
+    (its cancel key, or the controller's abort) or "timeout" (monotonic `deadline` passed).
+    `store()` is asked anew each round: when the controller that hosts the store is killed, the
+    link's reconnection moves the process's client to its successor's store. An unreachable
+    store meanwhile is "no verdict yet", never a reason for this process to die (seen: the
+    controller killed mid-prepare, and the joiner's DistNetworkError stopped the job)."""
+    wait = datetime.timedelta(seconds=poll_s)
+    while True:
+        if aborted():
+            return "cancelled"
+        started = time.monotonic()
+        try:
+            if store().check([cancel_key(epoch, leaver)]):
+                return "cancelled"
+            store().wait([go_key(epoch, leaver)], wait)
+            return "go"
+        except (RuntimeError, dist.DistStoreError):  # not set yet, or the store unreachable
+            # an unreachable store fails at once: no busy loop while the successor comes up
+            time.sleep(max(0.0, poll_s - (time.monotonic() - started)))
+        if time.monotonic() > deadline:
+            return "timeout"
+
 class Switch:
     """A rank's part in planned migrations: Phase 1 on `prepare`, the vote's readiness, and the
     switch itself as leaver, or (a standby) as joiner."""
@@ -206,19 +230,14 @@ class Switch:
         self.ctx.send("prepared", epoch=epoch, rank=rank, groups=sorted(prep.backends), seconds=prep.seconds,
                       detail={"role": "joiner"})
         # Wait for the leaver's verdict: it either starts sending (go) or cancels.
-        deadline = time.monotonic() + self.ctx.spec.switch_timeout_s
-        while True:
-            if self.ctx.store.check([cancel_key(epoch, leaver)]) or self._aborted(epoch):
-                log.info("epoch %d cancelled; back to standby", epoch)
-                return None
-            try:
-                self.ctx.store.wait([go_key(epoch, leaver)], datetime.timedelta(milliseconds=50))
-                break
-            except (RuntimeError, dist.DistStoreError):
-                pass
-            if time.monotonic() > deadline:
-                self.ctx.send("prepare_failed", epoch=epoch, rank=rank, error="leaver never sent its state")
-                return None
+        verdict = await_go(lambda: self.ctx.store, epoch, leaver, lambda: self._aborted(epoch),
+                           time.monotonic() + self.ctx.spec.switch_timeout_s)
+        if verdict == "cancelled":
+            log.info("epoch %d cancelled; back to standby", epoch)
+            return None
+        if verdict == "timeout":
+            self.ctx.send("prepare_failed", epoch=epoch, rank=rank, error="leaver never sent its state")
+            return None
         t_switch = time.perf_counter()
         try:
             state, stats = transfer.recv_verified(prep.xfer, src=0, like=like, plan=prep.plan)
