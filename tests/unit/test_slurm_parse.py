@@ -407,12 +407,20 @@ def test_shrink_releases_the_rest(fake):
     assert ["scontrol", "--local", "update", "JobId=9", "NodeList=train3,spare2"] in f.seen
 
 
-def test_shrink_given_the_callers_record_asks_only_the_update_and_its_check(fake):
+def test_shrink_given_the_callers_record_asks_only_the_update(fake):
     from trainmover.slurm.parse import parse_job_text
     f = fake((["scontrol", "--local", "-o", "show", "job", "9"], (0, _job_line("spare2,train3", 2), "")),
              (["scontrol", "--local", "update"], (0, "", "")))
     assert CliSlurm().shrink(9, ["train3", "spare2"], job=parse_job_text(JOB_TEXT)) == ["spare1", "train4"]
-    assert [a[2] for a in f.seen] == ["update", "-o"]  # the update, then the check; no read before
+    assert [a[2] for a in f.seen] == ["update"]  # no read before, none after: the caller keeps the record
+
+
+def test_shrink_without_a_record_reads_the_job_and_checks_the_release(fake):
+    jobs = iter([JOB_TEXT, JOB_TEXT])  # Slurm still shows the released nodes afterwards
+    fake((["scontrol", "--local", "-o", "show", "job", "9"], lambda: (0, next(jobs), "")),
+         (["scontrol", "--local", "update"], (0, "", "")))
+    with pytest.raises(SlurmError, match="still holds"):
+        CliSlurm().shrink(9, ["train3", "spare2"])
 
 
 def test_nodes_one_call_and_unknown_names(fake):

@@ -25,7 +25,7 @@ from trainmover.config import Config, parse_tiers
 from trainmover.protocol import channel, endpoint
 from trainmover.protocol import checkpoint_layout
 from trainmover.protocol.messages import make
-from trainmover.controller import journal, records, tiers
+from trainmover.controller import handover, journal, records, tiers
 from trainmover.controller.fencing import FencedNodes, kill_and_drain
 from trainmover.controller.exit_codes import MOVED, SUPERSEDED
 from trainmover.controller.actions import (AcquireStandby, CheckpointDone, Fence, Finish, LaunchStandby, Record,
@@ -49,18 +49,23 @@ log = logging.getLogger("trainmover.controller")
 class Controller:
     def __init__(self, cfg: Config, job_id: int, slurm=None, environ=os.environ, *, listen: socket.socket | None = None,
                  store: tuple[str, int] | None = None, resume: bool = False, attempt: int = 0,
-                 keeper: str | None = None):
+                 keeper: str | None = None, run_dir: str | None = None):
         """`listen` and `store`: the supervisor's control socket and rendezvous store, which
         outlive this controller (None: its own, for one-process uses such as the benches).
         `resume`: take over a job whose controller died, from its journal. `keeper`: the job's
-        keeper node (controller/keeper.py), which runs the steps; no rank runs there."""
+        keeper node (controller/keeper.py), which runs the steps; no rank runs there. `run_dir`:
+        the job's run directory as the supervisor found it, where a predecessor that handed over
+        left its record of the job (controller/handover.py)."""
         self.cfg, self.job_id, self.attempt = cfg, job_id, attempt
         self.faults = faults.Injector(cfg.inject, "controller", first_controller=attempt == 0)
         self.slurm = slurm or client(cfg.slurm_backend, node_query=cfg.node_query)
         self.environ = dict(environ)
-        job = self.slurm.job(job_id)
+        handed = handover.for_successor(Path(cfg.run_dir or run_dir), job_id) if resume and (cfg.run_dir or run_dir) else None
+        job = handed.job if handed else self.slurm.job(job_id)
         self.watch = NodeWatch(self.slurm, reservation=cfg.reservation, poll_s=cfg.poll_s,
                                notices=cfg.drain_notices, slurm_conf=self.environ.get("SLURM_CONF"))
+        if handed and handed.pool_nodes is not None:
+            self.watch.pool.prime(handed.pool_nodes)
         # the job's nodes and the reservation's in one query, which is also the first node poll
         infos = self.slurm.nodes(list(dict.fromkeys(list(job.nodes) + self.watch.pool.nodes())))
         self.watch.prime(time.time(), infos)
@@ -584,6 +589,8 @@ class Controller:
         self.files.append("timeline", {"t": time.time(), "event": "controller_hand_over", "node": self.home,
                                        "attempt": self.attempt, "migration": None})
         self.files.write("status", self.status())
+        handover.leave(self.files.root, self.key, attempt=self.attempt, job=self.resizer.record_if_idle(),
+                       pool_nodes=self.watch.pool.known())  # what the successor need not ask Slurm
         for conns in self.conns.values():
             for conn in conns:
                 conn.close()

@@ -42,6 +42,14 @@ class PoolWatch:
                 self._nodes = []
         return self._nodes or []
 
+    def known(self) -> list[str] | None:
+        """The node list as last read (None: not read, or to be read again)."""
+        return None if self._nodes is None else list(self._nodes)
+
+    def prime(self, nodes: list[str]) -> None:
+        """The node list a predecessor read (controller/handover.py): not asked again."""
+        self._nodes = list(nodes)
+
     def saw(self, states: dict) -> None:
         if self._nodes:
             self.idle = [n for n in self._nodes if n in states and states[n].idle]

@@ -31,6 +31,8 @@ def main(argv=None) -> int:
     p.add_argument("--spare-fd", type=int, help="a pre-started spare: wait for the attempt number on this pipe "
                                                 "(EOF: not needed), then resume")
     p.add_argument("--keeper", help="the job's keeper node, which runs the steps (controller/keeper.py)")
+    p.add_argument("--run-dir", help="the job's run directory, as the supervisor found it (a predecessor's "
+                                     "hand-over record is there: controller/handover.py)")
     args = p.parse_args(argv)
     setup_logging()
     cfg = Config.from_env()
@@ -59,7 +61,7 @@ def main(argv=None) -> int:
         store = (host, int(port))
     try:
         return Controller(cfg, job_id, listen=listen, store=store, resume=args.resume, attempt=args.attempt,
-                          keeper=args.keeper, slurm=slurm).run()
+                          keeper=args.keeper, slurm=slurm, run_dir=args.run_dir).run()
     except TrainMoverError as exc:  # a clear error (config, corrupt journal): restarting cannot help
         log.error("controller: %s", exc)
         return REFUSED

@@ -107,6 +107,16 @@ class Resizer:
             self.job = with_nodes(self.job, tuple(keep))
             return ("released", node, True, "")
 
+    def record_if_idle(self) -> JobInfo | None:
+        """The job's record when no grow or release is under way (None otherwise: a resize in
+        flight may be changing it), for a successor (controller/handover.py)."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            return self.job
+        finally:
+            self._lock.release()
+
     def _reread(self) -> None:
         """After a failed resize the record may be wrong: read it again (one query)."""
         try:

@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     base = [sys.executable, "-m", "trainmover.controller.process", "--listen-fd", str(listen.fileno()),
-            "--store", f"{host}:{store_port}"] + (["--keeper", args.keeper] if args.keeper else [])
+            "--store", f"{host}:{store_port}", "--run-dir", str(root)] + (["--keeper", args.keeper] if args.keeper else [])
 
     def start_spare(force=False):
         # With a keeper, the warm successor on another node is the spare (controller/keeper.py):
