@@ -102,6 +102,11 @@ gpu_models() {
     --preset "$GPT" --steps "$GPT_STEPS" --migrate-at "$GPT_AT" --snapshot-every "$EVERY" --fault both \
     "${COMMON[@]}" "${gpt_ref[@]}" --work "$W/gpt" --out "$W/res"
 
+  # SIGKILL 5 steps after the first version is held: recovered from it (the standby's GPU copy)
+  part gptfirst 120 bash -c '"$0" bench/gpu_planned_migration.py "$@" --deadline-s "$DEADLINE"' "$PY" \
+    --preset "$GPT" --steps "$GPT_STEPS" --migrate-at "$GPT_AT" --snapshot-every "$EVERY" --fault kill \
+    --kill-when first-held "${COMMON[@]}" "${gpt_ref[@]}" --work "$W/gpt" --out "$W/res"
+
   [ -f "$W/meg/ref/raw.json" ] && meg_ref=(--ref "$W/meg/ref/raw.json")
   part megatron 130 bash -c '"$0" bench/gpu_megatron_migration.py "$@" --deadline-s "$DEADLINE"' "$PY" \
     --preset "$MEG" --steps "$MEG_STEPS" --migrate-at "$MEG_AT" "${COMMON[@]}" "${meg_ref[@]}" \

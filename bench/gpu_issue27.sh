@@ -16,6 +16,8 @@
 #   gpt      gpt_demo 1B: planned migration, then SIGKILL of the worker (snapshot tier, the standby
 #            holds the snapshots), both against the reference: gpu-planned-1b-gpu0.json,
 #            gpu-failure-1b-gpu0.json
+#   gptfirst gpt_demo 1B, SIGKILL 5 steps after the first version is held (it went straight to the
+#            standby's GPU): recovered from that copy: gpu-failure-first-1b-gpu0.json
 #   megatron Megatron-core GPT 1B bf16, planned migration: planned-gpu-megatron-1b-dp1.json
 #   health   bench/gpu_healthcheck.py: healthy runs with NVLink traffic, every fault kind injected
 #   warm     125M compiled: the worker's throughput while the standby warms up, niced and with 4
@@ -26,11 +28,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . bench/gpu_common.sh
-gpu_begin 27 nvidia-h100-x2 "tests p2p refs gpt megatron health warm"
+gpu_begin 27 nvidia-h100-x2 "tests p2p refs gpt gptfirst megatron health warm"
 gpu_setup
 
-part tests 90 env TM_TEST_GPU=1 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_xferplan.py \
-  tests/unit/test_capture_holding.py
+part tests 120 env TM_TEST_GPU=1 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_xferplan.py \
+  tests/unit/test_capture_holding.py tests/unit/test_gpu_first_snapshot.py
 
 # the planned transfer alone, GPU 0 to GPU 1: chunk sizes, checks as CUDA graphs or kernel by kernel
 [ "$DEVICE" = cuda ] && part p2p 100 "$PY" bench/p2p_plan.py --preset "$GPT" --machine "$TM_BENCH_MACHINE" \

@@ -101,10 +101,15 @@ def run_job(spec: dict) -> int:
         if spec["workers"] == 1:
             snaps = (status.get("protection") or {}).get("snapshots") or {}
             held = [s for s in snaps.get("held", {}).get("0") or [] if s > 0]
-            if not held or step < max(held) + spec["every"] // 2:
+            if spec.get("kill_when") == "first-held":
+                # right after the first version is held (on the standby's GPU where it could):
+                # the recovery must come from that version, before any host version exists
+                if not held or step < min(held) + 5:
+                    return False
+            elif not held or step < max(held) + spec["every"] // 2:
                 return False
             earlier = [x["step"] for x in snaps.get("taken", {}).get("0") or [] if x["step"] < max(held)]
-            if not earlier and step < 0.7 * spec["steps"]:
+            if not earlier and step < 0.7 * spec["steps"] and spec.get("kill_when") != "first-held":
                 return False
             t["held_at_kill"] = held
             t["held_detail_at_kill"] = ((status.get("protection") or {}).get("snapshots") or {}).get("held_detail")
@@ -311,7 +316,7 @@ def spec_of(args, name: str, fault: str, work: Path, deadline_s: float) -> dict:
             # a reference needs no standby: its workers alone, possibly beside another benchmark's
             "gpus": args.gpus - 1 if ref else args.gpus, "train": args.gpus - 1,
             "first_gpu": args.first_gpu if ref else 0, "host_gpus": args.host_gpus, "share_gpu": args.share_gpu,
-            "signal": args.signal,
+            "signal": args.signal, "kill_when": args.kill_when,
             "config": {**job_config(args, fault), **({"standbys": 0} if ref else {})}}
 
 
@@ -333,6 +338,9 @@ def main() -> int:
     ap.add_argument("--p2p", action="store_true", help="also measure plain NCCL send/recv (~20 s)")
     ap.add_argument("--signal", choices=("KILL", "STOP"), default="KILL",
                     help="--fault kill: SIGKILL (a crash) or SIGSTOP (a frozen process, found by its silent heartbeat)")
+    ap.add_argument("--kill-when", choices=("interval", "first-held"), default="interval",
+                    help="--fault kill, one worker: half an interval after a held version (default), or 5 steps "
+                         "after the first version is held (recovered from it: on the standby's GPU where it could)")
     ap.add_argument("--share-gpu", action="store_true", help="worker and standby on one GPU (a one-GPU machine); "
                                                                "only --fault kill")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
@@ -417,6 +425,7 @@ def main() -> int:
         }
         prefix = "gpu" if cuda else "cpu-dryrun"
         sig = "" if fault != "kill" or args.signal == "KILL" else "-freeze"
+        sig += "-first" if fault == "kill" and args.kill_when == "first-held" else ""
         results_io.write(out / f"{prefix}-{kind}{sig}-{args.preset}-{args.leaver}.json", result)
         ok = ok and result["complete"]
     return 0 if ok else 1

@@ -121,6 +121,60 @@ def test_the_standby_holds_the_two_newest_verified_versions_and_a_spoilt_copy_is
     holder.close()
 
 
+def _gloo_pair(store, prefix, grank):
+    from trainmover.runtime.groups import gloo_group
+    return gloo_group(store, prefix, grank, 2, host="127.0.0.1", timeout=datetime.timedelta(seconds=TIMEOUT_S))
+
+
+@pytest.mark.gloo_threads
+def test_the_first_version_goes_straight_to_the_holder_and_is_dropped_once_two_host_versions_are_held(monkeypatch):
+    """The first version over its own transfer pair (NCCL between GPUs; gloo here), with no slab
+    on either side: held, verified, restorable; a spoilt copy is sent again; the host versions
+    follow and, two of them held, the first is dropped. A holder without room declines and the
+    worker's link says so (host versions only)."""
+    _master, addr = _store()
+    monkeypatch.setattr(holding.Holding, "_room", lambda self: "")
+    reports = []
+    live, _, _ = state(3, seed=3)
+    layout = capture.specs_of(*capture.flatten(live)[1:])
+    holder = holding.Holding(addr, "tm/hold/d1/", 0, "127.0.0.1", TIMEOUT_S, lambda r, s, d: reports.append((r, s, d)),
+                             key=KEY, layout=layout, direct=_gloo_pair)
+    link = holding.StandbyLink(addr, "tm/hold/d1/", 0, "spare1", "127.0.0.1", TIMEOUT_S, key=KEY, direct=_gloo_pair)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not link.direct_due() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert link.direct_due(), link.direct_note
+    numbers = link.send_direct(3, live, corrupt=True)
+    assert numbers["direct"] and numbers["attempts"] == 2 and not link.direct_due()
+    _held(reports, 1)
+    assert reports[0][1] == [3] and reports[0][2]["direct"] and reports[0][2]["first_held_t"]
+    assert holder.version(3).on_device and digest(holder.version(3).state()) == digest(live)
+    mine, _, _ = state(0, seed=9)
+    restored, placed = capture.restore_into(holder.version(3).state(), like=mine)
+    assert placed > 0 and digest(restored) == digest(live)
+    cap = capture.Capture("cpu", slabs=1)
+    for n, step in enumerate((20, 40), 2):
+        s_, _, _ = state(step, seed=step)
+        c = cap.take(step, s_)
+        c.wait(TIMEOUT_S)
+        link.send(c)
+        _held(reports, n)
+    assert [r[1] for r in reports] == [[3], [3, 20], [20, 40]]
+    assert reports[-1][2]["first_held_t"] == reports[0][2]["first_held_t"]
+    holder.close()
+
+    monkeypatch.setattr(holding.Holding, "_room", lambda self: "1.0 GiB free on its GPU, 9.0 GiB needed")
+    refuser = holding.Holding(addr, "tm/hold/d2/", 0, "127.0.0.1", TIMEOUT_S, lambda *a: None, key=KEY,
+                              layout=layout, direct=_gloo_pair)
+    declined = holding.StandbyLink(addr, "tm/hold/d2/", 0, "spare2", "127.0.0.1", TIMEOUT_S, key=KEY,
+                                   direct=_gloo_pair)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not declined.direct_sent and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert declined.direct is None and not declined.direct_due() and "9.0 GiB needed" in declined.direct_note
+    refuser.close()
+
+
 class SlowLink:
     """A standby link whose copy takes `seconds` (the network), recording what it sent."""
 

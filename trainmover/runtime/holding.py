@@ -27,6 +27,18 @@ hold up the agent's store operations). Version n:
              store <prefix>v<n>/verdict<a>  OK / AGAIN / REFUSED
     AGAIN: the worker sends the tensors again (attempt a+1), up to transfer.ATTEMPTS times.
 
+The first version, where both sides can (a GPU holder with room for it): straight from the
+worker's model and optimizer tensors into new buffers on the standby's GPU, over a 2-member
+transfer pair of its own (NCCL on GPUs; `direct/` under the ward's prefix), at the first step
+boundary after that pair is built. The worker waits for it (the copy, about as long as a planned
+migration's), but nothing on either side is allocated in host memory or pinned first: pinning
+a 1B model's 14.6 GB took the holder 3.7-6.3 s on the lent H200 host (its memory grows as it is
+touched) and the worker as long again, so the job was unprotected for 7.5 s after its first
+step. The holder says first whether it takes it (`direct/offer`: yes/no, from its free GPU
+memory); the worker says when it sends (`direct/go`), so neither posts an operation that waits
+for the other. The host versions then go on as below; the GPU version is dropped once two host
+versions are held.
+
 The standby posts its receives only once the manifest is there, i.e. while the worker sends:
 no gloo operation waits for the next snapshot (an abandoned gloo operation that times out ends
 the process). Gloo groups whose peer may be gone are never destroyed (that ends the process
@@ -57,6 +69,7 @@ STREAMS = 8      # connections of a pair, tensors spread over them by index: one
 #                  host; the first version is what protects the job (same number on both
 #                  sides: a code constant, not a setting)
 KEPT: list = []  # gloo groups never destroyed (see the module docstring)
+DIRECT_MARGIN_BYTES = 2 << 30  # free GPU memory a holder keeps beside the first version (its shadow steps)
 
 
 def ward_prefix(prefix: str, rank: int) -> str:
@@ -88,7 +101,10 @@ def _sendable(views: list[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
 class StandbyLink:
     """The worker's side: sends each captured version to its standby holder (member 0)."""
 
-    def __init__(self, store_addr, prefix: str, rank: int, holder: str, host: str, timeout_s: float, *, key: bytes):
+    def __init__(self, store_addr, prefix: str, rank: int, holder: str, host: str, timeout_s: float, *, key: bytes,
+                 direct=None):
+        """`direct(store, prefix, grank)`: builds the 2-member transfer pair of the first version
+        (module docstring); None: host versions only."""
         self.prefix, self.rank, self.holder, self.timeout_s = ward_prefix(prefix, rank), rank, holder, timeout_s
         self.key = key
         self.version = 0
@@ -96,10 +112,15 @@ class StandbyLink:
         self.error = ""
         self.store = None
         self.built = threading.Event()
+        self.direct = None          # the first version's transfer pair, once built
+        self.direct_sent = direct is None  # nothing to send that way (or sent, or given up)
+        self.direct_note = ""       # why not, if not
+        self.direct_ok = False      # the first version was held that way
         # Built at once (in a thread), not at the next snapshot: the holder waits for us now.
-        threading.Thread(target=self._build, args=(store_addr, host), name="tm-hold-link", daemon=True).start()
+        threading.Thread(target=self._build, args=(store_addr, host, direct, _device()), name="tm-hold-link",
+                         daemon=True).start()
 
-    def _build(self, store_addr, host) -> None:
+    def _build(self, store_addr, host, direct, device) -> None:
         try:
             self.store = _client(store_addr, self.timeout_s, self.key)
             self.pair = gloo_group(self.store, self.prefix + "pair/", 0, 2, host=host,
@@ -109,6 +130,41 @@ class StandbyLink:
             self.error = f"link to holder {self.holder} for rank {self.rank}: {exc}"
             log.warning("%s", self.error)
         self.built.set()
+        if direct is not None and self.store is not None:
+            self._build_direct(direct, device)
+
+    def _build_direct(self, direct, device) -> None:
+        _set_device(device)
+        try:
+            offer = self.prefix + "direct/offer"
+            if not _wait_key(self.store, offer, time.monotonic() + self.timeout_s):
+                raise MigrationError(f"holder {self.holder} said nothing in {self.timeout_s:g}s", phase="snapshot")
+            said = self.store.get(offer).decode()
+            if said != "yes":
+                self.direct_note = f"holder {self.holder}: {said}"
+                log.info("first snapshot through host memory: %s", self.direct_note)
+                self.direct_sent = True
+                return
+            self.direct = direct(self.store, self.prefix + "direct/", 0)
+            log.info("first snapshot of rank %d goes straight to %s's GPU", self.rank, self.holder)
+        except Exception as exc:  # noqa: BLE001 - host versions only
+            self.direct_note = f"first-version pair to {self.holder} not built: {exc}"
+            log.warning("%s", self.direct_note)
+            self.direct_sent = True
+
+    def direct_due(self) -> bool:
+        """The first version may go straight to the holder's GPU now (its pair is built)."""
+        return not self.direct_sent and self.direct is not None and self.version == 0
+
+    def send_direct(self, step: int, state: dict, corrupt: bool = False) -> dict:
+        """The first version, from the live `state` of `step` (the caller's training waits: a
+        step boundary, nothing in flight). Verified by the holder (checksum, NaN/Inf)."""
+        self.direct_sent = True  # once, whatever happens: the host versions follow anyway
+        t0 = time.perf_counter()
+        self.store.set(self.prefix + "direct/go", str(int(step)))
+        stats = transfer.send_verified(state, self.direct, dst=1, corrupt=corrupt)
+        return {"bytes": stats.bytes, "send_s": time.perf_counter() - t0, "copy_s": stats.copy_s,
+                "attempts": stats.attempts, "direct": True}
 
     def send(self, cap: capture.Captured, corrupt: bool = False) -> dict:
         """Send one complete version (call after `cap.wait`); verified by the holder. Returns
@@ -148,11 +204,36 @@ class StandbyLink:
                              "attempts", phase="snapshot", rank=self.rank)
 
 
-class Held:
-    """One complete, verified version a holder keeps (in one of its slabs)."""
+def _device() -> int | None:
+    """The caller's CUDA device (a thread starts on device 0, whatever its process set)."""
+    return torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
-    def __init__(self, step: int, skeleton, specs, slab: capture.Slab):
+
+def _set_device(device: int | None) -> None:
+    if device is not None:
+        torch.cuda.set_device(device)
+
+
+class OnDevice:
+    """The first version's buffers on the holder's GPU (slab-like: views, bytes): never
+    reused for a host version."""
+    pinned = False
+    on_device = True
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.views = tensors
+        self.bytes = sum(t.numel() * t.element_size() for t in tensors)
+
+    def matches(self, specs) -> bool:
+        return False
+
+
+class Held:
+    """One complete, verified version a holder keeps (in one of its slabs, or on its GPU)."""
+
+    def __init__(self, step: int, skeleton, specs, slab):
         self.step, self.skeleton, self.specs, self.slab = step, skeleton, specs, slab
+        self.on_device = getattr(slab, "on_device", False)
 
     def state(self) -> dict:
         return transfer._unflatten(self.skeleton, list(self.slab.views))
@@ -163,7 +244,7 @@ class Holding:
     own, keeps the newest 2 complete ones and reports each (`report(ward, steps, detail)`)."""
 
     def __init__(self, store_addr, prefix: str, ward: int, host: str, timeout_s: float, report, *, key: bytes,
-                 verify_on: str | None = None, layout: list | None = None):
+                 verify_on: str | None = None, layout: list | None = None, direct=None):
         self.prefix, self.ward, self.timeout_s, self.report = ward_prefix(prefix, ward), ward, timeout_s, report
         self.key = key
         self.verify_on = verify_on if verify_on == "cuda" and torch.cuda.is_available() else None
@@ -179,9 +260,13 @@ class Holding:
         self.first_held_t: float | None = None  # wall time the first version was complete and verified
         self.alloc_detail: dict = {}
         self.second: threading.Thread | None = None
+        self.direct_note = ""
         self.thread = threading.Thread(target=self._run, args=(store_addr, host), name=f"tm-holding-r{ward}",
                                        daemon=True)
         self.thread.start()
+        if direct is not None:
+            threading.Thread(target=self._direct, args=(store_addr, direct, _device()),
+                             name=f"tm-holding-direct-r{ward}", daemon=True).start()
 
     def steps(self) -> list[int]:
         with self.lock:
@@ -197,6 +282,52 @@ class Holding:
     def close(self) -> None:
         """Stop receiving (this standby takes a rank now); what it holds stays readable."""
         self.stop.set()
+
+    def _room(self) -> str:
+        """Why the first version cannot go on this GPU ("": it can): it needs the state's size
+        beside the standby's own model, with a margin for its shadow steps."""
+        if not (self.verify_on == "cuda" and self.layout):
+            return "no GPU, or the layout is not known ahead"
+        need = sum(capture._numel(shape) * torch.empty((), dtype=capture._dtype(dt)).element_size()
+                   for _, shape, dt in self.layout)
+        free, _ = torch.cuda.mem_get_info()
+        margin = DIRECT_MARGIN_BYTES
+        return "" if free >= need + margin else (f"{free / 2**30:.1f} GiB free on its GPU, {(need + margin) / 2**30:.1f} "
+                                                 "needed")
+
+    def _direct(self, store_addr, direct, device) -> None:
+        """The first version straight onto this GPU (module docstring)."""
+        _set_device(device)
+        t0 = time.perf_counter()
+        try:
+            store = _client(store_addr, self.timeout_s, self.key)
+            why = self._room()
+            store.set(self.prefix + "direct/offer", "yes" if not why else f"no: {why}")
+            if why:
+                self.direct_note = why
+                log.info("holding rank %d: first version through host memory (%s)", self.ward, why)
+                return
+            pair = direct(store, self.prefix + "direct/", 1)
+            if not _wait_key(store, self.prefix + "direct/go", float("inf"), self.stop, poll_s=POLL_S):
+                return
+            t1 = time.perf_counter()
+            state, stats = transfer.recv_verified(pair, src=0)
+        except Exception as exc:  # noqa: BLE001 - the host versions still come
+            self.direct_note = f"first version not received on the GPU: {exc}"
+            log.warning("holding rank %d: %s", self.ward, self.direct_note)
+            return
+        skeleton, paths, tensors = capture.flatten(state)
+        step = int(state["step"])
+        with self.lock:
+            if self.stop.is_set():
+                return
+            self.held[step] = Held(step, skeleton, capture.specs_of(paths, tensors), OnDevice(tensors))
+            steps = sorted(self.held)
+        self.first_held_t = self.first_held_t or time.time()
+        self.report(self.ward, steps, {"step": step, "bytes": stats.bytes, "direct": True, "on_device": True,
+                                       "recv_s": round(stats.copy_s, 4), "seconds": round(time.perf_counter() - t1, 4),
+                                       "build_s": round(t1 - t0, 4), "attempts": stats.attempts,
+                                       "first_held_t": self.first_held_t})
 
     def _second_slab(self) -> None:
         try:
@@ -225,9 +356,9 @@ class Holding:
             self.second = None
             return self._slab(specs)
         with self.lock:
-            if len(self.slabs) >= 2 and self.held:
-                oldest = min(self.held)
-                victim = self.held.pop(oldest).slab
+            on_host = [s for s, h in self.held.items() if not h.on_device]
+            if len(self.slabs) >= 2 and on_host:
+                victim = self.held.pop(min(on_host)).slab
                 if victim.matches(specs):
                     return victim
                 self.slabs.remove(victim)
@@ -312,6 +443,8 @@ class Holding:
                                      phase="snapshot")
             with self.lock:
                 self.held[int(meta["step"])] = Held(int(meta["step"]), meta["skeleton"], specs, slab)
+                if sum(not h.on_device for h in self.held.values()) >= 2:  # the GPU's copy is not needed now
+                    self.held = {s: h for s, h in self.held.items() if not h.on_device}
                 steps = sorted(self.held)
             self.first_held_t = self.first_held_t or time.time()
             if self.layout and self.second is None and len(self.slabs) < 2:

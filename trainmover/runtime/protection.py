@@ -48,6 +48,9 @@ class Protection:
         """At the boundary after `step` steps: a snapshot and/or a checkpoint when due. Only the
         copy into host memory is issued here; exchanges and writes run in background threads."""
         self._report_snapshots()
+        link = self.snapshots.standby if self.snapshots is not None else None
+        if link is not None and link.direct_due() and step < self.ctx.spec.steps:
+            self._send_direct(link, step)
         every_s, every_c = self.ctx.spec.snapshot_every, self.ctx.spec.checkpoint_every
         if every_s and self.ctx.device == "cuda":
             cap = self.own_snapshots().capture
@@ -73,6 +76,24 @@ class Protection:
             # filesystem may still be writing this one
             self.checkpoints.submit(step, transfer.host_copy(self.ctx.full_state(step)), self.ctx.spec.group_timeout_s)
 
+    def _send_direct(self, link: holding.StandbyLink, step: int) -> None:
+        """The first version straight to the standby holder's GPU (holding.py): this step
+        boundary waits for the copy, and the job is protected without any host memory pinned."""
+        try:
+            numbers = link.send_direct(step, self.ctx.full_state(step))
+        except Exception as exc:  # noqa: BLE001 - the host versions still protect the job, later
+            log.warning("first snapshot to %s's GPU failed (host versions follow): %s", link.holder, str(exc)[:300])
+            return
+        link.direct_ok = True
+        self.ctx.send("snapshot_taken", rank=self.ctx.rank, step=step, detail={**numbers, "held_by": link.holder})
+
+    def _pair_builder(self):
+        """Builds the first version's 2-member transfer pair (NCCL between GPUs): GPU jobs only,
+        where the host path's pinning is what delays protection."""
+        if self.ctx.device != "cuda":
+            return None
+        return lambda store, prefix, grank: self.ctx.build_backend("xfer", prefix, grank, 2, store=store)
+
     def snapshot_gate(self) -> None:
         """Before the optimizer step (BuildContext.before_update): the training stream waits on
         the device for a snapshot's copies still in flight (nothing to wait for otherwise)."""
@@ -96,8 +117,8 @@ class Protection:
         if self.ctx.device != "cuda" or snaps is None or not snaps.one_node or snaps.standby is None:
             return False
         link = snaps.standby
-        return (link.built.is_set() and link.pair is not None and link.version == 0 and bool(snaps.capture.slabs)
-                and snaps.capture.ready() and not any(t.is_alive() for t in snaps.threads))
+        return (link.built.is_set() and link.pair is not None and link.version == 0 and not link.direct_ok
+                and bool(snaps.capture.slabs) and snaps.capture.ready() and not any(t.is_alive() for t in snaps.threads))
 
     def on_hold(self, msg: dict) -> None:
         """A worker of a one-node job: the controller names the standby that holds its snapshots
@@ -111,7 +132,8 @@ class Protection:
         if msg["holder"] and self.ctx.rank in msg["wards"]:
             spec = self.ctx.spec
             snaps.standby = holding.StandbyLink(tuple(spec.store), msg["prefix"], self.ctx.rank, msg["holder"],
-                                                 spec.node_addr, spec.group_timeout_s, key=self.ctx.key)
+                                                 spec.node_addr, spec.group_timeout_s, key=self.ctx.key,
+                                                 direct=self._pair_builder())
             log.info("snapshots of rank %d go to standby %s", self.ctx.rank, msg["holder"])
 
     def hold_for(self, msg: dict) -> None:
@@ -129,7 +151,7 @@ class Protection:
         spec = self.ctx.spec
         self.holding = holding.Holding(tuple(spec.store), msg["prefix"], ward, spec.node_addr, spec.group_timeout_s,
                                        report, key=self.ctx.key, verify_on=self.ctx.device,
-                                       layout=capture.specs_of(paths, tensors))
+                                       layout=capture.specs_of(paths, tensors), direct=self._pair_builder())
         log.info("holding the snapshots of rank %d", ward)
 
     def _checkpointed(self, result: dict) -> None:
