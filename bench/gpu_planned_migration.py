@@ -393,7 +393,9 @@ def main() -> int:
         params = sum(p.numel() for p in GPT(layers, d, heads, seq, vocab).parameters())
     ok = True
     for i, fault in enumerate(faults):
-        raw, job_errors = launch(fault, fault, left() / (len(faults) - i))
+        # its own directory: a second kill run beside the first (--kill-when) must not meet its secret
+        name = fault + ("-first" if fault == "kill" and args.kill_when == "first-held" else "")
+        raw, job_errors = launch(name, fault, left() / (len(faults) - i))
         job_errors = ref_errors + job_errors
         kind = "planned" if fault == "migrate" else "failure"
         metrics: dict = {}

@@ -151,6 +151,10 @@ class StandbyLink:
             self.direct_note = f"first-version pair to {self.holder} not built: {exc}"
             log.warning("%s", self.direct_note)
             self.direct_sent = True
+            try:  # the holder waits for it before pinning its host buffers: it is not coming
+                self.store.set(self.prefix + "direct/go", "-1")
+            except Exception:  # noqa: BLE001 - then the holder waits its deadline
+                pass
 
     def direct_due(self) -> bool:
         """The first version may go straight to the holder's GPU now (its pair is built)."""
@@ -261,6 +265,11 @@ class Holding:
         self.alloc_detail: dict = {}
         self.second: threading.Thread | None = None
         self.direct_note = ""
+        # set once the first version came to the GPU or will not: host buffers are pinned only
+        # then (pinning beside that copy would slow it: both want the driver)
+        self.direct_done = threading.Event()
+        if direct is None:
+            self.direct_done.set()
         self.thread = threading.Thread(target=self._run, args=(store_addr, host), name=f"tm-holding-r{ward}",
                                        daemon=True)
         self.thread.start()
@@ -297,6 +306,12 @@ class Holding:
 
     def _direct(self, store_addr, direct, device) -> None:
         """The first version straight onto this GPU (module docstring)."""
+        try:
+            self._direct_version(store_addr, direct, device)
+        finally:
+            self.direct_done.set()
+
+    def _direct_version(self, store_addr, direct, device) -> None:
         _set_device(device)
         t0 = time.perf_counter()
         try:
@@ -308,7 +323,13 @@ class Holding:
                 log.info("holding rank %d: first version through host memory (%s)", self.ward, why)
                 return
             pair = direct(store, self.prefix + "direct/", 1)
-            if not _wait_key(store, self.prefix + "direct/go", float("inf"), self.stop, poll_s=POLL_S):
+            KEPT.append(pair)  # never torn down under a peer that may still use it
+            if not _wait_key(store, self.prefix + "direct/go", time.monotonic() + self.timeout_s, self.stop,
+                             poll_s=0.01):
+                self.direct_note = f"the worker sent no first version in {self.timeout_s:g}s"
+                return
+            if int(store.get(self.prefix + "direct/go")) < 0:
+                self.direct_note = "the worker's side of the pair was not built"
                 return
             t1 = time.perf_counter()
             state, stats = transfer.recv_verified(pair, src=0)
@@ -368,6 +389,7 @@ class Holding:
         return slab
 
     def _first_slab(self) -> None:
+        self.direct_done.wait(self.timeout_s)
         t0 = time.perf_counter()
         try:
             first = capture.Slab(self.layout, pin=self.pin)
