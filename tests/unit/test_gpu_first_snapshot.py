@@ -65,8 +65,8 @@ def _side(role: str, port: int, out) -> None:
             version = holder.version(9)
             mine = _state(0, seed=2, device="cuda")
             restored, placed = capture.restore_into(version.state(), like=mine)
-            out.put(("holder", reports[0][0], version.on_device, all(t.is_cuda for t in version.slab.views
-                                                                      if t.dim()),
+            model = version.state()["workload"]["model"]  # RNG states and counters stay host tensors
+            out.put(("holder", reports[0][0], version.on_device, all(t.is_cuda for t in model.values()),
                      transfer.digest_tensors(transfer.tensors_of(restored)), placed,
                      restored["workload"]["model"]["w"].data_ptr() == mine["workload"]["model"]["w"].data_ptr()))
             holder.close()

@@ -158,7 +158,7 @@ class StandbyLink:
 
     def direct_due(self) -> bool:
         """The first version may go straight to the holder's GPU now (its pair is built)."""
-        return not self.direct_sent and self.direct is not None and self.version == 0
+        return not self.direct_sent and self.direct is not None
 
     def send_direct(self, step: int, state: dict, corrupt: bool = False) -> dict:
         """The first version, from the live `state` of `step` (the caller's training waits: a

@@ -60,6 +60,10 @@ class Protection:
                 cap.prepare(self.ctx.full_state(step))
         due_s, due_c = every_s and step % every_s == 0, every_c and step % every_c == 0
         due_s = due_s or self._first_for_holder()
+        if link is not None and not link.direct_sent:
+            # the first version goes straight to the holder's GPU once its pair is built: a host
+            # version now would wait for the holder's host buffers, pinned only after it
+            due_s = False
         if step >= self.ctx.spec.steps or not (due_s or due_c):
             return
         if due_s:
@@ -117,7 +121,8 @@ class Protection:
         if self.ctx.device != "cuda" or snaps is None or not snaps.one_node or snaps.standby is None:
             return False
         link = snaps.standby
-        return (link.built.is_set() and link.pair is not None and link.version == 0 and not link.direct_ok
+        return (link.built.is_set() and link.pair is not None and link.version == 0 and link.direct_sent
+                and not link.direct_ok
                 and bool(snaps.capture.slabs) and snaps.capture.ready() and not any(t.is_alive() for t in snaps.threads))
 
     def on_hold(self, msg: dict) -> None:
