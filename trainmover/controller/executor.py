@@ -25,7 +25,7 @@ from trainmover.config import Config, parse_tiers
 from trainmover.protocol import channel, endpoint
 from trainmover.protocol import checkpoint_layout
 from trainmover.protocol.messages import make
-from trainmover.controller import handover, journal, records, tiers
+from trainmover.controller import handover, journal, records, tiers, user_rights
 from trainmover.controller.fencing import FencedNodes, kill_and_drain
 from trainmover.controller.exit_codes import MOVED, SUPERSEDED
 from trainmover.controller.actions import (AcquireStandby, CheckpointDone, Fence, Finish, LaunchStandby, Record,
@@ -156,42 +156,19 @@ class Controller:
 
     # --- what the job's user may do (slurm/rights.py) ----------------------------------------
     def _check_rights(self) -> None:
-        """Ask Slurm what this job's user may do; say what is missing and what follows, in the
-        log and status.json. A reservation that refuses the user, with standbys wanted, is a clear
-        error now (ConfigError), not a standby request retried for ever."""
-        try:
-            caps = self.slurm.capabilities(self.job_id, self.cfg.reservation)
-        except SlurmError as exc:  # not known: try each action, and hold a fenced node whose drain fails
-            log.warning("could not check what this job may do (%s): a fenced node is held if its drain fails", exc)
-            self.capabilities = {"unknown": str(exc)[:300]}
-            return
-        self.capabilities = caps.as_status()
-        self.fencing.may_drain, self.fencing.why_not = caps.drain, caps.why.get("drain", "")
-        log.info("user %s may: grow %s, shrink %s, drain %s", caps.user, *("yes" if x else "no"
-                                                                           for x in (caps.grow, caps.shrink, caps.drain)))
-        for line in caps.consequences(self.cfg.standbys):
-            log.warning("%s", line)
-        error = caps.start_error(self.cfg.standbys, self.cfg.reservation)
+        """What this job's user may do, in the log and status.json (controller/user_rights.py);
+        a start error (a reservation that refuses the user, with standbys wanted) ends the job."""
+        self.capabilities, error = user_rights.from_slurm(self.slurm, self.job_id, self.cfg.reservation,
+                                                          self.cfg.standbys, self.fencing)
         if error:
             self.files.write("status", {**self.status(), "outcome": {"ok": False, "message": error}})
             raise ConfigError(error)
 
     def _rights_from_predecessor(self) -> bool:
-        """A resuming controller takes the rights its predecessor found (status.json, the job's
-        own file in its private directory): asking Slurm again costs 3-4 of the user's tokens at
-        every move of the controller, and a user's rights do not change with its node."""
-        try:
-            caps = json.loads((self.files.root / "status.json").read_text()).get("capabilities") or {}
-        except (OSError, ValueError, AttributeError):
-            return False
-        if not isinstance(caps, dict) or "unknown" in caps or not isinstance(caps.get("why"), dict) \
-                or not all(isinstance(caps.get(k), bool) for k in ("grow", "shrink", "drain")):
-            return False
-        self.capabilities = caps
-        self.fencing.may_drain, self.fencing.why_not = caps["drain"], str(caps["why"].get("drain", ""))
-        log.info("user %s may (as the previous controller found): grow %s, shrink %s, drain %s", caps.get("user"),
-                 *("yes" if caps[k] else "no" for k in ("grow", "shrink", "drain")))
-        return True
+        caps = user_rights.from_predecessor(self.files.root / "status.json", self.fencing)
+        if caps is not None:
+            self.capabilities = caps
+        return caps is not None
 
     def status(self) -> dict:
         """The policy's status with what only the executor knows: the user's rights, fenced nodes."""
