@@ -93,8 +93,12 @@ class Protection:
 
     def _pair_builder(self):
         """Builds the first version's 2-member transfer pair (NCCL between GPUs): GPU jobs only,
-        where the host path's pinning is what delays protection."""
-        if self.ctx.device != "cuda":
+        where the host path's pinning is what delays protection; and one rank only. With several
+        ranks on the node each would send its first version at its own first boundary after its
+        pair is built, so their steps would differ, and a recovery needs one step that every
+        lost rank's holder has (and the live ranks their own copy of it): the host versions,
+        taken at the same multiples of TM_SNAPSHOT_EVERY by every rank, protect such jobs."""
+        if self.ctx.device != "cuda" or self.ctx.spec.world_size != 1:
             return None
         return lambda store, prefix, grank: self.ctx.build_backend("xfer", prefix, grank, 2, store=store)
 
