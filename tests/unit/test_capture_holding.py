@@ -175,6 +175,63 @@ def test_the_first_version_goes_straight_to_the_holder_and_is_dropped_once_two_h
     refuser.close()
 
 
+class OneRankCtx:
+    """A one-rank job's RankContext, as much of it as Protection uses (protection.py)."""
+
+    def __init__(self, addr, every: int):
+        from types import SimpleNamespace
+        from trainmover.runtime.groups import SNAPSHOT
+        self.rank, self.device, self.key, self.sent = 0, "cpu", KEY, []
+        self.spec = SimpleNamespace(snapshot_every=every, checkpoint_every=0, steps=10_000, world_size=1,
+                                    ranks_per_node=1, group_timeout_s=TIMEOUT_S, store=addr, node_addr="127.0.0.1")
+        self.faults = SimpleNamespace(at=lambda *a, **k: False)
+        self.groups = {SNAPSHOT: SimpleNamespace(inner=None)}
+        self.live = {}
+
+    def full_state(self, step):
+        self.live.setdefault(step, state(step, seed=step)[0])
+        return self.live[step]
+
+    def send(self, kind, **fields):
+        self.sent.append((kind, fields))
+
+
+@pytest.mark.gloo_threads
+def test_a_rank_sends_its_first_version_to_the_holders_gpu_then_host_versions_at_the_interval(monkeypatch):
+    """protection.py's sequencing with the first-version pair (gloo standing in for NCCL): no
+    host version while that pair is being built, the first version at the first boundary after
+    it, host versions at the multiples of the interval after that."""
+    from trainmover.runtime.protection import Protection
+    _master, addr = _store()
+    monkeypatch.setattr(holding.Holding, "_room", lambda self: "")
+    monkeypatch.setattr(Protection, "_pair_builder", lambda self: _gloo_pair)
+    ctx = OneRankCtx(addr, every=4)
+    reports = []
+    layout = capture.specs_of(*capture.flatten(ctx.full_state(0))[1:])
+    holder = holding.Holding(addr, "tm/hold/p1/", 0, "127.0.0.1", TIMEOUT_S, lambda r, s, d: reports.append((s, d)),
+                             key=KEY, layout=layout, direct=_gloo_pair)
+    prot = Protection(ctx)
+    prot.on_hold({"holder": "spare1", "wards": [0], "prefix": "tm/hold/p1/"})
+    link = prot.snapshots.standby
+    prot.protect(0)  # a boundary before the pair is built: nothing sent, no host version either
+    assert not link.direct_ok and link.version == 0
+    deadline = time.monotonic() + TIMEOUT_S
+    while not link.direct_due() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    prot.protect(1)  # the first boundary after: the first version, this step's, to the holder's GPU
+    assert link.direct_ok and link.version == 0
+    assert [k for k, _ in ctx.sent] == ["snapshot_taken"] and ctx.sent[0][1]["detail"]["direct"]
+    _held(reports, 1)
+    assert reports[0][0] == [1] and holder.version(1).on_device
+    for step in range(2, 13):
+        prot.protect(step)
+        prot.snapshots.wait(TIMEOUT_S)
+    _held(reports, 4)
+    assert [r[0] for r in reports] == [[1], [1, 4], [4, 8], [8, 12]]  # the GPU copy dropped at the second
+    assert digest(holder.version(12).state()) == digest(ctx.full_state(12))
+    holder.close()
+
+
 class SlowLink:
     """A standby link whose copy takes `seconds` (the network), recording what it sent."""
 
