@@ -27,7 +27,8 @@ def test_names_addresses_ports():
 def test_slurm_conf_has_the_settings_trainmover_needs():
     conf = specmod.render_slurm_conf(_spec()).splitlines()
     for line in [
-        "SchedulerParameters=permit_job_expansion,batch_sched_delay=0,sched_min_interval=0,default_queue_depth=100",
+        "SchedulerParameters=permit_job_expansion,batch_sched_delay=0,sched_min_interval=0,default_queue_depth=100,"
+        "sched_interval=5",
         "AccountingStorageType=accounting_storage/slurmdbd",
         "AccountingStoragePort=16819",
         "AccountingStoragePass=/var/tmp/tmc/run/munge/munge.socket.2",

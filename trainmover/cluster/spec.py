@@ -270,8 +270,11 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         "# A job asking for more nodes than its partition has is refused at submit time (\"Node count",
         "# specification invalid\"); 22.05's default (NO) keeps it pending for ever (PartitionNodeLimit).",
         "EnforcePartLimits=ALL",
+        "# sched_interval=5: the main scheduling pass every 5 s, not 60: a job whose start at submit",
+        "# was missed (seen on the loaded CI machine: the second of two jobs submitted together waited",
+        "# for the next pass) starts within seconds while its nodes are free.",
         "SchedulerParameters=permit_job_expansion,batch_sched_delay=0,sched_min_interval=0,"
-        "default_queue_depth=100",
+        "default_queue_depth=100,sched_interval=5",
         *_accounting_lines(s),
         "JobCompType=jobcomp/none",
         *_rate_limit_lines(s),
