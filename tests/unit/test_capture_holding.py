@@ -74,10 +74,16 @@ def _store():
     return master, ("127.0.0.1", port)
 
 
-def _held(reports, n, deadline_s=TIMEOUT_S):
+def _until(check, deadline_s=TIMEOUT_S) -> bool:
+    """Poll `check` until true or `deadline_s` passed; its last value."""
     deadline = time.monotonic() + deadline_s
-    while len(reports) < n and time.monotonic() < deadline:
+    while not check() and time.monotonic() < deadline:
         time.sleep(0.02)
+    return check()
+
+
+def _held(reports, n, deadline_s=TIMEOUT_S):
+    _until(lambda: len(reports) >= n, deadline_s)
     return reports
 
 
@@ -140,10 +146,7 @@ def test_the_first_version_goes_straight_to_the_holder_and_is_dropped_once_two_h
     holder = holding.Holding(addr, "tm/hold/d1/", 0, "127.0.0.1", TIMEOUT_S, lambda r, s, d: reports.append((r, s, d)),
                              key=KEY, layout=layout, direct=_gloo_pair)
     link = holding.StandbyLink(addr, "tm/hold/d1/", 0, "spare1", "127.0.0.1", TIMEOUT_S, key=KEY, direct=_gloo_pair)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not link.direct_due() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert link.direct_due(), link.direct_note
+    assert _until(link.direct_due), link.direct_note
     numbers = link.send_direct(3, live, corrupt=True)
     assert numbers["direct"] and numbers["attempts"] == 2 and not link.direct_due()
     _held(reports, 1)
@@ -168,9 +171,7 @@ def test_the_first_version_goes_straight_to_the_holder_and_is_dropped_once_two_h
                               layout=layout, direct=_gloo_pair)
     declined = holding.StandbyLink(addr, "tm/hold/d2/", 0, "spare2", "127.0.0.1", TIMEOUT_S, key=KEY,
                                    direct=_gloo_pair)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not declined.direct_sent and time.monotonic() < deadline:
-        time.sleep(0.02)
+    _until(lambda: declined.direct_sent)
     assert declined.direct is None and not declined.direct_due() and "9.0 GiB needed" in declined.direct_note
     refuser.close()
 
@@ -215,9 +216,7 @@ def test_a_rank_sends_its_first_version_to_the_holders_gpu_then_host_versions_at
     link = prot.snapshots.standby
     prot.protect(0)  # a boundary before the pair is built: nothing sent, no host version either
     assert not link.direct_ok and link.version == 0
-    deadline = time.monotonic() + TIMEOUT_S
-    while not link.direct_due() and time.monotonic() < deadline:
-        time.sleep(0.02)
+    _until(link.direct_due)
     prot.protect(1)  # the first boundary after: the first version, this step's, to the holder's GPU
     assert link.direct_ok and link.version == 0
     assert [k for k, _ in ctx.sent] == ["snapshot_taken"] and ctx.sent[0][1]["detail"]["direct"]

@@ -36,6 +36,7 @@ def _pair(store, prefix, grank):
 def _side(role: str, port: int, out) -> None:
     os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     import time
+    from tests.unit.test_capture_holding import _until
     from trainmover.runtime import capture, holding, transfer
     try:
         torch.cuda.set_device(0 if role == "worker" else 1)
@@ -45,10 +46,7 @@ def _side(role: str, port: int, out) -> None:
         digest = transfer.digest_tensors(transfer.tensors_of(live))
         if role == "worker":
             link = holding.StandbyLink(addr, "tm/hold/g1/", 0, "gpu1", "127.0.0.1", TIMEOUT_S, key=KEY, direct=_pair)
-            deadline = time.monotonic() + TIMEOUT_S
-            while not link.direct_due() and time.monotonic() < deadline:
-                time.sleep(0.02)
-            assert link.direct_due(), link.direct_note
+            assert _until(link.direct_due, TIMEOUT_S), link.direct_note
             numbers = link.send_direct(9, live, corrupt=True)
             out.put(("worker", numbers["attempts"], digest))
             time.sleep(3)  # the holder restores and reports before this side's communicator goes
@@ -58,10 +56,7 @@ def _side(role: str, port: int, out) -> None:
             holder = holding.Holding(addr, "tm/hold/g1/", 0, "127.0.0.1", TIMEOUT_S,
                                      lambda r, s, d: reports.append((s, d)), key=KEY, verify_on="cuda",
                                      layout=layout, direct=_pair)
-            deadline = time.monotonic() + TIMEOUT_S
-            while not reports and time.monotonic() < deadline:
-                time.sleep(0.02)
-            assert reports, holder.direct_note
+            assert _until(lambda: bool(reports), TIMEOUT_S), holder.direct_note
             version = holder.version(9)
             mine = _state(0, seed=2, device="cuda")
             restored, placed = capture.restore_into(version.state(), like=mine)

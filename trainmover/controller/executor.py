@@ -60,7 +60,8 @@ class Controller:
         self.faults = faults.Injector(cfg.inject, "controller", first_controller=attempt == 0)
         self.slurm = slurm or client(cfg.slurm_backend, node_query=cfg.node_query)
         self.environ = dict(environ)
-        handed = handover.for_successor(Path(cfg.run_dir or run_dir), job_id) if resume and (cfg.run_dir or run_dir) else None
+        root_given = cfg.run_dir or run_dir
+        handed = handover.for_successor(Path(root_given), job_id) if resume and root_given else None
         job = handed.job if handed else self.slurm.job(job_id)
         self.watch = NodeWatch(self.slurm, reservation=cfg.reservation, poll_s=cfg.poll_s,
                                notices=cfg.drain_notices, slurm_conf=self.environ.get("SLURM_CONF"))

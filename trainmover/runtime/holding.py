@@ -297,12 +297,10 @@ class Holding:
         beside the standby's own model, with a margin for its shadow steps."""
         if not (self.verify_on == "cuda" and self.layout):
             return "no GPU, or the layout is not known ahead"
-        need = sum(capture._numel(shape) * torch.empty((), dtype=capture._dtype(dt)).element_size()
-                   for _, shape, dt in self.layout)
+        need = sum(capture._numel(shape) * capture._dtype(dt).itemsize for _, shape, dt in self.layout)
+        need += DIRECT_MARGIN_BYTES
         free, _ = torch.cuda.mem_get_info()
-        margin = DIRECT_MARGIN_BYTES
-        return "" if free >= need + margin else (f"{free / 2**30:.1f} GiB free on its GPU, {(need + margin) / 2**30:.1f} "
-                                                 "needed")
+        return "" if free >= need else f"{free / 2**30:.1f} GiB free on its GPU, {need / 2**30:.1f} needed"
 
     def _direct(self, store_addr, direct, device) -> None:
         """The first version straight onto this GPU (module docstring)."""

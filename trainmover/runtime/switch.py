@@ -68,7 +68,6 @@ def switch_ready(prep: phase1.Prepared | None, step: int) -> int:
     return prep.epoch
 
 
-
 def await_go(store, epoch: int, leaver: int, aborted, deadline: float, poll_s: float = 0.05) -> str:
     """The joiner's wait for the leaver's verdict: "go" (it is sending its state), "cancelled"
     (its cancel key, or the controller's abort) or "timeout" (monotonic `deadline` passed).
@@ -80,17 +79,18 @@ def await_go(store, epoch: int, leaver: int, aborted, deadline: float, poll_s: f
     while True:
         if aborted():
             return "cancelled"
-        started = time.monotonic()
+        started, client = time.monotonic(), store()
         try:
-            if store().check([cancel_key(epoch, leaver)]):
+            if client.check([cancel_key(epoch, leaver)]):
                 return "cancelled"
-            store().wait([go_key(epoch, leaver)], wait)
+            client.wait([go_key(epoch, leaver)], wait)
             return "go"
         except (RuntimeError, dist.DistStoreError):  # not set yet, or the store unreachable
             # an unreachable store fails at once: no busy loop while the successor comes up
             time.sleep(max(0.0, poll_s - (time.monotonic() - started)))
         if time.monotonic() > deadline:
             return "timeout"
+
 
 class Switch:
     """A rank's part in planned migrations: Phase 1 on `prepare`, the vote's readiness, and the

@@ -189,7 +189,8 @@ class Plan:
         """Before the pause: run every kernel the transfer's packing and checks use once (CUDA
         loads a kernel's module at its first use: tens of ms measured inside the pause on an
         H100, 20 ms for the first packing on an H200), then capture each chunk's checks as a
-        CUDA graph (`finite`: the receiver's checks, else the sender's). Reads this plan's buffers only (the packed ones are scratch)."""
+        CUDA graph (`finite`: the receiver's checks, else the sender's). Reads this plan's
+        buffers only (the packed ones are scratch)."""
         side = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             self.reset()
