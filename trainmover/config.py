@@ -10,6 +10,7 @@ debugging and tests (`VARIABLES`), which modules read only through `setting()`.
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field, fields
 
@@ -98,6 +99,20 @@ def setting(env: str, environ=None) -> str:
     return environ.get(env) or var.default
 
 
+SCRIPT_PREFIX = "script:"  # TM_WORKLOAD=script:PATH: the user's own training script (trainmover/script)
+
+
+def script_argv(raw: str) -> list[str]:
+    """TM_SCRIPT_ARGS: a JSON list of strings (the script's argv after its path)."""
+    try:
+        argv = json.loads(raw or "[]")
+    except ValueError as exc:
+        raise ConfigError(f"TM_SCRIPT_ARGS={raw!r}: not JSON ({exc}); expected a list of strings") from None
+    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+        raise ConfigError(f"TM_SCRIPT_ARGS={raw!r}: expected a JSON list of strings")
+    return argv
+
+
 @dataclass(frozen=True)
 class Config:
     steps: int = field(default=1500, metadata={"env": "TM_STEPS", "doc": "training steps (about a minute of the CPU demo)"})
@@ -132,6 +147,7 @@ class Config:
     standby_warmup: str = field(default="shadow", metadata={"env": "TM_STANDBY_WARMUP", "doc": "shadow (replay + shadow steps, compiled) or cold (a benchmark baseline: no replay; the shadow steps DDP needs, then all compiled code and caches dropped)"})
     standby_nice: int = field(default=10, metadata={"env": "TM_STANDBY_NICE", "doc": "niceness of a standby's warm-up thread (0: none; the threads it starts inherit it), so that live ranks on a shared host keep their CPU; the thread that joins and trains is never niced (an unprivileged process could not lower it back)"})
     standby_compile_threads: int = field(default=4, metadata={"env": "TM_STANDBY_COMPILE_THREADS", "doc": "torch.compile worker processes of a standby (0: torch's default, one per CPU): fewer keep a shared host's CPUs for the live ranks, at the cost of a longer warm-up"})
+    script_args: str = field(default="[]", metadata={"env": "TM_SCRIPT_ARGS", "doc": "script mode (TM_WORKLOAD=script:PATH, set by `trainmover run`): the script's own arguments, a JSON list of strings"})
     workload_options: str = field(default="", metadata={"env": "TM_WORKLOAD_OPTIONS", "doc": "key=value,... passed to the workload's constructor, checked against its keyword arguments at start (gpt_demo: compile=true, lr=...)"})
     check_workload: int = field(default=0, metadata={"env": "TM_CHECK_WORKLOAD", "doc": "1: before any rank starts, run `trainmover check-workload` in the batch step on the batch node's CPUs (2 ranks over gloo; 4 processes, each importing torch, and about 3 x TM_CHECK_STEPS + 60 steps: docs/workloads.md); on a failure the job stops with the checker's message"})
     check_steps: int = field(default=24, metadata={"env": "TM_CHECK_STEPS", "doc": "steps the check compares after its migration (docs/workloads.md: what it can see); raise it to at least an epoch and an LR-schedule period, in steps"})
@@ -216,6 +232,8 @@ class Config:
         """What the workload's constructor gets: only what the user set, i.e. the model preset
         when TM_MODEL is set, the parallel layout when one is set, and TM_WORKLOAD_OPTIONS.
         `workloads.base.load` checks them against the constructor's keyword arguments."""
+        if self.workload.startswith(SCRIPT_PREFIX):  # a script takes its own arguments, nothing else
+            return {"argv": script_argv(self.script_args)}
         kwargs: dict = {"preset": self.model} if self.model else {}
         if self.tp:
             kwargs.update(tp=self.tp, pp=self.pp, dp=self.dp, distributed_optimizer=bool(self.distributed_optimizer))

@@ -14,7 +14,9 @@ from trainmover.check.plan import MAX_STEADY, MIN_AT
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("workload", help="package.module:Class (a trainmover Workload) or gpt_demo, megatron_gpt")
+    p.add_argument("workload", help="package.module:Class (a trainmover Workload), gpt_demo, megatron_gpt, or a "
+                                    "script (path ending in .py, script mode: docs/scripts.md) followed by its arguments")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="a script's own arguments (after the script)")
     p.add_argument("--steps", type=int, default=24,
                    help="steps compared after the migration (default 24); the switch comes after a prime number "
                         f"of steps >= max(N, {MIN_AT}) + {MAX_STEADY + 2}. State left out shows only when its effect "
@@ -30,7 +32,15 @@ def main(args) -> int:
     if args.steps < 1 or (args.ranks is not None and args.ranks < 1) or args.timeout <= 0:
         from trainmover.errors import ConfigError
         raise ConfigError("--steps and --ranks must be >= 1 and --timeout > 0")
-    cfg = Config.from_env(os.environ, workload=args.workload)
+    workload, environ = args.workload, dict(os.environ)
+    if workload.endswith(".py"):  # script mode: the path and its arguments, as `trainmover run` takes them
+        workload = "script:" + os.path.abspath(workload)
+        environ["TM_SCRIPT_ARGS"] = json.dumps([a for a in args.script_args if a != "--"][:1] + args.script_args[1:]
+                                               if args.script_args[:1] != ["--"] else args.script_args[1:])
+    elif args.script_args:
+        from trainmover.errors import ConfigError
+        raise ConfigError(f"unexpected arguments {args.script_args}: only a script (a .py path) takes arguments")
+    cfg = Config.from_env(environ, workload=workload)
     report = run_check(cfg.workload, cfg.workload_kwargs(), steps=args.steps, ranks=args.ranks, seed=cfg.seed,
                        timeout_s=args.timeout)
     print(json.dumps(report.to_json(), indent=1) if args.json else report.text())

@@ -20,16 +20,22 @@ def install(world, groups, backend: str) -> None:
     """Make `world` the default group and register `groups` (SwappableGroups, world among
     them). Replaces what a previous call installed (a standby rebinding to its rank)."""
     uninstall()
-    store = dist.HashStore()  # c10d wants a store per group; ours build their own backends
     c10d._update_default_pg(world)
     for g in {id(g): g for g in groups}.values():
-        c10d._world.pg_map[g] = (backend, store)
-        c10d._world.pg_names[g] = f"tm:{g.group_name_}"
-        c10d._world.pg_group_ranks[g] = {glob: i for i, glob in enumerate(g.global_ranks)}
-        c10d._world.pg_backend_config[g] = backend
-        c10d._world.pg_to_tag[g] = f"ptd:tm:{g.group_name_}"
-        c10d._world.tags_to_pg.setdefault(c10d._world.pg_to_tag[g], []).append(g)
-        _registered.append(g)
+        register(g, backend)
+
+
+def register(g, backend: str) -> None:
+    """Enter one SwappableGroup `g` in c10d's registry (a group made after `install`)."""
+    if g in _registered:
+        return
+    c10d._world.pg_map[g] = (backend, dist.HashStore())  # c10d wants a store per group; ours build their own backends
+    c10d._world.pg_names[g] = f"tm:{g.group_name_}"
+    c10d._world.pg_group_ranks[g] = {glob: i for i, glob in enumerate(g.global_ranks)}
+    c10d._world.pg_backend_config[g] = backend
+    c10d._world.pg_to_tag[g] = f"ptd:tm:{g.group_name_}"
+    c10d._world.tags_to_pg.setdefault(c10d._world.pg_to_tag[g], []).append(g)
+    _registered.append(g)
 
 
 def uninstall() -> None:

@@ -13,6 +13,7 @@ Inner backends:
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import sys
 import threading
@@ -250,6 +251,25 @@ class SwappableGroup(dist.ProcessGroup):
             # steps): counting afresh keeps the members' counts comparable.
             self.issued = 0
         return old
+
+    @contextlib.contextmanager
+    def sandbox_for_a_while(self):
+        """Answer this group's collectives locally for the duration, then put everything back
+        as it was (backend, generation, marks, observer). A script run that re-enters its loop
+        (trainmover/script) runs its set-up and warm iterations again: DDP's broadcasts and
+        bucket rebuild must not reach the peers, which are not running them."""
+        if self.sandboxed:
+            yield
+            return
+        with self._lock:
+            saved = (self._inner, self.revoked, self.failure, self._pending, self.issued, self.observer)
+            self._inner = SandboxBackend(self.rank(), self.size())
+            self.revoked, self.failure, self._pending, self.observer = "", None, {}, None
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._inner, self.revoked, self.failure, self._pending, self.issued, self.observer = saved
 
     def mark(self, op: str, error) -> None:
         """Record that a collective of this generation failed (the first failure is kept).

@@ -22,6 +22,7 @@ from trainmover.runtime.protection import Protection
 from trainmover.runtime.rankstate import RankState
 from trainmover.runtime.rank_recovery import Recovery
 from trainmover.runtime.switch import Switch, switch_ready
+from trainmover.script.run import ScriptEnded
 
 log = logging.getLogger("trainmover.worker")
 
@@ -57,6 +58,8 @@ class TrainingLoop:
             self.ctx.completed = step
             try:
                 loss, step = self._iteration(step)
+            except ScriptEnded:  # a script's own loop is over (trainmover/script): this rank is done
+                break
             except Exception as exc:  # noqa: BLE001 - classified by the groups' marks, not by its type
                 failure = lost_peer(self.ctx.groups)
                 if failure is None:

@@ -21,6 +21,7 @@ Faults are injected through one hook, `faults.at(point, ...)` (trainmover/faults
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from trainmover import faults
+from trainmover.errors import MigrationError
 from trainmover.logs import setup_logging
 from trainmover.protocol import channel, endpoint, files
 from trainmover.protocol.messages import make
@@ -58,6 +60,7 @@ RESEND_STEPS = 2048  # step reports kept for a restarted controller (its metrics
 RESEND_KINDS = ("recorded", "ready", "prepared", "prepare_failed", "switched", "stalled", "finished")
 RETIRE_AFTER = 3  # steps between a switch and the release of the replaced communicators
 STORE_CONNECT_S = 2.0  # a moved controller's rendezvous store: one connect attempt's deadline
+OWN_LOOP_STEPS = 2**62  # a script's steps: no limit but its own loop's end
 FENCED = 75  # exit code of a process the controller judged dead (EX_TEMPFAIL: its node was at fault)
 FAILED = 1   # this process's own code (the user's, or TrainMover's) raised: it said so in a `failed` report
 ENDED = 2    # the controller ended the job (its `bye`) while this rank was still in it
@@ -129,6 +132,8 @@ class Agent:
         with usercode.user_code("construction"):  # importing and constructing it run the user's code
             loaded = workloads.load(spec.workload, spec.workload_options)
         self.workload = usercode.UserWorkload(loaded, self._inject_user_fault)
+        if getattr(loaded, "owns_loop", False):  # a script: its own loop decides when training ends, not TM_STEPS
+            self.spec = spec = dataclasses.replace(spec, steps=OWN_LOOP_STEPS)
         self.specs = self.workload.group_specs(spec.world_size)
         names = {g.name for g in self.specs}
         if "world" not in names:
@@ -193,8 +198,10 @@ class Agent:
     def _beat(self, now: float) -> dict:
         """What the heartbeat thread says of this process (runtime/heartbeat.py)."""
         worker = self.role == "worker" and self.rank is not None
+        compute = getattr(self.workload, "compute_thread", None) if hasattr(self, "workload") else None
+        thread = (compute() if compute is not None else None) or self.train_thread  # a script computes in its own thread
         return heartbeat.beat([self.rank] if worker else [], self.completed, dict(self.groups) if worker else {},
-                              self.train_thread, now)
+                              thread, now)
 
     def _controller_gone(self) -> None:
         if self.role == "standby":  # nobody can call on an idle standby any more: free the node now
@@ -307,7 +314,30 @@ class Agent:
     def build_context(self, rank: int) -> workloads.BuildContext:
         return workloads.BuildContext(rank=rank, world_size=self.spec.world_size, groups=self.groups,
                                       seed=self.spec.seed, options={**self.spec.workload_options, "device": self.device},
-                                      before_update=self._before_update)
+                                      before_update=self._before_update, local_rank=self.local,
+                                      local_world_size=self.spec.ranks_per_node, master=tuple(self.store_addr),
+                                      new_group=lambda name, ranks: self._workload_group(rank, name, ranks))
+
+    def _workload_group(self, rank: int, name: str, ranks: tuple[int, ...]) -> SwappableGroup | None:
+        """A group the workload makes while it builds (a script's dist.new_group): a job group
+        like the others from then on (in every Phase 1's delta, swapped at every migration).
+        Every rank, standbys included, makes the same groups in the same order, so the k-th has
+        the same name and members everywhere; a fresh run of the same script gets it back."""
+        known = next((g for g in self.specs if g.name == name), None)
+        if known is not None and tuple(known.ranks) != tuple(ranks):
+            raise MigrationError(f"group {name} was made with ranks {list(known.ranks)}, now {list(ranks)}: a script "
+                                 "must make the same groups in the same order on every rank and in every run")
+        if known is None:
+            self.specs.append(GroupSpec(name, tuple(ranks)))
+        if rank not in ranks:
+            return None
+        if name not in self.groups:
+            sandbox = self.groups["world"].sandboxed
+            grank = list(ranks).index(rank)
+            inner = (SandboxBackend(grank, len(ranks)) if sandbox else
+                     self.build_backend(name, f"tm/e{self.switched_epoch}/{name}/", grank, len(ranks)))
+            self.groups[name] = SwappableGroup(name, grank, len(ranks), list(ranks), inner)
+        return self.groups[name]
 
     def _before_update(self) -> None:
         """The workload's gate before its optimizer step (see BuildContext.before_update)."""

@@ -28,6 +28,13 @@ class BuildContext:
     # failed. On GPUs an aborted NCCL kernel ends early without an error the host sees, and
     # an optimizer step on its gradients would spoil every replica at once.
     before_update: Callable[[], None] | None = None
+    # What a script (trainmover/script) is told as torchrun would tell it, and its groups' hook.
+    local_rank: int = 0                    # this process's index on its node (SLURM_LOCALID)
+    local_world_size: int = 1              # ranks per node
+    master: tuple[str, int] = ("127.0.0.1", 29500)  # MASTER_ADDR/PORT: the job's rendezvous store
+    # new_group(name, ranks) -> the group (a SwappableGroup) or None for a non-member: a group a
+    # script makes with dist.new_group, built and swapped by the runtime like its own
+    new_group: Callable | None = None
 
 
 class Workload(abc.ABC):
@@ -172,8 +179,14 @@ def check_options(name: str, cls: type, options: dict) -> None:
 def load(name: str, options: dict | None = None) -> Workload:
     """`name` is a registry key or `package.module:Class`; `options` are the constructor's
     keyword arguments, checked against its signature first."""
-    cls = resolve(name)
     options = dict(options or {})
+    if name.startswith("script:"):  # script mode: the user's own script (trainmover/script)
+        from trainmover.script.workload import ScriptWorkload
+        unknown = sorted(set(options) - {"argv"})
+        if unknown:
+            raise ConfigError(f"a script takes its own arguments (TM_SCRIPT_ARGS), not options {unknown}")
+        return ScriptWorkload(name[len("script:"):], options.get("argv", ()))
+    cls = resolve(name)
     check_options(name, cls, options)
     try:
         return cls(**options)

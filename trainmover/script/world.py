@@ -1,0 +1,52 @@
+"""The job's swappable groups as torch.distributed's own world, for a script (script mode).
+
+A script written for torchrun calls `dist.get_rank()`, builds `DDP(model)` and a
+`DistributedSampler(ds)` on the default group, and may call `dist.all_reduce(t)`,
+`dist.barrier()` or `dist.new_group(ranks)`. Here the runtime's `world` group (a
+SwappableGroup, whose backend a migration replaces underneath) becomes the default group,
+every group is entered in c10d's registry, the variables torchrun sets are set, and
+`dist.new_group` makes a group the runtime builds and swaps like its own.
+"""
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+from trainmover.errors import ConfigError
+from trainmover.megatron import c10d
+
+_made: list = []  # the ranks of each group the script made, in order (the same on every rank and run)
+_original_new_group = dist.new_group
+
+
+def prepare(ctx) -> None:
+    """Before a run of the script: the default group and the torchrun variables of `ctx`'s rank."""
+    groups = ctx.groups
+    world = groups["world"]
+    c10d.install(world, list(groups.values()), "nccl" if ctx.options.get("device") == "cuda" else "gloo")
+    master_addr, master_port = ctx.master
+    os.environ.update({"RANK": str(ctx.rank), "WORLD_SIZE": str(ctx.world_size), "LOCAL_RANK": str(ctx.local_rank),
+                       "LOCAL_WORLD_SIZE": str(ctx.local_world_size), "MASTER_ADDR": str(master_addr),
+                       "MASTER_PORT": str(master_port), "GROUP_RANK": str(ctx.rank // max(ctx.local_world_size, 1))})
+    _made.clear()
+    dist.new_group = lambda ranks=None, *args, **kwargs: _new_group(ctx, ranks, kwargs)
+
+
+def _new_group(ctx, ranks, kwargs):
+    """`dist.new_group(ranks)` in a script: the k-th call of a run is the runtime's group
+    `script{k}` (built with the others at launch, swapped at every migration), made by the
+    runtime's hook on first use; a rank outside it gets torch's NON_GROUP_MEMBER."""
+    ranks = tuple(range(ctx.world_size)) if ranks is None else tuple(sorted(int(r) for r in ranks))
+    if not ranks or ranks[-1] >= ctx.world_size:
+        raise ConfigError(f"dist.new_group({list(ranks)}): ranks must lie in 0..{ctx.world_size - 1}")
+    name = f"script{len(_made)}"
+    _made.append(ranks)
+    if ctx.new_group is None:
+        raise ConfigError(f"dist.new_group({list(ranks)}) is not supported here (no runtime hook to build it): "
+                          "use the default group")
+    group = ctx.new_group(name, ranks)
+    if group is None:
+        return dist.GroupMember.NON_GROUP_MEMBER
+    c10d.register(group, "nccl" if ctx.options.get("device") == "cuda" else "gloo")
+    return group
