@@ -193,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("cluster", help="the embedded local Slurm cluster")
     c.add_argument("rest", nargs=argparse.REMAINDER)
     sub.add_parser("controller", help="run the job-step controller (inside a job)")
+    r = sub.add_parser("run", help="inside a job: run your own torchrun script under TrainMover (script mode)")
+    r.add_argument("rest", nargs=argparse.REMAINDER, help="the script and its arguments")
     s = sub.add_parser("status", help="a job's nodes, standbys and migrations")
     s.add_argument("--job", required=True)
     s.add_argument("--json", action="store_true")
@@ -257,10 +259,44 @@ def _submit(rest: list[str]) -> int:
     return code
 
 
+RUN_USAGE = """usage: trainmover run SCRIPT [ITS ARGUMENTS]
+
+Inside a Slurm batch script (sbatch_templates/torch_script.sbatch): run your own torchrun training
+script under TrainMover, one rank per GPU (or per CPU node), its arguments passed on unchanged.
+The script calls trainmover.script's init/track/loop/step (docs/scripts.md). Outside a job run it
+with torchrun as before; `trainmover check-workload SCRIPT ARGS` checks that a migration is exact."""
+
+
+def _run(rest: list[str]) -> int:
+    """`trainmover run script.py args...`: the job's controller with the script as its workload."""
+    import json
+    import os
+    if not rest or rest[0] in ("-h", "--help"):
+        print(RUN_USAGE)
+        return 0 if rest else 2
+    script = os.path.abspath(rest[0])
+    if not script.endswith(".py") or not os.path.isfile(script):
+        print(f"trainmover run: {rest[0]!r} is not a Python script (a .py file)\n\n{RUN_USAGE}", file=sys.stderr)
+        return 2
+    if not os.environ.get("SLURM_JOB_ID"):
+        print("trainmover run: not inside a Slurm job (no SLURM_JOB_ID): submit it with "
+              "sbatch_templates/torch_script.sbatch, or run the script with torchrun as before", file=sys.stderr)
+        return 2
+    os.environ["TM_WORKLOAD"] = "script:" + script
+    os.environ["TM_SCRIPT_ARGS"] = json.dumps(rest[1:])
+    try:
+        return _controller()
+    except TrainMoverError as exc:
+        print(f"trainmover run: {exc}", file=sys.stderr)
+        return 2
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["submit"]:  # everything after it is sbatch's: argparse would take its options as ours
         return _submit(argv[1:])
+    if argv[:1] == ["run"]:  # everything after the script is the script's
+        return _run(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.command == "cluster":
