@@ -79,7 +79,9 @@ def assert_same(run: Run, reference: Run, *lost: tuple[int, int]) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(script_job, slurm_client):
+def reference(script_job, slurm_cluster):
+    from trainmover.slurm.client import CliSlurm
+    slurm_client = CliSlurm(slurm_conf=str(slurm_cluster.slurm_conf))
     run = script_job("script-reference")
     assert run.wait_done(slurm_client, timeout=300) == "COMPLETED", run.slurm_out()[-3000:]
     assert run.final()["steps"] == STEPS

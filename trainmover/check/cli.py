@@ -35,8 +35,8 @@ def main(args) -> int:
     workload, environ = args.workload, dict(os.environ)
     if workload.endswith(".py"):  # script mode: the path and its arguments, as `trainmover run` takes them
         workload = "script:" + os.path.abspath(workload)
-        environ["TM_SCRIPT_ARGS"] = json.dumps([a for a in args.script_args if a != "--"][:1] + args.script_args[1:]
-                                               if args.script_args[:1] != ["--"] else args.script_args[1:])
+        rest = args.script_args[1:] if args.script_args[:1] == ["--"] else args.script_args
+        environ["TM_SCRIPT_ARGS"] = json.dumps(rest)
     elif args.script_args:
         from trainmover.errors import ConfigError
         raise ConfigError(f"unexpected arguments {args.script_args}: only a script (a .py path) takes arguments")

@@ -16,7 +16,7 @@ from trainmover.check.plan import Plan
 OUTSIDE_STATE_HINT = (
     "The state loaded at the switch was identical, so something outside state_dict() decided "
     "this step differently: typically an LR scheduler, a data-order torch.Generator, an epoch or "
-    "step counter, or a cache. Put it into state_dict() and restore it in load_state_dict().")
+    "step counter, or a cache. Put it into state_dict() and restore it in load_state_dict() (a script: name it in tm.track(...)).")
 NONDETERMINISM_HINT = (
     "train_step is not a function of (seed, rank, state): an unseeded or time-seeded generator, "
     "a nondeterministic kernel, or data state (position, order, generator) outside state_dict().")
@@ -34,6 +34,7 @@ class Record:
     replay_digest: str = ""
     restarts: dict[int, tuple[dict, dict]] = field(default_factory=dict)  # point -> (losses, states)
     shadow: int | None = None
+    script: list | None = None  # a script's findings (trainmover/script/inspect.py); None: not a script
     sent: dict | None = None
     phase: str = "starting"
     error: dict | None = None
@@ -59,6 +60,8 @@ class Record:
             setattr(self, "digest" if kind == "digest" else "replay_digest", line["digest"])
         elif kind == "shadow":
             self.shadow = line["steps"]
+        elif kind == "script":
+            self.script = line["findings"]
         elif kind == "error":
             self.error = line
         elif kind == "done":
@@ -207,6 +210,16 @@ def restart_finding(plan: Plan, refs: list[Record]) -> Finding:
     return Finding("restart", True, f"{what} {points}: each equal to the first run for up to {plan.compare} steps")
 
 
+def script_finding(refs: list[Record]) -> list[Finding]:
+    """A script's state left out that a compared run may not show (trainmover/script/inspect.py)."""
+    if all(r.script is None for r in refs):
+        return []
+    found = list(dict.fromkeys(f for r in refs for f in (r.script or [])))
+    if not found:
+        return [Finding("script", True, "the loop's frame uses nothing stateful that tm.track() leaves out")]
+    return [Finding("script", False, "; ".join(found))]
+
+
 def findings(plan: Plan, refs: list[Record], joins: list[Record]) -> list[Finding]:
     return [encoding_finding(refs), migration_finding(plan, refs, joins), *replay_findings(plan, refs),
-            restart_finding(plan, refs)]
+            restart_finding(plan, refs), *script_finding(refs)]

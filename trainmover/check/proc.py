@@ -164,6 +164,8 @@ def _restore(wl, saved: dict) -> None:
 
 def reference(spec: ProcSpec, store, out: Emitter, timeout: datetime.timedelta) -> None:
     wl = workloads.load(spec.workload, spec.options)
+    if hasattr(wl, "inspect_all"):  # a script: look at its loop's frame at every boundary
+        wl.inspect_all = True
     groups = make_groups(group_specs(wl, spec.world), spec.rank, lambda g, grank: gloo_group(
         store, f"ref/{g.name}/", grank, len(g.ranks), host=HOST, timeout=timeout))
     out.phase("build")
@@ -177,6 +179,8 @@ def reference(spec: ProcSpec, store, out: Emitter, timeout: datetime.timedelta) 
         saved[a] = transfer.host_copy(full_state(wl, a))
         _train(wl, out, a, max(a, b), states_from=first)
     state = full_state(wl, spec.at)
+    if hasattr(wl, "findings"):  # a script: what its loop uses that its state does not carry
+        out.emit("script", findings=wl.findings())
     out.phase("encoding")
     enc = encoding(state)
     out.emit("encoding", **enc)

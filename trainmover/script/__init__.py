@@ -83,6 +83,7 @@ def step(loss=None, **counters) -> None:
         run.park("warm")
         return
     run.nest.boundary(counters)
+    run.inspect(sys._getframe(1), counters)
     run.park("boundary", None if loss is None else float(loss))
 
 

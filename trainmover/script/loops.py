@@ -109,6 +109,16 @@ class Level:
         item = self.loop.nest.next(self, sys._getframe(1))
         return item if self.loop.start is None else (self.loop.start + self.pos - 1, item)
 
+    def values(self) -> set:
+        """What the loop's target variables may hold now: its position, as an index and as the
+        item of a range (for the checker's counters, inspect.py)."""
+        out = {self.pos - 1, self.pos}
+        if self.loop.start is not None:
+            out.add(self.loop.start + self.pos - 1)
+        if isinstance(self.loop.iterable, range) and 0 < self.pos <= len(self.loop.iterable):
+            out.add(self.loop.iterable[self.pos - 1])
+        return out
+
     def record(self) -> dict:
         return {"pos": self.pos, "created": self.created, "yielded": self.yielded, "gens": list(self.gens)}
 

@@ -63,6 +63,10 @@ class ScriptRun:
         self._event: Event | BaseException | None = None
         self._command = "go"
         self.native_id: int | None = None
+        self.findings: dict[str, None] = {}  # what inspect() found, in order
+        self.inspect_all = False  # the checker inspects every boundary (a counter shows once an epoch has passed)
+        self.numbers: list[dict] = []
+        self.loop_values: list[set] = []
         self.thread = threading.Thread(target=self._main, name="tm-script", daemon=True)
 
     # -- the driver's side (the runtime's thread) --
@@ -99,6 +103,24 @@ class ScriptRun:
         if isinstance(event, BaseException):
             raise event
         return event
+
+    INSPECT_BOUNDARIES = 6  # boundaries whose frame is inspected for state nobody tracks (inspect.py)
+
+    def inspect(self, frame, counters: dict) -> None:
+        """At the first boundaries: what the loop's frame uses that the state does not carry
+        (findings for the checker and the job's log; inspect.py)."""
+        if self.nest.boundaries > self.INSPECT_BOUNDARIES and not self.inspect_all:
+            return
+        from trainmover.script import inspect
+        module = frame.f_globals if frame.f_globals.get("__name__") == "__main__" else {}
+        variables = {**module, **frame.f_locals}
+        iters = [lvl.it for lvl in self.nest.stack]
+        for finding in inspect.untracked(variables, self.tracked, iters):
+            self.findings.setdefault(finding, None)
+        self.numbers = self.numbers[-3:] + [{k: v for k, v in frame.f_locals.items() if isinstance(v, (int, float))}]
+        self.loop_values = self.loop_values[-3:] + [{v for lvl in self.nest.stack for v in lvl.values()}]
+        for finding in inspect.moving_counters(self.numbers, set(counters), self.loop_values):
+            self.findings.setdefault(finding, None)
 
     # -- the script's side (this run's thread) --
     def park(self, kind: str, value=None) -> None:

@@ -32,6 +32,7 @@ class ScriptWorkload(Workload):
     """`path`: the script; `argv`: its own arguments (as after `python script.py`)."""
 
     owns_loop = True  # the script's loop decides how many steps there are, not TM_STEPS
+    inspect_all = False  # the checker's: inspect every boundary, not only a run's first (run.py)
 
     def __init__(self, path: str, argv: list[str] | tuple = ()):
         self.path = str(Path(path).resolve())
@@ -75,6 +76,11 @@ class ScriptWorkload(Workload):
     def load_state_dict(self, state: dict) -> None:
         self._fresh(state)
 
+    def findings(self) -> list[str]:
+        """What the script's loop uses that the state does not carry (inspect.py): the checker
+        fails on any; a job logs them at its first steps."""
+        return [] if self.run is None else list(self.run.findings)
+
     def compute_thread(self) -> int | None:
         """The native id of the thread that runs the script (the heartbeat reports its CPU time)."""
         return None if self.run is None else self.run.native_id
@@ -102,6 +108,7 @@ class ScriptWorkload(Workload):
         script_world.prepare(self.ctx)
         nest = Nest(Reentry(state["loop"]) if state is not None else None)
         self.run = ScriptRun(self.path, self.argv, nest, Tracked(), device=self._device_index(), world=self.ctx)
+        self.run.inspect_all = self.inspect_all
         with self._sandboxed(state is not None):
             event = self.run.start("sandbox" if state is not None else self._mode())
             if state is None:
