@@ -84,7 +84,7 @@ def step(loss=None, **counters) -> None:
         return
     run.nest.boundary(counters)
     run.inspect(sys._getframe(1), counters)
-    run.park("boundary", None if loss is None else float(loss))
+    run.park("boundary", None if loss is None else float(loss.item() if hasattr(loss, "item") else loss))
 
 
 def is_live() -> bool:

@@ -9,11 +9,14 @@ optimizer hold the very parameter tensors, so a model's tensors are copied into,
 """
 from __future__ import annotations
 
+import logging
 import random
 
 import torch
 
 from trainmover.errors import ConfigError
+
+log = logging.getLogger("trainmover.script")
 
 try:  # NumPy is optional for scripts (torch brings it in practice)
     import numpy as np
@@ -132,6 +135,10 @@ class Tracked:
     def load(self, state: dict) -> None:
         for name, obj in self.objects.items():
             kind = kind_of(obj)
+            if kind == "optimizer" and "optimizer" not in state:
+                # the runtime's negative control (TM_INJECT=skip-optimizer-state) sends none: keep ours
+                log.warning("the state carries no optimizer: %r keeps its own", name)
+                continue
             part = state.get(kind if kind in ("model", "optimizer") else "objects", {})
             if name not in part:
                 raise ConfigError(f"track(): the state has no {name!r} (tracked here: {sorted(self.objects)}; "
