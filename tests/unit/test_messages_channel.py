@@ -86,7 +86,8 @@ def test_wrong_secret_is_rejected_and_delivers_nothing(server):
 def test_failed_handshakes_first_from_each_address_then_a_summary_at_most_once_a_period():
     from trainmover.protocol.handshake_log import HandshakeFailures
     f = HandshakeFailures(summary_every_s=60, max_addresses=2)
-    assert f.failed("10.0.0.1:5000", "bad MAC", now=0).startswith("control: failed handshake from 10.0.0.1:5000: bad MAC")
+    first = f.failed("10.0.0.1:5000", "bad MAC", now=0)
+    assert first.startswith("control: failed handshake from 10.0.0.1:5000: bad MAC")
     assert [f.failed("10.0.0.1:5001", "bad MAC", now=t) for t in range(1, 6)] == [None] * 5  # counted
     assert f.failed("10.0.0.2:7", "bad MAC", now=2).startswith("control: failed handshake from 10.0.0.2:7")
     assert f.failed("10.0.0.3:7", "bad MAC", now=3) is None  # a third address: beyond max_addresses, counted
@@ -94,7 +95,8 @@ def test_failed_handshakes_first_from_each_address_then_a_summary_at_most_once_a
         "control: 7 more failed handshakes in the last 61s from 2 address(es); 9 in all"
     assert f.failed("10.0.0.1:5003", "bad MAC", now=62) is None  # the next summary is due at 121
     assert f.summary(now=100) is None
-    assert f.summary(now=100, force=True) == "control: 1 more failed handshakes in the last 39s from 1 address(es); 10 in all"
+    assert f.summary(now=100, force=True) == \
+        "control: 1 more failed handshakes in the last 39s from 1 address(es); 10 in all"
     assert f.summary(now=500, force=True) is None  # nothing left to count
 
 
