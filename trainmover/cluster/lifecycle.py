@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from trainmover import config
-from trainmover.cluster import daemons, install, netblock, plugin, rootfs, spec as specmod, users
+from trainmover.cluster import daemons, install, netblock, plugin, rootdirs, rootfs, spec as specmod, users
 from trainmover.cluster.daemons import STEP_TIMEOUT
 from trainmover.cluster.procs import ClusterError, find_pids, flocked, running_pid, tail, terminate, wait_until
 from trainmover.cluster.releases import release
@@ -86,6 +86,9 @@ def _log(msg: str) -> None:
 
 
 def _locked(state_dir: Path, timeout: float = 120.0):
+    """The state directory's lock; the directory made root's (0700; _write_files opens it to
+    0755 for the users' jobs) or refused when someone else could have made or can change it."""
+    rootdirs.own_dir(state_dir)
     return flocked(state_dir / ".lock", timeout, "another `trainmover cluster` command holds it")
 
 
@@ -96,12 +99,23 @@ def _spec_path(state_dir: Path) -> Path:
 
 
 def _load_spec(state_dir: Path) -> Optional[ClusterSpec]:
+    """The cluster.json of `state_dir`, believed only when root wrote it (rootdirs: the directory
+    and the file root's, neither writable by others, no link): its `root` names the file system
+    the daemons run chrooted in, as root. None where there is none."""
+    if not os.path.lexists(state_dir):
+        return None
+    rootdirs.check_dir(state_dir)
     try:
-        return ClusterSpec.from_json(_spec_path(state_dir).read_text())
+        return ClusterSpec.from_json(rootdirs.read_own(_spec_path(state_dir)))
     except FileNotFoundError:
         return None
     except (ValueError, TypeError, KeyError) as exc:
         raise ClusterError(f"{_spec_path(state_dir)} is unreadable ({exc}); remove {state_dir} to start afresh")
+
+
+def _save_spec(spec: ClusterSpec) -> None:
+    """cluster.json, 0600: it holds the accounting database's password (slurmdbd.conf's too)."""
+    rootdirs.write_own(_spec_path(spec.state_dir), spec.to_json())
 
 
 def _port_free(port: int, host: str = "") -> bool:
@@ -163,8 +177,7 @@ def _write_files(spec: ClusterSpec, old: Optional[ClusterSpec]) -> None:
     spec.slurm_conf.write_text(specmod.render_slurm_conf(spec))
     _write_slurm_access(spec)
     if spec.accounting:
-        spec.slurmdbd_conf.write_text(specmod.render_slurmdbd_conf(spec))
-        os.chmod(spec.slurmdbd_conf, 0o600)
+        rootdirs.write_own(spec.slurmdbd_conf, specmod.render_slurmdbd_conf(spec))
     try:
         system_hosts = Path("/etc/hosts").read_text()
     except FileNotFoundError:
@@ -174,7 +187,7 @@ def _write_files(spec: ClusterSpec, old: Optional[ClusterSpec]) -> None:
     spec.hosts_file.chmod(0o644)
     plugin.install(spec, _log)
     plugin.install_healthcheck(spec.etc, spec.slurm_conf, spec.healthcheck_state, sys.executable)
-    _spec_path(spec.state_dir).write_text(spec.to_json())
+    _save_spec(spec)
 
 
 def _write_slurm_access(spec: ClusterSpec) -> None:
@@ -297,6 +310,7 @@ def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = 
         if old and len(live) == len(running) and daemons.ctld_up(old) and _all_nodes_ready(old) \
                 and (old.standby == 0 or _reservation_exists(old)):
             users.ensure(Path(old.root) if old.root else None, _log)
+            _save_spec(old)  # 0600 again where an older version left it readable by all
             _ensure_reservation(old)
             _write_slurm_access(old)
             plugin.install(old, _log)  # sbatch/srun/slurmstepd read plugstack.conf at every call
@@ -447,7 +461,7 @@ def down(state_dir=None, slurm: Optional[str] = None) -> dict:
     /proc so that no unrelated process is signalled). Idempotent. Returns
     {daemon: pid} of what it stopped."""
     state_dir = resolve_dir(state_dir, slurm)
-    spec = _load_spec(state_dir) if state_dir.exists() else None
+    spec = _load_spec(state_dir)
     if spec is None:
         return {}
     with _locked(state_dir):
@@ -503,7 +517,7 @@ def status(state_dir=None, slurm: Optional[str] = None) -> dict:
     """{'state_dir', 'slurm_conf', 'slurm', 'running', 'daemons': {name: {'pid', 'up'}},
     'nodes': {node: sinfo state}, 'reservation': name or None, ...}."""
     state_dir = resolve_dir(state_dir, slurm)
-    spec = _load_spec(state_dir) if state_dir.exists() else None
+    spec = _load_spec(state_dir)
     if spec is None:
         return {"state_dir": str(state_dir), "configured": False, "running": False, "daemons": {}, "nodes": {},
                 "reservation": None}
