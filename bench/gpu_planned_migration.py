@@ -147,6 +147,14 @@ def summarize(mig: dict, p2p: float | None) -> dict:
     prep_t0, prep_t1 = m["phases"]["preparing"], m["phases"].get("switching", m["phases"]["preparing"])
     during = [rows[k + 1]["t"] - rows[k]["t"] for k in rows if k + 1 in rows and prep_t0 <= rows[k]["t"] and rows[k + 1]["t"] <= prep_t1]
     stayers = [e["detail"] for e in tl if e["event"] == "rank_prepared" and e.get("role") == "stayer"]
+    # What Phase 1 left alive on a stayer: the growth of its live tensors' bytes (torch's
+    # requested_bytes) between the boundary where it began and the one where it was done. Not
+    # memory_allocated: that counts whole cached blocks, up to 1 MiB beyond a large tensor
+    # when the block is not split, and the gradients made anew each step land in different
+    # blocks, so it moves by such remainders between two boundaries of a steady loop with the
+    # same tensors alive (runtime/worker.py `memory`); kept as stayer_extra_alloc_block_bytes.
+    tensor_growth = [e["after"]["tensor_bytes"] - e["before"]["tensor_bytes"] for e in stayers
+                     if (e.get("before") or {}).get("tensor_bytes") is not None]
     alloc_growth = [e["after"]["alloc_bytes"] - e["before"]["alloc_bytes"] for e in stayers if e.get("before")]
     reserved_growth = [e["after"]["reserved_bytes"] - e["before"]["reserved_bytes"] for e in stayers if e.get("before")]
     device_growth = [e["after"]["device_used_bytes"] - e["before"]["device_used_bytes"] for e in stayers if e.get("before")]
@@ -170,7 +178,8 @@ def summarize(mig: dict, p2p: float | None) -> dict:
         "stayer_throughput_ratio": (statistics.median(steady) / statistics.median(during)) if during and steady else None,
         "throughput_ratio_is": "stayers'" if stayers else "the leaver's (no stayer)",
         "steps_during_phase1": len(during),
-        "stayer_extra_alloc_bytes": max(alloc_growth) if alloc_growth else None,
+        "stayer_extra_alloc_bytes": max(tensor_growth) if tensor_growth else None,
+        "stayer_extra_alloc_block_bytes": max(alloc_growth) if alloc_growth else None,
         "stayer_extra_reserved_bytes": max(reserved_growth) if reserved_growth else None,
         "stayer_device_mem_growth_bytes": max(device_growth) if device_growth else None,
         # Each side times its grouped NCCL call from posting to completion; the side that posts

@@ -207,7 +207,7 @@ def launch(script: str, spec: dict, timeout_s: float, poll_s: float = 1.0) -> tu
                     ex["needs_s"] = round(fit[0], 1)
                 break
         ex["rc"] = proc.returncode
-        error = (f"job {spec['name']} {ex['killed']}: killed (see {log})" if ex["killed"] else
+        error = (f"job {spec['name']}: {ex['killed']}: killed (see {log})" if ex["killed"] else
                  None if proc.returncode == 0 else f"job {spec['name']} exited with {proc.returncode} (see {log})")
     raw = read_json(workdir / "raw.json")
     if not raw:
