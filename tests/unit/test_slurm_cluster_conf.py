@@ -81,3 +81,17 @@ def test_spec_round_trips_and_validates():
 def test_cli_parser():
     a = build_parser().parse_args(["up", "--nodes", "2", "--standby", "1", "--dir", "/d"])
     assert (a.action, a.nodes, a.standby, a.dir) == ("up", 2, 1, "/d")
+
+
+def test_a_slurm_built_with_the_expansion_fix_declares_it_and_no_other_does():
+    """cluster/lifecycle.py writes this beside slurm.conf; a job's controller reads it there
+    (slurm/expansion_fix.py) and only then expands a job on the cluster's 25.11.7."""
+    from trainmover.cluster.source import JOB_EXPANSION_NULL_LICENSES
+    from trainmover.slurm import expansion_fix, expansion_safety
+    text = specmod.render_expansion_fix("25.11.7", [JOB_EXPANSION_NULL_LICENSES.why])
+    assert expansion_fix.parse(text) == ("25.11.7",)
+    assert expansion_safety.expansion_verdict("25.11.7", "25.11.7" in expansion_fix.parse(text)).safe
+    assert specmod.render_expansion_fix("25.11.7", []) is None           # built without the fix
+    assert specmod.render_expansion_fix("25.11.7", ["another fix"]) is None
+    assert specmod.render_expansion_fix("", [JOB_EXPANSION_NULL_LICENSES.why]) is None
+    assert _spec().expansion_fix_file == Path("/var/tmp/tmc/etc") / expansion_fix.FILE_NAME

@@ -146,6 +146,7 @@ def _write_files(spec: ClusterSpec, old: Optional[ClusterSpec]) -> None:
               *(spec.spool / f"slurmd-{n}" for n in spec.all_nodes)):
         d.mkdir(parents=True, exist_ok=True)
     os.chmod(spec.state_dir, 0o755)
+    os.chmod(spec.etc, 0o755)  # root's alone: a controller believes the expansion-fix declaration only so
     os.chmod(spec.run / "munge", 0o755)
     if old is not None and old.layout_key() != spec.layout_key():
         _log(f"node layout, Slurm release or address block changed ({old.nodes}+{old.standby} nodes, Slurm "
@@ -178,13 +179,23 @@ def _write_files(spec: ClusterSpec, old: Optional[ClusterSpec]) -> None:
 
 
 def _write_slurm_access(spec: ClusterSpec) -> None:
-    """cgroup.conf where the release needs one; for a root filesystem, the exec file that
-    commands.run follows to run Slurm commands there, and wrappers for a shell."""
+    """cgroup.conf where the release needs one; the declaration of a slurmctld built with the
+    job-expansion fix, where it was; for a root filesystem, the exec file that commands.run
+    follows to run Slurm commands there, and wrappers for a shell."""
     cgroup = specmod.render_cgroup_conf(spec)
     if cgroup is None:
         spec.cgroup_conf.unlink(missing_ok=True)
     else:
         spec.cgroup_conf.write_text(cgroup)
+    # A Slurm built here with the job-expansion fix says so where a job's controller looks
+    # (slurm/expansion_fix.py); its root filesystem's marker is what was built.
+    marker = rootfs.built(Path(spec.root)) if spec.root else None
+    fix = specmod.render_expansion_fix(spec.slurm_version, ((marker or {}).get("source_build") or {}).get("fixes", []))
+    if fix is None:
+        spec.expansion_fix_file.unlink(missing_ok=True)
+    else:
+        spec.expansion_fix_file.write_text(fix)
+        spec.expansion_fix_file.chmod(0o644)
     if not spec.root:
         spec.exec_file.unlink(missing_ok=True)
         shutil.rmtree(spec.bin, ignore_errors=True)

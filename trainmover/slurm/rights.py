@@ -10,9 +10,13 @@ Slurm's rules, as used here:
   database (`scontrol update nodename=... state=drain` is refused to anyone else: "Invalid
   user id").
 * shrink: the owner of a job may always reduce it (`scontrol update jobid=... nodelist=...`).
-* grow: needs SchedulerParameters=permit_job_expansion (a donor job merged into the job) and a
-  reservation that admits the user: every one of its Users=, Accounts= and Groups= that is set
-  must admit them (a leading '-' excludes: Users=-bob admits everyone but bob).
+* grow: needs SchedulerParameters=permit_job_expansion (a donor job merged into the job), a
+  slurmctld release whose job expansion does not crash it (slurm/expansion_safety.py: 25.11.0-
+  25.11.7 and 26.05.0-26.05.4 die with SIGSEGV at every merge) or that the site's admin declares
+  fixed (slurm/expansion_fix.py), and a reservation that admits the user: every one of its
+  Users=, Accounts= and Groups= that is set must admit them (a leading '-' excludes: Users=-bob
+  admits everyone but bob). The release is judged before the reservation: a refusal on an
+  unsafe release must be said even where the reservation would also refuse.
 """
 from __future__ import annotations
 
@@ -20,7 +24,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Optional
 
+from trainmover.slurm.expansion_fix import Declaration
+from trainmover.slurm.expansion_safety import expansion_verdict
+
 DRAIN_LEVELS = ("operator", "administrator")
+EXPANSION_OFF = "SchedulerParameters lacks permit_job_expansion: Slurm cannot merge a node into a job"
+# What stops grow (Capabilities.grow_blocked_by), and what the job's user can ask for.
+ADVICE = {
+    "slurm.conf": "Ask an admin to add permit_job_expansion to SchedulerParameters (docs/admin.md)",
+    "release": ("Ask an admin to upgrade Slurm, or to apply the fix and declare it in trainmover-expansion-fix "
+                "beside slurm.conf (docs/admin.md, the table at the top)"),
+    "reservation": "Ask an admin to admit user {user} to reservation {reservation} (Users= or Accounts=)",
+}
 
 
 @dataclass(frozen=True)
@@ -38,6 +53,8 @@ class Facts:
     reservation: str = ""
     reservation_fields: Optional[Mapping[str, str]] = None  # None: the reservation does not exist
     reservation_error: str = ""              # why it could not be read
+    slurm_version: str = ""                  # scontrol show config: SLURM_VERSION, slurmctld's own release
+    expansion_fix: Declaration = Declaration()  # the admin's declaration of a fixed release
 
 
 @dataclass(frozen=True)
@@ -47,16 +64,19 @@ class Capabilities:
     shrink: bool
     drain: bool
     why: dict = field(default_factory=dict)  # capability -> why it is missing
+    grow_blocked_by: str = ""                # "" (grow: yes) or a key of ADVICE
+    expansion: dict = field(default_factory=dict)  # {slurm, safe, why}: the release's verdict
 
     def as_status(self) -> dict:
-        return {"user": self.user, "grow": self.grow, "shrink": self.shrink, "drain": self.drain, "why": dict(self.why)}
+        return {"user": self.user, "grow": self.grow, "shrink": self.shrink, "drain": self.drain, "why": dict(self.why),
+                **({"expansion": dict(self.expansion)} if self.expansion else {})}
 
     def start_error(self, standbys: int, reservation: str) -> str:
         """Why a job that wants `standbys` cannot start ('' when it can): it could never take one."""
         if self.grow or not standbys:
             return ""
-        return (f"cannot take standbys: {self.why['grow']}. Ask an admin to admit user {self.user} to "
-                f"reservation {reservation} (Users= or Accounts=), or set TM_STANDBYS=0 to run without migration")
+        advice = ADVICE.get(self.grow_blocked_by, ADVICE["reservation"]).format(user=self.user, reservation=reservation)
+        return f"cannot take standbys: {self.why['grow']}. {advice}, or set TM_STANDBYS=0 to run without migration"
 
     def consequences(self, standbys: int) -> list[str]:
         """One line per missing capability: what is missing and what follows for this job."""
@@ -108,14 +128,19 @@ def decide(f: Facts) -> Capabilities:
                         + (f"has AdminLevel {f.admin_level}" if f.admin_level is not None
                            else "not in the accounting database" if f.accounting
                            else "there is no accounting database to make it an operator"))
-    grow = True
+    release = expansion_verdict(f.slurm_version, f.expansion_fix.covers(f.slurm_version))
+    expansion = {"slurm": f.slurm_version, "safe": release.safe, "why": release.reason}
+    blocked = ""
     if "permit_job_expansion" not in f.scheduler_parameters.split(","):
-        grow, why["grow"] = False, "SchedulerParameters lacks permit_job_expansion: Slurm cannot merge a node into a job"
+        blocked, why["grow"] = "slurm.conf", EXPANSION_OFF
+    elif not release.safe:
+        note = f.expansion_fix.note()
+        blocked, why["grow"] = "release", release.reason + (f"; {note}" if note else "")
     else:
         refusal = reservation_refusal(f)
         if refusal:
-            grow, why["grow"] = False, refusal
-    return Capabilities(f.user, grow, True, drain, why)
+            blocked, why["grow"] = "reservation", refusal
+    return Capabilities(f.user, not blocked, True, drain, why, blocked, expansion)
 
 
 def parse_config(text: str) -> dict[str, str]:
