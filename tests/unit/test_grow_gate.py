@@ -87,3 +87,20 @@ def test_from_slurm_passes_the_declaration_setting_and_logs_the_verdict(caplog):
     caps, error = user_rights.from_slurm(Slurm(), 7, "r", 1, FencedNodes(), "off")
     assert seen == ["off"] and caps["grow"] is False and error.startswith("cannot take standbys: Slurm 26.05.2")
     assert any("grow: no (Slurm 26.05.2: slurmctld crashes" in r.getMessage() for r in caplog.records)
+    assert any(r.getMessage().startswith("standby mode: none (Slurm 26.05.2: slurmctld crashes")
+               for r in caplog.records)
+    assert caps["pool_mode"]["mode"] == "none"
+
+
+def test_status_says_the_mode_and_why_grow_is_refused():
+    from trainmover.cli import _capability_lines
+    crash = rights.decide(rights.Facts(user="tmuser", uid=940, scheduler_parameters="permit_job_expansion",
+                                       reservation="r", reservation_fields={"Users": "tmuser"}, slurm_version="25.11.7"))
+    lines = _capability_lines(crash.as_status())
+    assert lines[0].startswith("  standby mode: none (Slurm 25.11.7: slurmctld crashes")
+    assert lines[1].startswith("  grow: no (Slurm 25.11.7: slurmctld crashes") and len(lines) == 2
+    fine = rights.decide(rights.Facts(user="tmuser", uid=940, scheduler_parameters="permit_job_expansion",
+                                      reservation="r", reservation_fields={"Users": "tmuser"}, slurm_version="24.11.5"))
+    assert [ln.split(" (")[0] for ln in _capability_lines(fine.as_status())] == ["  standby mode: reservation-grow"]
+    assert _capability_lines({"unknown": "timed out"}) == ["  grow: not known (timed out); no job expansion is made"]
+    assert _capability_lines({}) == []

@@ -30,6 +30,8 @@ def from_slurm(slurm, job_id: int, reservation: str, standbys: int, fencing,
     fencing.may_drain, fencing.why_not = caps.drain, caps.why.get("drain", "")
     log.info("user %s may: grow %s, shrink %s, drain %s", caps.user,
              *("yes" if x else "no" for x in (caps.grow, caps.shrink, caps.drain)))
+    if caps.pool is not None:  # which pool mode this cluster gives the job, and why (slurm/pool_mode.py)
+        log.info("%s", caps.pool.line())
     for line in caps.consequences(standbys):
         log.warning("%s", line)
     return caps.as_status(), caps.start_error(standbys, reservation)
@@ -61,4 +63,7 @@ def from_predecessor(status_path: Path, fencing) -> dict | None:
     fencing.may_drain, fencing.why_not = caps["drain"], str(caps["why"].get("drain", ""))
     log.info("user %s may (as the previous controller found): grow %s, shrink %s, drain %s", caps.get("user"),
              *("yes" if caps[k] else "no" for k in ("grow", "shrink", "drain")))
+    mode = caps.get("pool_mode") or {}
+    if mode:
+        log.info("standby mode: %s (%s)", mode.get("mode"), mode.get("why"))
     return caps

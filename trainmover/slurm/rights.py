@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Optional
 
+from trainmover.slurm import pool_mode
 from trainmover.slurm.expansion_fix import Declaration
 from trainmover.slurm.expansion_safety import expansion_verdict
 
@@ -66,10 +67,12 @@ class Capabilities:
     why: dict = field(default_factory=dict)  # capability -> why it is missing
     grow_blocked_by: str = ""                # "" (grow: yes) or a key of ADVICE
     expansion: dict = field(default_factory=dict)  # {slurm, safe, why}: the release's verdict
+    pool: Optional[pool_mode.PoolMode] = None  # where the job's standbys come from (pool_mode.py)
 
     def as_status(self) -> dict:
         return {"user": self.user, "grow": self.grow, "shrink": self.shrink, "drain": self.drain, "why": dict(self.why),
-                **({"expansion": dict(self.expansion)} if self.expansion else {})}
+                **({"expansion": dict(self.expansion)} if self.expansion else {}),
+                **({"pool_mode": self.pool.as_status()} if self.pool else {})}
 
     def start_error(self, standbys: int, reservation: str) -> str:
         """Why a job that wants `standbys` cannot start ('' when it can): it could never take one."""
@@ -128,19 +131,24 @@ def decide(f: Facts) -> Capabilities:
                         + (f"has AdminLevel {f.admin_level}" if f.admin_level is not None
                            else "not in the accounting database" if f.accounting
                            else "there is no accounting database to make it an operator"))
-    release = expansion_verdict(f.slurm_version, f.expansion_fix.covers(f.slurm_version))
-    expansion = {"slurm": f.slurm_version, "safe": release.safe, "why": release.reason}
-    blocked = ""
-    if "permit_job_expansion" not in f.scheduler_parameters.split(","):
-        blocked, why["grow"] = "slurm.conf", EXPANSION_OFF
-    elif not release.safe:
-        note = f.expansion_fix.note()
-        blocked, why["grow"] = "release", release.reason + (f"; {note}" if note else "")
-    else:
-        refusal = reservation_refusal(f)
-        if refusal:
-            blocked, why["grow"] = "reservation", refusal
-    return Capabilities(f.user, not blocked, True, drain, why, blocked, expansion)
+    pool, expansion = choose_pool(f.scheduler_parameters, f.slurm_version, f.expansion_fix, f.reservation,
+                                  reservation_refusal(f))
+    if pool.blocked_by:
+        why["grow"] = pool.refusal
+    return Capabilities(f.user, not pool.blocked_by, True, drain, why, pool.blocked_by, expansion, pool)
+
+
+def choose_pool(scheduler_parameters: str, slurm_version: str, declaration: Declaration, reservation: str,
+                refusal: Optional[str]) -> tuple[pool_mode.PoolMode, dict]:
+    """The pool mode (pool_mode.choose) and the release's verdict ({slurm, safe, why}) from
+    slurm.conf's SchedulerParameters, slurmctld's release, the admin's declaration and the
+    reservation's refusal (None: not checked, as at submit)."""
+    release = expansion_verdict(slurm_version, declaration.covers(slurm_version))
+    note = "" if release.safe else declaration.note()
+    pool = pool_mode.choose(expansion_permitted="permit_job_expansion" in scheduler_parameters.split(","),
+                            release_safe=release.safe, release_why=release.reason + (f"; {note}" if note else ""),
+                            reservation=reservation, reservation_refusal=refusal, expansion_off_why=EXPANSION_OFF)
+    return pool, {"slurm": slurm_version, "safe": release.safe, "why": release.reason}
 
 
 def parse_config(text: str) -> dict[str, str]:
