@@ -72,6 +72,7 @@ VARIABLES = (
     Variable("TM_CLUSTER_DIR", "tool", "", "state directory of `trainmover cluster` (default /var/tmp/trainmover-cluster)"),
     Variable("TM_ROOTFS_CACHE", "tool", "", "root filesystem cache of the Slurm release clusters (default /var/cache/trainmover/rootfs)"),
     Variable("TM_SLURM_SOURCE", "tool", "", "the Slurm source tarball, or a directory holding it, for releases built from source"),
+    Variable("TM_SLURM_UNFIXED", "tool", "", "1: `trainmover cluster up/build --slurm 25.11` builds and runs Slurm without TrainMover's fixes to its source (its slurmctld crashes at every job expansion; cluster/source.py), in a root filesystem of its own: for tests that show no job expansion is made there"),
     Variable("TM_BENCH_MACHINE", "tool", "unknown", "bench/: the machine named in a result's JSON"),
     Variable("TM_COMMIT", "tool", "", "bench/: the commit named in a result's JSON (default: git rev-parse HEAD)"),
     Variable("TM_BENCH_INSIDE_ROOT", "tool", "", "bench/slurm_poll.py: set in its re-execution inside a release's root filesystem"),

@@ -269,7 +269,8 @@ def _ensure_reservation(spec: ClusterSpec) -> None:
 
 
 def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = None,
-       rootfs_cache=None, force_root: bool = False, keepers: int = specmod.KEEPERS) -> ClusterInfo:
+       rootfs_cache=None, force_root: bool = False, keepers: int = specmod.KEEPERS,
+       job_expansion: bool = True, unfixed: bool = False) -> ClusterInfo:
     """Start the embedded cluster and wait until every node is idle and the standby
     reservation exists. Idempotent: with the cluster already running it only reports it.
 
@@ -279,7 +280,10 @@ def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = 
     takes the root filesystem even for the host's release. None: the release a cluster in
     `state_dir` ran, else the host's. Raises ClusterError naming the daemon that failed,
     with the tail of its log, or the supported versions for an unsupported one. `keepers`: keeper
-    nodes (a TrainMover job's batch script runs on one: one per job running at once)."""
+    nodes (a TrainMover job's batch script runs on one: one per job running at once).
+    `job_expansion` False: slurm.conf without permit_job_expansion (a running cluster's is
+    rewritten and reconfigured). `unfixed`: `slurm` (25.11) built without TrainMover's fixes to
+    its source, from a root filesystem of its own (releases.unfixed)."""
     t0 = time.monotonic()
     if slurm is not None:
         release(slurm)  # an unsupported version fails before anything else
@@ -295,7 +299,7 @@ def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = 
             raise ClusterError(
                 f"the cluster in {state_dir} runs with {old.nodes} training + {old.standby} standby + {old.keepers} "
                 f"keeper nodes, not {nodes} + {standby} + {keepers}; run `trainmover cluster down` first")
-        if old and live and not _same_slurm(old, slurm, force_root):
+        if old and live and not _same_slurm(old, slurm, force_root, unfixed):
             raise ClusterError(f"the cluster in {state_dir} runs {old.describe_slurm()}, not Slurm {slurm}; "
                                f"run `trainmover cluster down --dir {state_dir}` first, or use another --dir")
         slurmd = next((pid for name, pid in live.items() if name.startswith("slurmd:")), None)
@@ -305,6 +309,9 @@ def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = 
                  "not visible on its nodes): restarting it")
             _stop(old)
             running, live = {}, {}
+        if old and live and old.job_expansion != job_expansion:  # slurm.conf changes; the daemons stay
+            old = dataclasses.replace(old, job_expansion=job_expansion)
+            _spec_path(state_dir).write_text(old.to_json())
         if old and len(live) == len(running) and daemons.ctld_up(old) and _all_nodes_ready(old) \
                 and (old.standby == 0 or _reservation_exists(old)):
             users.ensure(Path(old.root) if old.root else None, _log)
@@ -327,13 +334,15 @@ def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = 
         else:
             wanted = slurm if slurm is not None else (old.slurm if old else None)
             forced = force_root or (slurm is None and old is not None and bool(old.root))
-            rel, full, root, installed = rootfs.locate(wanted, cache=cache, log=_log, force_root=forced)
+            rel, full, root, installed = rootfs.locate(wanted, cache=cache, log=_log, force_root=forced,
+                                                       unfixed=unfixed)
             spec = ClusterSpec(
                 state_dir=state_dir, nodes=nodes, standby=standby,
                 ports=_pick_ports(nodes + standby + keepers, old.ports if old else None),
                 db_password=old.db_password if old else secrets.token_hex(16),
                 slurm=rel, slurm_version=full, root=root,
                 net=netblock.claim(state_dir, preferred=old.net if old else None), keepers=keepers,
+                job_expansion=job_expansion, unfixed=unfixed,
             )
         _log(f"{spec.describe_slurm()}")
         # before slurmctld starts: it resolves the reservation's Users= and slurmd the jobs' uids
@@ -353,11 +362,11 @@ def attach(state_dir) -> ClusterInfo:
     return _info(spec, already=True, installed=False, t0=time.monotonic())
 
 
-def _same_slurm(old: ClusterSpec, slurm: Optional[str], force_root: bool) -> bool:
-    """Whether a running cluster `old` is what `up(slurm=..., force_root=...)` asks for."""
-    if slurm is None:
-        return True
-    return old.slurm == release(slurm).version and (bool(old.root) or not force_root)
+def _same_slurm(old: ClusterSpec, slurm: Optional[str], force_root: bool, unfixed: bool = False) -> bool:
+    """Whether a running cluster `old` is what `up(slurm=..., force_root=..., unfixed=...)` asks for."""
+    if slurm is None:  # whatever runs, unless an unfixed Slurm was asked for
+        return old.unfixed or not unfixed
+    return old.slurm == release(slurm).version and (bool(old.root) or not force_root) and old.unfixed == unfixed
 
 
 def _refresh_conf(spec: ClusterSpec) -> None:

@@ -61,6 +61,12 @@ class ClusterSpec:
     root: str = ""
     net: int = 1             # node addresses in 127.0.<net>.0/24 (netblock.py)
     keepers: int = 2         # keeper nodes (feature tm_keeper): a job's batch script runs on one (docs/admin.md)
+    # False: slurm.conf without permit_job_expansion, as Slurm ships it (a site's stock
+    # slurm.conf: TrainMover must run there, and say that no standby can join by expansion)
+    job_expansion: bool = True
+    # True: the release built from source without TrainMover's fixes (releases.unfixed), so that
+    # tests can show TrainMover never makes the call that crashes the unfixed slurmctld
+    unfixed: bool = False
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.standby < 0:
@@ -83,7 +89,9 @@ class ClusterSpec:
     def describe_slurm(self) -> str:
         """'Slurm 24.11.5 (Debian trixie root filesystem /var/cache/...)' or 'Slurm 22.05.8 (host)'."""
         where = f"Debian {self.release.suite} root filesystem {self.root}" if self.root else "host"
-        return f"Slurm {self.slurm_version or self.slurm} ({where})"
+        return (f"Slurm {self.slurm_version or self.slurm} ({where}"
+                + (", built without TrainMover's fixes" if self.unfixed else "")
+                + (", no permit_job_expansion" if not self.job_expansion else "") + ")")
 
     # --- names and addresses -------------------------------------------------
     @property
@@ -280,8 +288,7 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         "# sched_interval=5: the main scheduling pass every 5 s, not 60: a job whose start at submit",
         "# was missed (seen on the loaded CI machine: the second of two jobs submitted together waited",
         "# for the next pass) starts within seconds while its nodes are free.",
-        "SchedulerParameters=permit_job_expansion,batch_sched_delay=0,sched_min_interval=0,"
-        "default_queue_depth=100,sched_interval=5",
+        *_scheduler_lines(s),
         *_accounting_lines(s),
         "JobCompType=jobcomp/none",
         *_rate_limit_lines(s),
@@ -315,6 +322,17 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _scheduler_lines(s: ClusterSpec) -> list[str]:
+    """SchedulerParameters: permit_job_expansion (a standby merged into a running job) unless
+    the cluster runs without it, as a stock slurm.conf does (`cluster up --no-job-expansion`)."""
+    rest = "batch_sched_delay=0,sched_min_interval=0,default_queue_depth=100,sched_interval=5"
+    if not s.job_expansion:
+        return ["# No permit_job_expansion (cluster up --no-job-expansion): Slurm's default, a site's stock",
+                "# slurm.conf. Jobs cannot grow: TrainMover takes no standby by expansion and says why.",
+                f"SchedulerParameters={rest}"]
+    return [f"SchedulerParameters=permit_job_expansion,{rest}"]
 
 
 def _rate_limit_lines(s: ClusterSpec) -> list[str]:
