@@ -127,6 +127,9 @@ class Controller:
                                   "to a new one; TrainMover never reuses another controller's secret.") from None
         self.policy.checkpoint_steps = checkpoint_layout.complete(self.checkpoint_root, self.key)[-checkpoint_layout.KEEP:]
         self.capabilities: dict = {}
+        # Why this job takes no standby by job expansion ("": it may; None: not known yet). Set
+        # from the rights check; the resizer asks it before every grow (user_rights.grow_refusal).
+        self.grow_refusal: str | None = None
         self.fencing = FencedNodes()
         if not resume:  # a resuming controller checks in the background: a move must stay quick
             self._check_rights()
@@ -149,7 +152,8 @@ class Controller:
         # the job's record, kept by this controller's own grows and releases (controller/resize.py)
         self.resizer = Resizer(self.slurm, job, reservation=cfg.reservation, standby_wait_s=cfg.standby_wait_s,
                                pool=self.watch.pool, addr=self.watch.addr, clock=time.monotonic,
-                               standbys=cfg.standbys)  # a number: 'auto' was resolved above
+                               standbys=cfg.standbys,  # a number: 'auto' was resolved above
+                               gate=lambda: self.grow_refusal)
         self.work = SlurmWork()  # grows, releases, fencing: on threads beside the loop
         self.loop_at = time.monotonic()            # the main loop's last turn (see _beat_keeper)
         if keeper:
@@ -160,7 +164,8 @@ class Controller:
         """What this job's user may do, in the log and status.json (controller/user_rights.py);
         a start error (a reservation that refuses the user, with standbys wanted) ends the job."""
         self.capabilities, error = user_rights.from_slurm(self.slurm, self.job_id, self.cfg.reservation,
-                                                          self.cfg.standbys, self.fencing)
+                                                          self.cfg.standbys, self.fencing, self.cfg.slurm_expansion_fix)
+        self.grow_refusal = user_rights.grow_refusal(self.capabilities)
         if error:
             self.files.write("status", {**self.status(), "outcome": {"ok": False, "message": error}})
             raise ConfigError(error)
@@ -169,6 +174,7 @@ class Controller:
         caps = user_rights.from_predecessor(self.files.root / "status.json", self.fencing)
         if caps is not None:
             self.capabilities = caps
+            self.grow_refusal = user_rights.grow_refusal(caps)
         return caps is not None
 
     def status(self) -> dict:
