@@ -10,18 +10,21 @@ every group is entered in c10d's registry, the variables torchrun sets are set, 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch.distributed as dist
 
 from trainmover.errors import ConfigError
 from trainmover.megatron import c10d
+from trainmover.runtime.groups import SwappableGroup
 
 _made: list = []  # the ranks of each group the script made, in order (the same on every rank and run)
-_original_new_group = dist.new_group
+_original_destroy = dist.destroy_process_group
 
 
 def prepare(ctx) -> None:
     """Before a run of the script: the default group and the torchrun variables of `ctx`'s rank."""
+    _reset_frameworks()
     groups = ctx.groups
     world = groups["world"]
     c10d.install(world, list(groups.values()), "nccl" if ctx.options.get("device") == "cuda" else "gloo")
@@ -31,6 +34,16 @@ def prepare(ctx) -> None:
                        "MASTER_PORT": str(master_port), "GROUP_RANK": str(ctx.rank // max(ctx.local_world_size, 1))})
     _made.clear()
     dist.new_group = lambda ranks=None, *args, **kwargs: _new_group(ctx, ranks, kwargs)
+    dist.destroy_process_group = _destroy
+
+
+def _destroy(group=None) -> None:
+    """`dist.destroy_process_group()` in a script (at its end, or Megatron's
+    destroy_model_parallel): the job's groups are the runtime's, which outlive any one run of
+    the script and are released by the runtime; a group of another kind is destroyed as usual."""
+    if group is None or isinstance(group, SwappableGroup) or group is dist.GroupMember.NON_GROUP_MEMBER:
+        return
+    _original_destroy(group)
 
 
 def _new_group(ctx, ranks, kwargs):
@@ -50,3 +63,11 @@ def _new_group(ctx, ranks, kwargs):
         return dist.GroupMember.NON_GROUP_MEMBER
     c10d.register(group, "nccl" if ctx.options.get("device") == "cuda" else "gloo")
     return group
+
+
+def _reset_frameworks() -> None:
+    """A fresh run of the script sets up again what a process sets up once: Megatron's
+    parallel_state refuses a second initialize_model_parallel while its globals are set."""
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is not None and parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
