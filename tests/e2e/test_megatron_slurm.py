@@ -79,10 +79,10 @@ def submit(cluster, tmp_path_factory):
     resume_drained(client, DRAIN_REASON)
 
 
-def _completed(run: Run, client: CliSlurm) -> Run:
+def _completed(run: Run, client: CliSlurm, steps: int = STEPS) -> Run:
     state = run.wait_done(client, timeout=300)
     assert state == "COMPLETED", f"job {run.job_id} ended {state}:\n{run.slurm_out()[-3000:]}"
-    assert run.final()["steps"] == STEPS
+    assert run.final()["steps"] == steps
     return run
 
 
@@ -185,6 +185,10 @@ def test_without_optimizer_state_the_moved_rank_diverges(submit, references, clu
 # the newest snapshot's step); losses and every rank's digest equal an uninterrupted run's.
 SCRIPT_TEMPLATE = ROOT / "sbatch_templates" / "torch_script.sbatch"
 SCRIPT = ROOT / "examples" / "scripts" / "megatron_tm.py"
+# Long enough for the standbys to warm (Megatron imports on 2 loaded cores), the drain to move rank
+# 7, and a snapshot to be taken after that move before the SIGKILL: the joiner holds no snapshot of
+# a step before it joined, so a kill right after a move has no snapshot tier (the recovery says so).
+SCRIPT_STEPS, KILL_AT, SNAPSHOT_EVERY = 200, 180, 10
 
 
 def _submit_script(cluster, tmp_path_factory, name: str, **tm_env) -> Run:
@@ -195,16 +199,19 @@ def _submit_script(cluster, tmp_path_factory, name: str, **tm_env) -> Run:
     workdir = tmp_path_factory.mktemp(name)
     out = commands.run(["sbatch", "--parsable", *sbatch_args(8), f"--job-name={TEST_JOB_PREFIX}{name}",
                         f"--chdir={workdir}", str(SCRIPT_TEMPLATE), str(SCRIPT), "--tp", "2", "--pp", "2",
-                        "--steps", str(STEPS)], timeout=15, env=env).stdout
+                        "--steps", str(SCRIPT_STEPS)], timeout=15, env=env).stdout
     return Run(int(out.strip().split(";")[0]), workdir, env)
 
 
 def test_the_megatron_script_moves_and_recovers_bit_exactly(cluster, tmp_path_factory):
     _, client = cluster
     reference = _submit_script(cluster, tmp_path_factory, "mg-script-ref", TM_STANDBYS=0)
-    _completed(reference, client)
+    _completed(reference, client, SCRIPT_STEPS)
     run = _submit_script(cluster, tmp_path_factory, "mg-script-move", TM_STANDBYS=2, TM_STANDBY_RETRY_S=3600,
-                         TM_SNAPSHOT_EVERY=20, TM_INJECT=f"die:{FIRST_STAGE}:70")
+                         TM_SNAPSHOT_EVERY=SNAPSHOT_EVERY, TM_INJECT=f"pace:0.15,die:{FIRST_STAGE}:{KILL_AT}",
+                         # a pipeline peer of the killed rank waits in a point-to-point receive, which the
+                         # revoke does not end: it stalls at the group timeout (as in the snapshot test above)
+                         TM_GROUP_TIMEOUT_S=20)
     wait_for(f"job {run.job_id} to train", lambda: run.last_step() >= 5, timeout=180, interval=0.5)
     wait_for("a warm standby", lambda: _standby_ready(run), timeout=120, interval=0.5)
     leaver = run.metrics()[-1]["nodes"][LAST_STAGE]
@@ -212,15 +219,16 @@ def test_the_megatron_script_moves_and_recovers_bit_exactly(cluster, tmp_path_fa
                  timeout=10, env=run.env)
     wait_for(f"rank {LAST_STAGE} to leave {leaver}", lambda: run.metrics()[-1]["nodes"][LAST_STAGE] != leaver,
              timeout=60, interval=0.2)
-    _completed(run, client)
+    assert run.last_step() < KILL_AT - 2 * SNAPSHOT_EVERY, "moved in time for a snapshot before the kill"
+    _completed(run, client, SCRIPT_STEPS)
     moves = run.status()["migrations"]
     assert [(m["state"], m["recovery"]) for m in moves] == [("done", False), ("done", True)], moves
-    assert moves[1]["state_source"]["tier"] == "snapshot" and moves[1]["state_source"]["step"] == 60, moves[1]
+    assert moves[1]["state_source"]["tier"] == "snapshot" and moves[1]["state_source"]["step"] == KILL_AT - 10, moves[1]
     lost = [(FIRST_STAGE, moves[1]["switch_step"])] + [(r, moves[1]["switch_step"])
                                                        for r in moves[1]["state_source"].get("laggers", [])]
     ref = {m["step"]: m["losses"] for m in reference.metrics()}
     got = {m["step"]: m["losses"] for m in run.metrics()}
-    assert sorted(got) == list(range(1, STEPS + 1)), "every step logged exactly once"
+    assert sorted(got) == list(range(1, SCRIPT_STEPS + 1)), "every step logged exactly once"
     for r, s in lost:  # a lost rank's report of the step it died in may be missing
         if got[s][r] is None:
             got[s][r] = ref[s][r]
