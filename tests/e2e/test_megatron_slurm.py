@@ -181,14 +181,15 @@ def test_without_optimizer_state_the_moved_rank_diverges(submit, references, clu
 # Script mode: the same layout from the user's own Megatron-core loop (examples/scripts/megatron_tm.py,
 # through sbatch_templates/torch_script.sbatch). Megatron makes its groups with dist.new_group,
 # which are the runtime's swappable groups there. In one job a last-stage rank's node is drained
-# (a planned move) and later a first-stage rank is SIGKILLed (every rank re-enters its loop at
-# the newest snapshot's step); losses and every rank's digest equal an uninterrupted run's.
+# (a planned move), then, once a snapshot was taken after that move, a first-stage rank is
+# SIGKILLed (every rank re-enters its loop at the snapshot's step); losses and every rank's
+# digest equal an uninterrupted run's.
 SCRIPT_TEMPLATE = ROOT / "sbatch_templates" / "torch_script.sbatch"
 SCRIPT = ROOT / "examples" / "scripts" / "megatron_tm.py"
-# Long enough for the standbys to warm (Megatron imports on 2 loaded cores), the drain to move rank
-# 7, and a snapshot to be taken after that move before the SIGKILL: the joiner holds no snapshot of
-# a step before it joined, so a kill right after a move has no snapshot tier (the recovery says so).
-SCRIPT_STEPS, KILL_AT, SNAPSHOT_EVERY = 200, 180, 10
+# Long enough for the standbys to warm (Megatron imports, 10 processes on 2 cores), the drain to
+# move rank 7 and a snapshot to be taken after the move before the kill: the joiner holds no
+# snapshot of a step before it joined, so a kill right after a move has no snapshot tier.
+SCRIPT_STEPS, SNAPSHOT_EVERY = 300, 10
 
 
 def _submit_script(cluster, tmp_path_factory, name: str, **tm_env) -> Run:
@@ -204,28 +205,43 @@ def _submit_script(cluster, tmp_path_factory, name: str, **tm_env) -> Run:
 
 
 def test_the_megatron_script_moves_and_recovers_bit_exactly(cluster, tmp_path_factory):
+    import signal
+    import time
+    from trainmover.cluster.procs import step_pid
     _, client = cluster
     reference = _submit_script(cluster, tmp_path_factory, "mg-script-ref", TM_STANDBYS=0)
-    _completed(reference, client, SCRIPT_STEPS)
-    run = _submit_script(cluster, tmp_path_factory, "mg-script-move", TM_STANDBYS=2, TM_STANDBY_RETRY_S=3600,
-                         TM_SNAPSHOT_EVERY=SNAPSHOT_EVERY, TM_INJECT=f"pace:0.15,die:{FIRST_STAGE}:{KILL_AT}",
-                         # a pipeline peer of the killed rank waits in a point-to-point receive, which the
-                         # revoke does not end: it stalls at the group timeout (as in the snapshot test above)
-                         TM_GROUP_TIMEOUT_S=20)
-    wait_for(f"job {run.job_id} to train", lambda: run.last_step() >= 5, timeout=180, interval=0.5)
-    wait_for("a warm standby", lambda: _standby_ready(run), timeout=120, interval=0.5)
-    leaver = run.metrics()[-1]["nodes"][LAST_STAGE]
-    commands.run(["scontrol", "update", f"nodename={leaver}", "state=drain", f"reason={DRAIN_REASON}"],
-                 timeout=10, env=run.env)
-    wait_for(f"rank {LAST_STAGE} to leave {leaver}", lambda: run.metrics()[-1]["nodes"][LAST_STAGE] != leaver,
-             timeout=60, interval=0.2)
-    assert run.last_step() < KILL_AT - 2 * SNAPSHOT_EVERY, "moved in time for a snapshot before the kill"
-    _completed(run, client, SCRIPT_STEPS)
+    run = None
+    try:
+        assert reference.wait_done(client, timeout=900) == "COMPLETED", reference.slurm_out()[-3000:]
+        run = _submit_script(cluster, tmp_path_factory, "mg-script-move", TM_STANDBYS=2, TM_STANDBY_RETRY_S=3600,
+                             TM_SNAPSHOT_EVERY=SNAPSHOT_EVERY, TM_INJECT="pace:0.1",
+                             # a pipeline peer of the killed rank waits in a point-to-point receive, which the
+                             # revoke does not end: it stalls at the group timeout (as in the snapshot test above)
+                             TM_GROUP_TIMEOUT_S=20)
+        wait_for(f"job {run.job_id} to train", lambda: run.last_step() >= 5, timeout=300, interval=0.5)
+        wait_for("a warm standby", lambda: _standby_ready(run), timeout=300, interval=0.5)
+        leaver = run.metrics()[-1]["nodes"][LAST_STAGE]
+        commands.run(["scontrol", "update", f"nodename={leaver}", "state=drain", f"reason={DRAIN_REASON}"],
+                     timeout=10, env=run.env)
+        wait_for(f"rank {LAST_STAGE} to leave {leaver}", lambda: run.metrics()[-1]["nodes"][LAST_STAGE] != leaver,
+                 timeout=120, interval=0.2)
+        moved_at = run.last_step()
+        wait_for("a snapshot after the move", lambda: run.last_step() >= moved_at + 2 * SNAPSHOT_EVERY, timeout=120,
+                 interval=0.2)
+        assert run.last_step() < SCRIPT_STEPS - 20, "the job outran the test: raise SCRIPT_STEPS"
+        victim = run.metrics()[-1]["nodes"][FIRST_STAGE]
+        os.kill(step_pid(run.job_id, victim), signal.SIGKILL)
+        killed_at = time.time()
+        assert run.wait_done(client, timeout=900) == "COMPLETED", run.slurm_out()[-3000:]
+    finally:
+        ids = [str(r.job_id) for r in (reference, run) if r is not None]
+        commands.run(["scancel", *ids], timeout=10, env=reference.env, check=False)
+    assert run.final()["steps"] == SCRIPT_STEPS
     moves = run.status()["migrations"]
     assert [(m["state"], m["recovery"]) for m in moves] == [("done", False), ("done", True)], moves
-    assert moves[1]["state_source"]["tier"] == "snapshot" and moves[1]["state_source"]["step"] == KILL_AT - 10, moves[1]
-    lost = [(FIRST_STAGE, moves[1]["switch_step"])] + [(r, moves[1]["switch_step"])
-                                                       for r in moves[1]["state_source"].get("laggers", [])]
+    src = moves[1]["state_source"]
+    assert src["tier"] == "snapshot" and src["step"] % SNAPSHOT_EVERY == 0 and src["step"] > moved_at, src
+    lost = [(r, moves[1]["switch_step"]) for r in {FIRST_STAGE, *src.get("laggers", [])}]
     ref = {m["step"]: m["losses"] for m in reference.metrics()}
     got = {m["step"]: m["losses"] for m in run.metrics()}
     assert sorted(got) == list(range(1, SCRIPT_STEPS + 1)), "every step logged exactly once"
@@ -234,3 +250,7 @@ def test_the_megatron_script_moves_and_recovers_bit_exactly(cluster, tmp_path_fa
             got[s][r] = ref[s][r]
     assert [s for s in ref if ref[s] != got[s]] == [], "losses equal the uninterrupted run's"
     assert run.final()["rank_digests"] == reference.final()["rank_digests"]
+    first_after = min(x["t"] for x in run.metrics() if x["step"] == moves[1]["switch_step"] + 1)
+    print(f"\nmegatron script: rank {LAST_STAGE} moved at step {moves[0]['switch_step']} (downtime "
+          f"{moves[0]['downtime_s']}s); rank {FIRST_STAGE} killed, rolled back to step {src['step']}, first step "
+          f"{first_after - killed_at:.1f}s after the kill")

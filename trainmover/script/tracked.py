@@ -94,7 +94,7 @@ def load_into(obj, state) -> None:
         version, internal, gauss = state
         obj.setstate((int(version), tuple(int(x) for x in internal.tolist()), gauss))
     elif kind == "numpy":
-        obj.bit_generator.state = _numpy_restore(state)
+        setattr(obj.bit_generator, "state", _numpy_restore(state))  # NumPy's API: a property setter
     else:
         obj.clear()
         obj.update(state)
