@@ -265,7 +265,8 @@ def _submit(rest: list[str]) -> int:
         print("usage: trainmover submit [sbatch options] SCRIPT [ARGS]\n\nsbatch, after asking Slurm "
               "(sbatch --test-only) whether the job could ever start on this cluster: a job it could not place "
               "is refused at once with Slurm's reason and what the cluster has, instead of pending for ever. A "
-              "submitted job's standby mode (reservation-grow or none, and why) follows on stderr.")
+              "submitted job's standby mode (reservation-grow, in-job with TM_INJOB_STANDBYS=N, or none, and "
+              "why) follows on stderr.")
         return 0 if rest else 2
     from trainmover.config import Config
     try:  # the job inherits this environment: its reservation and declaration setting
@@ -273,7 +274,8 @@ def _submit(rest: list[str]) -> int:
     except TrainMoverError:
         cfg = Config()  # the job will say what is wrong with its variables when it starts
     try:
-        code, out, err = submit(rest, reservation=cfg.reservation, fix_setting=cfg.slurm_expansion_fix)
+        code, out, err = submit(rest, reservation=cfg.reservation, fix_setting=cfg.slurm_expansion_fix,
+                                in_job=cfg.injob_standbys)
     except TrainMoverError as exc:
         print(f"trainmover submit: {exc}", file=sys.stderr)
         return 2
