@@ -129,6 +129,8 @@ class StandbyPool:
         if nodes:
             log.info("standby pool: %d in-job standby(s) from the job's own allocation: %s", len(nodes),
                      ", ".join(nodes))
+        if nodes and self.refill_refused:
+            log.info("standby pool: %s", self.left_line())
 
     # --- acquiring ------------------------------------------------------------------------
     def wanted(self) -> int:
@@ -138,7 +140,7 @@ class StandbyPool:
     def refill_off(self, refusal: str | None) -> None:
         """The rights check's verdict on grow (see refill_refused)."""
         self.refill_refused = refusal
-        if refusal and self.cfg.injob_standbys:
+        if refusal and self.cfg.injob_standbys and self.standbys:  # a successor's pool; at start: add_in_job says it
             log.info("standby pool: %s", self.left_line())
 
     def left_line(self) -> str:
