@@ -179,3 +179,13 @@ def test_no_grow_with_in_job_standbys_starts_in_job_mode_and_with_neither_fails_
     caps, error = user_rights.from_slurm(FakeSlurm(), 7, "trainmover_standby", 1, FencedNodes())
     assert error.startswith("cannot take standbys: SchedulerParameters lacks permit_job_expansion")
     assert caps["pool_mode"]["mode"] == "none"
+
+
+def test_trainmover_status_says_how_many_in_job_standbys_are_left():
+    from trainmover.cli import _in_job_line
+    p = new_policy(REFUSED, injob=2)
+    p.start(0.0, ["s1", "s2"])
+    assert _in_job_line(p.status()["standby_pool"]) == "  in-job standbys: 2 left of 2, refill from the reservation: no"
+    assert _in_job_line(new_policy("", injob=1).status()["standby_pool"]) == (
+        "  in-job standbys: 1 brought, refill from the reservation: yes")
+    assert _in_job_line(new_policy(REFUSED, injob=0).status()["standby_pool"]) == ""  # control: none brought
