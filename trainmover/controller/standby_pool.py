@@ -140,6 +140,8 @@ class StandbyPool:
     def refill_off(self, refusal: str | None) -> None:
         """The rights check's verdict on grow (see refill_refused)."""
         self.refill_refused = refusal
+        if refusal:  # what status says where the job brought none (the resizer's words for it)
+            self.acquire_note = f"no standby is taken: {refusal}"
         if refusal and self.cfg.injob_standbys and self.standbys:  # a successor's pool; at start: add_in_job says it
             log.info("standby pool: %s", self.left_line())
 
