@@ -74,6 +74,9 @@ def _status(args) -> int:
         print(f"  standby pool: {choice['standbys']} ({choice['setting']}): {choice['why']}")
     for line in _capability_lines(status.get("capabilities") or {}):
         print(line)
+    line = _in_job_line(status.get("standby_pool") or {})
+    if line:
+        print(line)
     for s in status["standbys"]:
         warm = f"warm in {s['warmup_s']:.1f}s" if s["warmup_s"] is not None else "warming up"
         shadow = s.get("shadow") or {}
@@ -120,6 +123,16 @@ def _capability_lines(caps: dict) -> list[str]:
     elif "unknown" in caps:
         out.append(f"  grow: not known ({caps['unknown']}); no job expansion is made")
     return out
+
+
+def _in_job_line(pool: dict) -> str:
+    """TM_INJOB_STANDBYS: the standbys the job brought, how many are left where none is taken
+    from the reservation, and whether they are refilled ('' for a job that brought none)."""
+    in_job = pool.get("in_job")
+    if not in_job:
+        return ""
+    left = f"{in_job['left']} left of {in_job['brought']}" if "left" in in_job else f"{in_job['brought']} brought"
+    return f"  in-job standbys: {left}, refill from the reservation: {in_job['refill']}"
 
 
 def _source(src: dict) -> str:
@@ -265,7 +278,8 @@ def _submit(rest: list[str]) -> int:
         print("usage: trainmover submit [sbatch options] SCRIPT [ARGS]\n\nsbatch, after asking Slurm "
               "(sbatch --test-only) whether the job could ever start on this cluster: a job it could not place "
               "is refused at once with Slurm's reason and what the cluster has, instead of pending for ever. A "
-              "submitted job's standby mode (reservation-grow or none, and why) follows on stderr.")
+              "submitted job's standby mode (reservation-grow, in-job with TM_INJOB_STANDBYS=N, or none, and "
+              "why) follows on stderr.")
         return 0 if rest else 2
     from trainmover.config import Config
     try:  # the job inherits this environment: its reservation and declaration setting
@@ -273,7 +287,8 @@ def _submit(rest: list[str]) -> int:
     except TrainMoverError:
         cfg = Config()  # the job will say what is wrong with its variables when it starts
     try:
-        code, out, err = submit(rest, reservation=cfg.reservation, fix_setting=cfg.slurm_expansion_fix)
+        code, out, err = submit(rest, reservation=cfg.reservation, fix_setting=cfg.slurm_expansion_fix,
+                                in_job=cfg.injob_standbys)
     except TrainMoverError as exc:
         print(f"trainmover submit: {exc}", file=sys.stderr)
         return 2

@@ -128,6 +128,7 @@ class Config:
     distributed_optimizer: int = field(default=0, metadata={"env": "TM_DISTRIBUTED_OPTIMIZER", "doc": "Megatron: 1 shards the optimizer state over DP (0: off)"})
     ranks_per_node: int = field(default=1, metadata={"env": "TM_RANKS_PER_NODE", "doc": "worker processes per node"})
     standbys: int | str = field(default=1, metadata={"env": "TM_STANDBYS", "doc": "warm standby nodes kept in the job, or auto: the controller picks the number at start from the job's size and the site's failure rates (TM_SITE_CONFIG; docs/simulator.md) and status says why"})
+    injob_standbys: int = field(default=0, metadata={"env": "TM_INJOB_STANDBYS", "doc": "standby nodes the job brings in its own allocation (ask for this many more nodes at submit): the last N training nodes of the allocation, in the controller's order of nodes, run standby agents from the start instead of ranks; no job expansion is needed (a drained node leaves by a shrink). Refilled from the reservation only where grow is possible; the pool is kept at max(TM_STANDBYS, N) there (docs/admin.md)"})
     site_config: str = field(default="/etc/trainmover/site.toml", metadata={"env": "TM_SITE_CONFIG", "doc": "the admin's site file: failure rates and standby bounds for TM_STANDBYS=auto and `trainmover plan` (read only if root's or yours and not writable by others; missing: the published rates)"})
     reservation: str = field(default="trainmover_standby", metadata={"env": "TM_RESERVATION", "doc": "Slurm reservation holding the standby nodes"})
     poll_s: float = field(default=10.0, metadata={"env": "TM_POLL_S", "doc": "interval of node-state polls of slurmctld: one RPC each with tm_nodes, two with scontrol (docs/admin.md, \"Load on slurmctld\"); a drain by TrainMover's health check or `trainmover drain` reaches the job at once through its drain notice"})
@@ -180,6 +181,7 @@ class Config:
             (self.ranks_per_node > 0, "TM_RANKS_PER_NODE must be > 0"),
             (self.standbys == "auto" or (type(self.standbys) is int and self.standbys >= 0),
              f"TM_STANDBYS={self.standbys!r}: expected auto or an integer >= 0"),
+            (type(self.injob_standbys) is int and self.injob_standbys >= 0, "TM_INJOB_STANDBYS must be an integer >= 0"),
             (self.standby_losses >= 0, "TM_STANDBY_LOSSES must be >= 0"),
             (self.poll_s > 0, "TM_POLL_S must be > 0"),
             (self.controller_restarts >= 0, "TM_CONTROLLER_RESTARTS must be >= 0"),

@@ -14,7 +14,7 @@ SAFE = "Slurm 24.11.5: job expansion is safe (...)"
 CRASH = "Slurm 25.11.7: slurmctld crashes (SIGSEGV in _valid_license_job_expansion(), job_mgr.c)"
 
 
-def choose(permitted=True, safe=True, refusal="", in_job=False):
+def choose(permitted=True, safe=True, refusal="", in_job=0):
     return pool_mode.choose(expansion_permitted=permitted, release_safe=safe, release_why=SAFE if safe else CRASH,
                             reservation="trainmover_standby", reservation_refusal=refusal,
                             expansion_off_why=rights.EXPANSION_OFF, in_job=in_job)
@@ -41,14 +41,38 @@ def test_all_three_facts_give_reservation_grow():
 def test_without_one_fact_there_is_no_standby_and_the_first_missing_one_is_said(facts, blocked_by, said):
     m = choose(**facts)
     assert m.mode is Mode.NONE and m.blocked_by == blocked_by and m.refusal == said
-    assert m.why.startswith(f"{said}: no standby can join the job") and "not built yet" in m.why
+    assert m.why.startswith(f"{said}: no standby can join the job") and "TM_INJOB_STANDBYS" in m.why
 
 
-def test_in_job_standbys_are_chosen_where_grow_is_not_possible_once_they_exist():
-    assert not pool_mode.IN_JOB_BUILT  # not built: no cluster gets them today (see the module)
-    m = choose(safe=False, in_job=True)
-    assert m.mode is Mode.IN_JOB and m.why == f"{CRASH}: the job keeps its standbys in its own allocation"
-    assert choose(in_job=True).mode is Mode.RESERVATION_GROW  # grow where it is possible and safe
+@pytest.mark.parametrize("facts, blocked_by", [
+    (dict(permitted=False), "slurm.conf"), (dict(safe=False), "release"), (dict(refusal="refused"), "reservation"),
+])
+def test_in_job_standbys_are_chosen_where_grow_is_not_possible_and_the_job_brings_them(facts, blocked_by):
+    assert pool_mode.IN_JOB_BUILT
+    m = choose(**facts, in_job=2)
+    assert m.mode is Mode.IN_JOB and m.blocked_by == blocked_by and m.refusal
+    assert m.why.startswith(f"{m.refusal}: the job keeps its 2 standby(s) in its own allocation (TM_INJOB_STANDBYS)")
+    assert choose(**facts).mode is Mode.NONE  # negative control: the same cluster, a job that brings none
+
+
+def test_a_job_that_brings_standbys_still_grows_where_grow_is_possible():
+    assert choose(in_job=2).mode is Mode.RESERVATION_GROW
+    assert pool_mode.with_in_job(choose(), 2) == choose()  # nothing blocked: unchanged
+    assert pool_mode.with_in_job(choose(safe=False), 0).mode is Mode.NONE
+
+
+def test_rights_give_in_job_for_a_job_with_in_job_standbys_and_it_may_start():
+    caps = rights.decide(rights.Facts(user="tmuser", uid=940, groups=("tmuser",), scheduler_parameters="",
+                                      reservation="trainmover_standby", reservation_fields={"Users": "tmuser"},
+                                      slurm_version="24.11.5"))
+    assert not caps.grow and caps.pool.mode is Mode.NONE
+    assert caps.start_error(1, "trainmover_standby").startswith("cannot take standbys")  # neither: fails fast
+    assert caps.start_error(0, "trainmover_standby") == ""
+    job = caps.for_job(2)
+    assert job.pool.mode is Mode.IN_JOB and not job.grow and job.as_status()["pool_mode"]["mode"] == "in-job"
+    assert job.start_error(1, "trainmover_standby", in_job=2) == ""
+    assert "uses the 2 standby(s) it brought" in job.consequences(1, in_job=2)[0]
+    assert caps.for_job(0) is caps
 
 
 def test_rights_grow_is_yes_exactly_where_the_mode_is_reservation_grow():

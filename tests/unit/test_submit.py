@@ -73,9 +73,18 @@ def test_a_submitted_job_is_told_which_standby_mode_it_will_get():
                            "reservation trainmover_standby, if it admits this job's user (checked when the job starts)")
     crash = _mode("25.11.7")
     assert crash.startswith("trainmover: this job's standby mode: none (Slurm 25.11.7: slurmctld crashes (SIGSEGV")
-    assert "not built yet" in crash
+    assert "TM_INJOB_STANDBYS=N" in crash
     assert "mode: none (SchedulerParameters lacks permit_job_expansion" in _mode(params=False)
     assert "mode: none (reservation trainmover_standby not found" in _mode(resv="")
+    # a job that brings standbys (TM_INJOB_STANDBYS=2) on the same clusters: in-job where grow is not possible
+    def brought(version="24.11.5", params=True):
+        config = CONFIG.format(v=version) if params else f"SchedulerParameters = x\nSLURM_VERSION = {version}\n"
+        run, _ = _fake({"scontrol show": (0, config, ""), "scontrol -o": (0, RESV, "")})
+        return submit(["job.sbatch"], run=run, fix_setting="off", in_job=2)[2].strip()
+    assert brought("25.11.7").startswith("trainmover: this job's standby mode: in-job (Slurm 25.11.7: slurmctld crashes")
+    assert "mode: in-job (SchedulerParameters lacks permit_job_expansion" in brought(params=False)
+    assert "keeps its 2 standby(s) in its own allocation" in brought(params=False)
+    assert "mode: reservation-grow" in brought()  # control: grow possible, so the pool is refilled from there
     assert _mode(conf_code=1) == ("trainmover: standby mode not known: scontrol show config: "
                                   "slurm_load_ctl_conf error: Unable to contact slurm controller")
 

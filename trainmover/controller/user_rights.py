@@ -16,25 +16,28 @@ log = logging.getLogger("trainmover.controller")
 
 
 def from_slurm(slurm, job_id: int, reservation: str, standbys: int, fencing,
-               expansion_fix: str = "auto") -> tuple[dict, str]:
+               expansion_fix: str = "auto", in_job: int = 0) -> tuple[dict, str]:
     """(capabilities for status.json, the start error: "" when the job may start). Says what is
     missing and what follows in the log; sets what the fencing may do. No grow (a reservation
     that refuses the user, no permit_job_expansion, a slurmctld that job expansion crashes),
     with standbys wanted, is the start error (not a standby request retried for ever, nor the
-    call that takes slurmctld down). `expansion_fix`: TM_SLURM_EXPANSION_FIX."""
+    call that takes slurmctld down), unless the job brings standbys in its own allocation
+    (`in_job`: TM_INJOB_STANDBYS; its pool mode is then in-job). `expansion_fix`:
+    TM_SLURM_EXPANSION_FIX."""
     try:
         caps = slurm.capabilities(job_id, reservation, expansion_fix)
     except SlurmError as exc:  # not known: try each action, and hold a fenced node whose drain fails
         log.warning("could not check what this job may do (%s): a fenced node is held if its drain fails", exc)
         return {"unknown": str(exc)[:300]}, ""
+    caps = caps.for_job(in_job)
     fencing.may_drain, fencing.why_not = caps.drain, caps.why.get("drain", "")
     log.info("user %s may: grow %s, shrink %s, drain %s", caps.user,
              *("yes" if x else "no" for x in (caps.grow, caps.shrink, caps.drain)))
     if caps.pool is not None:  # which pool mode this cluster gives the job, and why (slurm/pool_mode.py)
         log.info("%s", caps.pool.line())
-    for line in caps.consequences(standbys):
+    for line in caps.consequences(standbys, in_job):
         log.warning("%s", line)
-    return caps.as_status(), caps.start_error(standbys, reservation)
+    return caps.as_status(), caps.start_error(standbys, reservation, in_job)
 
 
 def grow_refusal(caps: dict) -> str:

@@ -20,6 +20,7 @@ Slurm's rules, as used here:
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Optional
@@ -74,18 +75,29 @@ class Capabilities:
                 **({"expansion": dict(self.expansion)} if self.expansion else {}),
                 **({"pool_mode": self.pool.as_status()} if self.pool else {})}
 
-    def start_error(self, standbys: int, reservation: str) -> str:
-        """Why a job that wants `standbys` cannot start ('' when it can): it could never take one."""
-        if self.grow or not standbys:
+    def for_job(self, in_job: int) -> "Capabilities":
+        """These capabilities for a job that brings `in_job` standbys in its own allocation
+        (TM_INJOB_STANDBYS): where grow is blocked its pool mode is in-job (pool_mode.with_in_job)."""
+        if self.pool is None or not in_job:
+            return self
+        return dataclasses.replace(self, pool=pool_mode.with_in_job(self.pool, in_job))
+
+    def start_error(self, standbys: int, reservation: str, in_job: int = 0) -> str:
+        """Why a job that wants `standbys` cannot start ('' when it can): it could never take one
+        and brings none in its own allocation (`in_job`: TM_INJOB_STANDBYS)."""
+        if self.grow or not standbys or in_job:
             return ""
         advice = ADVICE.get(self.grow_blocked_by, ADVICE["reservation"]).format(user=self.user, reservation=reservation)
         return f"cannot take standbys: {self.why['grow']}. {advice}, or set TM_STANDBYS=0 to run without migration"
 
-    def consequences(self, standbys: int) -> list[str]:
+    def consequences(self, standbys: int, in_job: int = 0) -> list[str]:
         """One line per missing capability: what is missing and what follows for this job."""
         out = []
         if not self.grow:
-            follows = ("the job cannot take standbys: no migration or recovery is possible" if standbys
+            follows = (f"the job uses the {in_job} standby(s) it brought in its own allocation (TM_INJOB_STANDBYS) "
+                       "and takes none from the reservation: once they are used, a drain waits with the job "
+                       "training on the drained node and a failure goes to the next recovery tier" if in_job
+                       else "the job cannot take standbys: no migration or recovery is possible" if standbys
                        else "not needed: TM_STANDBYS=0")
             out.append(f"grow: no ({self.why.get('grow', '')}); {follows}")
         if not self.shrink:
@@ -139,15 +151,16 @@ def decide(f: Facts) -> Capabilities:
 
 
 def choose_pool(scheduler_parameters: str, slurm_version: str, declaration: Declaration, reservation: str,
-                refusal: Optional[str]) -> tuple[pool_mode.PoolMode, dict]:
+                refusal: Optional[str], in_job: int = 0) -> tuple[pool_mode.PoolMode, dict]:
     """The pool mode (pool_mode.choose) and the release's verdict ({slurm, safe, why}) from
-    slurm.conf's SchedulerParameters, slurmctld's release, the admin's declaration and the
-    reservation's refusal (None: not checked, as at submit)."""
+    slurm.conf's SchedulerParameters, slurmctld's release, the admin's declaration, the
+    reservation's refusal (None: not checked, as at submit) and the job's in-job standbys."""
     release = expansion_verdict(slurm_version, declaration.covers(slurm_version))
     note = "" if release.safe else declaration.note()
     pool = pool_mode.choose(expansion_permitted="permit_job_expansion" in scheduler_parameters.split(","),
                             release_safe=release.safe, release_why=release.reason + (f"; {note}" if note else ""),
-                            reservation=reservation, reservation_refusal=refusal, expansion_off_why=EXPANSION_OFF)
+                            reservation=reservation, reservation_refusal=refusal, expansion_off_why=EXPANSION_OFF,
+                            in_job=in_job)
     return pool, {"slurm": slurm_version, "safe": release.safe, "why": release.reason}
 
 
