@@ -144,7 +144,8 @@ class ScriptWorkload(Workload):
         self.release()
         if event.kind == "ended":
             raise ConfigError(f"the script {os.path.basename(self.path)} ended without reaching its loop {where}: "
-                              "does it iterate tm.loop(...) and call tm.step() (docs/scripts.md)?")
+                              "does it iterate tm.loop(...) and call tm.step() (docs/scripts.md), or, where a Trainer runs the "
+                              "loop, pass it TrainMover's callback (docs/scripts-trainers.md)?")
         raise ConfigError(f"the script {os.path.basename(self.path)} stopped at {event.kind!r}, not {where}: its "
                           "loops must be the same on every rank and in every run (docs/scripts.md)")
 
