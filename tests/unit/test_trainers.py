@@ -87,3 +87,27 @@ def test_the_lightning_example_runs_under_plain_torchrun_unchanged(tmp_path):
     tm_rows, tm_model = _torchrun(LIGHTNING / "train.py", tmp_path, "tm")
     assert len(plain_rows) == 16 and tm_rows == plain_rows  # 2 epochs of 8 optimizer steps, one row each
     assert all(torch.equal(plain_model[k], tm_model[k]) for k in plain_model)
+
+
+def test_the_checker_finds_a_variant_with_validation_workers_and_a_scaler_exact(tmp_path):
+    """The example with a validation loader (sync_dist logging), 2 loader workers and 16-mixed
+    (a GradScaler in the precision plugin)."""
+    text = (LIGHTNING / "train.py").read_text()
+    text = text.replace('''        self.log("train_loss", loss)
+        return loss
+''', '''        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self.net(x), y), sync_dist=True)
+''')
+    text = text.replace("shuffle=True)", "shuffle=True, num_workers=2)\n    val = DataLoader(make_data(args.seed + 1, 64), "
+                        "batch_size=16)").replace("trainer.fit(model, loader)", "trainer.fit(model, loader, val)")
+    text = text.replace('precision="bf16-mixed"', 'precision="16-mixed"')
+    assert text.count("val") >= 4 and "16-mixed" in text
+    variant = tmp_path / "variant.py"
+    variant.write_text(text)
+    out = _check(variant, tmp_path, "--epochs", "8")
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert "a migration would be exact" in out.stdout, out.stdout
