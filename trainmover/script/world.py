@@ -31,10 +31,14 @@ def prepare(ctx) -> None:
     master_addr, master_port = ctx.master
     os.environ.update({"RANK": str(ctx.rank), "WORLD_SIZE": str(ctx.world_size), "LOCAL_RANK": str(ctx.local_rank),
                        "LOCAL_WORLD_SIZE": str(ctx.local_world_size), "MASTER_ADDR": str(master_addr),
-                       "MASTER_PORT": str(master_port), "GROUP_RANK": str(ctx.rank // max(ctx.local_world_size, 1))})
+                       "MASTER_PORT": str(master_port), "GROUP_RANK": str(ctx.rank // max(ctx.local_world_size, 1)),
+                       # torchrun's too: frameworks read it as "launched by torchrun, the processes exist"
+                       # (Lightning's TorchElasticEnvironment, ahead of its SLURMEnvironment)
+                       "TORCHELASTIC_RUN_ID": os.environ.get("SLURM_JOB_ID", "trainmover")})
     _made.clear()
     dist.new_group = lambda ranks=None, *args, **kwargs: _new_group(ctx, ranks, kwargs)
     dist.destroy_process_group = _destroy
+    dist.broadcast_object_list, dist.all_gather_object = _broadcast_object_list, _all_gather_object
 
 
 def _destroy(group=None) -> None:
@@ -44,6 +48,32 @@ def _destroy(group=None) -> None:
     if group is None or isinstance(group, SwappableGroup) or group is dist.GroupMember.NON_GROUP_MEMBER:
         return
     _original_destroy(group)
+
+
+# Object collectives while the run is not live (a standby's or a re-entry's set-up): the sandbox
+# answers a tensor broadcast by leaving the buffer as it is, but a rank other than the source
+# unpickles that buffer (garbage). There each rank sees its own objects instead, as if it were
+# the source: a framework's `broadcast(obj)` (Lightning's log_dir, paths) returns the rank's own.
+_original_broadcast_object_list, _original_all_gather_object = dist.broadcast_object_list, dist.all_gather_object
+
+
+def _not_live() -> bool:
+    from trainmover.script.run import current
+    run = current()
+    return run is not None and run.mode != "live"
+
+
+def _broadcast_object_list(object_list, src=None, group=None, device=None, **kwargs):
+    if _not_live():
+        return None
+    return _original_broadcast_object_list(object_list, src, group=group, device=device, **kwargs)
+
+
+def _all_gather_object(object_list, obj, group=None):
+    if _not_live():
+        object_list[:] = [obj] * len(object_list)
+        return None
+    return _original_all_gather_object(object_list, obj, group=group)
 
 
 def _new_group(ctx, ranks, kwargs):
