@@ -209,6 +209,9 @@ def test_the_megatron_script_moves_and_recovers_bit_exactly(cluster, tmp_path_fa
     import time
     from trainmover.cluster.procs import step_pid
     _, client = cluster
+    for name, node in client.nodes().items():  # this module's cluster: a node an earlier test's job fenced
+        if "DRAIN" in node.flags and node.reason.startswith("trainmover:"):
+            client.resume(name)
     reference = _submit_script(cluster, tmp_path_factory, "mg-script-ref", TM_STANDBYS=0)
     run = None
     try:
