@@ -211,6 +211,8 @@ class TrainMoverCallback(Callback):
 
     def _data_position(self) -> dict:
         fetcher = self.trainer.fit_loop._data_fetcher
+        if fetcher is None:  # fit has ended (the state is taken for the job's final digest): no position
+            return {"created": [], "gens": [], "fetched": 0, "done": True}
         if getattr(fetcher, "batches", None):
             raise ConfigError("the training loader has no length (an IterableDataset): Lightning prefetches from it and "
                               "TrainMover cannot put a rank taking over at the same batch; give the dataset a __len__")

@@ -64,16 +64,28 @@ def _not_live() -> bool:
 
 
 def _broadcast_object_list(object_list, src=None, group=None, device=None, **kwargs):
-    if _not_live():
-        return None
-    return _original_broadcast_object_list(object_list, src, group=group, device=device, **kwargs)
+    if not _not_live():
+        return _original_broadcast_object_list(object_list, src, group=group, device=device, **kwargs)
+    # Not live: the collectives still run (a standby replaying the live rank's recording must issue
+    # the same sequence: size, then data), but each rank keeps its own objects.
+    own = list(object_list)
+    try:
+        _original_broadcast_object_list(object_list, src, group=group, device=device, **kwargs)
+    except Exception:  # noqa: BLE001 - the sandbox's answer may not unpickle; the rank's own objects stand
+        pass
+    object_list[:] = own
+    return None
 
 
 def _all_gather_object(object_list, obj, group=None):
-    if _not_live():
-        object_list[:] = [obj] * len(object_list)
-        return None
-    return _original_all_gather_object(object_list, obj, group=group)
+    if not _not_live():
+        return _original_all_gather_object(object_list, obj, group=group)
+    try:  # the same sequence of collectives as a live rank's (see _broadcast_object_list)
+        _original_all_gather_object(object_list, obj, group=group)
+    except Exception:  # noqa: BLE001
+        pass
+    object_list[:] = [obj] * len(object_list)
+    return None
 
 
 def _new_group(ctx, ranks, kwargs):
