@@ -189,7 +189,7 @@ SCRIPT = ROOT / "examples" / "scripts" / "megatron_tm.py"
 # Long enough for the standbys to warm (Megatron imports, 10 processes on 2 cores), the drain to
 # move rank 7 and a snapshot to be taken after the move before the kill: the joiner holds no
 # snapshot of a step before it joined, so a kill right after a move has no snapshot tier.
-SCRIPT_STEPS, SNAPSHOT_EVERY = 300, 10
+SCRIPT_STEPS, SNAPSHOT_EVERY = 200, 10
 
 
 def _submit_script(cluster, tmp_path_factory, name: str, **tm_env) -> Run:
