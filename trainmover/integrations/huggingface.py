@@ -126,7 +126,7 @@ class TrainMoverCallback(TrainerCallback):
     def state(self) -> dict:
         t = self.trainer
         scaler = getattr(t.accelerator, "scaler", None)
-        extra = {"trainer_state": _state_json(t.state),
+        extra = {"trainer_state": _state_dict(t.state),
                  "scheduler": t.lr_scheduler.state_dict() if t.lr_scheduler is not None else None,
                  "scaler": scaler.state_dict() if scaler is not None else None,
                  "counters": {k: getattr(t, k) for k in _COUNTERS},
@@ -271,13 +271,22 @@ class TrainMoverCallback(TrainerCallback):
         t.model.load_state_dict(re["model"])
 
 
-def _state_json(state: TrainerState) -> str:
-    """The TrainerState as `save_to_json` writes it (a string: the transfer carries it as is)."""
+def _wall_clock(key: str) -> bool:
+    """A log entry's timing (eval_runtime, eval_samples_per_second, ...): differs run to run."""
+    return key.endswith(("_runtime", "_per_second"))
+
+
+def _state_dict(state: TrainerState) -> dict:
+    """The TrainerState as `save_to_json` writes it (dataclasses.asdict), less the wall-clock
+    timings in its log history: they are not training state, differ between any two runs, and
+    would make every state differ from an uninterrupted run's."""
     import dataclasses
-    return json.dumps(dataclasses.asdict(state), sort_keys=True)
+    d = json.loads(json.dumps(dataclasses.asdict(state)))
+    d["log_history"] = [{k: v for k, v in entry.items() if not _wall_clock(k)} for entry in d["log_history"]]
+    return d
 
 
-_STATES: dict[str, str] = {}  # the TrainerState JSON a re-entering run reads instead of trainer_state.json
+_STATES: dict[str, dict] = {}  # the TrainerState a re-entering run reads instead of trainer_state.json
 
 
 def _patch() -> None:
@@ -296,10 +305,10 @@ def _patch() -> None:
         return train(self, resume_from_checkpoint, *args, **kwargs)
 
     def _load_from_json(cls, json_path):
-        text = _STATES.get(str(json_path).split("/")[0]) if str(json_path).startswith(MARKER) else None
-        if text is None:
+        saved = _STATES.get(str(json_path).split("/")[0]) if str(json_path).startswith(MARKER) else None
+        if saved is None:
             return load(cls, json_path)
-        return cls(**json.loads(text))
+        return cls(**copy.deepcopy(saved))
 
     _train._trainmover = True
     Trainer.train = _train
