@@ -44,7 +44,6 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import TrainerState
 
-from trainmover.errors import ConfigError
 from trainmover.runtime import rng
 from trainmover.script import owner as tm_owner
 from trainmover.script.run import EndRun, current
@@ -89,11 +88,12 @@ class TrainMoverCallback(TrainerCallback):
         self._hook(trainer)
         if state is None:
             return resume_from_checkpoint
-        if resume_from_checkpoint not in (None, False):
-            raise ConfigError("train(resume_from_checkpoint=...) in a script run by TrainMover: a rank taking over "
-                              "resumes from the live state; start from a checkpoint with a job of its own")
+        if resume_from_checkpoint not in (None, False):  # the job's start may; a rank taking over uses the live state
+            log.info("train(resume_from_checkpoint=%r): re-entering from the live state instead",
+                     resume_from_checkpoint)
         extra = state[NAME]
-        self.reentry = {**extra, "model": state["model"]["hf_model"], "optimizer": state.get("optimizer", {}).get("hf_optimizer")}
+        self.reentry = {**extra, "model": state["model"]["hf_model"],
+                        "optimizer": state.get("optimizer", {}).get("hf_optimizer")}
         if self.reentry["optimizer"] is None:  # the runtime's negative control (TM_INJECT=skip-optimizer-state)
             log.warning("the state carries no optimizer: the Trainer's optimizer keeps its own state")
         self.batch = extra["batch"]
