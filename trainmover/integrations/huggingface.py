@@ -40,7 +40,6 @@ import functools
 import json
 import logging
 
-import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import TrainerState
 
