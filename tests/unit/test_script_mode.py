@@ -285,3 +285,27 @@ def test_the_checker_passes_the_same_script_with_both_carried(tmp_path):
                     "            tm.step(loss, global_step=global_step)\n")
     out = _check(good)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_scripts_own_error_comes_out_as_itself_with_its_traceback(tmp_path, store_port):
+    """An error of the script is raised by train_step as the script's own (the runtime's guard
+    then reports it as the user's: runtime/usercode.py), with the script's line in its
+    traceback; never a lost peer, since no collective failed."""
+    import traceback
+    from trainmover.runtime.groups import first_failure
+    path = script_at(tmp_path, '''
+        import trainmover.script as tm
+        tm.init()
+        for step in tm.loop(range(10)):
+            if step == 3:
+                raise ValueError("the script's own bug at step 3")
+            tm.step(float(step))
+        ''')
+    groups = one_rank_world(store_port)
+    wl = ScriptWorkload(str(path))
+    wl.build(context(groups))
+    assert train(wl, 3) == [0.0, 1.0, 2.0]
+    with pytest.raises(ValueError, match="own bug at step 3") as info:
+        wl.train_step(3)
+    assert any(frame.filename == str(path) for frame in traceback.extract_tb(info.value.__traceback__))
+    assert first_failure(groups.values()) is None

@@ -100,6 +100,10 @@ class ScriptRun:
             log.warning("an abandoned run of the script did not unwind within %.0fs (left running)", timeout_s)
 
     def _wait(self) -> Event:
+        # No deadline of its own, as a Workload's train_step has none: the script runs a step of
+        # the user's code for as long as it takes. Its collectives have the group timeout, and a
+        # step that hangs is the controller's to judge (the heartbeat reports this run's thread's
+        # CPU time: compute_thread), which fences the process.
         self._to_driver.acquire()
         event, self._event = self._event, None
         if isinstance(event, BaseException):
