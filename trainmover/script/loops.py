@@ -244,6 +244,16 @@ class Nest:
         level.yielded = rng.capture()
         return item
 
+    def close(self) -> None:
+        """The run is over (ended or abandoned): a DataLoader's worker processes stop now, not
+        whenever the garbage collector gets to the run (the nest and its run refer to each
+        other); a worker left running holds the process's pipes and file descriptors."""
+        for level in self.stack:
+            shutdown = getattr(level.it, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+        self.stack.clear()
+
     def boundary(self, counters: dict) -> dict:
         if not self.stack:
             raise ConfigError("tm.step() was called outside tm.loop(...): wrap the script's loops in tm.loop so "

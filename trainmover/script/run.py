@@ -157,6 +157,7 @@ class ScriptRun:
         except BaseException as exc:  # noqa: BLE001 - the script's error, raised again in the driver
             self._event = exc
         finally:
+            self.nest.close()
             if _current is self:
                 _current = None
             self._to_driver.release()
