@@ -29,6 +29,11 @@ from trainmover.runtime.groups import SwappableGroup
 from trainmover.script.workload import ScriptWorkload
 from trainmover.workloads.base import BuildContext
 
+# Each test in a pytest process of its own: these run gloo groups, script threads and DataLoader
+# workers in the test process, and a later test that forks (gloo_threads) must not inherit them
+# (a forked child hung in a gloo send once after these had run in its worker).
+pytestmark = pytest.mark.own_process
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "scripts"
 TIMEOUT = datetime.timedelta(seconds=30)
