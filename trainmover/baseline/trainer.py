@@ -35,7 +35,7 @@ import torch.distributed as dist  # noqa: E402
 from trainmover.baseline import checkpoint  # noqa: E402
 from trainmover.errors import ConfigError, DeadlineExceeded  # noqa: E402
 from trainmover.runtime import rng  # noqa: E402
-from trainmover.runtime.transfer import digest_tensors, tensors_of  # noqa: E402
+from trainmover.runtime.tensors import digest_tensors, tensors_of  # noqa: E402
 from trainmover.workloads import base as workloads  # noqa: E402
 
 T_IMPORTED = time.time()

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from trainmover.check.fingerprint import differences, fingerprint, unplain
 from trainmover.check.plan import shadow_total
 from trainmover.runtime import rng, transfer
+from trainmover.runtime.tensors import digest_tensors, tensors_of
 from trainmover.runtime.groups import SandboxBackend, SwappableGroup, gloo_group
 from trainmover.runtime.group_plan import GroupSpec
 from trainmover.workloads import base as workloads
@@ -80,7 +81,7 @@ def full_state(wl: workloads.Workload, step: int) -> dict:
 def digest(wl: workloads.Workload) -> str:
     """The digest the runtime writes into final.json for this rank (Agent.digest)."""
     sd = wl.state_dict()
-    return transfer.digest_tensors(transfer.tensors_of({"model": sd["model"], "optimizer": sd.get("optimizer", {})}))
+    return digest_tensors(tensors_of({"model": sd["model"], "optimizer": sd.get("optimizer", {})}))
 
 
 def group_specs(wl: workloads.Workload, world: int) -> list[GroupSpec]:

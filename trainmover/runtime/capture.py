@@ -24,7 +24,7 @@ every version: pinning gigabytes takes seconds (and on the lent GPU machines hos
 at about 3 s per 8 GiB the first time it is touched).
 
 Checksum (`word_digest`): per tensor the sum of its 32/16-bit words as int64 (what
-`transfer.digest_tensors` computes for CUDA tensors), hashed with shapes and dtypes. The sender
+`tensors.digest_tensors` computes for CUDA tensors), hashed with shapes and dtypes. The sender
 computes it on its GPU from the tensors it copies, on the side stream; a receiver recomputes it
 from the bytes it received, on its GPU when it has one (`word_sums(..., via=cuda)`: copied in
 chunks, a 14.6 GB state in ~0.3 s) and on its CPU otherwise. SHA-256 of 14.6 GB on one CPU core
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainmover.runtime.transfer import _flatten, _unflatten, _word_view
+from trainmover.runtime import tensors as tensor_walk
 
 log = logging.getLogger("trainmover.capture")
 
@@ -55,7 +55,7 @@ def flatten(state: dict) -> tuple[object, list[str], list[torch.Tensor]]:
     """(skeleton, key paths, tensors) of a state: tensors replaced by their index."""
     tensors: list[torch.Tensor] = []
     paths: list[str] = []
-    skeleton = _flatten(state, tensors, paths)
+    skeleton = tensor_walk.flatten(state, tensors, paths)
     return skeleton, paths, tensors
 
 
@@ -99,13 +99,13 @@ class Checker:
         check = finite and t.is_floating_point() and t.numel() > 0
         if not t.numel() or t.device.type == "cuda" or self.via is None:
             if sums:
-                self._sums.append(_word_view(t).sum(dtype=torch.int64) if t.numel()
+                self._sums.append(tensor_walk.word_view(t).sum(dtype=torch.int64) if t.numel()
                                   else torch.zeros((), dtype=torch.int64))
             if check:
                 self._bad.append(torch.isfinite(t).logical_not().any())
             return
         # the word type is the whole tensor's (a piece alone might pick another and sum differently)
-        words = _word_view(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        words = tensor_walk.word_view(t.detach().contiguous().reshape(-1).view(torch.uint8))
         step = max(1, VERIFY_CHUNK_BYTES // words.element_size())
         need = min(step, words.numel())
         buf = self._buf.get(words.dtype)
@@ -297,7 +297,7 @@ class Captured:
 
     def state(self) -> dict:
         """The state of `step` (tensors: the slab's views). Call after `wait`."""
-        return _unflatten(self.skeleton, list(self.slab.views))
+        return tensor_walk.unflatten(self.skeleton, list(self.slab.views))
 
 
 class Capture:
@@ -365,7 +365,7 @@ class Capture:
             for i, t in enumerate(tensors):
                 if t.device.type != "cuda":
                     slab.views[i].copy_(t)
-                    cap.cpu_sums[i] = int(_word_view(t).sum(dtype=torch.int64)) if t.numel() else 0
+                    cap.cpu_sums[i] = int(tensor_walk.word_view(t).sum(dtype=torch.int64)) if t.numel() else 0
             if gpu:
                 cap.gpu_index = gpu
                 self.stream.wait_stream(torch.cuda.current_stream())  # ordered after the step's work
@@ -381,7 +381,7 @@ class Capture:
                         cap.staged = torch.cuda.Event(enable_timing=True)
                         cap.staged.record()
                     source = {i: (stage.views[k] if stage is not None else tensors[i]) for k, i in enumerate(gpu)}
-                    sums = torch.stack([_word_view(source[i]).sum(dtype=torch.int64) if source[i].numel()
+                    sums = torch.stack([tensor_walk.word_view(source[i]).sum(dtype=torch.int64) if source[i].numel()
                                         else torch.zeros((), dtype=torch.int64, device=source[i].device)
                                         for i in gpu])
                     for i in gpu:
@@ -436,4 +436,4 @@ def restore_into(captured_state: dict, like: dict) -> tuple[dict, int]:
                 out.append(t.detach().clone())
     if any(t.device.type == "cuda" for t in out) and torch.cuda.is_available():
         torch.cuda.current_stream().synchronize()
-    return _unflatten(skeleton, out), placed
+    return tensor_walk.unflatten(skeleton, out), placed

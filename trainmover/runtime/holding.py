@@ -58,6 +58,7 @@ import torch.distributed as dist
 from trainmover.protocol.store import AuthStore
 from trainmover.errors import MigrationError
 from trainmover.runtime import capture, transfer
+from trainmover.runtime import tensors as tensor_walk
 from trainmover.runtime.groups import gloo_group
 
 log = logging.getLogger("trainmover.holding")
@@ -240,7 +241,7 @@ class Held:
         self.on_device = getattr(slab, "on_device", False)
 
     def state(self) -> dict:
-        return transfer._unflatten(self.skeleton, list(self.slab.views))
+        return tensor_walk.unflatten(self.skeleton, list(self.slab.views))
 
 
 class Holding:

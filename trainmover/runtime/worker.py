@@ -50,6 +50,7 @@ from trainmover.runtime.protection import Protection
 from trainmover.runtime.rankstate import RankState, RankStateMachine
 from trainmover.runtime.rank_recovery import Recovery
 from trainmover.runtime.standby import REWARM_POLL_S, StandbyRole
+from trainmover.runtime.tensors import digest_tensors, tensors_of
 from trainmover.runtime.switch import Switch
 from trainmover.runtime.training import TRACE_STEPS, TrainingLoop
 from trainmover.workloads import base as workloads
@@ -381,7 +382,7 @@ class Agent:
 
     def digest(self) -> str:
         sd = self.workload.state_dict()
-        return transfer.digest_tensors(transfer.tensors_of({"model": sd["model"], "optimizer": sd.get("optimizer", {})}))
+        return digest_tensors(tensors_of({"model": sd["model"], "optimizer": sd.get("optimizer", {})}))
 
     def run(self) -> int:
         if self.role == "worker":
