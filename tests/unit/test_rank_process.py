@@ -364,7 +364,8 @@ def test_the_joiners_wait_for_go_outlives_its_store_host_and_follows_the_success
     store's errors are "no verdict yet" (seen: they killed the joiner and stopped the job); once
     the link moves the client to the successor's store, its go is seen."""
     from trainmover.protocol.store import AuthStore
-    from trainmover.runtime.switch import await_go, go_key
+    from trainmover.runtime.epoch import go_key
+    from trainmover.runtime.switch import await_go
 
     key = b"k" * 32
     first = _store()
@@ -385,7 +386,8 @@ def test_the_joiners_wait_for_go_outlives_its_store_host_and_follows_the_success
 
 def test_the_joiners_wait_for_go_ends_on_cancel_abort_or_its_deadline():
     from trainmover.protocol.store import AuthStore
-    from trainmover.runtime.switch import await_go, cancel_key
+    from trainmover.runtime.epoch import cancel_key
+    from trainmover.runtime.switch import await_go
 
     key = b"k" * 32
     server = _store()
