@@ -38,7 +38,7 @@ from trainmover.controller.steps import KeeperSteps, LocalSteps, step_environmen
 from trainmover.controller.view import JobView
 from trainmover.errors import ConfigError, SlurmError
 from trainmover.protocol.worker_spec import ENV as SPEC_ENV, WorkerSpec
-from trainmover.slurm.client import client
+from trainmover.slurm.backends import client
 from trainmover.standbys import auto as auto_pool, site
 from trainmover.workloads import base as workloads
 from trainmover.controller import view as view_mod

@@ -15,7 +15,7 @@ from trainmover.controller.exit_codes import CRASHED, REFUSED
 from trainmover.errors import ConfigError, TrainMoverError
 from trainmover.logs import setup_logging
 from trainmover.protocol import files
-from trainmover.slurm.client import client
+from trainmover.slurm.backends import client
 
 log = logging.getLogger("trainmover.controller")
 
