@@ -63,13 +63,6 @@ def specs_of(paths: list[str], tensors: list[torch.Tensor]) -> list[tuple[str, t
     return [(p, tuple(t.shape), str(t.dtype)) for p, t in zip(paths, tensors)]
 
 
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"not a dtype: {name!r}")
-    return dt
-
-
 def word_digest(specs: list[tuple[str, tuple, str]], sums: list[int]) -> str:
     """SHA-256 over every tensor's (shape, dtype) and word sum, in order."""
     h = hashlib.sha256()
@@ -178,19 +171,20 @@ class Slab:
         pinned = pin and device is None
         pieces: list[tuple[torch.dtype, list[int]]] = []  # (dtype, member indices) of each buffer
         for dtype, members in by_dtype.items():
-            size = torch.empty((), dtype=_dtype(dtype)).element_size()
+            size = torch.empty((), dtype=tensor_walk.dtype_of(dtype)).element_size()
             group: list[int] = []
             for i in members + [None]:
-                full = i is None or (group and sum(_numel(self.specs[j][1]) for j in group + [i]) * size > CHUNK_BYTES)
+                full = i is None or (group and sum(tensor_walk.numel(self.specs[j][1]) for j in group + [i]) * size
+                                     > CHUNK_BYTES)
                 if full and group:
-                    pieces.append((_dtype(dtype), group))
+                    pieces.append((tensor_walk.dtype_of(dtype), group))
                     group = []
                 if i is not None:
                     group.append(i)
 
         def alloc(piece):
             dt, group = piece
-            n = max(sum(_numel(self.specs[j][1]) for j in group), 1)
+            n = max(sum(tensor_walk.numel(self.specs[j][1]) for j in group), 1)
             if pinned:
                 return _touched(n, dt)
             return torch.empty(n, dtype=dt, device=device)
@@ -210,7 +204,7 @@ class Slab:
         for chunk, (_, group) in zip(chunks, pieces):
             at = 0
             for j in group:
-                n = _numel(self.specs[j][1])
+                n = tensor_walk.numel(self.specs[j][1])
                 views[j] = chunk[at:at + n].view(self.specs[j][1])
                 at += n
         self.views = views
@@ -249,13 +243,6 @@ def _register(t: torch.Tensor) -> torch.Tensor:
         return t
     log.debug("cudaHostRegister of %d bytes: error %d; allocating it pinned instead", t.numel() * t.element_size(), rc)
     return torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 @dataclass

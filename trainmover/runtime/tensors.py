@@ -6,7 +6,8 @@ and the NCCL channel (nccl/backend.py), so that none of them reaches into anothe
   tensor's key path recorded (receivers match buffers by path, never by position);
 * `word_view`/`digest_tensors`: a tensor's bytes as 32/16-bit words, and the digest of a list
   of tensors that every migration's bit-exactness check compares;
-* `by_dtype`: tensors grouped by dtype, packed one buffer per dtype on the wire.
+* `by_dtype`: tensors grouped by dtype, packed one buffer per dtype on the wire;
+* `dtype_of`, `numel`: a tensor's spec (its dtype's name, its shape) read back.
 """
 from __future__ import annotations
 
@@ -81,3 +82,19 @@ def by_dtype(tensors: list[torch.Tensor]) -> list[tuple[torch.dtype, list[torch.
     for t in tensors:
         groups.setdefault(t.dtype, []).append(t)
     return list(groups.items())
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """The dtype named `name` ("float32" or "torch.float32"); ValueError for any other name."""
+    dt = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"not a dtype: {name!r}")
+    return dt
+
+
+def numel(shape) -> int:
+    """The number of elements of a tensor of `shape`."""
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n

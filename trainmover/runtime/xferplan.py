@@ -35,20 +35,13 @@ import logging
 
 import torch
 
-from trainmover.runtime.tensors import flatten, word_view
+from trainmover.runtime.tensors import dtype_of, flatten, word_view
 
 CHUNK_BYTES = 4 << 30          # wire tensors per NCCL group: verification overlaps the next chunk (15 groups
 #                                of 1 GiB moved 14.6 GB at 232 GB/s on H100s, one group at 329)
 PACK_BELOW_BYTES = 1 << 20     # smaller device tensors travel packed (per-message cost dominates)
 
 log = logging.getLogger("trainmover.xferplan")
-
-
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, str(name).removeprefix("torch."), None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"not a dtype: {name!r}")
-    return dt
 
 
 def specs_of(paths: list[str], tensors: list[torch.Tensor]) -> list[tuple[str, tuple, str, str]]:
@@ -265,7 +258,7 @@ def into(specs, like: dict | None) -> Plan:
     targets = dict(zip(paths, have))
     out = []
     for path, shape, dtype, device in specs:
-        dt = _dtype(dtype)
+        dt = dtype_of(dtype)
         if device not in ("cpu", "cuda"):
             raise ValueError(f"bad device {device!r} at {path}")
         t = targets.get(path)
