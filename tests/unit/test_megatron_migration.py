@@ -31,6 +31,7 @@ from trainmover.runtime.groups import SandboxBackend, SwappableGroup, gloo_group
 from trainmover.runtime.phase1 import xfer_prefix  # noqa: E402
 from trainmover.runtime.group_plan import delta  # noqa: E402
 from trainmover.workloads import base as workloads  # noqa: E402
+from trainmover.workloads import registry  # noqa: E402
 
 TIMEOUT = datetime.timedelta(seconds=90)
 LAYOUT = {"tp": 2, "pp": 2, "dp": 2}
@@ -46,7 +47,7 @@ class Job:
 
     def __init__(self, store, options: dict):
         self.store, self.options = store, options
-        self.workload = workloads.load("megatron_gpt", options)
+        self.workload = registry.load("megatron_gpt", options)
         self.specs = self.workload.group_specs(WORLD)
         self.groups: dict[str, SwappableGroup] = {}
         self.losses: dict[int, float] = {}

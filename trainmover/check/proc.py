@@ -29,6 +29,7 @@ from trainmover.runtime.tensors import digest_tensors, tensors_of
 from trainmover.runtime.groups import SandboxBackend, SwappableGroup, gloo_group
 from trainmover.runtime.group_plan import GroupSpec
 from trainmover.workloads import base as workloads
+from trainmover.workloads import registry
 
 REFERENCE, JOINER = "reference", "joiner"
 HOST = "127.0.0.1"
@@ -164,7 +165,7 @@ def _restore(wl, saved: dict) -> None:
 
 
 def reference(spec: ProcSpec, store, out: Emitter, timeout: datetime.timedelta) -> None:
-    wl = workloads.load(spec.workload, spec.options)
+    wl = registry.load(spec.workload, spec.options)
     if hasattr(wl, "inspect_all"):  # a script: look at its loop's frame at every boundary
         wl.inspect_all = True
     groups = make_groups(group_specs(wl, spec.world), spec.rank, lambda g, grank: gloo_group(
@@ -209,7 +210,7 @@ def reference(spec: ProcSpec, store, out: Emitter, timeout: datetime.timedelta) 
     alive = [wl]
     for r in spec.restarts:
         out.phase(f"restart from step {r}: build")
-        fresh = workloads.load(spec.workload, spec.options)
+        fresh = registry.load(spec.workload, spec.options)
         fresh.build(_context(spec, groups))
         _restore(fresh, saved[r])
         out.emit("restartstate", step=r, fp=fingerprint(full_state(fresh, r)), r=r)
@@ -218,7 +219,7 @@ def reference(spec: ProcSpec, store, out: Emitter, timeout: datetime.timedelta) 
 
 
 def joiner(spec: ProcSpec, store, out: Emitter, timeout: datetime.timedelta) -> None:
-    wl = workloads.load(spec.workload, spec.options)
+    wl = registry.load(spec.workload, spec.options)
     specs = group_specs(wl, spec.world)
     # As a standby: built on sandboxed groups and warmed up by shadow steps, then (as at a
     # join) re-pointed at new groups for the rank it takes, and warmed up again.
