@@ -12,11 +12,13 @@ and the NCCL channel (nccl/backend.py), so that none of them reaches into anothe
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
 
-def flatten(obj, tensors: list[torch.Tensor], paths: list[str], path: str = ""):
+def flatten(obj: Any, tensors: list[torch.Tensor], paths: list[str], path: str = "") -> Any:
     """Replace tensors by integer refs (1-element dicts, so weights_only can load them),
     recording each tensor's key path: receivers match buffers by path, never by position."""
     if isinstance(obj, torch.Tensor):
@@ -31,7 +33,7 @@ def flatten(obj, tensors: list[torch.Tensor], paths: list[str], path: str = ""):
     return obj
 
 
-def unflatten(obj, tensors: list[torch.Tensor]):
+def unflatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
     """`flatten`'s skeleton with each reference replaced by its tensor from `tensors`."""
     if isinstance(obj, dict):
         if set(obj) == {"__tm_tensor__"}:
@@ -44,7 +46,7 @@ def unflatten(obj, tensors: list[torch.Tensor]):
     return obj
 
 
-def tensors_of(obj) -> list[torch.Tensor]:
+def tensors_of(obj: Any) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     flatten(obj, out, [])
     return out
@@ -92,7 +94,7 @@ def dtype_of(name: str) -> torch.dtype:
     return dt
 
 
-def numel(shape) -> int:
+def numel(shape: Iterable[int]) -> int:
     """The number of elements of a tensor of `shape`."""
     n = 1
     for s in shape:

@@ -4,11 +4,13 @@ interface (`client.SlurmClient`), chosen here, above both: the interface's modul
 an implementation, and pyslurm is imported only when asked for."""
 from __future__ import annotations
 
+from typing import Any
+
 from trainmover.errors import SlurmError
 from trainmover.slurm.client import CliSlurm, SlurmClient
 
 
-def client(backend: str = "cli", **kwargs) -> SlurmClient:
+def client(backend: str = "cli", **kwargs: Any) -> SlurmClient:
     """The Slurm backend by name: 'cli', or 'pyslurm' (needs a pyslurm built against the
     cluster's Slurm, pyslurm 25.11 for Slurm 25.11; SlurmError naming the fix otherwise)."""
     if backend == "cli":

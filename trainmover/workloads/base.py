@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trainmover.runtime.group_plan import GroupSpec
 
@@ -23,7 +23,7 @@ class BuildContext:
     world_size: int
     groups: dict[str, SwappableGroup]
     seed: int
-    options: dict = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
     # Call between gradients and the optimizer step: raises if a collective of this step
     # failed. On GPUs an aborted NCCL kernel ends early without an error the host sees, and
     # an optimizer step on its gradients would spoil every replica at once.
@@ -34,7 +34,7 @@ class BuildContext:
     master: tuple[str, int] = ("127.0.0.1", 29500)  # MASTER_ADDR/PORT: the job's rendezvous store
     # new_group(name, ranks) -> the group (a SwappableGroup) or None for a non-member: a group a
     # script makes with dist.new_group, built and swapped by the runtime like its own
-    new_group: Callable | None = None
+    new_group: Callable[..., SwappableGroup | None] | None = None
 
 
 class Workload(abc.ABC):
@@ -65,7 +65,7 @@ class Workload(abc.ABC):
         """Run iteration `step` (0-based) fully, optimizer step included; return the local loss."""
 
     @abc.abstractmethod
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Everything that decides future steps except the global RNGs and the step number,
         which the runtime adds (runtime/rng.py: torch, CUDA, Python `random`, NumPy's global):
         model (buffers such as BatchNorm statistics included), optimizer, LR scheduler, data
@@ -75,7 +75,7 @@ class Workload(abc.ABC):
         transfer decodes with torch.load(weights_only=True)."""
 
     @abc.abstractmethod
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()`'s output. Copy model tensors in place (DDP holds them); the
         tensors of `state` may already be this workload's own (received in place)."""
 
@@ -111,7 +111,7 @@ class Workload(abc.ABC):
         return ""
 
 
-def load_optimizer_in_place(opt, state: dict) -> None:
+def load_optimizer_in_place(opt: Any, state: dict[str, Any]) -> None:
     """Load an optimizer state whose tensors may already *be* the optimizer's own (the
     transfer received them in place into a warm standby's buffers). Then only the
     non-tensor parts are set; `Optimizer.load_state_dict` would copy every tensor again,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from typing import Any
 
 from trainmover.errors import ConfigError
 from trainmover.workloads.base import Workload
@@ -46,7 +47,7 @@ def accepted_options(cls: type) -> tuple[dict[str, inspect.Parameter], bool]:
     return named, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
-def check_options(name: str, cls: type, options: dict) -> None:
+def check_options(name: str, cls: type, options: dict[str, Any]) -> None:
     """Refuse, naming the key and the variable that set it, an option the workload does not
     accept, and a required constructor argument that no option sets. Pure."""
     named, any_key = accepted_options(cls)
@@ -62,7 +63,7 @@ def check_options(name: str, cls: type, options: dict) -> None:
                           f"(e.g. TM_WORKLOAD_OPTIONS={missing[0]}=...)")
 
 
-def load(name: str, options: dict | None = None) -> Workload:
+def load(name: str, options: dict[str, Any] | None = None) -> Workload:
     """`name` is a registry key or `package.module:Class`; `options` are the constructor's
     keyword arguments, checked against its signature first."""
     options = dict(options or {})
