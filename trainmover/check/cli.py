@@ -29,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args) -> int:
     from trainmover.check.run import run_check
     from trainmover.config import Config
+    if args.script_args and not args.workload.endswith(".py"):
+        args = _options_after_the_name(args)
     if args.steps < 1 or (args.ranks is not None and args.ranks < 1) or args.timeout <= 0:
         from trainmover.errors import ConfigError
         raise ConfigError("--steps and --ranks must be >= 1 and --timeout > 0")
@@ -37,11 +39,26 @@ def main(args) -> int:
         workload = "script:" + os.path.abspath(workload)
         rest = args.script_args[1:] if args.script_args[:1] == ["--"] else args.script_args
         environ["TM_SCRIPT_ARGS"] = json.dumps(rest)
-    elif args.script_args:
-        from trainmover.errors import ConfigError
-        raise ConfigError(f"unexpected arguments {args.script_args}: only a script (a .py path) takes arguments")
+
     cfg = Config.from_env(environ, workload=workload)
     report = run_check(cfg.workload, cfg.workload_kwargs(), steps=args.steps, ranks=args.ranks, seed=cfg.seed,
                        timeout_s=args.timeout)
     print(json.dumps(report.to_json(), indent=1) if args.json else report.text())
     return 0 if report.exact else 1
+
+
+def _options_after_the_name(args):
+    """`check-workload cnn:CNN --steps 12`: a class workload takes no arguments, so what follows
+    its name is the checker's own options (a script's would be the script's)."""
+    own = argparse.ArgumentParser(prog="trainmover check-workload")
+    own.add_argument("workload")
+    own.add_argument("--steps", type=int, default=args.steps)
+    own.add_argument("--ranks", type=int, default=args.ranks)
+    own.add_argument("--timeout", type=float, default=args.timeout)
+    own.add_argument("--json", action="store_true", default=args.json)
+    parsed, unknown = own.parse_known_args([args.workload, *args.script_args])
+    if unknown:
+        from trainmover.errors import ConfigError
+        raise ConfigError(f"unexpected arguments {unknown}: only a script (a .py path) takes arguments")
+    parsed.script_args = []
+    return parsed
