@@ -156,7 +156,9 @@ def trainmover_side(args, out: Path) -> tuple[dict, list[dict]]:
     cmd = [sys.executable, str(ROOT / "bench" / "gpu_planned_migration.py"), "--preset", args.preset,
            "--gpus", str(args.gpus), "--steps", str(args.tm_steps), "--migrate-at", str(args.tm_migrate_at),
            "--fault", "both" if "failure" in args.scenarios else "migrate", "--device", args.device,
-           "--machine", args.machine, "--out", str(tm_out), "--work", str(out / "work" / "trainmover")]
+           "--machine", args.machine, "--out", str(tm_out),
+           # a new directory each run: a reused one is refused (its old records would pass for this run's)
+           "--work", str(out / "work" / f"trainmover-{time.strftime('%Y%m%d-%H%M%S')}")]
     if cuda:
         cmd.append("--p2p")
     subprocess.run(cmd, timeout=args.start_timeout, check=False)

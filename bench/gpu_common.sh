@@ -18,7 +18,8 @@ gpu_begin() {
   OUT=${OUT:-/tmp/issue$1-out}
   DEVICE=${!device_var:-cuda}
   BUDGET=${TM_BUDGET_S:-570}
-  W=${!work_var:-/tmp/issue$1}
+  # a new directory per run: the benchmarks refuse a job directory an earlier run left (issue 36)
+  W=${!work_var:-/tmp/issue$1-$(date +%Y%m%d-%H%M%S)}
   mkdir -p "$OUT" "$W/res"
   T0=$(date +%s)
   exec > >(tee "$OUT/driver.log") 2>&1
@@ -97,6 +98,9 @@ gpu_models() {
     echo "gpt ref rc=$ra, megatron ref rc=$rb"; exit $(( ra || rb ))' "$PY"
 
   local gpt_ref=() meg_ref=()
+  # a reference that wrote no record is moved aside: the next part runs its own in that directory
+  [ -d "$W/gpt/ref" ] && [ ! -f "$W/gpt/ref/raw.json" ] && mv "$W/gpt/ref" "$W/gpt/ref-failed"
+  [ -d "$W/meg/ref" ] && [ ! -f "$W/meg/ref/raw.json" ] && mv "$W/meg/ref" "$W/meg/ref-failed"
   [ -f "$W/gpt/ref/raw.json" ] && gpt_ref=(--ref "$W/gpt/ref/raw.json")
   part gpt 210 bash -c '"$0" bench/gpu_planned_migration.py "$@" --deadline-s "$DEADLINE"' "$PY" \
     --preset "$GPT" --steps "$GPT_STEPS" --migrate-at "$GPT_AT" --snapshot-every "$EVERY" --fault both \

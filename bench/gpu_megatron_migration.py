@@ -21,7 +21,10 @@ the same number of steps, each a child process with a deadline:
 Measured (metric names of shared/reference/bench-results.md): planned downtime from the
 controller's status (the worst stayer's pause minus a steady step), Phase 1, state bytes and
 copy time, and bit-exactness: every step's losses and the final digest of every rank's
-parameters + optimizer state (with bf16: the fp32 main params too) equal the reference's.
+parameters + optimizer state (with bf16: the fp32 main params too) equal the reference's, said
+only when both jobs ran every step and the migration happened (bench/exactness.py; else None
+with the reason). Each job's directory under --work must be new (a reused one is refused), and a
+job whose pace says its steps cannot end within its deadline is stopped at once and says so.
 Writes <out>/<scenario>.json after every stage, also when a job fails or runs out of time:
 `complete` and `errors` say what is missing. Exit code 0 only if complete.
 """
@@ -37,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import results_io  # noqa: E402
+from bench import exactness, results_io  # noqa: E402
 from bench.gpu_planned_migration import GPU_ENV, p2p_bandwidth, summarize  # noqa: E402  (sets GPU_ENV)
 from bench import single_host_jobs as jobs  # noqa: E402
 from bench.single_host_jobs import read_json  # noqa: E402
@@ -68,20 +71,6 @@ def run_job(spec: dict) -> int:
 def layout(kind: str, workers: int) -> dict:
     """All training GPUs in data parallel (distributed optimizer) or in pipeline stages."""
     return {"tp": 1, "pp": 1, "dp": workers} if kind == "dp" else {"tp": 1, "pp": workers, "dp": 1}
-
-
-def exactness(ref: dict, mig: dict) -> dict:
-    """Bit-exactness from the two jobs' own records (also when `summarize` cannot run)."""
-    ref_losses = {r["step"]: r["losses"] for r in ref.get("metrics", [])}
-    mig_losses = {r["step"]: r["losses"] for r in mig.get("metrics", [])}
-    differ = sorted(k for k in ref_losses if ref_losses[k] != mig_losses.get(k))
-    rf, mf = ref.get("final") or {}, mig.get("final") or {}
-    rank_equal = [a == b for a, b in zip(rf.get("rank_digests", []), mf.get("rank_digests", []))]
-    losses_equal = bool(ref_losses) and ref_losses.keys() == mig_losses.keys() and not differ
-    digest_equal = bool(rf.get("digest")) and rf.get("digest") == mf.get("digest")
-    return {"losses_equal": losses_equal, "first_differing_steps": differ[:5], "steps_compared": len(ref_losses),
-            "digest_equal": digest_equal, "rank_digests_equal": rank_equal,
-            "bit_exact": losses_equal and digest_equal}
 
 
 def main() -> int:
@@ -159,12 +148,29 @@ def main() -> int:
               # a planned migration is measured: no snapshots (a one-worker job would take them: no replica)
               "snapshot_every": 0}
     work = Path(args.work or f"/tmp/tm-megatron-migration-{time.strftime('%Y%m%d-%H%M%S')}")
+    names = ("ref",) if args.ref_only else ("migrate",) if args.ref else ("ref", "migrate")
+    taken = jobs.reused(work, names)
+    if taken:
+        result["errors"] += [f"refused: {why}" for why in taken]
+        save()
+        return 2
     raws = {}
     if args.ref:
         raws["ref"] = read_json(Path(args.ref))
         result["settings"]["reference"] = args.ref
-    for name in ("ref",) if args.ref_only else ("migrate",) if args.ref else ("ref", "migrate"):
+    for name in names:
         left = args.deadline_s - (time.monotonic() - t_begin) - 5
+        ref_raw = raws.get("ref") or {}
+        needs = (ref_raw.get("exit") or {}).get("needs_s")
+        if name == "migrate" and needs:  # the reference's pace could not fit its half: this job needs more
+            result["errors"].append(f"migrate: not run: the reference alone needs at least {needs:.0f} s at its "
+                                    f"pace; give --deadline-s of at least ~{2 * needs + 30:.0f} or fewer --steps")
+            continue
+        took = ref_raw["t_end"] - ref_raw["t_start"] if ref_raw.get("t_end") and ref_raw.get("t_start") else 0
+        if name == "migrate" and left < took:  # the same steps and a standby's warm-up besides
+            result["errors"].append(f"migrate: not run: {left:.0f} s of the deadline left, and the reference "
+                                    f"alone took {took:.0f} s; give --deadline-s of at least ~{2 * took + 30:.0f}")
+            continue
         # The reference must leave the migrating job at least as much time as it took itself.
         budget = left / 2 if name == "ref" and not args.ref_only else left
         if budget < 20:
@@ -185,31 +191,30 @@ def main() -> int:
         result["jobs"][name] = {"steps_done": rows[-1].get("step"), "rc": raw.get("rc"),
                                 "wall_s": round(raw["t_end"] - raw["t_start"], 1) if raw.get("t_end") else None,
                                 "workdir": spec["workdir"], "trigger": raw.get("trigger"),
-                                "final": raw.get("final")}
+                                "final": raw.get("final"), "exit": raw.get("exit")}
         print(f"[{name}] done: steps {rows[-1].get('step')}, errors so far {result['errors']}", flush=True)
         save()
 
     if args.ref_only:
-        return 0 if (raws.get("ref") or {}).get("final") else 1
+        return 0 if exactness.job_incomplete("ref", raws.get("ref"), args.steps) is None else 1
     p2p = None
     if cuda and args.p2p and args.deadline_s - (time.monotonic() - t_begin) > 300:  # its own waits: 180 + 60 s
         try:
             p2p = p2p_bandwidth()
         except Exception as exc:  # noqa: BLE001 - reported in the result
             result["errors"].append(f"p2p bandwidth: {exc!r}")
-    if "ref" in raws and "migrate" in raws:
-        ref, mig = raws["ref"], raws["migrate"]
-        metrics = exactness(ref, mig)
-        try:
-            metrics = {**summarize(ref, mig, p2p), **metrics}
-        except (SystemExit, Exception) as exc:  # noqa: BLE001 - what is missing goes into `errors`
-            result["errors"].append(f"summary: {exc!r}")
-        metrics.update(standby_warmup(mig))
-        result["metrics"] = metrics
-        result["migrations"] = (mig.get("status") or {}).get("migrations")
-        if not metrics["bit_exact"]:
-            result["errors"].append(f"not bit-exact: losses_equal={metrics['losses_equal']} (first differing steps "
-                                    f"{metrics['first_differing_steps']}), digest_equal={metrics['digest_equal']}")
+    ref, mig = raws.get("ref") or {}, raws.get("migrate") or {}
+    # bit-exact only when both jobs ran every step and the migration happened
+    metrics = exactness.judge(ref, mig, steps=args.steps, kind=exactness.PLANNED)
+    try:
+        metrics = {**summarize(mig, p2p), **metrics}
+    except (SystemExit, Exception) as exc:  # noqa: BLE001 - what is missing goes into `errors`
+        result["errors"].append(f"summary: {exc!r}")
+    metrics.update(standby_warmup(mig))
+    result["metrics"] = metrics
+    result["migrations"] = (mig.get("status") or {}).get("migrations")
+    if exactness.complaint(metrics):
+        result["errors"].append(exactness.complaint(metrics))
     result["complete"] = not result["errors"] and result["metrics"].get("planned_downtime_s") is not None
     save()
     return 0 if result["complete"] else 1

@@ -21,7 +21,11 @@ With one worker there is no stayer: the migration's pause is measured on the joi
 controller/policy.py `_downtime`), and the job's own rows give the same number.
 Writes <out>/gpu-planned-<preset>-<leaver>.json and gpu-failure-<preset>-<leaver>.json
 (cpu-dryrun-... on the CPU) in the format of shared/reference/bench-results.md, `complete` and
-`errors` saying what is missing. Exit code 0 only if every JSON is complete.
+`errors` saying what is missing. Exactness (`bit_exact`, `losses_equal`, `digest_equal`) is said
+only when both jobs ran every step and the migration (recovery) happened, else None with
+`exactness_unknown` (bench/exactness.py). Each job's directory under --work must be new (exit 2
+otherwise), and a job whose pace says its steps cannot end within its share of --deadline-s is
+stopped at once and says what it would need. Exit code 0 only if every JSON is complete.
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import results_io  # noqa: E402
+from bench import exactness, results_io  # noqa: E402
 from bench import single_host_jobs as jobs  # noqa: E402
 from bench.cpu_planned_migration import gantt  # noqa: E402
 
@@ -126,20 +130,9 @@ def run_job(spec: dict) -> int:
 
 
 # --- what the jobs say ------------------------------------------------------------------------
-def exactness(ref: dict, run: dict, skip_missing: bool) -> dict:
-    ref_losses = {r["step"]: r["losses"] for r in ref.get("metrics", [])}
-    got = {r["step"]: r["losses"] for r in run.get("metrics", [])}
-    differ = [k for k in ref_losses if got.get(k) is None or any(
-        (a is not None or not skip_missing) and a != b for a, b in zip(got[k], ref_losses[k]))]
-    rf, mf = ref.get("final") or {}, run.get("final") or {}
-    return {"losses_equal": bool(ref_losses) and not differ, "first_differing_steps": differ[:5],
-            "steps_compared": len(ref_losses),
-            "digest_equal": bool(rf.get("digest")) and rf.get("digest") == mf.get("digest")}
-
-
-def summarize(ref: dict, mig: dict, p2p: float | None) -> dict:
+def summarize(mig: dict, p2p: float | None) -> dict:
     """Planned migration: its pause (stayers', or with one worker the joiner's side), Phase 1,
-    the state copy, the stayers' throughput and memory during Phase 1, exactness."""
+    the state copy, the stayers' throughput and memory during Phase 1 (exactness: `exactness.judge`)."""
     migrations = (mig.get("status") or {}).get("migrations") or []
     if not migrations:
         raise ValueError("no migration happened (was the standby ready before training ended?)")
@@ -154,6 +147,14 @@ def summarize(ref: dict, mig: dict, p2p: float | None) -> dict:
     prep_t0, prep_t1 = m["phases"]["preparing"], m["phases"].get("switching", m["phases"]["preparing"])
     during = [rows[k + 1]["t"] - rows[k]["t"] for k in rows if k + 1 in rows and prep_t0 <= rows[k]["t"] and rows[k + 1]["t"] <= prep_t1]
     stayers = [e["detail"] for e in tl if e["event"] == "rank_prepared" and e.get("role") == "stayer"]
+    # What Phase 1 left alive on a stayer: the growth of its live tensors' bytes (torch's
+    # requested_bytes) between the boundary where it began and the one where it was done. Not
+    # memory_allocated: that counts whole cached blocks, up to 1 MiB beyond a large tensor
+    # when the block is not split, and the gradients made anew each step land in different
+    # blocks, so it moves by such remainders between two boundaries of a steady loop with the
+    # same tensors alive (runtime/worker.py `memory`); kept as stayer_extra_alloc_block_bytes.
+    tensor_growth = [e["after"]["tensor_bytes"] - e["before"]["tensor_bytes"] for e in stayers
+                     if (e.get("before") or {}).get("tensor_bytes") is not None]
     alloc_growth = [e["after"]["alloc_bytes"] - e["before"]["alloc_bytes"] for e in stayers if e.get("before")]
     reserved_growth = [e["after"]["reserved_bytes"] - e["before"]["reserved_bytes"] for e in stayers if e.get("before")]
     device_growth = [e["after"]["device_used_bytes"] - e["before"]["device_used_bytes"] for e in stayers if e.get("before")]
@@ -177,7 +178,8 @@ def summarize(ref: dict, mig: dict, p2p: float | None) -> dict:
         "stayer_throughput_ratio": (statistics.median(steady) / statistics.median(during)) if during and steady else None,
         "throughput_ratio_is": "stayers'" if stayers else "the leaver's (no stayer)",
         "steps_during_phase1": len(during),
-        "stayer_extra_alloc_bytes": max(alloc_growth) if alloc_growth else None,
+        "stayer_extra_alloc_bytes": max(tensor_growth) if tensor_growth else None,
+        "stayer_extra_alloc_block_bytes": max(alloc_growth) if alloc_growth else None,
         "stayer_extra_reserved_bytes": max(reserved_growth) if reserved_growth else None,
         "stayer_device_mem_growth_bytes": max(device_growth) if device_growth else None,
         # Each side times its grouped NCCL call from posting to completion; the side that posts
@@ -199,7 +201,6 @@ def summarize(ref: dict, mig: dict, p2p: float | None) -> dict:
         "first_step_ratio": joiner_first / steady_step_s if joiner_first else None,
         "steady_step_s": steady_step_s,
         "step_s_per_rank_around_switch": around,
-        **exactness(ref, mig, skip_missing=False),
         "gantt": gantt(m, rows, mig["trigger"]["t"]) if mig["trigger"].get("t") else None,
     }
 
@@ -226,9 +227,9 @@ def protection_cost(rows: list[dict], every: int, before_t: float, taken: list[i
             "amortised_overhead_at_every": round(statistics.median(extra) / every / steady, 5)}
 
 
-def summarize_failure(ref: dict, run: dict, p2p: float | None, every: int = 0) -> dict:
-    """Fault (the kill) to the first step every rank completed afterwards, its parts, the
-    snapshot tier's cost per protected step where it was used, and exactness."""
+def summarize_failure(run: dict, p2p: float | None, every: int = 0) -> dict:
+    """Fault (the kill) to the first step every rank completed afterwards, its parts, and the
+    snapshot tier's cost per protected step where it was used (exactness: `exactness.judge`)."""
     rec = [m for m in (run.get("status") or {}).get("migrations", []) if m["recovery"]]
     if not rec or rec[0]["state"] != "done":
         raise ValueError(f"no completed recovery: {[(m['state'], m.get('note')) for m in rec]}")
@@ -260,9 +261,6 @@ def summarize_failure(ref: dict, run: dict, p2p: float | None, every: int = 0) -
         "goal_s": 2.0,
     }
     out["goal_met"] = out["unexpected_downtime_s"] <= out["goal_s"]
-    eq = exactness(ref, run, skip_missing=True)  # the dead rank's last loss may be missing
-    out.update(losses_equal_except_lost=eq["losses_equal"], first_differing_steps=eq["first_differing_steps"],
-               digest_equal=eq["digest_equal"])
     snap = ((run.get("status") or {}).get("protection") or {}).get("snapshots") or {}
     held = run["trigger"].get("held_detail_at_kill") or snap.get("held_detail") or {}
     first_row = min(run["metrics"], key=lambda r: r["step"]) if run["metrics"] else None
@@ -374,13 +372,21 @@ def main() -> int:
         print(f"[{name}] steps {rows[-1].get('step')}, trigger {raw.get('trigger')}, error {error}", flush=True)
         return raw, [error] if error else []
 
+    faults = ["migrate", "kill"] if args.fault == "both" else [args.fault]
+    # its own directory: a second kill run beside the first (--kill-when) must not meet its secret
+    names = {f: f + ("-first" if f == "kill" and args.kill_when == "first-held" else "") for f in faults}
+    taken = jobs.reused(work, ["ref"] if args.ref_only else [*([] if args.ref else ["ref"]), *names.values()])
+    if taken:
+        print("refused: " + "; ".join(taken), file=sys.stderr)
+        return 2
     if args.ref_only:
         raw, _ = launch("ref", "none", left())
-        return 0 if raw.get("final") else 1
-    faults = ["migrate", "kill"] if args.fault == "both" else [args.fault]
+        return 0 if exactness.job_incomplete("ref", raw, args.steps) is None else 1
     ref, ref_errors = (jobs.read_json(Path(args.ref)), []) if args.ref else launch("ref", "none", left() / (1 + len(faults)))
     if not (ref or {}).get("final"):
         ref_errors.append(f"reference run incomplete ({args.ref or 'ref'}): no final digest")
+    # the reference stopped because its pace could not fit its share: the others need more
+    ref_needs = ((ref or {}).get("exit") or {}).get("needs_s")
     p2p = None
     if cuda and args.p2p:
         try:
@@ -393,19 +399,29 @@ def main() -> int:
         params = sum(p.numel() for p in GPT(layers, d, heads, seq, vocab).parameters())
     ok = True
     for i, fault in enumerate(faults):
-        # its own directory: a second kill run beside the first (--kill-when) must not meet its secret
-        name = fault + ("-first" if fault == "kill" and args.kill_when == "first-held" else "")
-        raw, job_errors = launch(name, fault, left() / (len(faults) - i))
+        if ref_needs:
+            raw, job_errors = {}, [f"{names[fault]}: not run: the reference alone needs at least {ref_needs:.0f} s "
+                                   f"at its pace; with a standby this job needs more: give --deadline-s of at "
+                                   f"least ~{ref_needs * (1 + len(faults)):.0f} or fewer --steps"]
+        else:
+            raw, job_errors = launch(names[fault], fault, left() / (len(faults) - i))
         job_errors = ref_errors + job_errors
         kind = "planned" if fault == "migrate" else "failure"
+        # bit-exact only when both jobs ran every step and the migration (recovery) happened
+        exact = exactness.judge(ref, raw, steps=args.steps, kind=exactness.PLANNED if fault == "migrate"
+                                else exactness.RECOVERY, skip_missing=fault == "kill")  # the dead rank's last loss
         metrics: dict = {}
         try:
-            metrics = (summarize(ref, raw, p2p) if fault == "migrate"
-                       else summarize_failure(ref, raw, p2p, job_config(args, fault)["snapshot_every"]))
+            metrics = (summarize(raw, p2p) if fault == "migrate"
+                       else summarize_failure(raw, p2p, job_config(args, fault)["snapshot_every"]))
         except (ValueError, KeyError, TypeError, StopIteration, ZeroDivisionError, statistics.StatisticsError) as exc:
             job_errors.append(f"summary: {exc!r}")
-        if metrics and not metrics.get("digest_equal"):
-            job_errors.append("final digest differs from the uninterrupted run's")
+        measured = bool(metrics)
+        metrics.update(exact)
+        if fault == "kill":
+            metrics["losses_equal_except_lost"] = exact["losses_equal"]
+        if exactness.complaint(exact):
+            job_errors.append(exactness.complaint(exact))
         if (raw.get("trigger") or {}).get("error"):
             job_errors.append(raw["trigger"]["error"])
         result = {
@@ -422,7 +438,7 @@ def main() -> int:
                          "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None, "env": GPU_ENV},
             "metrics": metrics, "migrations": (raw.get("status") or {}).get("migrations"),
             "trigger": raw.get("trigger"), "errors": job_errors,
-            "complete": not job_errors and bool(metrics),
+            "complete": not job_errors and measured,
             "wall_s": round(time.monotonic() - t_begin, 1),
         }
         prefix = "gpu" if cuda else "cpu-dryrun"

@@ -207,6 +207,11 @@ def main() -> int:
                             "standby_warmup": "shadow"}},
     }
     summaries = {}
+    taken = jobs.reused(work, [j for j in ("warm", "cold") if j in args.jobs])
+    if taken:  # an earlier run's files would be read as this run's
+        result["errors"] += [f"refused: {why}" for why in taken]
+        save()
+        return 2
     for name in [j for j in ("warm", "cold") if j in args.jobs]:  # the subject first: a hung cold job cannot starve it
         spec = specs[name]
         left = args.deadline_s - (time.monotonic() - t_begin) - 5

@@ -1,15 +1,15 @@
-"""Turn bench/results/*.json into the README's results block and plots (issue #9).
+"""Turn bench/results/*.json into docs/benchmarks.md's results block and plots (issue #9).
 
     .venv/bin/python bench/make_report.py [--check]
 
-* README.md: the text between `<!-- bench:report:begin -->` and `<!-- bench:report:end -->`
+* docs/benchmarks.md: the text between `<!-- bench:report:begin -->` and `<!-- bench:report:end -->`
   is replaced (nothing else is touched): one table of TrainMover vs checkpoint-restart per
   side-by-side result (same run, same machine), the per-phase breakdown, and downtime
   against the number of ranks with its least-squares slope.
 * bench/results/plots/: `gantt-<scenario>-<machine>.png` (the event's timeline, phase by
   phase, both systems) and `scaling-<machine>.png` (downtime against ranks).
 
-The newest file per (scenario, machine) is used. `--check` fails when README.md is not what
+The newest file per (scenario, machine) is used. `--check` fails when docs/benchmarks.md is not what
 this script would write (for CI). Rendering is pure (`render_block`), tested on a fixture in
 tests/unit/test_make_report.py.
 """
@@ -287,26 +287,26 @@ def make_plots(results: list[dict], plots_dir: Path) -> dict[str, str]:
     for r in newest(results, "side-by-side"):
         p = plots_dir / f"gantt-{r['scenario']}-{r['machine']}.png"
         plot_gantt(r, p)
-        made[f"timeline, {r['scenario']} on {r['machine']}"] = str(p.relative_to(ROOT))
+        made[f"timeline, {r['scenario']} on {r['machine']}"] = "../" + str(p.relative_to(ROOT))  # linked from docs/
     for r in newest(results, "scaling"):
         p = plots_dir / f"scaling-{r['machine']}.png"
         plot_scaling(r, p)
-        made[f"downtime against ranks, {r['machine']}"] = str(p.relative_to(ROOT))
+        made[f"downtime against ranks, {r['machine']}"] = "../" + str(p.relative_to(ROOT))  # linked from docs/
     return made
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", default=str(RESULTS))
-    ap.add_argument("--readme", default=str(ROOT / "README.md"))
-    ap.add_argument("--check", action="store_true", help="only check that README.md is up to date (no plots)")
+    ap.add_argument("--readme", default=str(ROOT / "docs" / "benchmarks.md"))
+    ap.add_argument("--check", action="store_true", help="only check that docs/benchmarks.md is up to date (no plots)")
     args = ap.parse_args(argv)
     results = load(Path(args.results))
     readme = Path(args.readme)
     if args.check:
-        plots = {f"timeline, {r['scenario']} on {r['machine']}": f"bench/results/plots/gantt-{r['scenario']}-{r['machine']}.png"
+        plots = {f"timeline, {r['scenario']} on {r['machine']}": f"../bench/results/plots/gantt-{r['scenario']}-{r['machine']}.png"
                  for r in newest(results, "side-by-side")}
-        plots.update({f"downtime against ranks, {r['machine']}": f"bench/results/plots/scaling-{r['machine']}.png"
+        plots.update({f"downtime against ranks, {r['machine']}": f"../bench/results/plots/scaling-{r['machine']}.png"
                       for r in newest(results, "scaling")})
         want = replace_block(readme.read_text(), render_block(results, plots))
         if want != readme.read_text():

@@ -141,30 +141,81 @@ def run_controller(ctl, run: Path, raw: dict, out: Path) -> int:
     return 0 if raw["error"] is None and raw.get("rc") == 0 else 1
 
 
-def launch(script: str, spec: dict, timeout_s: float) -> tuple[dict, str | None]:
-    """Run `script --run-job <spec>` in a child process in its own session (on timeout the
-    controller and its workers are killed together). Returns (raw results, salvaged from the
-    run files if it was killed before writing them; error)."""
+def reused(work: Path, names) -> list[str]:
+    """Why the jobs `names` cannot run under `work`: each job's directory must be new. A reused one
+    holds an earlier run's raw.json and run files, which a job that fails at its start leaves in
+    place and the benchmark would read as this run's (issue 36: a JSON said bit_exact with both
+    jobs exited 1 at their start). Refused, not cleaned: they may be results someone wants."""
+    return [f"{work / n} exists from an earlier run: give a new --work (or remove it)"
+            for n in names if (work / n).exists() and any((work / n).iterdir())]
+
+
+def cannot_fit(rows: list[dict], steps: int, started: float, timeout_s: float, min_gaps: int = 5,
+               slack: float = 0.05) -> tuple[float, str] | None:
+    """(seconds the job needs at least, why) once a job's own pace says its `steps` cannot end
+    within `timeout_s` of `started` (wall clock), None while they still may (pure).
+
+    The pace is the median of its last 20 one-step intervals, taken once `min_gaps` of them are
+    there (the first steps compile and warm up); the projection is a lower bound (no time for the
+    job's end), and it must exceed the deadline by `slack` of it."""
+    recent = rows[-21:]
+    gaps = [b["t"] - a["t"] for a, b in zip(recent, recent[1:]) if b.get("step") == a.get("step", -2) + 1]
+    if len(gaps) < min_gaps:
+        return None
+    step_s = sorted(gaps)[len(gaps) // 2]
+    last = rows[-1]
+    need = last["t"] + max(0, steps - last["step"]) * step_s - started
+    if need <= timeout_s * (1 + slack):
+        return None
+    return need, (f"at {step_s:.3f} s a step (step {last['step']} of {steps} after {last['t'] - started:.0f} s) "
+                  f"its {steps} steps need at least {need:.0f} s, more than its {timeout_s:.0f} s")
+
+
+def launch(script: str, spec: dict, timeout_s: float, poll_s: float = 1.0) -> tuple[dict, str | None]:
+    """Run `script --run-job <spec>` in a child process in its own session (the controller and its
+    workers are killed together: at the deadline, or as soon as the job's pace says its steps
+    cannot end within it, `cannot_fit`). Returns (raw results, salvaged from the run files if it
+    was killed before writing them; error). `raw["exit"]` says how the process ended, for
+    exactness.judge. A job directory that exists already is refused (`reused`)."""
     workdir = Path(spec["workdir"])
+    refused = reused(workdir.parent, [workdir.name])
+    if refused:
+        return {"name": spec["name"], "exit": {"refused": refused[0]}}, f"job {spec['name']}: {refused[0]}"
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / "job.log"
     print(f"[{spec['name']}] deadline {timeout_s:.0f}s, log {log}", flush=True)
+    launched = time.time()
+    ex = {"launched_t": launched, "rc": None, "killed": None}
     with open(log, "wb") as f:
         proc = subprocess.Popen([sys.executable, script, "--run-job", json.dumps(spec)], stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            proc.wait(timeout=max(1.0, timeout_s))
-            error = None if proc.returncode == 0 else f"job {spec['name']} exited with {proc.returncode} (see {log})"
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-            error = f"job {spec['name']} did not finish within {timeout_s:.0f}s: killed (see {log})"
+        deadline = time.monotonic() + max(1.0, timeout_s)
+        while True:
+            try:
+                proc.wait(timeout=max(0.05, min(poll_s, deadline - time.monotonic())))
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            fit = spec.get("steps") and cannot_fit(read_rows(workdir / "run" / "metrics.jsonl"), spec["steps"],
+                                                   launched, timeout_s)
+            if time.monotonic() >= deadline or fit:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+                ex["killed"] = (f"its steps cannot end within its deadline: {fit[1]}" if fit else
+                                f"did not finish within {timeout_s:.0f}s")
+                if fit:
+                    ex["needs_s"] = round(fit[0], 1)
+                break
+        ex["rc"] = proc.returncode
+        error = (f"job {spec['name']}: {ex['killed']}: killed (see {log})" if ex["killed"] else
+                 None if proc.returncode == 0 else f"job {spec['name']} exited with {proc.returncode} (see {log})")
     raw = read_json(workdir / "raw.json")
     if not raw:
         run = workdir / "run"
         raw = {"name": spec["name"], "metrics": read_rows(run / "metrics.jsonl"), "status": read_json(run / "status.json"),
                "timeline": read_rows(run / "timeline.jsonl"), "final": read_json(run / "final.json") or None,
-               "trigger": {}, "error": None}
+               "t_start": None, "trigger": {}, "error": None}
+    raw["exit"] = ex
     for extra in (raw.get("error"), raw.get("trigger", {}).get("error")):
         if extra:
             error = (error + "; " if error else "") + extra.strip().splitlines()[-1]

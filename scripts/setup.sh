@@ -15,7 +15,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # torch first, pinned: any unpinned torch requirement would pull the multi-GB CUDA build.
 .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt "torch==2.13.0"
-.venv/bin/pip install -q --disable-pip-version-check -c constraints.txt -e ".[test,sandbox,simulate,megatron]"
+.venv/bin/pip install -q --disable-pip-version-check -c constraints.txt -e ".[test,sandbox,simulate,megatron,lightning]"
 # NCCL's headers and library (the wheel torch's CUDA builds use; no dependencies) so that
 # cuda/libtmdelta.so compiles where a CUDA toolkit exists. Same version as the GPU machines.
 if [ -f /usr/local/cuda/include/cuda_runtime.h ] || command -v nvcc >/dev/null 2>&1; then

@@ -11,7 +11,7 @@
 # taken literally (one pair of surrounding quotes removed), for these keys only:
 #   SLURM_CONF=/etc/slurm/slurm.conf            the cluster to drain the node in
 #   TRAINMOVER_PYTHON=/opt/trainmover/.venv/bin/python   (trainmover installed in it)
-#   TRAINMOVER_HEALTHCHECK_ARGS="--state-dir /var/lib/trainmover/healthcheck --min-free-gb 5"
+#   TRAINMOVER_HEALTHCHECK_ARGS="--state-dir /var/lib/trainmover/healthcheck --disk /var/spool/slurmd --min-free-gb 5"
 # Arguments given to the script are passed on (NHC: add --no-drain, NHC drains itself).
 #
 # Because it runs as root:

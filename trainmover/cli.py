@@ -10,9 +10,11 @@
     trainmover drain NODE --reason TEXT   (admin: drain, and tell the jobs there at once)
     trainmover node-reader [--interval S]  (root service: every node's state for every job, one RPC)
     trainmover check-workload MODULE:CLASS [--steps N]  (would a migration be exact? one machine)
-    trainmover submit [sbatch options] SCRIPT  (sbatch, refused at once if Slurm could never start it)
+    trainmover submit [sbatch options] SCRIPT  (sbatch, refused at once if Slurm could never start it;
+                                                says which standby mode the job gets)
     trainmover simulate --gpus N ...       (Monte-Carlo ETTR of three downtime models)
-    trainmover plan --gpus N [--gpus-per-node G] ...  (how many standbys; docs/simulator.md)
+    trainmover plan --gpus N [--gpus-per-node G] [--cluster] ...  (how many standbys; docs/simulator.md;
+                                                --cluster: and where they come from here)
 """
 from __future__ import annotations
 
@@ -70,6 +72,11 @@ def _status(args) -> int:
     choice = status.get("standby_pool", {}).get("choice")
     if choice:
         print(f"  standby pool: {choice['standbys']} ({choice['setting']}): {choice['why']}")
+    for line in _capability_lines(status.get("capabilities") or {}):
+        print(line)
+    line = _in_job_line(status.get("standby_pool") or {})
+    if line:
+        print(line)
     for s in status["standbys"]:
         warm = f"warm in {s['warmup_s']:.1f}s" if s["warmup_s"] is not None else "warming up"
         shadow = s.get("shadow") or {}
@@ -102,6 +109,30 @@ def _status(args) -> int:
     if "outcome" in status:
         print(f"  finished: {status['outcome']['message']}")
     return 0
+
+
+def _capability_lines(caps: dict) -> list[str]:
+    """Where the job's standbys come from and, when it cannot grow, why (status.json's
+    capabilities: slurm/rights.py, slurm/pool_mode.py)."""
+    out = []
+    mode = caps.get("pool_mode") or {}
+    if mode:
+        out.append(f"  standby mode: {mode.get('mode')} ({mode.get('why')})")
+    if caps.get("grow") is False:
+        out.append(f"  grow: no ({(caps.get('why') or {}).get('grow', '')})")
+    elif "unknown" in caps:
+        out.append(f"  grow: not known ({caps['unknown']}); no job expansion is made")
+    return out
+
+
+def _in_job_line(pool: dict) -> str:
+    """TM_INJOB_STANDBYS: the standbys the job brought, how many are left where none is taken
+    from the reservation, and whether they are refilled ('' for a job that brought none)."""
+    in_job = pool.get("in_job")
+    if not in_job:
+        return ""
+    left = f"{in_job['left']} left of {in_job['brought']}" if "left" in in_job else f"{in_job['brought']} brought"
+    return f"  in-job standbys: {left}, refill from the reservation: {in_job['refill']}"
 
 
 def _source(src: dict) -> str:
@@ -246,10 +277,18 @@ def _submit(rest: list[str]) -> int:
     if not rest or rest[0] in ("-h", "--help"):
         print("usage: trainmover submit [sbatch options] SCRIPT [ARGS]\n\nsbatch, after asking Slurm "
               "(sbatch --test-only) whether the job could ever start on this cluster: a job it could not place "
-              "is refused at once with Slurm's reason and what the cluster has, instead of pending for ever.")
+              "is refused at once with Slurm's reason and what the cluster has, instead of pending for ever. A "
+              "submitted job's standby mode (reservation-grow, in-job with TM_INJOB_STANDBYS=N, or none, and "
+              "why) follows on stderr.")
         return 0 if rest else 2
+    from trainmover.config import Config
+    try:  # the job inherits this environment: its reservation and declaration setting
+        cfg = Config.from_env()
+    except TrainMoverError:
+        cfg = Config()  # the job will say what is wrong with its variables when it starts
     try:
-        code, out, err = submit(rest)
+        code, out, err = submit(rest, reservation=cfg.reservation, fix_setting=cfg.slurm_expansion_fix,
+                                in_job=cfg.injob_standbys)
     except TrainMoverError as exc:
         print(f"trainmover submit: {exc}", file=sys.stderr)
         return 2

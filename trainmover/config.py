@@ -73,6 +73,7 @@ VARIABLES = (
     Variable("TM_CLUSTER_DIR", "tool", "", "state directory of `trainmover cluster` (default /var/tmp/trainmover-cluster)"),
     Variable("TM_ROOTFS_CACHE", "tool", "", "root filesystem cache of the Slurm release clusters (default /var/cache/trainmover/rootfs)"),
     Variable("TM_SLURM_SOURCE", "tool", "", "the Slurm source tarball, or a directory holding it, for releases built from source"),
+    Variable("TM_SLURM_UNFIXED", "tool", "", "1: `trainmover cluster up/build --slurm 25.11` builds and runs Slurm without TrainMover's fixes to its source (its slurmctld crashes at every job expansion; cluster/source.py), in a root filesystem of its own: for tests that show no job expansion is made there"),
     Variable("TM_BENCH_MACHINE", "tool", "unknown", "bench/: the machine named in a result's JSON"),
     Variable("TM_COMMIT", "tool", "", "bench/: the commit named in a result's JSON (default: git rev-parse HEAD)"),
     Variable("TM_BENCH_INSIDE_ROOT", "tool", "", "bench/slurm_poll.py: set in its re-execution inside a release's root filesystem"),
@@ -127,11 +128,13 @@ class Config:
     distributed_optimizer: int = field(default=0, metadata={"env": "TM_DISTRIBUTED_OPTIMIZER", "doc": "Megatron: 1 shards the optimizer state over DP (0: off)"})
     ranks_per_node: int = field(default=1, metadata={"env": "TM_RANKS_PER_NODE", "doc": "worker processes per node"})
     standbys: int | str = field(default=1, metadata={"env": "TM_STANDBYS", "doc": "warm standby nodes kept in the job, or auto: the controller picks the number at start from the job's size and the site's failure rates (TM_SITE_CONFIG; docs/simulator.md) and status says why"})
+    injob_standbys: int = field(default=0, metadata={"env": "TM_INJOB_STANDBYS", "doc": "standby nodes the job brings in its own allocation (ask for this many more nodes at submit): the last N training nodes of the allocation, in the controller's order of nodes, run standby agents from the start instead of ranks; no job expansion is needed (a drained node leaves by a shrink). Refilled from the reservation only where grow is possible; the pool is kept at max(TM_STANDBYS, N) there (docs/admin.md)"})
     site_config: str = field(default="/etc/trainmover/site.toml", metadata={"env": "TM_SITE_CONFIG", "doc": "the admin's site file: failure rates and standby bounds for TM_STANDBYS=auto and `trainmover plan` (read only if root's or yours and not writable by others; missing: the published rates)"})
     reservation: str = field(default="trainmover_standby", metadata={"env": "TM_RESERVATION", "doc": "Slurm reservation holding the standby nodes"})
     poll_s: float = field(default=10.0, metadata={"env": "TM_POLL_S", "doc": "interval of node-state polls of slurmctld: one RPC each with tm_nodes, two with scontrol (docs/admin.md, \"Load on slurmctld\"); a drain by TrainMover's health check or `trainmover drain` reaches the job at once through its drain notice"})
     node_query: str = field(default="auto", metadata={"env": "TM_NODE_QUERY", "doc": "the program that reads node states in one RPC (slurm_plugin/tm_nodes.c); auto: tm_nodes beside slurm.conf if there; off: scontrol (two RPCs)"})
     drain_notices: str = field(default="auto", metadata={"env": "TM_DRAIN_NOTICES", "doc": "root-owned directory of drain notices the controller watches (slurm/drain_notice.py); auto: trainmover-drains beside slurm.conf if there; off: none"})
+    slurm_expansion_fix: str = field(default="auto", metadata={"env": "TM_SLURM_EXPANSION_FIX", "doc": "where the site's admin declares the Slurm releases whose slurmctld carries the fix for the job-expansion crash (SIGSEGV in _valid_license_job_expansion(); 25.11.0-25.11.7, 26.05.0-26.05.4: slurm/expansion_safety.py): auto: the file trainmover-expansion-fix beside slurm.conf; a path; off: none. Read only if root's alone (docs/admin.md); on a release known to crash, or not checked, a job takes no standby by expansion unless it lists that release"})
     phase1_timeout_s: float = field(default=60.0, metadata={"env": "TM_PHASE1_TIMEOUT_S", "doc": "deadline of Phase 1; past it the migration is aborted, the job unchanged"})
     group_timeout_s: float = field(default=60.0, metadata={"env": "TM_GROUP_TIMEOUT_S", "doc": "deadline of every collective and rendezvous"})
     switch_timeout_s: float = field(default=60.0, metadata={"env": "TM_SWITCH_TIMEOUT_S", "doc": "joiner's longest wait for the leaver's state"})
@@ -178,6 +181,7 @@ class Config:
             (self.ranks_per_node > 0, "TM_RANKS_PER_NODE must be > 0"),
             (self.standbys == "auto" or (type(self.standbys) is int and self.standbys >= 0),
              f"TM_STANDBYS={self.standbys!r}: expected auto or an integer >= 0"),
+            (type(self.injob_standbys) is int and self.injob_standbys >= 0, "TM_INJOB_STANDBYS must be an integer >= 0"),
             (self.standby_losses >= 0, "TM_STANDBY_LOSSES must be >= 0"),
             (self.poll_s > 0, "TM_POLL_S must be > 0"),
             (self.controller_restarts >= 0, "TM_CONTROLLER_RESTARTS must be >= 0"),
@@ -191,6 +195,7 @@ class Config:
             (self.progress_timeout_s > 0 and self.progress_steps > 0, "TM_PROGRESS_TIMEOUT_S and TM_PROGRESS_STEPS must be > 0"),
             (self.shadow_steps >= 2, "TM_SHADOW_STEPS must be >= 2 (steadiness needs two steps to compare)"),
             (bool(self.reservation), "TM_RESERVATION must not be empty"),
+            (bool(self.slurm_expansion_fix), "TM_SLURM_EXPANSION_FIX must not be empty (auto, a path, or off)"),
             (self.slurm_backend in ("cli", "pyslurm"), f"TM_SLURM_BACKEND={self.slurm_backend!r}: expected cli or pyslurm"),
             (self.device in ("auto", "cpu", "cuda"), f"TM_DEVICE={self.device!r}: expected auto, cpu or cuda"),
             (self.backend in ("auto", "gloo", "nccl"), f"TM_BACKEND={self.backend!r}: expected auto, gloo or nccl"),

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from trainmover import cluster
+from trainmover.cluster import rootdirs
 from trainmover.errors import TrainMoverError
 from trainmover.slurm import commands
 from trainmover.slurm.client import CliSlurm
@@ -37,10 +38,7 @@ def _submit_dir(user: str) -> Path:
     acct = host_account(user)
     if acct is None:
         raise TrainMoverError(f"demo: the cluster's user {user} is missing (`trainmover cluster up` creates it)")
-    DEMO_DIR.mkdir(mode=0o755, exist_ok=True)
-    if DEMO_DIR.is_symlink() or DEMO_DIR.stat().st_uid != 0:
-        raise TrainMoverError(f"demo: {DEMO_DIR} is not root's own directory; remove it and try again")
-    os.chmod(DEMO_DIR, 0o755)
+    rootdirs.own_dir(DEMO_DIR, mode=0o755)  # root's, or refused (a link or another user's: planted)
     d = Path(tempfile.mkdtemp(prefix="demo-", dir=DEMO_DIR))
     os.chown(d, acct.uid, acct.gid)
     return d

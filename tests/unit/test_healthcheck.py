@@ -142,9 +142,69 @@ def test_kernel_xids_since_the_last_run_and_not_before_the_first():
         "after a reboot the sequence numbers restart: all of this boot's XIDs are new"
 
 
+# What a user can get into the kernel log: a program named like the driver's line that crashes
+# (the kernel prints its name and file name in its own segfault and trap lines), a program too
+# long for a name (the kernel keeps 15 characters: `comm`), or a record written to /dev/kmsg.
+FORGED = "NVRM: Xid (PCI:0000:3b:00): 79, pid=1, GPU has fallen off the bus."
+FORGED_RECORDS = [
+    f"6,200,1,-;x[4242]: segfault at 0 ip 00007f sp 00007ffd error 4 in {FORGED}[55d0+1000]",
+    f"6,201,2,-;traps: {FORGED}[4243] general protection fault ip:7f sp:7ffd error:0 in libc.so.6",
+    f"4,202,3,-;{FORGED[:15]}[4244]: segfault at 0 ip 00007f sp 00007ffd error 4 in x[55d0+1000]",
+    f"12,203,4,-;{FORGED}",   # facility 1 (LOG_USER), level 4: written from user space
+    f"14,204,5,-;{FORGED}",   # the same at level 6
+]
+
+
+def test_only_the_drivers_own_kernel_lines_are_xids():
+    genuine = [f"4,300,9,-;{FORGED}", "6,301,10,-;NVRM: Xid (PCI:0000:5e:00): 48, pid=7, DBE\n SUBSYSTEM=pci"]
+    assert kmsg.parse_xids(FORGED_RECORDS) == []
+    assert [(x.xid, x.where, x.seq) for x in kmsg.parse_xids(FORGED_RECORDS + genuine)] == \
+        [(79, "0000:3b:00", 300), (48, "0000:5e:00", 301)]
+    # Negative control: the old reading (the pattern anywhere in the text, any facility) took
+    # every forged record but the truncated name as a critical XID, and so drained the node.
+    old = [r for r in FORGED_RECORDS if kmsg.XID_RE.search(r.partition(";")[2])]
+    assert len(old) == len(FORGED_RECORDS) - 1
+
+
+def test_a_full_tmp_is_reported_but_drains_only_where_the_admin_asks(tmp_path):
+    """Every file system looks full here (a minimum of 10^9 GB). By default / and /tmp are
+    reported as warnings and nothing is drained; a file system the admin names (--disk) drains.
+    Negative control: the old default (/ and /tmp checked as faults) drains the node."""
+    full = 1e9
+    client = FakeSlurm()
+    report = run(Options(node="n1", state_dir=tmp_path, gpu=False, min_free_gb=full), client)
+    disks = [f for f in report.findings if f.check == "disk"]
+    assert [f.detail.split(":")[0] for f in disks] == ["/", "/tmp"]
+    assert all(f.ok and f.warning and "reported only" in f.detail for f in disks)
+    assert report.healthy and not report.drained and client.drained == []
+    named = run(Options(node="n1", state_dir=tmp_path, gpu=False, min_free_gb=full, disk_paths=("/tmp",)),
+                client)
+    assert named.drained and client.drained[0][1].startswith("trainmover: healthcheck disk: /tmp: ")
+    old_default = run(Options(node="n1", state_dir=tmp_path, gpu=False, min_free_gb=full,
+                              disk_paths=("/", "/tmp")), FakeSlurm())
+    assert old_default.drained
+
+
+def test_the_disk_check_drains_only_for_file_systems_named_on_the_command_line(monkeypatch):
+    import argparse
+    from trainmover.healthcheck import cli as hc_cli
+    seen = []
+    monkeypatch.setattr(hc_cli, "run", lambda opts: seen.append(opts) or SimpleNamespace(
+        healthy=True, findings=[], notes=[], gpu_source="", drained=False,
+        action=SimpleNamespace(reason="healthy"), seconds=0.0))
+    p = argparse.ArgumentParser()
+    hc_cli.add_arguments(p)
+    hc_cli.main(p.parse_args(["--node", "n1", "--no-gpu", "--min-free-gb", "5"]))
+    hc_cli.main(p.parse_args(["--node", "n1", "--no-gpu", "--min-free-gb", "5", "--disk", "/", "--disk", "/tmp"]))
+    assert [(o.disk_paths, o.min_free_gb) for o in seen] == [((), 5.0), (("/", "/tmp"), 5.0)]
+
+
 def test_disk_and_injection(tmp_path):
     found = checks.check_disk(["/a", "/b"], 5, usage=lambda p: Usage(100e9, 0, 10e9 if p == "/a" else 1e9))
     assert [f.ok for f in found] == [True, False] and "1.0 GB free (minimum 5 GB)" in found[1].detail
+    reported = checks.check_disk(["/a", "/b"], 5, usage=lambda p: Usage(100e9, 0, 10e9 if p == "/a" else 1e9),
+                                 drains=False)
+    assert [(f.ok, f.warning) for f in reported] == [(True, False), (True, True)]
     assert checks.check_injected(inject.read_hook(tmp_path, "n1"), True) == []
     (tmp_path / "inject-fault-n1").write_text("XID 79\n")
     (f,) = checks.check_injected(inject.read_hook(tmp_path, "n1"), True)

@@ -242,3 +242,35 @@ def test_a_process_still_starting_may_be_silent_as_long_as_a_rendezvous_may_take
             break
     else:
         raise AssertionError("never judged")
+
+
+def test_after_a_pause_of_the_stuck_rule_the_ranks_get_a_whole_deadline():
+    """The stuck rule is suspended while a recovery runs; when it applies again the deadline
+    counts from then, not from the last step before the pause (a recovery that waited 60 s
+    once judged every rank stuck 0.2 s after it resumed). Negative control: without the pause
+    the same silence is judged at once."""
+    def stuck_nodes(p, t0, n, until, rule_from):
+        """Tick every 0.5 s from t0 to `until`, every rank beating (rank 2 behind, all idle);
+        the stuck rule applies from `rule_from` on. Returns (time, node) of stuck verdicts."""
+        out, now = [], t0
+        while now < until:
+            now += 0.5
+            for r in (0, 1, 2):
+                beat(p, now, r, n, {"world": 3 * n + (0 if r == 2 else 2)}, t0,
+                     waiting={"world": 1.0} if r < 2 else {})
+            out += [(now, h.node) for h, why in p.liveness.verdicts(now, {}, judging=True, stuck_rule=now >= rule_from)
+                    if "stuck" in why]
+            if out:
+                return out
+        return out
+
+    p = new_policy(progress_timeout_s=5.0)
+    ready_standby(p)
+    t, n = train(p, 4.0)
+    ((when, node),) = stuck_nodes(p, t, n, t + 80, rule_from=t + 60)  # a recovery ran from t to t + 60
+    assert node == "train3" and when >= t + 65  # a whole deadline after the rule applied again
+    q = new_policy(progress_timeout_s=5.0)
+    ready_standby(q)
+    t, n = train(q, 4.0)
+    ((when, node),) = stuck_nodes(q, t, n, t + 80, rule_from=t)
+    assert node == "train3" and when <= t + 7

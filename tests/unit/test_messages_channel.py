@@ -83,6 +83,40 @@ def test_wrong_secret_is_rejected_and_delivers_nothing(server):
     assert srv.inbox.empty()  # nothing at all: a peer that never authenticated is never known
 
 
+def test_failed_handshakes_first_from_each_address_then_a_summary_at_most_once_a_period():
+    from trainmover.protocol.handshake_log import HandshakeFailures
+    f = HandshakeFailures(summary_every_s=60, max_addresses=2)
+    first = f.failed("10.0.0.1:5000", "bad MAC", now=0)
+    assert first.startswith("control: failed handshake from 10.0.0.1:5000: bad MAC")
+    assert [f.failed("10.0.0.1:5001", "bad MAC", now=t) for t in range(1, 6)] == [None] * 5  # counted
+    assert f.failed("10.0.0.2:7", "bad MAC", now=2).startswith("control: failed handshake from 10.0.0.2:7")
+    assert f.failed("10.0.0.3:7", "bad MAC", now=3) is None  # a third address: beyond max_addresses, counted
+    assert f.failed("10.0.0.1:5002", "bad MAC", now=61) == \
+        "control: 7 more failed handshakes in the last 61s from 2 address(es); 9 in all"
+    assert f.failed("10.0.0.1:5003", "bad MAC", now=62) is None  # the next summary is due at 121
+    assert f.summary(now=100) is None
+    assert f.summary(now=100, force=True) == \
+        "control: 1 more failed handshakes in the last 39s from 1 address(es); 10 in all"
+    assert f.summary(now=500, force=True) is None  # nothing left to count
+
+
+def test_a_flood_of_failed_handshakes_is_counted_not_logged_line_by_line(server, caplog):
+    """8,681 WARNING lines in 5 s were seen (issue 37). Negative control: the previous server
+    logged one line per failed handshake, 20 here, where this one logs 2."""
+    import logging
+    srv, key = server
+    caplog.set_level(logging.WARNING, logger=channel.__name__)
+    for _ in range(20):
+        channel.connect(srv.address, channel.new_secret(), hello()).close()
+    assert _wait_rejected(srv, 20) == 20
+    time.sleep(0.2)  # the last connection's thread logs after counting
+    srv.close()
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 2, lines  # the first from 127.0.0.1, then the summary as the server closes
+    assert lines[0].startswith("control: failed handshake from 127.0.0.1:")
+    assert lines[1].startswith("control: 19 more failed handshakes") and lines[1].endswith("20 in all")
+
+
 def test_replayed_frame_is_rejected(server):
     srv, key = server
     conn = channel.connect(srv.address, key, hello())

@@ -470,6 +470,25 @@ def test_a_launched_step_gets_only_what_it_needs():
                                      "HOME": "/h"}
 
 
+def test_no_credential_reaches_a_step_even_under_an_allowed_prefix():
+    """The launch message carries the step's environment in clear to the keeper (issue 37)."""
+    from dataclasses import fields
+
+    from trainmover import config
+    from trainmover.controller.steps import STEP_ENV_NAMES, STEP_ENV_PREFIXES
+    credentials = {"SLURM_JWT": "eyJ", "HF_TOKEN": "hf_x", "HF_HUB_TOKEN": "hf_y", "SLURM_DB_PASSWORD": "p",
+                   "TORCH_API_KEY": "k", "NCCL_SECRET": "s", "PYTHON_KEYRING_PASSWD": "p", "CUDA_CREDENTIALS": "c",
+                   "hf_token": "lower case too"}
+    kept = {"PATH": "/bin", "SLURM_JOB_ID": "9", "HF_HOME": "/h/hf", "TM_STEPS": "5", "NCCL_DEBUG": "WARN"}
+    assert step_environment({**kept, **credentials}) == kept
+    # Negative control: the allow-list alone (the previous rule) let these through.
+    assert [k for k in credentials if k not in STEP_ENV_NAMES and not k.startswith(STEP_ENV_PREFIXES)] == ["hf_token"]
+    # Every TrainMover setting still reaches the step.
+    settings = [v.env for v in config.VARIABLES] + [f.metadata["env"] for f in fields(config.Config)
+                                                     if "env" in f.metadata]
+    assert set(step_environment({n: "x" for n in settings})) == set(settings)
+
+
 # --- the keeper -------------------------------------------------------------------------------------
 
 class _Slurm:

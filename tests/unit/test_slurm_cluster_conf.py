@@ -81,3 +81,46 @@ def test_spec_round_trips_and_validates():
 def test_cli_parser():
     a = build_parser().parse_args(["up", "--nodes", "2", "--standby", "1", "--dir", "/d"])
     assert (a.action, a.nodes, a.standby, a.dir) == ("up", 2, 1, "/d")
+
+
+def test_a_slurm_built_with_the_expansion_fix_declares_it_and_no_other_does():
+    """cluster/lifecycle.py writes this beside slurm.conf; a job's controller reads it there
+    (slurm/expansion_fix.py) and only then expands a job on the cluster's 25.11.7."""
+    from trainmover.cluster.source import JOB_EXPANSION_NULL_LICENSES
+    from trainmover.slurm import expansion_fix, expansion_safety
+    text = specmod.render_expansion_fix("25.11.7", [JOB_EXPANSION_NULL_LICENSES.why])
+    assert expansion_fix.parse(text) == ("25.11.7",)
+    assert expansion_safety.expansion_verdict("25.11.7", "25.11.7" in expansion_fix.parse(text)).safe
+    assert specmod.render_expansion_fix("25.11.7", []) is None           # built without the fix
+    assert specmod.render_expansion_fix("25.11.7", ["another fix"]) is None
+    assert specmod.render_expansion_fix("", [JOB_EXPANSION_NULL_LICENSES.why]) is None
+    assert _spec().expansion_fix_file == Path("/var/tmp/tmc/etc") / expansion_fix.FILE_NAME
+
+
+def test_without_job_expansion_slurm_conf_is_as_slurm_ships_it():
+    """`cluster up --no-job-expansion`: a site's stock slurm.conf, where no job can grow."""
+    import dataclasses
+    import json
+    line = next(ln for ln in specmod.render_slurm_conf(_spec()).splitlines() if ln.startswith("SchedulerParameters="))
+    assert line.startswith("SchedulerParameters=permit_job_expansion,")   # the control: the default cluster
+    stock = dataclasses.replace(_spec(), job_expansion=False)
+    lines = specmod.render_slurm_conf(stock).splitlines()
+    (params,) = [ln for ln in lines if ln.startswith("SchedulerParameters=")]
+    assert params == ("SchedulerParameters=batch_sched_delay=0,sched_min_interval=0,default_queue_depth=100,"
+                      "sched_interval=5")
+    assert not any("permit_job_expansion" in ln for ln in lines if not ln.startswith("#"))
+    assert ClusterSpec.from_json(stock.to_json()) == stock
+    assert stock.describe_slurm() == "Slurm 22.05 (host, no permit_job_expansion)"
+    d = json.loads(_spec().to_json())
+    del d["job_expansion"], d["unfixed"]  # a cluster.json written before these existed
+    assert ClusterSpec.from_json(json.dumps(d)) == _spec()
+
+
+def test_cli_cluster_options_for_a_stock_slurm_conf_and_an_unfixed_build(monkeypatch):
+    monkeypatch.delenv("TM_SLURM_UNFIXED", raising=False)
+    a = build_parser().parse_args(["up"])
+    assert (a.job_expansion, a.slurm_unfixed) == (True, False)
+    a = build_parser().parse_args(["up", "--slurm", "25.11", "--no-job-expansion", "--slurm-unfixed"])
+    assert (a.slurm, a.job_expansion, a.slurm_unfixed) == ("25.11", False, True)
+    monkeypatch.setenv("TM_SLURM_UNFIXED", "1")
+    assert build_parser().parse_args(["build", "--slurm", "25.11"]).slurm_unfixed

@@ -73,7 +73,7 @@ def _resizer(slurm, clock):
     pool.saw({"spare1": NodeInfo("spare1", "10.0.0.5", "IDLE+RESERVED")})
     seen = {"spare1": "10.0.0.5"}
     return resize.Resizer(slurm, _job(("keep1", "train1")), reservation="trainmover_standby", standby_wait_s=10,
-                          pool=pool, addr=lambda n: seen.get(n, ""), clock=lambda: clock[0]), pool
+                          pool=pool, addr=lambda n: seen.get(n, ""), clock=lambda: clock[0], gate=lambda: ""), pool
 
 
 def test_resizes_keep_the_jobs_record_and_ask_slurm_nothing_more():
@@ -121,7 +121,8 @@ def test_the_pool_the_job_asked_for_is_taken_at_once_and_only_refills_are_paced(
     third came 45 s late and a short job ended without it); a fourth, a refill, waits."""
     for standbys, paced_at in ((1, 2), (3, 3)):
         r = resize.Resizer(_Slurm(), _job(("keep1", "train1")), reservation="trainmover_standby",
-                           standby_wait_s=10, pool=None, addr=lambda n: "", clock=lambda: 0.0, standbys=standbys)
+                           standby_wait_s=10, pool=None, addr=lambda n: "", clock=lambda: 0.0, gate=lambda: "",
+                           standbys=standbys)
         waits = []
         for _ in range(paced_at + 1):
             waits.append(r.pace.wait(0.0, resize.GROW_RPCS))

@@ -76,3 +76,53 @@ def test_the_25_11_fix_matches_the_vendored_source():
     with tarfile.open(path) as tf:
         text = tf.extractfile(f"slurm-25.11.7/{fix.path}").read().decode()
     assert text.count(fix.old) == 1 and fix in source.SLURM_25_11.fixes
+
+
+def test_an_unfixed_build_is_a_variant_with_no_fixes_in_a_root_of_its_own(tmp_path, monkeypatch):
+    """`cluster up --slurm 25.11 --slurm-unfixed`: SchedMD's 25.11.7 as shipped (its slurmctld
+    crashes at every job expansion), never in the fixed build's root filesystem."""
+    from trainmover.cluster.releases import unfixed
+    fixed = release("25.11")
+    plain = unfixed(fixed)
+    assert plain.source.fixes == () and plain.variant == "unfixed" and plain.root_name == "25.11-unfixed"
+    assert fixed.source.fixes == (source.JOB_EXPANSION_NULL_LICENSES,) and fixed.root_name == "25.11"  # untouched
+    assert plain.source.sha256 == fixed.source.sha256 and plain.version == "25.11"
+    with pytest.raises(ClusterError, match="not built from source with fixes: nothing to leave out"):
+        unfixed(release("24.11"))
+    # the build choice: locate hands ensure_built the variant, whose root is its own
+    asked = []
+    monkeypatch.setattr(rootfs, "ensure_built", lambda rel, cache, log: asked.append(rel) or cache / rel.root_name)
+    monkeypatch.setattr(rootfs, "built", lambda root: {"slurm": "25.11.7"})
+    assert rootfs.locate("25.11", cache=tmp_path, log=print, unfixed=True) == (
+        "25.11", "25.11.7", str(tmp_path / "25.11-unfixed"), False)
+    assert rootfs.locate("25.11", cache=tmp_path, log=print) == ("25.11", "25.11.7", str(tmp_path / "25.11"), False)
+    assert [r.source.fixes for r in asked] == [(), fixed.source.fixes]
+    with pytest.raises(ClusterError, match="needs the release named"):
+        rootfs.locate(None, cache=tmp_path, log=print, unfixed=True)
+
+
+def test_a_built_unfixed_root_is_found_under_its_own_name(tmp_path):
+    import json
+
+    from trainmover.cluster.releases import unfixed
+    plain = unfixed(release("25.11"))
+    root = tmp_path / "25.11-unfixed"
+    root.mkdir()
+    (root / rootfs.MARKER).write_text(json.dumps({"slurm": "25.11.7", "packages": plain.packages + plain.root_extras,
+                                                  "source_build": {"fixes": []}}))
+    assert rootfs.ensure_built(plain, tmp_path, log=print) == root   # complete: nothing is built
+    assert not (tmp_path / "25.11").exists()
+
+
+def test_a_running_cluster_is_reused_only_when_fixed_or_not_as_asked():
+    import dataclasses
+    from pathlib import Path
+
+    from trainmover.cluster.lifecycle import _same_slurm
+    from trainmover.cluster.spec import ClusterSpec, Ports
+    spec = ClusterSpec(state_dir=Path("/d"), nodes=2, standby=1, ports=Ports(1, 2, 3, 4), db_password="pw",
+                       slurm="25.11", slurm_version="25.11.7", root="/c/25.11")
+    plain = dataclasses.replace(spec, unfixed=True, root="/c/25.11-unfixed")
+    assert _same_slurm(spec, "25.11", False) and not _same_slurm(spec, "25.11", False, unfixed=True)
+    assert _same_slurm(plain, "25.11", False, unfixed=True) and not _same_slurm(plain, "25.11", False)
+    assert _same_slurm(plain, None, False) and not _same_slurm(spec, None, False, unfixed=True)

@@ -42,7 +42,7 @@ JOB = JobInfo(job_id=7, state="RUNNING", nodes=("train1", "train2", "spare1"), b
 def work(slurm) -> tuple[SlurmWork, Resizer]:
     """The controller's pair: its work beside the loop and its Resizer (the releases)."""
     return SlurmWork(), Resizer(slurm, JOB, reservation="r", standby_wait_s=1, pool=None, addr=lambda n: "",
-                                clock=time.monotonic)
+                                clock=time.monotonic, gate=lambda: "")
 
 
 def test_a_release_under_way_at_the_end_is_waited_for_and_handed_over():

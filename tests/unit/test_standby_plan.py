@@ -350,3 +350,26 @@ def test_plan_monte_carlo_column():
     out = _plan(["--gpus", "8192", "--monte-carlo", "50", "--max-standbys", "2", "--json"])
     for p, m in zip(out["pools"], out["monte_carlo"]):
         assert abs(p["ettr"] - m["ettr"]) < 0.002
+
+
+def test_plan_says_where_a_jobs_standbys_come_from_on_this_cluster_only_when_asked(monkeypatch):
+    import subprocess
+
+    from trainmover.slurm import commands
+    asked = []
+
+    def runner(argv, timeout, env):
+        asked.append(argv[:3])
+        out = ("SchedulerParameters = permit_job_expansion\nSLURM_VERSION = 25.11.7\n" if argv[:2] == ["scontrol", "show"]
+               else "ReservationName=trainmover_standby Nodes=spare1 Users=root\n")
+        return subprocess.CompletedProcess(argv, 0, out, "")
+    monkeypatch.setenv("TM_SLURM_EXPANSION_FIX", "off")
+    with commands.intercept(runner):
+        text = _plan(["--gpus", "1024", "--cluster"])
+        assert asked == [["scontrol", "show", "config"], ["scontrol", "-o", "show"]]
+        out = _plan(["--gpus", "1024", "--cluster", "--json"])
+        asked.clear()
+        _plan(["--gpus", "1024"])
+    assert text.splitlines()[-1].startswith("trainmover: this job's standby mode: none (Slurm 25.11.7: slurmctld crashes")
+    assert out["cluster"]["standby_mode"] == text.splitlines()[-1]
+    assert asked == []  # without --cluster, plan asks Slurm nothing (it plans off the cluster too)

@@ -51,5 +51,52 @@ def test_submits_only_what_slurm_could_place():
     assert code == 1 and out == "" and "at most 4 training nodes" in err
     assert [c[:2] for c in calls] == [["sbatch", "--test-only"], ["sinfo", "-h"], ["scontrol", "-o"], ["sinfo", "-h"]]
     run, calls = _fake({"sbatch --nodes=4": (0, "Submitted batch job 7\n", "")})
-    assert submit(["--nodes=4", "job.sbatch"], run=run) == (0, "Submitted batch job 7\n", "")
-    assert calls == [["sbatch", "--test-only", "--nodes=4", "job.sbatch"], ["sbatch", "--nodes=4", "job.sbatch"]]
+    code, out, err = submit(["--nodes=4", "job.sbatch"], run=run)
+    assert (code, out) == (0, "Submitted batch job 7\n") and err.startswith("trainmover: this job's standby mode: ")
+    assert calls[:2] == [["sbatch", "--test-only", "--nodes=4", "job.sbatch"], ["sbatch", "--nodes=4", "job.sbatch"]]
+    assert [c[:3] for c in calls[2:]] == [["scontrol", "show", "config"], ["scontrol", "-o", "show"]]
+
+
+CONFIG = "SchedulerParameters     = permit_job_expansion,batch_sched_delay=0\nSLURM_VERSION           = {v}\n"
+
+
+def _mode(version="24.11.5", params=True, resv=RESV, fix="off", conf_code=0):
+    config = CONFIG.format(v=version) if params else f"SchedulerParameters = batch_sched_delay=0\nSLURM_VERSION = {version}\n"
+    run, _ = _fake({"scontrol show": (conf_code, config, "slurm_load_ctl_conf error: Unable to contact slurm controller"),
+                    "scontrol -o": (0, resv, "")})
+    return submit(["job.sbatch"], run=run, fix_setting=fix)[2].strip()
+
+
+def test_a_submitted_job_is_told_which_standby_mode_it_will_get():
+    line = _mode()
+    assert line.startswith("trainmover: this job's standby mode: reservation-grow (standbys are taken from "
+                           "reservation trainmover_standby, if it admits this job's user (checked when the job starts)")
+    crash = _mode("25.11.7")
+    assert crash.startswith("trainmover: this job's standby mode: none (Slurm 25.11.7: slurmctld crashes (SIGSEGV")
+    assert "TM_INJOB_STANDBYS=N" in crash
+    assert "mode: none (SchedulerParameters lacks permit_job_expansion" in _mode(params=False)
+    assert "mode: none (reservation trainmover_standby not found" in _mode(resv="")
+    # a job that brings standbys (TM_INJOB_STANDBYS=2) on the same clusters: in-job where grow is not possible
+    def brought(version="24.11.5", params=True):
+        config = CONFIG.format(v=version) if params else f"SchedulerParameters = x\nSLURM_VERSION = {version}\n"
+        run, _ = _fake({"scontrol show": (0, config, ""), "scontrol -o": (0, RESV, "")})
+        return submit(["job.sbatch"], run=run, fix_setting="off", in_job=2)[2].strip()
+    assert brought("25.11.7").startswith("trainmover: this job's standby mode: in-job (Slurm 25.11.7: slurmctld crashes")
+    assert "mode: in-job (SchedulerParameters lacks permit_job_expansion" in brought(params=False)
+    assert "keeps its 2 standby(s) in its own allocation" in brought(params=False)
+    assert "mode: reservation-grow" in brought()  # control: grow possible, so the pool is refilled from there
+    assert _mode(conf_code=1) == ("trainmover: standby mode not known: scontrol show config: "
+                                  "slurm_load_ctl_conf error: Unable to contact slurm controller")
+
+
+def test_the_admins_declaration_beside_slurm_conf_is_read_for_submit(tmp_path, monkeypatch):
+    import os
+
+    from trainmover.slurm import expansion_fix
+    real_read = expansion_fix.read
+    monkeypatch.setattr(expansion_fix, "read", lambda path: real_read(path, owners=(os.geteuid(),)))
+    os.chmod(tmp_path, 0o755)
+    (tmp_path / expansion_fix.FILE_NAME).write_text("25.11.7\n")
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "slurm.conf"))
+    assert "mode: reservation-grow" in _mode("25.11.7", fix="auto")
+    assert "mode: none" in _mode("25.11.7", fix="off")   # the control: the same cluster, not read

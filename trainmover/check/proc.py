@@ -140,9 +140,21 @@ def encoding(state: dict) -> dict:
         t.numel() * t.element_size() for t in tensors)}
 
 
-def _context(spec: ProcSpec, groups) -> workloads.BuildContext:
+def _context(spec: ProcSpec, groups, backend=None) -> workloads.BuildContext:
+    """`backend(name, grank, size)`: the inner backend of a group the workload makes while it
+    builds (a script's dist.new_group); default: sandboxed (a joiner before its state)."""
+    backend = backend or (lambda name, grank, size: SandboxBackend(grank, size))
+
+    def new_group(name: str, ranks: tuple[int, ...]):
+        if spec.rank not in ranks:
+            return None
+        if name not in groups:  # a fresh run of the same script makes the same group again: the one made
+            grank = list(ranks).index(spec.rank)
+            groups[name] = SwappableGroup(name, grank, len(ranks), list(ranks), backend(name, grank, len(ranks)))
+        return groups[name]
     return workloads.BuildContext(rank=spec.rank, world_size=spec.world, groups=groups, seed=spec.seed,
-                                  options={**spec.options, "device": "cpu"}, before_update=lambda: None)
+                                  options={**spec.options, "device": "cpu"}, before_update=lambda: None,
+                                  new_group=new_group)
 
 
 def _train(wl, out: Emitter, first: int, last: int, states_from: int, kind: str = "", **extra) -> None:
@@ -171,7 +183,10 @@ def reference(spec: ProcSpec, store, out: Emitter, timeout: datetime.timedelta) 
     groups = make_groups(group_specs(wl, spec.world), spec.rank, lambda g, grank: gloo_group(
         store, f"ref/{g.name}/", grank, len(g.ranks), host=HOST, timeout=timeout))
     out.phase("build")
-    wl.build(_context(spec, groups))
+
+    def ref_backend(name: str, grank: int, size: int):
+        return gloo_group(store, f"ref/{name}/", grank, size, host=HOST, timeout=timeout)
+    wl.build(_context(spec, groups, ref_backend))
     # Host copies, as a snapshot keeps them (runtime/snapshot.py): unaffected by later steps.
     keep = sorted({spec.rollback, *spec.restarts})
     saved: dict[int, dict] = {}
@@ -211,7 +226,7 @@ def reference(spec: ProcSpec, store, out: Emitter, timeout: datetime.timedelta) 
     for r in spec.restarts:
         out.phase(f"restart from step {r}: build")
         fresh = registry.load(spec.workload, spec.options)
-        fresh.build(_context(spec, groups))
+        fresh.build(_context(spec, groups, ref_backend))
         _restore(fresh, saved[r])
         out.emit("restartstate", step=r, fp=fingerprint(full_state(fresh, r)), r=r)
         _train(fresh, out, r, min(r + spec.compare, end), states_from=r, kind="restart", r=r)

@@ -1,4 +1,5 @@
-"""`python -m trainmover.cluster {up,down,status,env} [--nodes N] [--standby S] [--dir D] [--slurm V]`;
+"""`python -m trainmover.cluster {up,down,status,env} [--nodes N] [--standby S] [--dir D] [--slurm V]
+[--no-job-expansion] [--slurm-unfixed]`;
 `python -m trainmover.cluster releases [--besides-host]`: the supported Slurm releases, one a line;
 `python -m trainmover.cluster build --slurm V`: build V's root filesystem when missing (from source for
 25.11: minutes; `make slurm-matrix` runs it before a release's tests, so their time is the tests'),
@@ -11,6 +12,7 @@ import json
 import sys
 import time
 
+from trainmover import config
 from trainmover.cluster import lifecycle, rootfs
 from trainmover.cluster.releases import RELEASES
 from trainmover.errors import TrainMoverError
@@ -31,6 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run --slurm V from its Debian root filesystem even when the host has V")
     p.add_argument("--besides-host", action="store_true",
                    help="releases: leave out the host's (the one a cluster without --slurm runs)")
+    p.add_argument("--no-job-expansion", dest="job_expansion", action="store_false",
+                   help="up: slurm.conf without SchedulerParameters=permit_job_expansion, as Slurm ships it (a "
+                        "running cluster's is rewritten and reconfigured): no job can grow")
+    p.add_argument("--slurm-unfixed", action="store_true", default=config.setting("TM_SLURM_UNFIXED") == "1",
+                   help="up, build: --slurm 25.11 built without TrainMover's fixes to its source (its slurmctld "
+                        "crashes at every job expansion), in a root filesystem of its own (default: "
+                        "$TM_SLURM_UNFIXED=1)")
     p.add_argument("--rootfs-cache", default=None, metavar="DIR",
                    help="where root filesystems are built and kept (default $TM_ROOTFS_CACHE or "
                         "/var/cache/trainmover/rootfs)")
@@ -51,13 +60,14 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.monotonic()
             _, full, root, _ = rootfs.locate(args.slurm, cache=rootfs.resolve_cache(args.rootfs_cache),
                                              log=lambda m: print(f"trainmover cluster: {m}", file=sys.stderr, flush=True),
-                                             force_root=args.rootfs)
+                                             force_root=args.rootfs, unfixed=args.slurm_unfixed)
             print(f"trainmover cluster: Slurm {full} ready in {root or 'the host'} ({time.monotonic() - t0:.0f}s)",
                   file=sys.stderr)
             print(root)  # alone on stdout: `make pyslurm` builds against it
         elif args.action == "up":
             info = lifecycle.up(nodes=args.nodes, standby=args.standby, state_dir=args.dir, slurm=args.slurm,
-                                rootfs_cache=args.rootfs_cache, force_root=args.rootfs)
+                                rootfs_cache=args.rootfs_cache, force_root=args.rootfs,
+                                job_expansion=args.job_expansion, unfixed=args.slurm_unfixed)
             what = "already running" if info.already_running else f"up in {info.seconds:.1f}s"
             print(f"cluster {what} on {info.slurm}: nodes {','.join(info.train_nodes)}; "
                   f"standby {','.join(info.standby_nodes)} (reservation {info.reservation}); state in {info.state_dir}")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from trainmover import config
-from trainmover.cluster import daemons, install, netblock, plugin, rootfs, spec as specmod, users
+from trainmover.cluster import daemons, install, netblock, plugin, rootdirs, rootfs, spec as specmod, users
 from trainmover.cluster.daemons import STEP_TIMEOUT
 from trainmover.cluster.procs import ClusterError, find_pids, flocked, running_pid, tail, terminate, wait_until
 from trainmover.cluster.releases import release
@@ -86,6 +86,9 @@ def _log(msg: str) -> None:
 
 
 def _locked(state_dir: Path, timeout: float = 120.0):
+    """The state directory's lock; the directory made root's (0700; _write_files opens it to
+    0755 for the users' jobs) or refused when someone else could have made or can change it."""
+    rootdirs.own_dir(state_dir)
     return flocked(state_dir / ".lock", timeout, "another `trainmover cluster` command holds it")
 
 
@@ -96,12 +99,23 @@ def _spec_path(state_dir: Path) -> Path:
 
 
 def _load_spec(state_dir: Path) -> Optional[ClusterSpec]:
+    """The cluster.json of `state_dir`, believed only when root wrote it (rootdirs: the directory
+    and the file root's, neither writable by others, no link): its `root` names the file system
+    the daemons run chrooted in, as root. None where there is none."""
+    if not os.path.lexists(state_dir):
+        return None
+    rootdirs.check_dir(state_dir)
     try:
-        return ClusterSpec.from_json(_spec_path(state_dir).read_text())
+        return ClusterSpec.from_json(rootdirs.read_own(_spec_path(state_dir)))
     except FileNotFoundError:
         return None
     except (ValueError, TypeError, KeyError) as exc:
         raise ClusterError(f"{_spec_path(state_dir)} is unreadable ({exc}); remove {state_dir} to start afresh")
+
+
+def _save_spec(spec: ClusterSpec) -> None:
+    """cluster.json, 0600: it holds the accounting database's password (slurmdbd.conf's too)."""
+    rootdirs.write_own(_spec_path(spec.state_dir), spec.to_json())
 
 
 def _port_free(port: int, host: str = "") -> bool:
@@ -146,6 +160,7 @@ def _write_files(spec: ClusterSpec, old: Optional[ClusterSpec]) -> None:
               *(spec.spool / f"slurmd-{n}" for n in spec.all_nodes)):
         d.mkdir(parents=True, exist_ok=True)
     os.chmod(spec.state_dir, 0o755)
+    os.chmod(spec.etc, 0o755)  # root's alone: a controller believes the expansion-fix declaration only so
     os.chmod(spec.run / "munge", 0o755)
     if old is not None and old.layout_key() != spec.layout_key():
         _log(f"node layout, Slurm release or address block changed ({old.nodes}+{old.standby} nodes, Slurm "
@@ -163,8 +178,7 @@ def _write_files(spec: ClusterSpec, old: Optional[ClusterSpec]) -> None:
     spec.slurm_conf.write_text(specmod.render_slurm_conf(spec))
     _write_slurm_access(spec)
     if spec.accounting:
-        spec.slurmdbd_conf.write_text(specmod.render_slurmdbd_conf(spec))
-        os.chmod(spec.slurmdbd_conf, 0o600)
+        rootdirs.write_own(spec.slurmdbd_conf, specmod.render_slurmdbd_conf(spec))
     try:
         system_hosts = Path("/etc/hosts").read_text()
     except FileNotFoundError:
@@ -174,17 +188,27 @@ def _write_files(spec: ClusterSpec, old: Optional[ClusterSpec]) -> None:
     spec.hosts_file.chmod(0o644)
     plugin.install(spec, _log)
     plugin.install_healthcheck(spec.etc, spec.slurm_conf, spec.healthcheck_state, sys.executable)
-    _spec_path(spec.state_dir).write_text(spec.to_json())
+    _save_spec(spec)
 
 
 def _write_slurm_access(spec: ClusterSpec) -> None:
-    """cgroup.conf where the release needs one; for a root filesystem, the exec file that
-    commands.run follows to run Slurm commands there, and wrappers for a shell."""
+    """cgroup.conf where the release needs one; the declaration of a slurmctld built with the
+    job-expansion fix, where it was; for a root filesystem, the exec file that commands.run
+    follows to run Slurm commands there, and wrappers for a shell."""
     cgroup = specmod.render_cgroup_conf(spec)
     if cgroup is None:
         spec.cgroup_conf.unlink(missing_ok=True)
     else:
         spec.cgroup_conf.write_text(cgroup)
+    # A Slurm built here with the job-expansion fix says so where a job's controller looks
+    # (slurm/expansion_fix.py); its root filesystem's marker is what was built.
+    marker = rootfs.built(Path(spec.root)) if spec.root else None
+    fix = specmod.render_expansion_fix(spec.slurm_version, ((marker or {}).get("source_build") or {}).get("fixes", []))
+    if fix is None:
+        spec.expansion_fix_file.unlink(missing_ok=True)
+    else:
+        spec.expansion_fix_file.write_text(fix)
+        spec.expansion_fix_file.chmod(0o644)
     if not spec.root:
         spec.exec_file.unlink(missing_ok=True)
         shutil.rmtree(spec.bin, ignore_errors=True)
@@ -258,7 +282,8 @@ def _ensure_reservation(spec: ClusterSpec) -> None:
 
 
 def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = None,
-       rootfs_cache=None, force_root: bool = False, keepers: int = specmod.KEEPERS) -> ClusterInfo:
+       rootfs_cache=None, force_root: bool = False, keepers: int = specmod.KEEPERS,
+       job_expansion: bool = True, unfixed: bool = False) -> ClusterInfo:
     """Start the embedded cluster and wait until every node is idle and the standby
     reservation exists. Idempotent: with the cluster already running it only reports it.
 
@@ -268,7 +293,10 @@ def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = 
     takes the root filesystem even for the host's release. None: the release a cluster in
     `state_dir` ran, else the host's. Raises ClusterError naming the daemon that failed,
     with the tail of its log, or the supported versions for an unsupported one. `keepers`: keeper
-    nodes (a TrainMover job's batch script runs on one: one per job running at once)."""
+    nodes (a TrainMover job's batch script runs on one: one per job running at once).
+    `job_expansion` False: slurm.conf without permit_job_expansion (a running cluster's is
+    rewritten and reconfigured). `unfixed`: `slurm` (25.11) built without TrainMover's fixes to
+    its source, from a root filesystem of its own (releases.unfixed)."""
     t0 = time.monotonic()
     if slurm is not None:
         release(slurm)  # an unsupported version fails before anything else
@@ -284,7 +312,7 @@ def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = 
             raise ClusterError(
                 f"the cluster in {state_dir} runs with {old.nodes} training + {old.standby} standby + {old.keepers} "
                 f"keeper nodes, not {nodes} + {standby} + {keepers}; run `trainmover cluster down` first")
-        if old and live and not _same_slurm(old, slurm, force_root):
+        if old and live and not _same_slurm(old, slurm, force_root, unfixed):
             raise ClusterError(f"the cluster in {state_dir} runs {old.describe_slurm()}, not Slurm {slurm}; "
                                f"run `trainmover cluster down --dir {state_dir}` first, or use another --dir")
         slurmd = next((pid for name, pid in live.items() if name.startswith("slurmd:")), None)
@@ -294,9 +322,13 @@ def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = 
                  "not visible on its nodes): restarting it")
             _stop(old)
             running, live = {}, {}
+        if old and live and old.job_expansion != job_expansion:  # slurm.conf changes; the daemons stay
+            old = dataclasses.replace(old, job_expansion=job_expansion)
+            _spec_path(state_dir).write_text(old.to_json())
         if old and len(live) == len(running) and daemons.ctld_up(old) and _all_nodes_ready(old) \
                 and (old.standby == 0 or _reservation_exists(old)):
             users.ensure(Path(old.root) if old.root else None, _log)
+            _save_spec(old)  # 0600 again where an older version left it readable by all
             _ensure_reservation(old)
             _write_slurm_access(old)
             plugin.install(old, _log)  # sbatch/srun/slurmstepd read plugstack.conf at every call
@@ -316,13 +348,15 @@ def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = 
         else:
             wanted = slurm if slurm is not None else (old.slurm if old else None)
             forced = force_root or (slurm is None and old is not None and bool(old.root))
-            rel, full, root, installed = rootfs.locate(wanted, cache=cache, log=_log, force_root=forced)
+            rel, full, root, installed = rootfs.locate(wanted, cache=cache, log=_log, force_root=forced,
+                                                       unfixed=unfixed)
             spec = ClusterSpec(
                 state_dir=state_dir, nodes=nodes, standby=standby,
                 ports=_pick_ports(nodes + standby + keepers, old.ports if old else None),
                 db_password=old.db_password if old else secrets.token_hex(16),
                 slurm=rel, slurm_version=full, root=root,
                 net=netblock.claim(state_dir, preferred=old.net if old else None), keepers=keepers,
+                job_expansion=job_expansion, unfixed=unfixed,
             )
         _log(f"{spec.describe_slurm()}")
         # before slurmctld starts: it resolves the reservation's Users= and slurmd the jobs' uids
@@ -342,11 +376,11 @@ def attach(state_dir) -> ClusterInfo:
     return _info(spec, already=True, installed=False, t0=time.monotonic())
 
 
-def _same_slurm(old: ClusterSpec, slurm: Optional[str], force_root: bool) -> bool:
-    """Whether a running cluster `old` is what `up(slurm=..., force_root=...)` asks for."""
-    if slurm is None:
-        return True
-    return old.slurm == release(slurm).version and (bool(old.root) or not force_root)
+def _same_slurm(old: ClusterSpec, slurm: Optional[str], force_root: bool, unfixed: bool = False) -> bool:
+    """Whether a running cluster `old` is what `up(slurm=..., force_root=..., unfixed=...)` asks for."""
+    if slurm is None:  # whatever runs, unless an unfixed Slurm was asked for
+        return old.unfixed or not unfixed
+    return old.slurm == release(slurm).version and (bool(old.root) or not force_root) and old.unfixed == unfixed
 
 
 def _refresh_conf(spec: ClusterSpec) -> None:
@@ -447,7 +481,7 @@ def down(state_dir=None, slurm: Optional[str] = None) -> dict:
     /proc so that no unrelated process is signalled). Idempotent. Returns
     {daemon: pid} of what it stopped."""
     state_dir = resolve_dir(state_dir, slurm)
-    spec = _load_spec(state_dir) if state_dir.exists() else None
+    spec = _load_spec(state_dir)
     if spec is None:
         return {}
     with _locked(state_dir):
@@ -503,7 +537,7 @@ def status(state_dir=None, slurm: Optional[str] = None) -> dict:
     """{'state_dir', 'slurm_conf', 'slurm', 'running', 'daemons': {name: {'pid', 'up'}},
     'nodes': {node: sinfo state}, 'reservation': name or None, ...}."""
     state_dir = resolve_dir(state_dir, slurm)
-    spec = _load_spec(state_dir) if state_dir.exists() else None
+    spec = _load_spec(state_dir)
     if spec is None:
         return {"state_dir": str(state_dir), "configured": False, "running": False, "daemons": {}, "nodes": {},
                 "reservation": None}

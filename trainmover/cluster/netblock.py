@@ -7,7 +7,9 @@ Claims are symbolic links /var/tmp/trainmover-nets/<N> -> the state directory ho
 block N, made under a lock. A claim is stale, and taken over, when that directory's
 cluster.json no longer says block N (the cluster was removed or took another block).
 A cluster keeps its block across `down`/`up`; the first cluster on a machine gets
-127.0.1.0/24, as before blocks were claimed.
+127.0.1.0/24, as before blocks were claimed. The registry is root's (rootdirs.own_dir: a
+registry another user made first is refused), and a claim counts only for a cluster.json that
+root wrote (rootdirs.read_own), never for one a user put where a removed cluster was.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from trainmover.cluster import rootdirs
 from trainmover.cluster.procs import ClusterError, flocked
 
 REGISTRY = Path("/var/tmp/trainmover-nets")
@@ -31,8 +34,9 @@ def _holds(state_dir: str, block: int) -> bool:
     """Whether the cluster in `state_dir` says it uses `block` (cluster.json's "net"; 1 when
     written before blocks were recorded)."""
     try:
-        spec = json.loads((Path(state_dir) / "cluster.json").read_text())
-    except (OSError, ValueError):
+        rootdirs.check_dir(state_dir)
+        spec = json.loads(rootdirs.read_own(Path(state_dir) / "cluster.json"))
+    except (OSError, ValueError, ClusterError):  # gone, unreadable, or not root's: no claim
         return False
     return isinstance(spec, dict) and spec.get("net", 1) == block
 
@@ -40,7 +44,7 @@ def _holds(state_dir: str, block: int) -> bool:
 def claim(state_dir: Path, preferred: Optional[int] = None, registry: Path = REGISTRY) -> int:
     """The block for the cluster in `state_dir`: `preferred` (its block so far) when that is
     free or already its own, else the lowest free one. Raises ClusterError when all 254 are held."""
-    registry.mkdir(parents=True, exist_ok=True)
+    rootdirs.own_dir(registry)
     me = str(Path(state_dir).absolute())
     order = ([preferred] if preferred in BLOCKS else []) + [n for n in BLOCKS if n != preferred]
     with _locked(registry / ".lock"):

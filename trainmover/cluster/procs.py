@@ -192,11 +192,17 @@ def step_pid(job_id: int, node: str, module: str = "trainmover.runtime.worker") 
 
 @contextlib.contextmanager
 def flocked(path: Path, timeout: float, held_by: str, poll_s: float = 0.2) -> Iterator[None]:
-    """An exclusive lock on the file `path` (made, with its folder, if missing) for the body of
-    the context; a ClusterError after `timeout` seconds names `held_by`, what holds it."""
+    """An exclusive lock on the file `path` (made 0600 if missing; its folder must exist, made and
+    checked by rootdirs.own_dir) for the body of the context; a ClusterError after `timeout`
+    seconds names `held_by`, what holds it. A link planted at `path` is an error, never followed
+    (root would otherwise create or append to the file it points at)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise ClusterError(f"cannot open the lock file {path} ({exc.strerror or exc}; a symbolic link there "
+                           "is refused): remove it and run the command again") from exc
+    with os.fdopen(fd, "a") as f:
         deadline = time.monotonic() + timeout
         while True:
             try:

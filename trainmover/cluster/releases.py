@@ -8,6 +8,7 @@ trainmover/slurm/ handles the differences in how Slurm is called and what it pri
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -40,6 +41,12 @@ class Release:
     cgroup_disabled: bool
     first_job_id: int = 1
     source: Optional[Source] = None
+    variant: str = ""  # "unfixed": built without source.fixes (unfixed()); its own root filesystem
+
+    @property
+    def root_name(self) -> str:
+        """The root filesystem's directory in the cache: a variant never shares the release's."""
+        return f"{self.version}-{self.variant}" if self.variant else self.version
 
     @property
     def packages(self) -> list[str]:
@@ -79,6 +86,16 @@ def parse_version(text: str) -> Optional[str]:
     """The first Slurm version in `text`: 'slurm-wlm 22.05.8' -> '22.05.8'."""
     m = _VERSION.search(text or "")
     return m.group(0) if m else None
+
+
+def unfixed(rel: Release) -> Release:
+    """`rel` built from SchedMD's source as it is, without the fixes TrainMover makes to it
+    (source.py): for tests that show TrainMover never triggers the bug a fix is for (25.11.7's
+    slurmctld crashes at every job expansion). ClusterError for a release with no fixes to leave out."""
+    if rel.source is None or not rel.source.fixes:
+        raise ClusterError(f"Slurm {rel.version} is not built from source with fixes: nothing to leave out "
+                           f"(only {', '.join(r.version for r in RELEASES.values() if r.source and r.source.fixes)})")
+    return dataclasses.replace(rel, source=dataclasses.replace(rel.source, fixes=()), variant="unfixed")
 
 
 def release(version: str) -> Release:

@@ -31,6 +31,7 @@ from trainmover import config
 from trainmover.cluster import install, source
 from trainmover.cluster.procs import ClusterError, flocked, run_cmd
 from trainmover.cluster.releases import RELEASES, Release, parse_version, release
+from trainmover.cluster.releases import unfixed as releases_unfixed
 
 DEFAULT_CACHE = "/var/cache/trainmover/rootfs"
 MIRROR = "http://deb.debian.org/debian"
@@ -152,14 +153,14 @@ def ensure_built(rel: Release, cache: Path, *, log: Callable[[str], None], mirro
     apt-get from `mirror`; about a minute and 500 MB), or given the packages this version
     of TrainMover lists that it lacks. Raises ClusterError naming the step that failed,
     with the end of its output."""
-    root = cache / rel.version
+    root = cache / rel.root_name
     if _complete(rel, root):
         return root
     if os.geteuid() != 0:
         raise ClusterError(f"building the Slurm {rel.version} root filesystem in {root} needs root")
     # A waiter may sit out another process's whole build, a source build included.
     wait = BUILD_TIMEOUT + (source.CONFIGURE_TIMEOUT * 2 + source.MAKE_TIMEOUT if rel.source else 0)
-    with _lock(cache / f".{rel.version}.lock", timeout=wait):
+    with _lock(cache / f".{rel.root_name}.lock", timeout=wait):
         marker = built(root)
         if marker is None:
             _build(rel, root, log=log, mirror=mirror)
@@ -216,7 +217,7 @@ def _build(rel: Release, root: Path, *, log: Callable[[str], None], mirror: str)
     t0 = time.monotonic()
     # The source first: a build without it would fail after minutes of debootstrap.
     tarball = source.find_tarball(rel.source) if rel.source else None
-    partial = root.with_name(f"{rel.version}.partial")
+    partial = root.with_name(f"{rel.root_name}.partial")
     shutil.rmtree(partial, ignore_errors=True)  # an interrupted build; it never holds mounts
     shutil.rmtree(root, ignore_errors=True)     # a root without its marker is incomplete
     debootstrap = _ensure_debootstrap(log)
@@ -270,14 +271,22 @@ def host_release() -> Optional[str]:
 # --- choosing ----------------------------------------------------------------------------
 
 def locate(requested: Optional[str], *, cache: Path, log: Callable[[str], None],
-           force_root: bool = False) -> tuple[str, str, str, bool]:
+           force_root: bool = False, unfixed: bool = False) -> tuple[str, str, str, bool]:
     """(release, full version, root filesystem or '', whether host packages were installed)
     of the Slurm a new cluster runs.
 
     `requested` None: the host's Slurm (installed with apt-get when missing, as the host's
     Debian release ships it). A release the host has: the host's Slurm (unless
     `force_root`). Any other supported release: its root filesystem, built when missing.
+    `unfixed`: a release built from source, without TrainMover's fixes (releases.unfixed),
+    in a root filesystem of its own; ClusterError for any other.
     """
+    if unfixed:
+        if requested is None:
+            raise ClusterError("an unfixed Slurm needs the release named (--slurm 25.11)")
+        rel = releases_unfixed(release(requested))
+        root = ensure_built(rel, cache, log=log)
+        return rel.version, built(root)["slurm"], str(root), False
     host = host_version()
     if requested is None:
         if host is None:

@@ -147,8 +147,8 @@ def build_in(root: Path, src: Source, tarball: Path, *, run_in: Callable[[list[s
     if not (tree / "configure").exists():
         raise ClusterError(f"{tarball} has no {src.tree}/configure: not a Slurm release tarball")
     fixed = apply_fixes(tree, src.fixes)
-    if fixed:
-        log(f"Slurm {src.version} from source: fixed {'; '.join(fixed)}")
+    log(f"Slurm {src.version} from source: " + (f"fixed {'; '.join(fixed)}" if fixed else
+                                                "as SchedMD ships it, no fixes (releases.unfixed)"))
     inside = f"{SRC_DIR}/{src.tree}"
     env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", "HOME": "/root"}
     niced = ["nice", "-n", "19"]

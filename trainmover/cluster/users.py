@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-from trainmover.cluster import install
+from trainmover.cluster import install, rootdirs
 from trainmover.cluster.procs import ClusterError, run_cmd
 
 JOB_USER = "tmuser"      # the user whose jobs the tests submit
@@ -116,12 +116,15 @@ def ensure_host(roots: Iterable[Path] = (), log: Callable[[str], None] = lambda 
 
 
 def _ensure_home(acct: Account) -> None:
-    """The user's home (0700, theirs) when it lies under HOMES and is missing."""
+    """The user's home (0700, theirs) when it lies under HOMES and is missing. HOMES is root's
+    (0755: the users pass through it to their homes); one another user made first, or a link,
+    is refused (rootdirs) before anything is made or chowned in it."""
     home = Path(acct.home)
-    if home.parent != HOMES or home.is_dir() or os.geteuid() != 0:
+    if home.parent != HOMES or os.geteuid() != 0:
         return
-    HOMES.mkdir(mode=0o755, parents=True, exist_ok=True)
-    os.chmod(HOMES, 0o755)
+    rootdirs.own_dir(HOMES, mode=0o755)
+    if os.path.lexists(home):
+        return
     home.mkdir(mode=0o700)
     os.chown(home, acct.uid, acct.gid)
 

@@ -25,6 +25,7 @@ from trainmover.protocol import checkpoint_layout
 from trainmover.protocol.messages import make
 from trainmover.controller import handover, journal, records, tiers, user_rights
 from trainmover.controller.fencing import FencedNodes, kill_and_drain
+from trainmover.controller.keeper import TRAIN_FEATURE
 from trainmover.controller.exit_codes import MOVED, SUPERSEDED
 from trainmover.controller.actions import (AcquireStandby, CheckpointDone, Fence, Finish, LaunchStandby, Record,
                                           ReleaseNode, Rewind, Send)
@@ -96,7 +97,15 @@ class Controller:
             records.trim_torn(root / "timeline.jsonl")
             # the job's nodes now include standbys: the layout is the journal's
             self.view = JobView(job_id, j.world_size, j.ranks_per_node, j.batch_host, dict(j.rank_node))
+            self.in_job: list[str] = []  # the journal has the pool, the job's own standbys included
         else:
+            # TM_INJOB_STANDBYS: the last N training nodes are standbys from the start (view.split_in_job)
+            nodes, self.in_job = view_mod.split_in_job(
+                nodes, cfg.injob_standbys, batch_host=self.batch_host, train_feature=TRAIN_FEATURE,
+                features={n: infos[n].features for n in nodes if n in infos})
+            if self.in_job:
+                log.info("TM_INJOB_STANDBYS=%d: %s keep standbys, %s train", cfg.injob_standbys,
+                         ", ".join(self.in_job), ", ".join(nodes))
             self.view = JobView(job_id, len(nodes) * k, k, self.batch_host,
                                 {i * k + j: n for i, n in enumerate(nodes) for j in range(k)})
         pool_choice = None
@@ -130,9 +139,13 @@ class Controller:
                                   "to a new one; TrainMover never reuses another controller's secret.") from None
         self.policy.checkpoint_steps = checkpoint_layout.complete(self.checkpoint_root, self.key)[-checkpoint_layout.KEEP:]
         self.capabilities: dict = {}
+        # Why this job takes no standby by job expansion ("": it may; None: not known yet). Set
+        # from the rights check; the resizer asks it before every grow (user_rights.grow_refusal).
+        self.grow_refusal: str | None = None
         self.fencing = FencedNodes()
         if not resume:  # a resuming controller checks in the background: a move must stay quick
             self._check_rights()
+            self.policy.on_grow_verdict(self.grow_refusal)  # refused: the pool is what the job brought
         self.keeper_conn = None  # set on the keeper's hello, on its connection's thread (see _beat_keeper)
         self.server = channel.Server(self.host, self.key, sock=listen, on_hello=self._hello)
         self.store, (self.store_host, self.store_port) = (None, store) if store else self._store()
@@ -152,7 +165,8 @@ class Controller:
         # the job's record, kept by this controller's own grows and releases (controller/resize.py)
         self.resizer = Resizer(self.slurm, job, reservation=cfg.reservation, standby_wait_s=cfg.standby_wait_s,
                                pool=self.watch.pool, addr=self.watch.addr, clock=time.monotonic,
-                               standbys=cfg.standbys)  # a number: 'auto' was resolved above
+                               standbys=cfg.standbys,  # a number: 'auto' was resolved above
+                               gate=lambda: self.grow_refusal)
         self.work = SlurmWork()  # grows, releases, fencing: on threads beside the loop
         self.loop_at = time.monotonic()            # the main loop's last turn (see _beat_keeper)
         if keeper:
@@ -163,7 +177,9 @@ class Controller:
         """What this job's user may do, in the log and status.json (controller/user_rights.py);
         a start error (a reservation that refuses the user, with standbys wanted) ends the job."""
         self.capabilities, error = user_rights.from_slurm(self.slurm, self.job_id, self.cfg.reservation,
-                                                          self.cfg.standbys, self.fencing)
+                                                          self.cfg.standbys, self.fencing, self.cfg.slurm_expansion_fix,
+                                                          in_job=self.cfg.injob_standbys)
+        self.grow_refusal = user_rights.grow_refusal(self.capabilities)
         if error:
             self.files.write("status", {**self.status(), "outcome": {"ok": False, "message": error}})
             raise ConfigError(error)
@@ -172,6 +188,8 @@ class Controller:
         caps = user_rights.from_predecessor(self.files.root / "status.json", self.fencing)
         if caps is not None:
             self.capabilities = caps
+            self.grow_refusal = user_rights.grow_refusal(caps)
+            self.policy.on_grow_verdict(self.grow_refusal)
         return caps is not None
 
     def status(self) -> dict:
@@ -397,7 +415,7 @@ class Controller:
                                           "rank_node": {str(r): n for r, n in self.view.rank_node.items()}}])
         for node in self.view.train_nodes():
             self._launch("worker", node, self.view.ranks_of(node))
-        self.apply(self.policy.start(time.time()))
+        self.apply(self.policy.start(time.time(), self.in_job))  # the job's own standbys launched here
 
     def _resume(self) -> None:
         """Take over from a dead controller: its view from the journal, its steps adopted, any
@@ -518,7 +536,8 @@ class Controller:
             for node, why in held:
                 actions += self.policy.on_released(now, node, False, why)
             return actions
-        if kind == "rights":
+        if kind == "rights":  # a successor's check in the background answered (on its thread)
+            self.policy.on_grow_verdict(self.grow_refusal)
             return []
         if kind == "acquired":
             log.info("standby %s joined the allocation", ev[1])

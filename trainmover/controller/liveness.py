@@ -54,6 +54,7 @@ class Liveness:
         self.processes: dict = {}            # (node, pid) -> Heard
         self.fenced: list[dict] = []         # the verdicts, for status
         self.last_progress_at: float | None = None  # when any rank last completed a step (controller's clock)
+        self._stuck_rule_on = True  # whether the stuck rule applied at the last verdicts (see verdicts)
         self.last_tick: float | None = None
 
     def heard(self, now: float, node: str, pid: int, msg: dict) -> None:
@@ -132,6 +133,13 @@ class Liveness:
                    f"({'TM_HEARTBEAT_TIMEOUT_S' if h.started else 'starting: TM_GROUP_TIMEOUT_S'}"
                    f"={self.silence_allowed(h):g}; last: {h.step} steps complete)")
                for h in self._silent(now, arrivals)]
+        if stuck_rule and not self._stuck_rule_on and self.last_progress_at is not None:
+            # The rule was suspended (a recovery, a state copy): the ranks get a whole deadline from
+            # now to complete a step, not what is left of one counted from before the pause (seen: a
+            # recovery that waited 60 s for a rank blocked in a pipeline receive, then every rank judged
+            # stuck 0.2 s after it resumed, before any could finish a step)
+            self.last_progress_at = max(self.last_progress_at, now)
+        self._stuck_rule_on = stuck_rule
         if stuck_rule:
             stuck, deadline = self._stuck(now)
             out += [(h, f"stuck: no step completed for {now - self.last_progress_at:.1f}s (deadline {deadline:.1f}s), "

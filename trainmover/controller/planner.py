@@ -88,7 +88,10 @@ class Planner:
         joiner = self.pool.take_ready()
         if joiner is None:
             if m.phase is Phase.REQUESTED:
-                m.to(Phase.WAITING_STANDBY, now, f"no warm standby: the job keeps running on {m.leaver}")
+                gone = self.pool.none_left()  # in-job standbys used, no refill: said, then today's wait
+                if gone:
+                    log.warning("migration %d of %s: %s; the job keeps running on %s", m.id, m.leaver, gone, m.leaver)
+                m.to(Phase.WAITING_STANDBY, now, f"{gone or 'no warm standby'}: the job keeps running on {m.leaver}")
                 return [self.timeline(m, now, "waiting_standby")] + self.maybe_acquire(now)
             return self.maybe_acquire(now)
         view = self.state.view

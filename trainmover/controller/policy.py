@@ -134,8 +134,17 @@ class Policy:
         return self.progress.flush_rows(upto)
 
     # --- events ------------------------------------------------------------------------
-    def start(self, now: float) -> list[Action]:
-        return self.planner.maybe_acquire(now)
+    def start(self, now: float, in_job: list[str] | tuple[str, ...] = ()) -> list[Action]:
+        """The job starts: its in-job standbys (TM_INJOB_STANDBYS, controller/view.split_in_job)
+        join the pool and are launched as a standby taken from the reservation is; then the pool
+        is filled where grow is possible."""
+        self.pool.add_in_job(now, list(in_job))
+        return [LaunchStandby(n) for n in in_job] + self.planner.maybe_acquire(now)
+
+    def on_grow_verdict(self, refusal: str | None) -> None:
+        """Why no standby may be taken from the reservation ("": one may; None: not known yet),
+        from the rights check (slurm/pool_mode.py). Refused: the pool is never refilled."""
+        self.pool.refill_off(refusal)
 
     def resume(self, now: float, j: Replayed, metrics_through: int) -> list[Action]:
         return self.takeover.resume(now, j, metrics_through)
@@ -379,7 +388,8 @@ class Policy:
                                                             "why": f"TM_STANDBYS={self.cfg.standbys}"}},
             "waiting_for_standby": [m.leaver for m in waiting],
             "message": (f"waiting for a standby: the job keeps running on {', '.join(m.leaver for m in waiting)}"
-                        + (f" ({self.pool.note()})" if self.pool.exhausted() else "") if waiting else ""),
+                        + (f" ({self.pool.none_left() or self.pool.note()})"
+                           if self.pool.exhausted() or self.pool.none_left() else "") if waiting else ""),
             "standbys_lost": list(self.standbys_lost),
             "migrations": [m.to_json() for m in self.migrations],
             "straggler": self.straggler,

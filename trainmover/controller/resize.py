@@ -47,11 +47,14 @@ def with_nodes(job: JobInfo, nodes: tuple[str, ...]) -> JobInfo:
 class Resizer:
     """`job`: the record read at the controller's start. `pool`: the node poll's view of the
     reservation (controller/node_watch.PoolWatch); `addr(node)`: a node's address as the poll saw
-    it ("" if not seen)."""
+    it ("" if not seen). `gate()`: why no job expansion may be made ("": it may; None: not known
+    yet), asked before every grow: the merge crashes some slurmctld releases
+    (slurm/expansion_safety.py), so none is made until the rights check said it is safe."""
 
     def __init__(self, slurm, job: JobInfo, *, reservation: str, standby_wait_s: float, pool,
-                 addr: Callable[[str], str], clock: Callable[[], float], standbys: int = 1):
-        self.slurm, self.job = slurm, job
+                 addr: Callable[[str], str], clock: Callable[[], float], gate: Callable[[], str | None],
+                 standbys: int = 1):
+        self.slurm, self.job, self.gate = slurm, job, gate
         self.reservation, self.standby_wait_s = reservation, standby_wait_s
         self.pool, self._addr, self._clock = pool, addr, clock
         self._lock = threading.Lock()  # a grow and a release never overlap: each changes self.job
@@ -59,6 +62,11 @@ class Resizer:
 
     def acquire(self) -> tuple:
         """One try to take a standby: ("acquired", node, address) or ("unavailable", why)."""
+        refused = self.gate()
+        if refused is None:  # a successor's check in the background has not answered yet
+            return ("unavailable", "waiting for the check of what this job may do (its Slurm release included)")
+        if refused:
+            return ("unavailable", f"no standby is taken: {refused}")
         idle = self.pool.none_idle()
         if idle:  # the last node poll saw no free spare: asking slurmctld now would only cost RPCs
             return ("unavailable", idle)

@@ -45,6 +45,11 @@ class StandbyPool:
         self.acquiring = False
         self.next_acquire_at = 0.0
         self.acquire_note = ""
+        # Why no standby is taken from the reservation ("": one may be; None: not known yet, so
+        # the resizer is asked and its gate answers). Set by the executor from the rights check
+        # (slurm/pool_mode.py): where grow is refused the pool is what the job brought
+        # (TM_INJOB_STANDBYS) and is not refilled. Not journaled: a successor learns it again.
+        self.refill_refused: str | None = None
 
     @property
     def standbys(self) -> dict[str, Standby]:
@@ -104,7 +109,10 @@ class StandbyPool:
 
     def remove(self, node: str) -> Standby | None:
         """It joined the ranks, or was lost: no longer a standby."""
-        return self.standbys.pop(node, None)
+        s = self.standbys.pop(node, None)
+        if s is not None and self.refill_refused and self.cfg.injob_standbys:
+            log.info("standby pool: %s", self.left_line())
+        return s
 
     def restore(self, now: float, states: dict[str, S]) -> None:
         """A successor's pool from the journal: a joiner stays taken until the migration in
@@ -114,19 +122,62 @@ class StandbyPool:
         for node, st in states.items():
             self.standbys[node] = Standby(node, S.JOINING if st is S.JOINING else S.STARTING, now)
 
+    def add_in_job(self, now: float, nodes: list[str]) -> None:
+        """The job's own standbys (TM_INJOB_STANDBYS), at its start: in the pool as any taken one."""
+        for node in nodes:
+            self.add(now, node)
+        if nodes:
+            log.info("standby pool: %d in-job standby(s) from the job's own allocation: %s", len(nodes),
+                     ", ".join(nodes))
+        if nodes and self.refill_refused:
+            log.info("standby pool: %s", self.left_line())
+
     # --- acquiring ------------------------------------------------------------------------
+    def wanted(self) -> int:
+        """The pool's size to keep: TM_STANDBYS, and no fewer than the job brought in its allocation."""
+        return max(self.cfg.standbys, self.cfg.injob_standbys)
+
+    def refill_off(self, refusal: str | None) -> None:
+        """The rights check's verdict on grow (see refill_refused)."""
+        self.refill_refused = refusal
+        if refusal:  # what status says where the job brought none (the resizer's words for it)
+            self.acquire_note = f"no standby is taken: {refusal}"
+        if refusal and self.cfg.injob_standbys and self.standbys:  # a successor's pool; at start: add_in_job says it
+            log.info("standby pool: %s", self.left_line())
+
+    def left_line(self) -> str:
+        """Where no refill is possible: how many of the job's in-job standbys are left."""
+        left = len(self.standbys)
+        return (f"{left} of the job's {self.cfg.injob_standbys} in-job standby(s) left"
+                + ("" if left else " (all used or lost)")
+                + f"; none is taken from the reservation: {self.refill_refused}")
+
     def exhausted(self) -> bool:
         return len(self.state.standbys_lost) >= self.cfg.standby_losses
 
     def note(self) -> str:
         lost = self.state.standbys_lost
+        if self.refill_refused and self.cfg.injob_standbys and not self.exhausted():
+            return self.left_line()
         if not self.exhausted():
             return ""
         return (f"{len(lost)} standby(s) lost ({', '.join(x['node'] for x in lost)}); "
                 f"TM_STANDBY_LOSSES={self.cfg.standby_losses} reached: no more standbys are taken")
 
+    def none_left(self) -> str:
+        """Why a migration finds no standby and none will come ('' when one may still come): the
+        in-job standbys are used and grow is refused. What follows is today's path without a
+        standby: a drain waits, the job training on its node; a failure goes to the next tier."""
+        if self.standbys or not self.refill_refused:
+            return ""
+        brought = (f"the job's {self.cfg.injob_standbys} in-job standby(s) are used or lost"
+                   if self.cfg.injob_standbys else "the job has no standby")
+        return f"no standby left: {brought}, and none is taken from the reservation ({self.refill_refused})"
+
     def maybe_acquire(self, now: float, done: bool) -> list:
-        want = len(self.standbys) < self.cfg.standbys and not done and not self.exhausted()
+        if self.refill_refused:  # grow is refused: never asked (the job keeps what it brought)
+            return []
+        want = len(self.standbys) < self.wanted() and not done and not self.exhausted()
         if want and not self.acquiring and now >= self.next_acquire_at:
             self.acquiring = True
             return [AcquireStandby()]
@@ -146,7 +197,14 @@ class StandbyPool:
         self.state.standbys_lost.append({"node": node, "state": s.state.value, "evidence": evidence, "t": now})
         log.warning("standby on %s lost while %s (%s); %d of %d allowed losses", node, s.state.value, evidence,
                     len(self.state.standbys_lost), self.cfg.standby_losses)
+        if self.refill_refused and self.cfg.injob_standbys:
+            log.info("standby pool: %s", self.left_line())
         return s
 
     def status(self) -> dict:
-        return {"wanted": self.cfg.standbys, "acquiring": self.acquiring, "note": self.note() or self.acquire_note}
+        out = {"wanted": self.wanted(), "acquiring": self.acquiring, "note": self.note() or self.acquire_note}
+        if self.cfg.injob_standbys:
+            refill = "not known yet" if self.refill_refused is None else "no" if self.refill_refused else "yes"
+            out["in_job"] = {"brought": self.cfg.injob_standbys, "refill": refill,
+                             **({"left": len(self.standbys)} if self.refill_refused else {})}
+        return out

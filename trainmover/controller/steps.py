@@ -71,9 +71,23 @@ STEP_ENV_PREFIXES = ("TM_", "SLURM_", "SLURMD_", "CUDA_", "NCCL_", "NVIDIA_", "G
                      "MKL_", "OPENBLAS_", "PYTHON", "LC_", "HF_", "UCX_", "FI_", "TRITON_")
 
 
+# Credentials hide under allowed prefixes (SLURM_JWT, HF_TOKEN, HF_HUB_TOKEN, ...), and the
+# launch message carries the environment in clear to the keeper: a name with any of these parts
+# is never sent nor given to a step (issue 37). No TrainMover setting (TM_*) has one. A workload
+# that needs a token reads it from a file of its user's (e.g. ~/.cache/huggingface/token).
+SECRET_NAME_PARTS = ("TOKEN", "JWT", "SECRET", "PASSWORD", "PASSWD", "KEY", "CREDENTIAL")
+
+
+def _secret_name(name: str) -> bool:
+    upper = name.upper()
+    return any(part in upper for part in SECRET_NAME_PARTS)
+
+
 def step_environment(env: dict) -> dict:
-    """The part of `env` a step needs (STEP_ENV_NAMES and STEP_ENV_PREFIXES)."""
-    return {k: v for k, v in env.items() if k in STEP_ENV_NAMES or k.startswith(STEP_ENV_PREFIXES)}
+    """The part of `env` a step needs (STEP_ENV_NAMES and STEP_ENV_PREFIXES), less any name that
+    looks like a credential's (SECRET_NAME_PARTS)."""
+    return {k: v for k, v in env.items()
+            if (k in STEP_ENV_NAMES or k.startswith(STEP_ENV_PREFIXES)) and not _secret_name(k)}
 
 
 def start_srun(argv: list[str], env: dict, log_path: Path | None, stdin_pipe: bool = False) -> subprocess.Popen:

@@ -4,9 +4,11 @@ controller that takes over learns them again (each says how)."""
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from trainmover.controller.codec import transient
+from trainmover.errors import ConfigError
 
 
 class StandbyState(enum.StrEnum):
@@ -63,3 +65,23 @@ def came_back(job_nodes, view, leaving: set[str], keeper: str | None, fenced: se
     a drain of it was ignored (the controller never handed over: the benchmark's last trial)."""
     busy = set(view.rank_node.values()) | set(view.standbys) | leaving | fenced | {keeper}
     return [n for n in job_nodes if n in view.released and n not in busy]
+
+
+def split_in_job(nodes: Sequence[str], n: int, *, batch_host: str, features: Mapping[str, Iterable[str]],
+                 train_feature: str) -> tuple[list[str], list[str]]:
+    """The job's nodes (all but the keeper, in the controller's order: Slurm's) as (training
+    nodes, in-job standbys) for TM_INJOB_STANDBYS=`n`: the standbys are the last `n` nodes that
+    carry `train_feature` (every node, where none carries it: a cluster without features), never
+    the batch host (it runs the batch script, and a shrink cannot release it). At least one
+    training node must be left, or this is a ConfigError that says how many nodes to ask for."""
+    nodes = list(nodes)
+    if n <= 0:
+        return nodes, []
+    featured = any(train_feature in features.get(x, ()) for x in nodes)
+    candidates = [x for x in nodes if x != batch_host and (not featured or train_feature in features.get(x, ()))]
+    if n > len(candidates) or len(nodes) - n < 1:
+        raise ConfigError(f"TM_INJOB_STANDBYS={n}: the job has {len(nodes)} training node(s) ({len(candidates)} of "
+                          f"which could be standbys), too few to keep {n} standby(s) and train on at least one: ask "
+                          f"for {n} more node(s) at submit (--nodes), or lower TM_INJOB_STANDBYS")
+    standbys = candidates[-n:]
+    return [x for x in nodes if x not in standbys], standbys

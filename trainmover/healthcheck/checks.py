@@ -40,17 +40,24 @@ def check_injected(hook: "Hook", gpu_checks: bool) -> list[Finding]:
 
 
 def check_disk(paths: Sequence[str], min_free_gb: float,
-               usage: Callable[[str], "shutil._ntuple_diskusage"] = shutil.disk_usage) -> list[Finding]:
+               usage: Callable[[str], "shutil._ntuple_diskusage"] = shutil.disk_usage,
+               drains: bool = True) -> list[Finding]:
+    """Free space on each of `paths`. `drains`: whether too little is a fault (the admin named the
+    file system: --disk) or only a warning (run.REPORTED_DISKS: any user can fill /tmp, and / where
+    /tmp or /var/tmp lies on it, so that alone never drains a node)."""
     out = []
     for p in paths:
         try:
             u = usage(p)
         except OSError as exc:
-            out.append(Finding("disk", False, f"{p}: cannot stat ({exc.strerror or exc})"))
+            out.append(Finding("disk", not drains, f"{p}: cannot stat ({exc.strerror or exc})", warning=not drains))
             continue
         free_gb = u.free / 1e9
-        ok = free_gb >= min_free_gb
-        out.append(Finding("disk", ok, f"{p}: {free_gb:.1f} GB free (minimum {min_free_gb:g} GB)"))
+        low = free_gb < min_free_gb
+        detail = f"{p}: {free_gb:.1f} GB free (minimum {min_free_gb:g} GB)"
+        if low and not drains:
+            detail += " (reported only: drains only for a file system named with --disk)"
+        out.append(Finding("disk", not (low and drains), detail, warning=low and not drains))
     return out
 
 

@@ -38,7 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node", help="node to check and drain (default: $SLURMD_NODENAME, else the short hostname)")
     p.add_argument("--state-dir", default=DEFAULT_STATE_DIR,
                    help=f"where the counter state and the test hook inject-fault-<node> live (default {DEFAULT_STATE_DIR})")
-    p.add_argument("--disk", action="append", metavar="PATH", help="file system to check (repeatable; default / and /tmp)")
+    p.add_argument("--disk", action="append", metavar="PATH",
+                   help="file system whose free space below --min-free-gb drains the node (repeatable; default "
+                        "none: / and /tmp are reported as warnings only, since any user can fill /tmp, and / where "
+                        "/tmp or /var/tmp lies on it; docs/admin.md)")
     p.add_argument("--min-free-gb", type=float, default=1.0, help="least free space per --disk path (default 1)")
     p.add_argument("--no-drain", action="store_true", help="report only (for NHC, which drains by itself)")
     p.add_argument("--no-gpu", action="store_true", help="skip the GPU checks")

@@ -23,13 +23,17 @@ from trainmover.healthcheck.decide import Action, decide
 from trainmover.healthcheck.verdict import Policy, judge
 
 DEFAULT_STATE_DIR = "/var/lib/trainmover/healthcheck"
+REPORTED_DISKS = ("/", "/tmp")  # free space reported when no --disk is named (warnings only)
 
 
 @dataclass(frozen=True)
 class Options:
     node: str
     state_dir: Path = Path(DEFAULT_STATE_DIR)
-    disk_paths: tuple[str, ...] = ("/", "/tmp")
+    # File systems whose free space below min_free_gb drains the node: none unless the admin names
+    # them (--disk). Any user can fill /tmp (and / where /tmp or /var/tmp lies on it), so by
+    # default REPORTED_DISKS are only reported (a warning), never a reason to drain (issue 37).
+    disk_paths: tuple[str, ...] = ()
     min_free_gb: float = 1.0
     drain: bool = True
     deadline_s: float = 6.0        # all checks together
@@ -125,7 +129,8 @@ def collect(opts: Options, extra: Sequence[tuple[str, Callable[[], list[Finding]
     hook = gpu_check.hook if gpu_check else inject.read_hook(opts.state_dir, opts.node)
     jobs: list[tuple[str, Callable[[], list[Finding]]]] = [
         ("inject", lambda: checks.check_injected(hook, opts.gpu)),
-        ("disk", lambda: checks.check_disk(opts.disk_paths, opts.min_free_gb)),
+        ("disk", lambda: checks.check_disk(opts.disk_paths, opts.min_free_gb) if opts.disk_paths
+         else checks.check_disk(REPORTED_DISKS, opts.min_free_gb, drains=False)),
     ]
     if opts.straggler:
         jobs.append(("straggler", lambda: _straggler_checks(opts)))

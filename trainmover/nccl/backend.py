@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import io
+import threading
 import time
 
 import torch
@@ -22,6 +23,28 @@ from trainmover.runtime.groups import completed_work
 from trainmover.runtime.tensors import by_dtype
 
 WARM_SIZES = (256, 1 << 16, 1 << 20, 1 << 23)  # float32 elements: LL, LL128 and Simple ranges
+
+# One float per device that every pre-connecting collective uses (`NcclBackend.preconnect`),
+# allocated at the process's first one (its world group, before training) and kept. A tensor
+# made in each Phase 1 instead, on its private stream, made the caching allocator reserve a new
+# 2 MiB segment for that stream on every stayer, at every migration (stayer_extra_reserved_bytes
+# 2,097,152 in every 4-GPU run), which no training stream ever reuses. The buffer holds 1.0 and
+# every use keeps it so (max-reduce of ones, a send/recv of it): collectives of two groups being
+# built at once in one process may share it.
+_SCRATCH: dict[int, torch.Tensor] = {}
+_SCRATCH_LOCK = threading.Lock()
+
+
+def _scratch() -> tuple[torch.Tensor, bool]:
+    """(this device's pre-connect buffer, whether it was made just now: on the current stream,
+    which must then come before its first use on another)."""
+    dev = torch.cuda.current_device()
+    with _SCRATCH_LOCK:
+        t = _SCRATCH.get(dev)
+        if t is None:
+            t = _SCRATCH[dev] = torch.ones(1, device=dev)
+            return t, True
+    return t, False
 
 _OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min",
         dist.ReduceOp.PRODUCT: "prod", dist.ReduceOp.AVG: "avg"}
@@ -114,10 +137,14 @@ class NcclBackend:
         """Make NCCL set up its connections now (Phase 1), not at the first real use (the
         pause): one tiny collective, or for a transfer pair one tiny send/recv, since p2p
         connections are separate from ring/tree ones. Run by every member on a private
-        stream, so it never queues behind (or ahead of) training kernels on other comms."""
+        stream, so it never queues behind (or ahead of) training kernels on other comms, on the
+        process's one pre-connect buffer (`_scratch`): a stayer's Phase 1 takes nothing from
+        torch's allocator, not even a segment for the private stream."""
         stream = torch.cuda.Stream()
+        t, new = _scratch()
+        if new:  # filled on the current stream (once per process: its first group, before training)
+            stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            t = torch.ones(1, device=torch.cuda.current_device())
             if p2p:
                 with lib.group():
                     (self.comm.send if self.rank_ == 0 else self.comm.recv)(t, 1 - self.rank_)
@@ -129,7 +156,7 @@ class NcclBackend:
                     self.comm.allreduce(buf, buf, "sum")
                     del buf
             else:
-                self.comm.allreduce(t, t, "sum")
+                self.comm.allreduce(t, t, "max")  # ones stay ones
         stream.synchronize()
 
     def channel(self) -> "NcclChannel":

@@ -24,6 +24,7 @@ import logging
 from collections.abc import Callable
 
 from trainmover.protocol import files
+from trainmover.protocol.handshake_log import HandshakeFailures
 from trainmover.protocol.messages import Message, validate
 from trainmover.errors import DeadlineExceeded, ProtocolError
 
@@ -200,6 +201,7 @@ class Server:
         self.inbox: queue.Queue[tuple[Connection, Message | None]] = queue.Queue()
         self.rejected = 0
         self.evicted = 0
+        self.handshake_failures = HandshakeFailures()  # failed MACs before a hello: which get a line
         self._pending: dict[socket.socket, float] = {}  # in the handshake, oldest first
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -273,10 +275,18 @@ class Server:
         except (ProtocolError, OSError, socket.timeout) as exc:
             self.rejected += 1
             # a peer that never got through the handshake (a scan, a flood) is noise: counted,
-            # summed up every 100; a failed MAC or a known peer's loss is worth a line each
-            loud = isinstance(exc, AuthenticationFailed) or (conn is not None and conn.identity is not None)
-            log.log(logging.WARNING if loud else logging.DEBUG, "control: dropped connection from %s: %s", peer, exc)
-            if not loud and self.rejected % 100 == 0:
+            # summed up every 100; a failed MAC before the hello gets a line for the first from
+            # each address, then a summary at most once a minute (handshake_log.py); a known
+            # peer's loss is worth a line each
+            known = conn is not None and conn.identity is not None
+            if isinstance(exc, AuthenticationFailed) and not known:
+                with self._lock:
+                    line = self.handshake_failures.failed(peer, str(exc), time.monotonic())
+                if line:
+                    log.warning("%s", line)
+                return
+            log.log(logging.WARNING if known else logging.DEBUG, "control: dropped connection from %s: %s", peer, exc)
+            if not known and self.rejected % 100 == 0:
                 log.warning("control: %d connections dropped before authenticating so far (%d pushed out while "
                             "waiting)", self.rejected, self.evicted)
         except Exception as exc:  # noqa: BLE001 - whatever a peer sends, this thread ends cleanly
@@ -295,6 +305,10 @@ class Server:
     def close(self) -> None:
         self._stop.set()
         self.sock.close()
+        with self._lock:
+            line = self.handshake_failures.summary(time.monotonic(), force=True)
+        if line:
+            log.warning("%s", line)
 
 
 def connect(address: tuple[str, int], key: bytes, hello: Message, *, timeout: float = 10.0,

@@ -57,6 +57,8 @@ class ScriptRun:
     def __init__(self, path: str, argv: list[str], nest, tracked, device: int | None, world):
         self.path, self.argv, self.nest, self.tracked, self.device, self.world = path, list(argv), nest, tracked, device, world
         nest.run = self
+        self.owner = None    # an integration whose framework runs the loop (owner.py), else the nest's tm.loop
+        self.reentry: dict | None = None  # the state a fresh run re-enters at (None: a fresh start)
         self.mode = "sandbox"  # live, sandbox (a standby, a checker's joiner) or warm (re-entry): see is_live
         self.warm_more = True  # the driver's answer to a `warm` park
         self._to_run, self._to_driver = threading.Semaphore(0), threading.Semaphore(0)

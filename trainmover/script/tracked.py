@@ -57,8 +57,8 @@ def base_module(model: torch.nn.Module) -> torch.nn.Module:
 
 def state_of(obj):
     kind = kind_of(obj)
-    if kind == "model":
-        return base_module(obj).state_dict()
+    if kind == "model":  # tensors only: Megatron's modules keep `_extra_state` entries (None, bytes) beside them
+        return {k: v for k, v in base_module(obj).state_dict().items() if isinstance(v, torch.Tensor)}
     if kind in ("optimizer", "stateful"):
         return obj.state_dict()
     if kind == "generator":
@@ -75,7 +75,7 @@ def load_into(obj, state) -> None:
     """Put `state` back into `obj`, in place where it holds tensors others refer to."""
     kind = kind_of(obj)
     if kind == "model":
-        own = base_module(obj).state_dict()
+        own = state_of(obj)
         missing = sorted(set(own) - set(state))
         if missing:
             raise ConfigError(f"tracked model: the state lacks {missing[:5]} (a different model?)")
@@ -94,7 +94,7 @@ def load_into(obj, state) -> None:
         version, internal, gauss = state
         obj.setstate((int(version), tuple(int(x) for x in internal.tolist()), gauss))
     elif kind == "numpy":
-        obj.bit_generator.state = _numpy_restore(state)
+        setattr(obj.bit_generator, "state", _numpy_restore(state))  # NumPy's API: a property setter
     else:
         obj.clear()
         obj.update(state)
@@ -146,11 +146,15 @@ class Tracked:
             load_into(obj, part[name])
 
     def covers(self, obj) -> bool:
-        """Whether `obj` is tracked, or is part of a tracked model (a submodule, a DDP wrapper's module)."""
-        if any(obj is o for o in self.objects.values()):
+        """Whether `obj` is carried: tracked; a module inside a tracked model or a wrapper around
+        one (DDP, Megatron's DDP, torch.compile: the parameters are the same); or an object a
+        tracked object holds as an attribute (an adapter whose state_dict speaks for it)."""
+        tracked = list(self.objects.values())
+        if any(obj is o for o in tracked):
             return True
         if isinstance(obj, torch.nn.Module):
-            base = base_module(obj)
-            return any(isinstance(o, torch.nn.Module) and any(base is m for m in base_module(o).modules())
-                       for o in self.objects.values())
-        return False
+            mods = [o for o in tracked if isinstance(o, torch.nn.Module)]
+            if any(any(obj is m for m in o.modules()) or any(o is m for m in obj.modules()) for o in mods):
+                return True
+        return any(any(obj is v for v in vars(o).values()) for o in tracked if hasattr(o, "__dict__")
+                   and not isinstance(o, torch.nn.Module))

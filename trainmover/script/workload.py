@@ -68,6 +68,8 @@ class ScriptWorkload(Workload):
 
     def state_dict(self) -> dict:
         run = self._live_run()
+        if run.owner is not None:  # a framework runs the loop (owner.py): its state, and what the script tracks
+            return merge(run.tracked.state(), run.owner.state(), run.owner.name)
         if run.nest.last is None:
             raise TrainMoverError("no step boundary yet: the state of a script is taken at tm.step()")
         # The random state now is the boundary's (nothing draws between tm.step and here).
@@ -106,9 +108,10 @@ class ScriptWorkload(Workload):
         re-entered at `state`'s position with `state` loaded (module docstring)."""
         self.release()
         script_world.prepare(self.ctx)
-        nest = Nest(Reentry(state["loop"]) if state is not None else None)
+        nest = Nest(Reentry(state["loop"]) if state is not None and "owner" not in state else None)
         self.run = ScriptRun(self.path, self.argv, nest, Tracked(), device=self._device_index(), world=self.ctx)
         self.run.inspect_all = self.inspect_all
+        self.run.reentry = state
         with self._sandboxed(state is not None):
             event = self.run.start("sandbox" if state is not None else self._mode())
             if state is None:
@@ -117,8 +120,8 @@ class ScriptWorkload(Workload):
             event = self._warm(event)
             self._expect(event, "reentered", "where the state was saved")
             self.run.tracked.load(state)
-            # Until its next boundary the run stands where the loaded state was taken.
-            self.run.nest.last = {"levels": state["loop"]["levels"], "counters": state["loop"].get("counters", {})}
+            if "owner" not in state:  # until its next boundary the run stands where the loaded state was taken
+                self.run.nest.last = {"levels": state["loop"]["levels"], "counters": state["loop"].get("counters", {})}
 
     def _warm(self, event):
         """Warm iterations of a re-entry, in the sandbox: until two in a row issue the same
@@ -141,7 +144,8 @@ class ScriptWorkload(Workload):
         self.release()
         if event.kind == "ended":
             raise ConfigError(f"the script {os.path.basename(self.path)} ended without reaching its loop {where}: "
-                              "does it iterate tm.loop(...) and call tm.step() (docs/scripts.md)?")
+                              "does it iterate tm.loop(...) and call tm.step() (docs/scripts.md), or, where a Trainer runs the "
+                              "loop, pass it TrainMover's callback (docs/scripts-trainers.md)?")
         raise ConfigError(f"the script {os.path.basename(self.path)} stopped at {event.kind!r}, not {where}: its "
                           "loops must be the same on every rank and in every run (docs/scripts.md)")
 
@@ -156,3 +160,17 @@ class ScriptWorkload(Workload):
             for g in {id(g): g for g in self.ctx.groups.values()}.values():
                 stack.enter_context(g.sandbox_for_a_while())
             yield
+
+
+def merge(tracked: dict, owned: dict, name: str) -> dict:
+    """The state of a run whose loop a framework runs: the owner's part (its "model" and
+    "optimizer" entries beside the tracked ones, its own under its name) and what tm.track names."""
+    out = {part: dict(tracked.get(part, {})) for part in ("model", "optimizer", "objects")}
+    for part in ("model", "optimizer"):
+        clash = set(out[part]) & set(owned.get(part, {}))
+        if clash:
+            raise ConfigError(f"tm.track() names {sorted(clash)}, which {name} carries already: use other names")
+        out[part].update(owned.get(part, {}))
+    out[name] = owned[name]
+    out["owner"] = name
+    return out

@@ -21,6 +21,7 @@ from typing import Optional, Protocol, runtime_checkable
 from trainmover.errors import SlurmError
 from trainmover.slurm import argv as build
 from trainmover.slurm import commands, parse, rights
+from trainmover.slurm import expansion_fix as expansion_fix_file
 from trainmover.slurm.model import BatchHostRelease, JobInfo, NodeInfo, NoStandbyAvailable, UnknownNodes
 
 __all__ = ["SlurmClient", "CliSlurm", "client"]
@@ -52,9 +53,10 @@ class SlurmClient(Protocol):
 
     def resume(self, node: str) -> None: ...
 
-    def capabilities(self, job_id: int, reservation: str) -> rights.Capabilities:
+    def capabilities(self, job_id: int, reservation: str, expansion_fix: str = "auto") -> rights.Capabilities:
         """What this process's user may do to job `job_id` and its nodes (slurm/rights.py),
-        from Slurm's records: nothing is changed to find out."""
+        from Slurm's records: nothing is changed to find out. `expansion_fix`: where the admin
+        declares a fixed slurmctld release (TM_SLURM_EXPANSION_FIX: auto, a path, off)."""
 
     def free_standbys(self, reservation: str) -> list[str]: ...
 
@@ -181,9 +183,10 @@ class CliSlurm:
         names = self.reservation_nodes(reservation)
         return [n for n, info in self.nodes(names).items() if info.idle]
 
-    def capabilities(self, job_id: int, reservation: str) -> rights.Capabilities:
-        """See SlurmClient.capabilities: `scontrol show config`, the job's account, the
-        reservation and (with accounting) the user's AdminLevel, judged by rights.decide."""
+    def capabilities(self, job_id: int, reservation: str, expansion_fix: str = "auto") -> rights.Capabilities:
+        """See SlurmClient.capabilities: `scontrol show config` (its SLURM_VERSION is slurmctld's
+        own release), the job's account, the reservation, (with accounting) the user's AdminLevel
+        and the admin's declaration of a fixed release, judged by rights.decide."""
         uid = os.getuid()
         try:
             user = pwd.getpwuid(uid).pw_name
@@ -214,7 +217,10 @@ class CliSlurm:
             slurm_user=rights.slurm_user_name(config.get("SlurmUser", "root")),
             scheduler_parameters=config.get("SchedulerParameters", ""), admin_level=level, accounting=accounting,
             reservation=reservation, reservation_fields=found,
-            reservation_error="" if found else (proc.stderr or proc.stdout).strip()[:200]))
+            reservation_error="" if found else (proc.stderr or proc.stdout).strip()[:200],
+            slurm_version=config.get("SLURM_VERSION", ""),
+            expansion_fix=expansion_fix_file.read(expansion_fix_file.location(
+                expansion_fix, commands.build_env(self._env).get("SLURM_CONF")))))
 
     # --- changes --------------------------------------------------------------------
     def drain(self, node: str, reason: str) -> None:

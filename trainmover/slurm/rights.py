@@ -10,17 +10,34 @@ Slurm's rules, as used here:
   database (`scontrol update nodename=... state=drain` is refused to anyone else: "Invalid
   user id").
 * shrink: the owner of a job may always reduce it (`scontrol update jobid=... nodelist=...`).
-* grow: needs SchedulerParameters=permit_job_expansion (a donor job merged into the job) and a
-  reservation that admits the user: every one of its Users=, Accounts= and Groups= that is set
-  must admit them (a leading '-' excludes: Users=-bob admits everyone but bob).
+* grow: needs SchedulerParameters=permit_job_expansion (a donor job merged into the job), a
+  slurmctld release whose job expansion does not crash it (slurm/expansion_safety.py: 25.11.0-
+  25.11.7 and 26.05.0-26.05.4 die with SIGSEGV at every merge) or that the site's admin declares
+  fixed (slurm/expansion_fix.py), and a reservation that admits the user: every one of its
+  Users=, Accounts= and Groups= that is set must admit them (a leading '-' excludes: Users=-bob
+  admits everyone but bob). The release is judged before the reservation: a refusal on an
+  unsafe release must be said even where the reservation would also refuse.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Optional
 
+from trainmover.slurm import pool_mode
+from trainmover.slurm.expansion_fix import Declaration
+from trainmover.slurm.expansion_safety import expansion_verdict
+
 DRAIN_LEVELS = ("operator", "administrator")
+EXPANSION_OFF = "SchedulerParameters lacks permit_job_expansion: Slurm cannot merge a node into a job"
+# What stops grow (Capabilities.grow_blocked_by), and what the job's user can ask for.
+ADVICE = {
+    "slurm.conf": "Ask an admin to add permit_job_expansion to SchedulerParameters (docs/admin.md)",
+    "release": ("Ask an admin to upgrade Slurm, or to apply the fix and declare it in trainmover-expansion-fix "
+                "beside slurm.conf (docs/admin.md, the table at the top)"),
+    "reservation": "Ask an admin to admit user {user} to reservation {reservation} (Users= or Accounts=)",
+}
 
 
 @dataclass(frozen=True)
@@ -38,6 +55,8 @@ class Facts:
     reservation: str = ""
     reservation_fields: Optional[Mapping[str, str]] = None  # None: the reservation does not exist
     reservation_error: str = ""              # why it could not be read
+    slurm_version: str = ""                  # scontrol show config: SLURM_VERSION, slurmctld's own release
+    expansion_fix: Declaration = Declaration()  # the admin's declaration of a fixed release
 
 
 @dataclass(frozen=True)
@@ -47,22 +66,38 @@ class Capabilities:
     shrink: bool
     drain: bool
     why: dict = field(default_factory=dict)  # capability -> why it is missing
+    grow_blocked_by: str = ""                # "" (grow: yes) or a key of ADVICE
+    expansion: dict = field(default_factory=dict)  # {slurm, safe, why}: the release's verdict
+    pool: Optional[pool_mode.PoolMode] = None  # where the job's standbys come from (pool_mode.py)
 
     def as_status(self) -> dict:
-        return {"user": self.user, "grow": self.grow, "shrink": self.shrink, "drain": self.drain, "why": dict(self.why)}
+        return {"user": self.user, "grow": self.grow, "shrink": self.shrink, "drain": self.drain, "why": dict(self.why),
+                **({"expansion": dict(self.expansion)} if self.expansion else {}),
+                **({"pool_mode": self.pool.as_status()} if self.pool else {})}
 
-    def start_error(self, standbys: int, reservation: str) -> str:
-        """Why a job that wants `standbys` cannot start ('' when it can): it could never take one."""
-        if self.grow or not standbys:
+    def for_job(self, in_job: int) -> "Capabilities":
+        """These capabilities for a job that brings `in_job` standbys in its own allocation
+        (TM_INJOB_STANDBYS): where grow is blocked its pool mode is in-job (pool_mode.with_in_job)."""
+        if self.pool is None or not in_job:
+            return self
+        return dataclasses.replace(self, pool=pool_mode.with_in_job(self.pool, in_job))
+
+    def start_error(self, standbys: int, reservation: str, in_job: int = 0) -> str:
+        """Why a job that wants `standbys` cannot start ('' when it can): it could never take one
+        and brings none in its own allocation (`in_job`: TM_INJOB_STANDBYS)."""
+        if self.grow or not standbys or in_job:
             return ""
-        return (f"cannot take standbys: {self.why['grow']}. Ask an admin to admit user {self.user} to "
-                f"reservation {reservation} (Users= or Accounts=), or set TM_STANDBYS=0 to run without migration")
+        advice = ADVICE.get(self.grow_blocked_by, ADVICE["reservation"]).format(user=self.user, reservation=reservation)
+        return f"cannot take standbys: {self.why['grow']}. {advice}, or set TM_STANDBYS=0 to run without migration"
 
-    def consequences(self, standbys: int) -> list[str]:
+    def consequences(self, standbys: int, in_job: int = 0) -> list[str]:
         """One line per missing capability: what is missing and what follows for this job."""
         out = []
         if not self.grow:
-            follows = ("the job cannot take standbys: no migration or recovery is possible" if standbys
+            follows = (f"the job uses the {in_job} standby(s) it brought in its own allocation (TM_INJOB_STANDBYS) "
+                       "and takes none from the reservation: once they are used, a drain waits with the job "
+                       "training on the drained node and a failure goes to the next recovery tier" if in_job
+                       else "the job cannot take standbys: no migration or recovery is possible" if standbys
                        else "not needed: TM_STANDBYS=0")
             out.append(f"grow: no ({self.why.get('grow', '')}); {follows}")
         if not self.shrink:
@@ -108,14 +143,25 @@ def decide(f: Facts) -> Capabilities:
                         + (f"has AdminLevel {f.admin_level}" if f.admin_level is not None
                            else "not in the accounting database" if f.accounting
                            else "there is no accounting database to make it an operator"))
-    grow = True
-    if "permit_job_expansion" not in f.scheduler_parameters.split(","):
-        grow, why["grow"] = False, "SchedulerParameters lacks permit_job_expansion: Slurm cannot merge a node into a job"
-    else:
-        refusal = reservation_refusal(f)
-        if refusal:
-            grow, why["grow"] = False, refusal
-    return Capabilities(f.user, grow, True, drain, why)
+    pool, expansion = choose_pool(f.scheduler_parameters, f.slurm_version, f.expansion_fix, f.reservation,
+                                  reservation_refusal(f))
+    if pool.blocked_by:
+        why["grow"] = pool.refusal
+    return Capabilities(f.user, not pool.blocked_by, True, drain, why, pool.blocked_by, expansion, pool)
+
+
+def choose_pool(scheduler_parameters: str, slurm_version: str, declaration: Declaration, reservation: str,
+                refusal: Optional[str], in_job: int = 0) -> tuple[pool_mode.PoolMode, dict]:
+    """The pool mode (pool_mode.choose) and the release's verdict ({slurm, safe, why}) from
+    slurm.conf's SchedulerParameters, slurmctld's release, the admin's declaration, the
+    reservation's refusal (None: not checked, as at submit) and the job's in-job standbys."""
+    release = expansion_verdict(slurm_version, declaration.covers(slurm_version))
+    note = "" if release.safe else declaration.note()
+    pool = pool_mode.choose(expansion_permitted="permit_job_expansion" in scheduler_parameters.split(","),
+                            release_safe=release.safe, release_why=release.reason + (f"; {note}" if note else ""),
+                            reservation=reservation, reservation_refusal=refusal, expansion_off_why=EXPANSION_OFF,
+                            in_job=in_job)
+    return pool, {"slurm": slurm_version, "safe": release.safe, "why": release.reason}
 
 
 def parse_config(text: str) -> dict[str, str]:

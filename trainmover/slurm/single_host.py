@@ -70,8 +70,9 @@ class SingleHostAllocation:
     def resume(self, node: str) -> None:
         self.drained.discard(node)
 
-    def capabilities(self, job_id: int, reservation: str):
-        """Everything: the allocation is this process's own (its "drain" is a set of names)."""
+    def capabilities(self, job_id: int, reservation: str, expansion_fix: str = "auto"):
+        """Everything: the allocation is this process's own (its "drain" is a set of names; its
+        "grow" takes a GPU of this host, no Slurm job expansion)."""
         from trainmover.slurm.rights import Capabilities
         return Capabilities(user=str(os.getuid()), grow=True, shrink=True, drain=True)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 
-from trainmover.slurm import commands
+from trainmover.slurm import commands, expansion_fix, parse, rights
 
 TIMEOUT_S = 30.0
 
@@ -45,9 +45,34 @@ def explain(slurm_error: str, partitions: str, reservations: str, keepers: int =
     return "\n".join(lines)
 
 
+def standby_mode(reservation: str, fix_setting: str, env: Mapping[str, str] | None = None,
+                 run: Callable = commands.run, in_job: int = 0) -> str:
+    """One line for the user: where a job's standbys would come from on this cluster
+    (slurm/pool_mode.py), from `scontrol show config`, the reservation and the admin's
+    declaration of a fixed release; or why that is not known. Whether the reservation admits
+    the job's account is checked when the job starts (its account is not known here). `in_job`:
+    the standbys the job brings in its own allocation (TM_INJOB_STANDBYS): where grow is not
+    possible its mode is in-job."""
+    conf = run(["scontrol", "show", "config"], timeout=TIMEOUT_S, env=env, check=False)
+    if conf.returncode != 0:
+        return f"trainmover: standby mode not known: scontrol show config: {(conf.stderr or conf.stdout).strip()[:200]}"
+    config = rights.parse_config(conf.stdout)
+    resv = run(["scontrol", "-o", "show", "reservation", reservation], timeout=TIMEOUT_S, env=env, check=False)
+    found = parse.parse_reservation_text(resv.stdout).get(reservation)
+    where = expansion_fix.location(fix_setting, commands.build_env(env).get("SLURM_CONF"))
+    pool, _ = rights.choose_pool(config.get("SchedulerParameters", ""), config.get("SLURM_VERSION", ""),
+                                 expansion_fix.read(where), reservation,
+                                 None if found else f"reservation {reservation} not found", in_job=in_job)
+    return f"trainmover: this job's {pool.line()}"
+
+
 def submit(argv: list[str], env: Mapping[str, str] | None = None,
-           run: Callable = commands.run) -> tuple[int, str, str]:
-    """(exit status, stdout, stderr) of the submission, or of the refusal."""
+           run: Callable = commands.run, reservation: str = "trainmover_standby",
+           fix_setting: str = "auto", in_job: int = 0) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of the submission, or of the refusal. A submitted job's
+    stderr ends with its standby mode (standby_mode): what the job will get, said before it
+    runs. `reservation`, `fix_setting`, `in_job`: TM_RESERVATION, TM_SLURM_EXPANSION_FIX and
+    TM_INJOB_STANDBYS."""
     test = run(["sbatch", "--test-only", *argv], timeout=TIMEOUT_S, env=env, check=False)
     if test.returncode != 0:
         parts = run(["sinfo", "-h", "-o", "%R %D"], timeout=TIMEOUT_S, env=env, check=False).stdout
@@ -57,4 +82,7 @@ def submit(argv: list[str], env: Mapping[str, str] | None = None,
                        if len(ln.split()) == 2 and "tm_keeper" in ln.split()[1].split(",")})
         return test.returncode, "", explain(test.stderr, parts, resv, keepers)
     done = run(["sbatch", *argv], timeout=TIMEOUT_S, env=env, check=False)
-    return done.returncode, done.stdout, done.stderr
+    if done.returncode != 0:
+        return done.returncode, done.stdout, done.stderr
+    mode = standby_mode(reservation, fix_setting, env, run, in_job=in_job)
+    return done.returncode, done.stdout, (done.stderr.rstrip("\n") + "\n" if done.stderr.strip() else "") + mode + "\n"

@@ -35,6 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "for several alike, e.g. 32768,8192x4 (default: this one job)")
     p.add_argument("--monte-carlo", type=int, metavar="TRIALS", default=0,
                    help="also run the simulator's Monte-Carlo (1 year x TRIALS) per pool size, beside the model")
+    p.add_argument("--cluster", action="store_true",
+                   help="also say where a job's standbys come from on this cluster (asks Slurm: scontrol show config "
+                        "and the reservation; TM_RESERVATION, TM_SLURM_EXPANSION_FIX, TM_INJOB_STANDBYS as the job would have "
+                        "them: reservation-grow, in-job or none)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of ETTR and GPU-hours lost per pool size (needs matplotlib)")
 
@@ -198,10 +202,26 @@ def write_plot(result: dict, path: str) -> None:
         plt.close(fig)
 
 
+def standby_mode() -> str:
+    """`--cluster`: the standby mode a job submitted from here gets (slurm/submit.py), with this
+    environment's reservation, declaration setting and TM_INJOB_STANDBYS (in-job standbys where
+    grow is not possible), which the job inherits."""
+    from trainmover.config import Config
+    from trainmover.slurm.submit import standby_mode as ask
+    try:
+        cfg = Config.from_env()
+    except ConfigError:
+        cfg = Config()
+    return ask(cfg.reservation, cfg.slurm_expansion_fix, in_job=cfg.injob_standbys)
+
+
 def main(args: argparse.Namespace) -> int:
     result = plan(args)
     if args.plot:
         write_plot(result, args.plot)
         result["plot"] = args.plot
-    print(json.dumps(result, indent=1) if args.json else format_text(result))
+    if args.cluster:
+        result["cluster"] = {"standby_mode": standby_mode()}
+    text = format_text(result) + (f"\n{result['cluster']['standby_mode']}" if args.cluster else "")
+    print(json.dumps(result, indent=1) if args.json else text)
     return 0
