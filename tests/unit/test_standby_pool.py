@@ -104,5 +104,6 @@ def test_no_module_but_the_pool_changes_a_standbys_state():
                         offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
             if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "Standby" and len(node.args) > 1:
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} (Standby built with a state)")
-    # fencing.py keeps its own per-node state machine (a fenced node's drain): not a standby's
-    assert [o for o in offenders if not o.startswith("controller/fencing.py")] == []
+    # fencing.py keeps its own per-node state machine (a fenced node's drain): not a standby's;
+    # integrations/ set a training framework's own state (the Hugging Face Trainer's TrainerState)
+    assert [o for o in offenders if not o.startswith(("controller/fencing.py", "integrations/"))] == []
