@@ -215,7 +215,7 @@ def test_the_megatron_script_moves_and_recovers_bit_exactly(cluster, tmp_path_fa
     reference = _submit_script(cluster, tmp_path_factory, "mg-script-ref", TM_STANDBYS=0)
     run = None
     try:
-        assert reference.wait_done(client, timeout=900) == "COMPLETED", reference.slurm_out()[-3000:]
+        assert reference.wait_done(client, timeout=400) == "COMPLETED", reference.slurm_out()[-3000:]
         run = _submit_script(cluster, tmp_path_factory, "mg-script-move", TM_STANDBYS=2, TM_STANDBY_RETRY_S=3600,
                              TM_SNAPSHOT_EVERY=SNAPSHOT_EVERY, TM_INJECT="pace:0.1",
                              # a pipeline peer of the killed rank waits in a point-to-point receive, which the
@@ -235,7 +235,7 @@ def test_the_megatron_script_moves_and_recovers_bit_exactly(cluster, tmp_path_fa
         victim = run.metrics()[-1]["nodes"][FIRST_STAGE]
         os.kill(step_pid(run.job_id, victim), signal.SIGKILL)
         killed_at = time.time()
-        assert run.wait_done(client, timeout=900) == "COMPLETED", run.slurm_out()[-3000:]
+        assert run.wait_done(client, timeout=400) == "COMPLETED", run.slurm_out()[-3000:]
     finally:
         ids = [str(r.job_id) for r in (reference, run) if r is not None]
         commands.run(["scancel", *ids], timeout=10, env=reference.env, check=False)

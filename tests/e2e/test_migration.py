@@ -72,9 +72,22 @@ class Run:
     def wait_done(self, client, timeout=180) -> str:
         # every 0.5 s (one `scontrol show job`): each second of the interval cost ~0.5 s per job,
         # and about 40 tests wait for a job's end
-        wait_for(f"job {self.job_id} to end", lambda: client.job(self.job_id).state not in
-                 ("RUNNING", "PENDING", "COMPLETING", "CONFIGURING"), timeout=timeout, interval=0.5)
+        try:
+            wait_for(f"job {self.job_id} to end", lambda: client.job(self.job_id).state not in
+                     ("RUNNING", "PENDING", "COMPLETING", "CONFIGURING"), timeout=timeout, interval=0.5,
+                     explain=lambda: self.explain_unended(client))
+        except AssertionError:
+            # A job left running holds its nodes: the module's next jobs would pend behind it and
+            # time out too (CI once lost 15 minutes so), hiding which wait really failed.
+            commands.run(["scancel", str(self.job_id)], timeout=10, env=self.env, check=False)
+            raise
         return client.job(self.job_id).state
+
+    def explain_unended(self, client) -> str:
+        """Why a job did not end: Slurm's view of it and of the nodes, how far it trained, and
+        the tail of its output (the controller's log)."""
+        return (f"{explain_cluster(client, [self.job_id])}\nlast step {self.last_step()}\n"
+                f"job output (tail):\n{self.slurm_out()[-3000:]}")
 
 
 @pytest.fixture(scope="module")
