@@ -235,18 +235,6 @@ def hf_reference(hf_job, slurm_cluster):
     return run
 
 
-# Known defect (issue 35), not run until fixed: after a planned switch of the Hugging Face job the
-# stayer and the joiner issue different collectives. Seen: a switch at an epoch's end (rank 0
-# logged the epoch's evaluation and its next step, then was judged stuck 6 s later with rank 1
-# waiting in world's next collective), and one in mid-epoch (step 38 of 4-step epochs, the
-# negative control: rank 0's training thread idle after 1 collective in world, the joiner's 2).
-# The SIGKILL recovery, where every rank re-enters, passes; a planned move of Lightning passes.
-HF_PLANNED_MOVE_DEFECT = pytest.mark.xfail(
-    run=False, reason="known defect (issue 35): after a planned switch of the Hugging Face job the stayer and "
-    "the joiner issue different collectives (the stayer is judged stuck); the SIGKILL recovery passes")
-
-
-@HF_PLANNED_MOVE_DEFECT
 def test_a_drain_moves_the_huggingface_rank_bit_exactly(hf_job, hf_reference, slurm_client):
     run = hf_job("hf-drain")
     _standby_ready(run)
@@ -271,7 +259,6 @@ def test_a_sigkilled_huggingface_rank_is_recovered_bit_exactly(hf_job, hf_refere
     assert_same_hf(run, hf_reference, *may_miss(m))
 
 
-@HF_PLANNED_MOVE_DEFECT
 def test_without_the_optimizer_state_the_huggingface_job_differs(hf_job, hf_reference, slurm_client):
     run = hf_job("hf-negative", TM_INJECT="pace:0.04,skip-optimizer-state")
     _standby_ready(run)

@@ -92,6 +92,26 @@ def test_the_first_differing_step_and_what_differed():
     assert load.step == 3 and "load_state_dict() does not restore model 'w'" in load.message
 
 
+def test_a_joiner_issuing_other_collectives_than_its_rank_is_named():
+    """The check's joiners replace every rank at once and agree with each other; next to ranks
+    that stay, a collective one side issues and the other does not stalls a move. Counted per
+    step and group against the uninterrupted ranks (the Hugging Face integration once let a
+    mid-epoch re-entry make its step's token-count gather in the sandbox)."""
+    p = Plan(at=3, compare=3, rollback=2)
+    counts = {4: {"world": 3, "dp": 1}, 5: {"world": 3, "dp": 1}, 6: {"world": 3, "dp": 1}}
+    ref = compare.Record(collectives=counts)
+    (ok,) = compare.collectives_finding(p, [ref, ref], [ref, ref])
+    assert ok.ok and ok.check == "collectives" and "steps 4-6" in ok.message
+    short = compare.Record(collectives={**counts, 4: {"world": 2, "dp": 1}})
+    (bad,) = compare.collectives_finding(p, [ref, ref], [ref, short])
+    assert not bad.ok and bad.step == 4
+    assert ("at step 4 (the 1st after the switch after step 3) the joiner of rank 1 issued 2 collective(s) in group "
+            "'world' where the uninterrupted rank issued 3") in bad.message
+    extra = compare.Record(collectives={**counts, 6: {"world": 3, "dp": 1, "tp": 1}})
+    assert compare.collectives_finding(p, [ref, ref], [extra, ref])[0].step == 6
+    assert compare.collectives_finding(p, [ref], [compare.Record()]) == []  # nothing counted: no finding
+
+
 def test_bits_not_values_are_compared():
     assert compare.same_float(float("nan"), float("nan")) and not compare.same_float(0.0, -0.0)
     assert not compare.same_float(0.1 + 0.2, 0.3)
@@ -121,7 +141,7 @@ def test_the_example_cnn_would_migrate_exactly(on_path):
     report = check("cnn:CNN", steps=24)
     assert report.exact, report.text()
     assert report.world == 2 and report.plan.at == 41 and [f.check for f in report.findings] == [
-        "encoding", "migration", "determinism", "rollback", "restart"]
+        "encoding", "migration", "collectives", "determinism", "rollback", "restart"]
 
 
 def test_the_built_in_gpt_would_migrate_exactly(on_path):
@@ -143,3 +163,6 @@ def test_a_process_that_hangs_is_named_with_where_it_was_at_the_deadline(on_path
     report = run_check("tests.unit.check_workloads:HangsOnRank1", {}, steps=4, timeout_s=60)
     assert not report.exact and report.failure.startswith("timed out after 60s; still running: "), report.text()
     assert "reference rank 1 in 'step 6'" in report.failure, report.failure
+    # and where in the step: its threads' stacks, the hanging frame among them
+    stacks = report.failure[report.failure.index("reference rank 1, its threads:"):]
+    assert 'check_workloads.py", line 108 in train_step' in stacks.split("its threads:")[1], report.failure

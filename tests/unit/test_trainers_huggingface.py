@@ -3,8 +3,9 @@
 examples/huggingface/train.py (train_plain.py with TrainMoverCallback: 2 lines) is exact under
 `trainmover check-workload` (2 ranks over gloo: a GPT-2 from a config, dropout, AdamW, cosine
 warm-up, gradient accumulation, clipping, evaluation and a checkpoint each epoch): migration
-mid-epoch, rollback, restarts mid-epoch and at an epoch's end. A negative control whose
-callback leaves the LR scheduler out of the state fails; the example runs under plain torchrun
+mid-epoch, rollback, restarts mid-epoch and at an epoch's end, and a joiner issues the stayers'
+collectives. A negative control whose callback leaves the LR scheduler out of the state and
+makes the step's token count while re-entering fails both checks; the example runs under plain torchrun
 unchanged, with the plain script's losses (the Trainer's log history) and final model.
 """
 from __future__ import annotations
@@ -52,19 +53,27 @@ def test_the_checker_finds_the_huggingface_example_exact(tmp_path):
     out = _check(HF / "train.py", tmp_path, "--epochs", EPOCHS, "--outdir", str(tmp_path / "out"))
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert "migration    ok" in out.stdout and "a migration would be exact" in out.stdout, out.stdout
+    assert "collectives  ok" in out.stdout, out.stdout  # the switch is mid-epoch: the deferred token count
 
 
 FORGETFUL = '''
 class Forgetful(TrainMoverCallback):
-    """Negative control: the LR scheduler left out (a rank taking over starts its warm-up again)."""
+    """Negative control: the LR scheduler left out (a rank taking over starts its warm-up again),
+    and the step's token count made while re-entering (in the re-entry's sandbox), as the
+    integration once did: a joiner then skips the stayers' gather of its first step."""
     def state(self):
         out = super().state()
         out["huggingface"]["scheduler"] = None
         return out
+
+    def _num_items(self, original, batch_samples, device):
+        return original(batch_samples, device)
 '''
 
 
-def test_the_checker_fails_a_callback_that_leaves_the_scheduler_out(tmp_path):
+def test_the_checker_fails_a_callback_that_leaves_the_scheduler_out_or_gathers_while_reentering(tmp_path):
+    """Two mistakes in one run (a check costs ~50 s of 2 cores), each named by its own check:
+    the scheduler left out by `migration`, the gather made in the sandbox by `collectives`."""
     text = (HF / "train.py").read_text()
     text = text.replace("\n\nclass Tokens", FORGETFUL + "\n\nclass Tokens").replace("TrainMoverCallback()]",
                                                                                    "Forgetful()]")
@@ -74,6 +83,9 @@ def test_the_checker_fails_a_callback_that_leaves_the_scheduler_out(tmp_path):
     out = _check(bad, tmp_path, "--epochs", EPOCHS, "--outdir", str(tmp_path / "out"))
     assert out.returncode == 1, out.stdout + out.stderr[-3000:]
     assert "migration    FAIL" in out.stdout and "a migration would NOT be exact" in out.stdout, out.stdout
+    assert re.search(r"collectives  FAIL at step \d+ \(the 1st after the switch after step \d+\) the joiner of rank \d "
+                     r"issued \d+ collective\(s\) in group 'world' where the uninterrupted rank issued \d+",
+                     out.stdout), out.stdout
 
 
 def _torchrun(script: Path, tmp_path: Path, name: str) -> tuple[list[dict], dict]:

@@ -33,6 +33,7 @@ class Record:
     digest: str = ""
     replay_digest: str = ""
     restarts: dict[int, tuple[dict, dict]] = field(default_factory=dict)  # point -> (losses, states)
+    collectives: dict[int, dict] = field(default_factory=dict)  # step -> {group: collectives issued in the step}
     shadow: int | None = None
     script: list | None = None  # a script's findings (trainmover/script/inspect.py); None: not a script
     sent: dict | None = None
@@ -54,6 +55,8 @@ class Record:
                 losses[line["step"]] = line["loss"]
             else:
                 states[line["step"]] = line["fp"]
+        elif kind == "collectives":
+            self.collectives[line["step"]] = line["counts"]
         elif kind in ("encoding", "sent"):
             setattr(self, kind, line)
         elif kind in ("digest", "replaydigest"):
@@ -70,7 +73,7 @@ class Record:
 
 @dataclass(frozen=True)
 class Finding:
-    check: str       # encoding, migration, determinism, rollback, restart
+    check: str       # encoding, migration, collectives, determinism, rollback, restart, script
     ok: bool
     message: str
     step: int | None = None  # the first differing step (1-based, as in metrics.jsonl)
@@ -154,6 +157,31 @@ def migration_finding(plan: Plan, refs: list[Record], joins: list[Record]) -> Fi
         f"({len(refs)})"))
 
 
+def collectives_finding(plan: Plan, refs: list[Record], joins: list[Record]) -> list[Finding]:
+    """Whether each joiner issued, step by step and group by group, the collectives its
+    uninterrupted rank issued. The check's joiners replace every rank at once, so they agree with
+    each other even when they differ from the references; in a job a rank taking over joins ranks
+    that stay, and a collective one side issues and the other does not leaves both waiting (the
+    move stalls, then fails), though the losses here may be equal."""
+    compared = range(plan.at + 1, plan.end + 1)
+    if not any(j.collectives for j in joins):
+        return []  # nothing was counted (a workload without groups the check made)
+    for step in compared:
+        for rank, (ref, join) in enumerate(zip(refs, joins)):
+            want, got = ref.collectives.get(step, {}), join.collectives.get(step, {})
+            for name in sorted(set(want) | set(got)):
+                if want.get(name, 0) != got.get(name, 0):
+                    return [Finding("collectives", False, step=step, message=(
+                        f"at step {step} (the {_ordinal(step - plan.at)} after the switch after step {plan.at}) the "
+                        f"joiner of rank {rank} issued {got.get(name, 0)} collective(s) in group '{name}' where the "
+                        f"uninterrupted rank issued {want.get(name, 0)}: next to ranks that stay (a drain, `trainmover "
+                        f"migrate`) each side would wait for a collective the other does not issue and the move would "
+                        f"stall. Something the step needs ran while the joiner was loading its state instead."))]
+    return [Finding("collectives", True, (
+        f"steps {plan.at + 1}-{plan.end}: every joiner issued the collectives its uninterrupted rank issued, group by "
+        f"group (a rank taking over next to ranks that stay issues what they expect)"))]
+
+
 def replay_findings(plan: Plan, refs: list[Record]) -> list[Finding]:
     """Determinism (the first replayed step) and the rollback (the rest of the replay)."""
     start = plan.rollback
@@ -221,5 +249,6 @@ def script_finding(refs: list[Record]) -> list[Finding]:
 
 
 def findings(plan: Plan, refs: list[Record], joins: list[Record]) -> list[Finding]:
-    return [encoding_finding(refs), migration_finding(plan, refs, joins), *replay_findings(plan, refs),
+    return [encoding_finding(refs), migration_finding(plan, refs, joins), *collectives_finding(plan, refs, joins),
+            *replay_findings(plan, refs),
             restart_finding(plan, refs), *script_finding(refs)]

@@ -12,8 +12,10 @@ same groups, the same sandbox warm-up, the same state encoding, transfer and RNG
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -155,14 +157,19 @@ def _context(spec: ProcSpec, groups, backend=None) -> workloads.BuildContext:
                                   new_group=new_group)
 
 
-def _train(wl, out: Emitter, first: int, last: int, states_from: int, kind: str = "", **extra) -> None:
+def _train(wl, out: Emitter, first: int, last: int, states_from: int, kind: str = "",
+           groups: dict[str, SwappableGroup] | None = None, **extra) -> None:
     """Steps first+1..last (train_step(first)..train_step(last - 1)); a state fingerprint after
     each step from `states_from` on. `kind` prefixes the lines' kinds (a replay's, a restart's);
-    `extra` goes into every line (a restart's point)."""
+    `extra` goes into every line (a restart's point). With `groups`: the collectives each step
+    issued in each of them (a joiner must issue what the rank it replaces would have)."""
     for step in range(first, last):
         out.phase(f"{kind + ' ' if kind else ''}step {step + 1}")
+        before = {name: g.issued for name, g in (groups or {}).items()}
         loss = float(wl.train_step(step))
         out.emit(f"{kind}loss", step=step + 1, loss=loss, **extra)
+        if groups:
+            out.emit(f"{kind}collectives", step=step + 1, counts={n: g.issued - before[n] for n, g in groups.items()})
         if step + 1 >= states_from:
             out.emit(f"{kind}state", step=step + 1, fp=fingerprint(full_state(wl, step + 1)), **extra)
 
@@ -206,7 +213,7 @@ def reference(spec: ProcSpec, store, out: Emitter, timeout: datetime.timedelta) 
     stats = transfer.send_verified(state, xfer, dst=1)
     out.emit("sent", bytes=stats.bytes, tensors=stats.tensors, seconds=stats.seconds)
     end = spec.at + spec.compare
-    _train(wl, out, spec.at, end, states_from=spec.at)
+    _train(wl, out, spec.at, end, states_from=spec.at, groups=groups)
     out.emit("digest", digest=digest(wl))
     # Roll back and replay: the first replayed step is a step run twice from the same
     # (seed, rank, state).
@@ -261,7 +268,7 @@ def joiner(spec: ProcSpec, store, out: Emitter, timeout: datetime.timedelta) -> 
     for name, g in groups.items():
         g.swap(real[name])
     out.emit("state", step=spec.at, fp=fingerprint(full_state(wl, spec.at)))
-    _train(wl, out, spec.at, spec.at + spec.compare, states_from=spec.at)
+    _train(wl, out, spec.at, spec.at + spec.compare, states_from=spec.at, groups=groups)
     out.emit("digest", digest=digest(wl))
 
 
@@ -282,6 +289,9 @@ def run(spec: ProcSpec) -> int:
 
 def main() -> None:
     spec = ProcSpec(**json.loads(sys.argv[1]))
+    # Past the check's deadline the orchestrator asks each process still running for its threads'
+    # stacks (into its log) before killing it: 'in step 1' alone does not say where a step hangs.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.set_num_threads(1)  # as the runtime's workers: determinism and fair sharing of the cores
     code = run(spec)
     sys.stdout.flush()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -25,6 +26,8 @@ from trainmover.workloads import base as workloads
 WORLD_CANDIDATES = (2, 1, 3, 4, 5, 6, 7, 8)  # the first one the workload's layout accepts
 POLL_S = 0.1
 KILL_WAIT_S = 5.0
+STACKS_WAIT_S = 1.0  # for the stuck processes to write their stacks
+STACKS_CHARS = 6000
 
 
 @dataclass
@@ -112,6 +115,25 @@ class _Proc:
             return ""
 
 
+def _stacks(running: list[_Proc]) -> str:
+    """Where each process still running is: its threads' stacks, which it writes into its log
+    on SIGUSR1 (check/proc.py), shortened to the frames."""
+    for p in running:
+        try:
+            p.popen.send_signal(signal.SIGUSR1)
+        except ProcessLookupError:  # ended meanwhile
+            pass
+    time.sleep(STACKS_WAIT_S)
+    out = []
+    for p in running:
+        text = p.tail(STACKS_CHARS)
+        # faulthandler's header: "Thread 0x..." per thread, "Current thread 0x..." for the one it ran on
+        start = min((i for i in (text.find("Current thread 0x"), text.find("Thread 0x")) if i >= 0), default=-1)
+        if start >= 0:
+            out.append(f"\n{p.name}, its threads:\n{text[start:]}")
+    return "".join(out)
+
+
 def _first_failure(procs: list[_Proc]) -> str:
     """The root cause: the earliest error reported, else a process that died without one."""
     errors = sorted((p.record.error["t"], p) for p in procs if p.record.error)
@@ -183,6 +205,7 @@ def _follow(procs: list[_Proc], deadline: float, timeout_s: float) -> str:
             missing = [p.name for p in procs if not p.record.done]
             return f"{', '.join(missing)} exited without finishing" if missing else ""
         if time.monotonic() > deadline:
-            stuck = [f"{p.name} in '{p.record.phase}'" for p in procs if p.popen.poll() is None]
-            return f"timed out after {timeout_s:g}s; still running: {'; '.join(stuck)}"
+            running = [p for p in procs if p.popen.poll() is None]
+            stuck = [f"{p.name} in '{p.record.phase}'" for p in running]
+            return f"timed out after {timeout_s:g}s; still running: {'; '.join(stuck)}" + _stacks(running)
         time.sleep(POLL_S)

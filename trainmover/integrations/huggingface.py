@@ -77,6 +77,7 @@ class TrainMoverCallback(TrainerCallback):
         self.loss = 0.0                   # this optimizer step's loss (the sum over its batches, as _tr_loss adds)
         self.batch = None                 # the latest batch and its num_items_in_batch (warm iterations)
         self.abandoned = False
+        self.recount = None               # a window's batches whose token count waits for the re-entry's end
 
     # -- binding (Trainer.train, patched below) --
     def bind(self, trainer: Trainer, resume_from_checkpoint):
@@ -140,6 +141,8 @@ class TrainMoverCallback(TrainerCallback):
             setattr(t, name, functools.partial(new, getattr(t, name)))
 
         wrap("training_step", self._training_step)
+        if hasattr(t, "_get_num_items_in_batch"):  # transformers >= 5 (the extra's pin): the count's own method
+            wrap("_get_num_items_in_batch", self._num_items)
         wrap("_maybe_log_save_evaluate", self._log_save_evaluate)
         wrap("_save_checkpoint", self._only_live)
         wrap("save_model", self._only_live)
@@ -162,7 +165,26 @@ class TrainMoverCallback(TrainerCallback):
             return original(*args, **kwargs)
         return None
 
+    def _num_items(self, original, batch_samples, device):
+        """The token count of an optimizer step's batches, gathered over the world
+        (`average_tokens_across_devices`). A mid-epoch re-entry reaches it before the Trainer
+        restores the random state, which is where this run re-enters and goes live: issued
+        then, the gather would go to the re-entry's sandbox, and the stayers' gather of this
+        step would meet this rank's next collective (a planned move stalled so). The count is
+        deferred instead and made at the window's first training step, live, where the stayers'
+        order has it: before the step's forward."""
+        if self.reentry is None:
+            return original(batch_samples, device)
+        self.recount = (original, batch_samples, device, None)
+        return _DEFERRED
+
     def _training_step(self, original, model, inputs, num_items_in_batch=None):
+        if num_items_in_batch is _DEFERRED:
+            count, batches, device, value = self.recount
+            if value is None:  # the window's first batch: the count now, with its gather
+                value = count(batches, device)
+                self.recount = (count, batches, device, value)
+            num_items_in_batch = value
         if self.reentry is None:
             self.batch = {"inputs": _plain(copy.deepcopy(inputs)), "num_items": num_items_in_batch}
         loss = original(model, inputs, num_items_in_batch)
@@ -284,6 +306,10 @@ def _state_dict(state: TrainerState) -> dict:
     d["log_history"] = [{k: v for k, v in entry.items() if not _wall_clock(k)} for entry in d["log_history"]]
     return d
 
+
+# What a deferred token count hands the Trainer's loop until the window's first training step
+# (TrainMoverCallback._num_items): the loop only passes it on to training_step.
+_DEFERRED = object()
 
 _STATES: dict[str, dict] = {}  # the TrainerState a re-entering run reads instead of trainer_state.json
 
