@@ -33,9 +33,9 @@ def jsonl(path) -> list[dict]:
                                                 ("preparing", ("aborted",))])
 def test_the_controller_killed_mid_migration_is_restarted_and_the_job_trains_on(demo, reference, slurm_client,
                                                                                 point, resolutions):
-    # pace (the same bits): the 500 steps must outlast the migration, a controller restart and a
+    # pace (the same bits): the steps must outlast the migration, a controller restart and a
     # retried Phase 1 (CI on an idle machine: the job ended 10 s after its standby was warm)
-    run = demo(f"ctl-{point}", TM_INJECT=f"controller-die:{point},pace:0.05")
+    run = demo(f"ctl-{point}", TM_INJECT=f"controller-die:{point},pace:0.085")
     start_training(run, slurm_client, min_step=60)
     wait_for("a warm standby", lambda: any(s["state"] == "ready" for s in run.status()["standbys"]), timeout=60)
     node = leaver_of(run)

@@ -24,10 +24,11 @@ pytestmark = pytest.mark.slurm
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "sbatch_templates" / "torch_ddp.sbatch"
-# About 15 s of steps: the drain is seen within TM_POLL_S (1 s here, not the default 10 s, for
-# which 4000 steps, 40 s, were needed) and the leaver's node is released a second after the
-# switch, well before the end (the switch near step 150 of 1500).
-STEPS = 1500
+# The drain is seen within TM_POLL_S (1 s here, not the default 10 s, for which 4000 steps
+# were needed) and the leaver's node is released a second after the switch, well before the
+# end: the switches landed at steps 60-111 on 2 loaded cores (~30-45 ms a step), so 600 steps
+# leave ~500 after them. Each step more costs the reference, the drain and the negative control.
+STEPS = 600
 DRAIN_REASON = "tm-e2e cnn maintenance"
 JOB = {"TM_WORKLOAD": "cnn:CNN", "TM_STEPS": str(STEPS), "TM_POLL_S": "1"}
 

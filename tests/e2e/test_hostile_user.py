@@ -112,8 +112,10 @@ def test_another_user_can_neither_read_change_nor_steer_a_job(env, slurm_client,
 
         # --- the attacked job ----------------------------------------------------------------
         # the drain below is a plain scontrol one, found by the node poll: 1 s here (default 10 s),
-        # or on a loaded machine the 500 steps ended 12 s after the standby was warm, unmoved
-        run = submit(env, home, "hostile", TM_POLL_S=1)
+        # or on a loaded machine 500 steps ended 12 s after the standby was warm, unmoved; the
+        # test acts as the other user in between: pace:0.05 (the same bits) keeps the 300 steps'
+        # floor of ~15 s on a fast machine
+        run = submit(env, home, "hostile", TM_POLL_S=1, TM_INJECT="pace:0.05")
         ids.append(run.job_id)
         start_training(run, slurm_client)  # also: JOB_USER's, no process of it root's
         assert private_tree(run.dir) == [], "the run directory is the job's user's alone"

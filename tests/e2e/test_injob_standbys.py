@@ -33,7 +33,7 @@ DRAIN_REASON = "tm-e2e injob"
 TRAIN = 3       # the template's training nodes
 IN_JOB = 2      # standbys the job brings
 POLL_S = 1      # drains are seen within a second (default 10 s)
-PACE = "pace:0.1"  # the same bits, slower: the job outlasts three drains on 2 shared cores
+PACE = "pace:0.17"  # the same bits, slower: the job outlasts three drains on 2 shared cores
 
 
 @pytest.fixture(scope="module")

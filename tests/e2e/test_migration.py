@@ -25,7 +25,12 @@ pytestmark = pytest.mark.slurm
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "sbatch_templates" / "demo_gpt_cpu.sbatch"
-STEPS = 500
+# 300 steps: every event these tests cause lands by step ~200 on 2 loaded cores (a drain once a
+# standby is warm: steps 35-180; injected faults at fixed steps up to 230), and a rank that waits
+# for a lost peer cannot finish early. Paced tests keep their wall-clock floor (pace x 5/3 when
+# this went from 500 to 300 steps): there the events wait for wall-clock things (node polls,
+# warm-ups, restarts) that a faster machine does not shorten.
+STEPS = 300
 DRAIN_REASON = "tm-e2e maintenance"
 
 
@@ -178,7 +183,7 @@ def assert_same_training(run: Run, reference: Run, *lost: tuple[int, int]):
 
 def test_drain_moves_the_rank_to_a_standby_bit_exactly(demo, reference, slurm_client):
     # pace:0.02 (same bits): the job outlasts a plain drain's detection by the node poll (TM_POLL_S, 10 s)
-    run = demo("drain", TM_INJECT="pace:0.02")
+    run = demo("drain", TM_INJECT="pace:0.035")
     job = start_training(run, slurm_client)
     # The standby warmed up on the live job's recorded collectives and reproduced its losses.
     wait_for("a warm standby", lambda: any(s["state"] == "ready" for s in run.status()["standbys"]), timeout=60)
@@ -257,10 +262,10 @@ def test_drain_outside_the_job_and_with_no_free_standby(demo, reference, slurm_c
     try:
         wait_for("the holder job to hold both spares", lambda: slurm_client.job(int(holder)).running, timeout=30)
         # The free standby is seen at the next node poll (TM_POLL_S: 1 s here, default 10 s), then
-        # warms up: pace:0.05 (the same bits) keeps the job running well past that (CI on an idle
-        # machine, unpaced: the 500 steps ended first, the migration still waiting). With the
+        # warms up: pace:0.085 (the same bits) keeps the job running well past that (CI on an idle
+        # machine, unpaced: the steps ended first, the migration still waiting). With the
         # default poll it took pace:0.1, 25 s more of this test.
-        run = demo("nostandby", TM_INJECT="pace:0.05", TM_POLL_S=1)
+        run = demo("nostandby", TM_INJECT="pace:0.085", TM_POLL_S=1)
         start_training(run, slurm_client)
         outsider = next(n for n in ("train4", "train3", "train2") if n not in slurm_client.job(run.job_id).nodes)
         leaver = leaver_of(run)
@@ -340,10 +345,10 @@ def test_two_nodes_drained_at_once_both_move_bit_exactly(demo, reference, slurm_
     """Two of the job's nodes drained in the same second, two warm standbys (TM_STANDBYS=2):
     the migrations run one after the other, each into its own standby; nothing is lost.
     (Waiting for a refill when no standby is warm is covered by the no-standby test.)"""
-    # Two standbys warm in turn on 2 shared cores while 500 steps run (~20 s when idle): under CI
-    # load the job could end first. pace:0.05 adds 25 s to it and leaves its bits unchanged; the
+    # Two standbys warm in turn on 2 shared cores while the steps run (~12 s when idle): under CI
+    # load the job could end first. pace:0.085 adds 25 s to it and leaves its bits unchanged; the
     # drains reach the job within TM_POLL_S (1 s here; with the default 10 s it took pace:0.1).
-    run = demo("twodrains", TM_STANDBYS=2, TM_INJECT="pace:0.05", TM_POLL_S=1)
+    run = demo("twodrains", TM_STANDBYS=2, TM_INJECT="pace:0.085", TM_POLL_S=1)
     start_training(run, slurm_client)
     wait_for("two warm standbys", lambda: sum(s["state"] == "ready" for s in run.status()["standbys"]) == 2,
              timeout=90, explain=run.explain)
@@ -449,10 +454,10 @@ def test_two_jobs_share_the_standby_pool_and_a_drain_moves_only_its_own_job(demo
     free = [name for name, n in slurm_client.nodes().items() if n.idle]
     assert sum(n.startswith("train") for n in free) >= 4 and sum(n.startswith("keep") for n in free) >= 2, \
         explain_cluster(slurm_client)
-    # Paced alike (same bits): two ranks train 500 steps in ~5 s once warm, and a plain drain is
+    # Paced alike (same bits): two ranks train the steps in ~3 s once warm, and a plain drain is
     # seen at the next node poll (TM_POLL_S: 1 s here; with the default 10 s it took pace:0.05):
     # unpaced, job A ended first (CI, no migration).
-    moved, alone = (demo(name, sbatch_args=small, TM_INJECT="pace:0.03", TM_POLL_S=1) for name in ("pool-a", "pool-b"))
+    moved, alone = (demo(name, sbatch_args=small, TM_INJECT="pace:0.05", TM_POLL_S=1) for name in ("pool-a", "pool-b"))
     wait_for("both jobs running", lambda: all(slurm_client.job(r.job_id).state == "RUNNING" for r in (moved, alone)),
              timeout=60, interval=0.5, explain=lambda: explain_cluster(slurm_client, (moved.job_id, alone.job_id)))
     for run in (moved, alone):

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "sbatch_templates" / "torch_script.sbatch"
 SCRIPT = ROOT / "examples" / "scripts" / "train_tm.py"
-EPOCHS = 30
+EPOCHS = 20
 STEPS = EPOCHS * 16  # 256 samples over 2 ranks, batches of 8
 DRAIN_REASON = "tm-e2e script maintenance"
 # pace: every step sleeps (same bits), so that the run outlasts a standby's warm-up on 2 loaded cores

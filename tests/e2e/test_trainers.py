@@ -30,7 +30,7 @@ pytest.importorskip("lightning")
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "sbatch_templates" / "torch_script.sbatch"
 SCRIPT = ROOT / "examples" / "lightning" / "train.py"
-EPOCHS = 40
+EPOCHS = 28
 STEPS = EPOCHS * 8  # 256 samples over 2 ranks, batches of 8, 2 batches per optimizer step
 DRAIN_REASON = "tm-e2e lightning maintenance"
 JOB = {"TM_POLL_S": "1", "TM_INJECT": "pace:0.04", "TM_SNAPSHOT_EVERY": "40"}

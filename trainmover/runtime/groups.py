@@ -210,6 +210,7 @@ class SwappableGroup(dist.ProcessGroup):
     """A process group with a fixed (rank, size) and a replaceable inner backend."""
 
     def __init__(self, name: str, rank: int, size: int, global_ranks: list[int], inner):
+        _guard_from_compile()
         super().__init__(rank, size)
         self.group_name_ = name
         self.global_ranks = list(global_ranks)
@@ -369,9 +370,28 @@ def _forwarder(op: str):
             return self._revocable(work, op) if op in _REVOCABLE else MarkedWork(work, self, op)
         return work
     forward.__name__ = op
-    # DDP's reducer calls collectives from inside a compiled (torch.compile) forward, e.g. the
-    # broadcast of rebuilt buckets in the second step: they run eagerly, never traced by dynamo.
-    return torch.compiler.disable(forward)
+    return forward
+
+
+_compile_guard_lock = threading.Lock()
+_compile_guarded = False
+
+
+def _guard_from_compile() -> None:
+    """Marks the forwarders as never compiled, once, when the first group is made.
+
+    DDP's reducer calls collectives from inside a compiled (torch.compile) forward, e.g. the
+    broadcast of rebuilt buckets in the second step: they must run eagerly, never traced by
+    dynamo. Done here, not at import: `torch.compiler.disable` imports torch._dynamo (~2.6 s
+    of CPU on a 2-core node), which the controller and its warm successor import this module
+    for (the workload's layout) but never need."""
+    global _compile_guarded
+    with _compile_guard_lock:
+        if _compile_guarded:
+            return
+        for name in (*FORWARDED, "all_gather_single", "reduce_scatter_single"):
+            setattr(SwappableGroup, name, torch.compiler.disable(SwappableGroup.__dict__[name]))
+        _compile_guarded = True
 
 
 # The collectives DDP, the optimizers and Megatron call on a group object; the Python
