@@ -236,7 +236,7 @@ class Config:
     def workload_kwargs(self) -> dict:
         """What the workload's constructor gets: only what the user set, i.e. the model preset
         when TM_MODEL is set, the parallel layout when one is set, and TM_WORKLOAD_OPTIONS.
-        `workloads.base.load` checks them against the constructor's keyword arguments."""
+        `workloads.registry.load` checks them against the constructor's keyword arguments."""
         if self.workload.startswith(SCRIPT_PREFIX):  # a script takes its own arguments, nothing else
             return {"argv": script_argv(self.script_args)}
         kwargs: dict = {"preset": self.model} if self.model else {}

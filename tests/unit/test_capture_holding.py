@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from trainmover.runtime import capture, holding, transfer
+from trainmover.runtime.tensors import digest_tensors, tensors_of
 from trainmover.runtime.snapshot import Snapshots
 
 KEY = b"k" * 32  # the job's key: the rendezvous values are tagged with it (protocol/store.py)
@@ -33,7 +34,7 @@ def state(step: int, seed: int = 0) -> tuple[dict, torch.nn.Module, torch.optim.
 
 
 def digest(s: dict) -> str:
-    return transfer.digest_tensors(transfer.tensors_of(s))
+    return digest_tensors(tensors_of(s))
 
 
 def test_a_capture_is_the_state_of_its_step_and_reuses_its_slab():

@@ -37,13 +37,14 @@ def _side(role: str, port: int, out) -> None:
     os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     import time
     from tests.unit.test_capture_holding import _until
-    from trainmover.runtime import capture, holding, transfer
+    from trainmover.runtime import capture, holding
+    from trainmover.runtime.tensors import digest_tensors, tensors_of
     try:
         torch.cuda.set_device(0 if role == "worker" else 1)
         torch.cuda.init()
         addr = ("127.0.0.1", port)
         live = _state(9, seed=1, device="cuda")
-        digest = transfer.digest_tensors(transfer.tensors_of(live))
+        digest = digest_tensors(tensors_of(live))
         if role == "worker":
             link = holding.StandbyLink(addr, "tm/hold/g1/", 0, "gpu1", "127.0.0.1", TIMEOUT_S, key=KEY, direct=_pair)
             assert _until(link.direct_due, TIMEOUT_S), link.direct_note
@@ -62,7 +63,7 @@ def _side(role: str, port: int, out) -> None:
             restored, placed = capture.restore_into(version.state(), like=mine)
             model = version.state()["workload"]["model"]  # RNG states and counters stay host tensors
             out.put(("holder", reports[0][0], version.on_device, all(t.is_cuda for t in model.values()),
-                     transfer.digest_tensors(transfer.tensors_of(restored)), placed,
+                     digest_tensors(tensors_of(restored)), placed,
                      restored["workload"]["model"]["w"].data_ptr() == mine["workload"]["model"]["w"].data_ptr()))
             holder.close()
     except BaseException as exc:  # noqa: BLE001 - reported to the test

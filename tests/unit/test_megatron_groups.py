@@ -172,7 +172,8 @@ def test_every_group_megatron_holds_is_a_runtime_group(distributed_optimizer):
 
     from trainmover.megatron import c10d
     from trainmover.workloads import base as workloads
-    wl = workloads.load("megatron_gpt", {"tp": 2, "pp": 2, "dp": 2, "distributed_optimizer": distributed_optimizer})
+    from trainmover.workloads import registry
+    wl = registry.load("megatron_gpt", {"tp": 2, "pp": 2, "dp": 2, "distributed_optimizer": distributed_optimizer})
     rank = 5
     groups = {g.name: SwappableGroup(g.name, g.ranks.index(rank), len(g.ranks), list(g.ranks),
                                      SandboxBackend(g.ranks.index(rank), len(g.ranks)))
@@ -205,8 +206,9 @@ def test_bf16_model_size_and_fp32_main_params(preset):
 
     from trainmover.megatron import c10d
     from trainmover.workloads import base as workloads
+    from trainmover.workloads import registry
     from trainmover.workloads.megatron_gpt import param_count
-    wl = workloads.load("megatron_gpt", {"preset": preset, "tp": 1, "pp": 1, "dp": 1, "dtype": "bf16",
+    wl = registry.load("megatron_gpt", {"preset": preset, "tp": 1, "pp": 1, "dp": 1, "dtype": "bf16",
                                          "distributed_optimizer": True})
     groups = {g.name: SwappableGroup(g.name, 0, 1, [0], SandboxBackend(0, 1)) for g in wl.group_specs(1)}
     wl.build(workloads.BuildContext(rank=0, world_size=1, groups=groups, seed=1, options={"device": "cpu"}))

@@ -10,7 +10,7 @@ from trainmover.config import Config
 from trainmover.errors import ConfigError
 from trainmover.megatron.layout import Layout, group_specs
 from trainmover.runtime.group_plan import delta
-from trainmover.workloads import base as workloads
+from trainmover.workloads import registry
 
 pytest.importorskip("megatron.core")
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,7 +66,7 @@ def test_whole_node_of_tp2_leaving_changes_groups_of_its_two_ranks():
 def test_collective_layout_is_the_runtime_hook_not_the_parallel_grid():
     """`Workload.collective_layout()` is what a leaver publishes for its joiner to compare; an
     attribute of the workload must not shadow it (one did: every Megatron leaver failed in Phase 1)."""
-    wl = workloads.load("megatron_gpt", {"tp": 2, "pp": 2, "dp": 1})
+    wl = registry.load("megatron_gpt", {"tp": 2, "pp": 2, "dp": 1})
     assert isinstance(wl.collective_layout(), str)
     assert wl.grid == Layout(2, 2, 1)
 
@@ -76,7 +76,7 @@ def test_layout_that_does_not_fit_the_job_is_a_clear_error():
         Layout(2, 2, 1).check(8)
     with pytest.raises(ConfigError, match="must be >= 1"):
         Layout(0, 2, 2)
-    wl = workloads.load("megatron_gpt", {"tp": 2, "pp": 2, "dp": 1})
+    wl = registry.load("megatron_gpt", {"tp": 2, "pp": 2, "dp": 1})
     with pytest.raises(ConfigError, match="but the job has 8"):
         wl.group_specs(8)
 
@@ -91,7 +91,7 @@ def test_layout_that_does_not_fit_the_job_is_a_clear_error():
 ])
 def test_bad_workload_options(options, message):
     with pytest.raises(ConfigError, match=message):
-        workloads.load("megatron_gpt", options)
+        registry.load("megatron_gpt", options)
 
 
 def test_config_layout_variables():
@@ -108,7 +108,7 @@ def test_config_layout_variables():
     with pytest.raises(ConfigError, match="needs a Megatron layout"):
         Config.from_env({"TM_DISTRIBUTED_OPTIMIZER": "1"})
     with pytest.raises(ConfigError, match="does not accept options"):
-        workloads.load("gpt_demo", {"preset": "tiny", "tp": 2})
+        registry.load("gpt_demo", {"preset": "tiny", "tp": 2})
 
 
 def test_template_refuses_a_layout_that_does_not_fit_the_allocation(tmp_path):

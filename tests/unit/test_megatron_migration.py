@@ -26,10 +26,12 @@ import torch.distributed as dist  # noqa: E402
 import trainmover.megatron.stack  # noqa: E402,F401  - Megatron imported before the fork
 from tests.unit.late_store import LateStore  # noqa: E402
 from trainmover.runtime import rng, transfer  # noqa: E402
+from trainmover.runtime.tensors import digest_tensors, tensors_of  # noqa: E402
 from trainmover.runtime.groups import SandboxBackend, SwappableGroup, gloo_group  # noqa: E402
 from trainmover.runtime.phase1 import xfer_prefix  # noqa: E402
 from trainmover.runtime.group_plan import delta  # noqa: E402
 from trainmover.workloads import base as workloads  # noqa: E402
+from trainmover.workloads import registry  # noqa: E402
 
 TIMEOUT = datetime.timedelta(seconds=90)
 LAYOUT = {"tp": 2, "pp": 2, "dp": 2}
@@ -45,7 +47,7 @@ class Job:
 
     def __init__(self, store, options: dict):
         self.store, self.options = store, options
-        self.workload = workloads.load("megatron_gpt", options)
+        self.workload = registry.load("megatron_gpt", options)
         self.specs = self.workload.group_specs(WORLD)
         self.groups: dict[str, SwappableGroup] = {}
         self.losses: dict[int, float] = {}
@@ -75,7 +77,7 @@ class Job:
 
     def digest(self) -> str:
         sd = self.workload.state_dict()
-        return transfer.digest_tensors(transfer.tensors_of({"model": sd["model"], "optimizer": sd["optimizer"]}))
+        return digest_tensors(tensors_of({"model": sd["model"], "optimizer": sd["optimizer"]}))
 
 
 def _train(job: Job, start: int, migrations: list[tuple[int, int]], drop: str | None = None):

@@ -290,11 +290,20 @@ def test_a_lost_rank_is_recovered_by_the_standby_bit_exact(job, tmp_path, tier):
             **protect) for r in (0, 1)]
     live_thread, lost_thread = [run(a) for a, _, _ in workers]
     lost_link.wait_for("step", step=lost_at)  # its last step: the next one hangs
+    # The controller revokes once it has judged rank 1 lost (silent, or no progress), by which
+    # time rank 0 has finished step 5 too (rank 1 finished it, and its boundary vote after it,
+    # with rank 0) and waits in step 6's collective. Revoking as soon as rank 1 reports step 5
+    # would race rank 0's own end of step 5: a revoke that lands inside it stalls rank 0 at
+    # step 4 (legitimately: its state holds step 4) and voids the scenario under test.
+    live_link.wait_for("step", step=lost_at)
     # as the link's reader thread does on the controller's `revoke`: rank 0's collective with
     # the hung rank ends now, not at the group timeout
     live._on_control(make("revoke", epoch=1, failed=[1], reason="test: rank 1 lost"))
     stalled = live_link.wait_for("stalled")
-    assert stalled["step"] == lost_at and stalled["role"] == "stayer" and stalled["holds"]["replicas"] == [0, 1]
+    # what the product guarantees: a rank stalls at the last step whose update its state holds,
+    # the last step it reported (rank 0 cannot finish step 6 without rank 1)
+    assert stalled["step"] == trained_steps(live_link)[-1] == lost_at
+    assert stalled["role"] == "stayer" and stalled["holds"]["replicas"] == [0, 1]
     assert live.state.now is S.STALLED
     assert live.resync_messages()[-1] == stalled  # a restarted controller hears of the stall again
     resume_at, source, needers, holders = lost_at, 0, [1], {}
@@ -364,7 +373,8 @@ def test_the_joiners_wait_for_go_outlives_its_store_host_and_follows_the_success
     store's errors are "no verdict yet" (seen: they killed the joiner and stopped the job); once
     the link moves the client to the successor's store, its go is seen."""
     from trainmover.protocol.store import AuthStore
-    from trainmover.runtime.switch import await_go, go_key
+    from trainmover.runtime.epoch import go_key
+    from trainmover.runtime.switch import await_go
 
     key = b"k" * 32
     first = _store()
@@ -385,7 +395,8 @@ def test_the_joiners_wait_for_go_outlives_its_store_host_and_follows_the_success
 
 def test_the_joiners_wait_for_go_ends_on_cancel_abort_or_its_deadline():
     from trainmover.protocol.store import AuthStore
-    from trainmover.runtime.switch import await_go, cancel_key
+    from trainmover.runtime.epoch import cancel_key
+    from trainmover.runtime.switch import await_go
 
     key = b"k" * 32
     server = _store()

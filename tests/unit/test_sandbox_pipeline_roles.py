@@ -30,6 +30,7 @@ from tests.unit.late_store import LateStore  # noqa: E402
 from trainmover.runtime.groups import SandboxBackend, SwappableGroup, gloo_group  # noqa: E402
 from trainmover.sandbox import live, shadow  # noqa: E402
 from trainmover.workloads import base as workloads  # noqa: E402
+from trainmover.workloads import registry  # noqa: E402
 from trainmover.workloads.megatron_gpt import MegatronGPT  # noqa: E402
 
 TIMEOUT = datetime.timedelta(seconds=90)
@@ -45,7 +46,7 @@ def _live(rank, port, directory, results):
     try:
         torch.set_num_threads(1)
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
-        wl = workloads.load("megatron_gpt", OPTIONS)
+        wl = registry.load("megatron_gpt", OPTIONS)
         groups = {}
         for g in wl.group_specs(WORLD):
             if rank in g.ranks:
@@ -70,7 +71,7 @@ def _live(rank, port, directory, results):
 def _standby(directory, seed, results):
     try:
         torch.set_num_threads(1)
-        wl = workloads.load("megatron_gpt", OPTIONS)
+        wl = registry.load("megatron_gpt", OPTIONS)
         built = []
 
         def build(rank, groups):
@@ -164,7 +165,7 @@ def test_a_standby_with_other_weights_differs_in_what_it_sends(recorded):
 def _stages_without_recording(results):
     try:
         torch.set_num_threads(1)
-        wl = workloads.load("megatron_gpt", OPTIONS)
+        wl = registry.load("megatron_gpt", OPTIONS)
         losses = {}
         for rank in wl.standby_roles(WORLD).values():
             groups = {g.name: SwappableGroup(g.name, g.ranks.index(rank), len(g.ranks), list(g.ranks),

@@ -9,6 +9,7 @@ import torch
 from trainmover.protocol import checkpoint_layout as layout
 from trainmover.errors import MigrationError
 from trainmover.runtime import checkpoint, transfer
+from trainmover.runtime.tensors import digest_tensors, tensors_of
 from trainmover.runtime.snapshot import Snapshots, holder_of, ward_of
 from tests.unit.gloo_world import gloo_groups, serve_store
 
@@ -29,7 +30,7 @@ def state(rank: int, step: int) -> dict:
 
 
 def same(a: dict, b: dict) -> bool:
-    return transfer.digest_tensors(transfer.tensors_of(a)) == transfer.digest_tensors(transfer.tensors_of(b))
+    return digest_tensors(tensors_of(a)) == digest_tensors(tensors_of(b))
 
 
 def world_groups():
@@ -68,7 +69,7 @@ def test_every_rank_holds_its_wards_verified_copy_and_keeps_two_versions(corrupt
     live = states[0]
     kept = snaps[0].own_state(150)
     with torch.no_grad():
-        for t in transfer.tensors_of(live):
+        for t in tensors_of(live):
             if t.is_floating_point():
                 t.add_(1.0)
     assert not same(kept, live)

@@ -100,7 +100,9 @@ def test_no_module_but_the_pool_changes_a_standbys_state():
             for t in targets:
                 for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
                     if isinstance(el, ast.Attribute) and el.attr == "state" and not (
-                            isinstance(el.value, ast.Name) and el.value.id == "self"):
+                            isinstance(el.value, ast.Name) and el.value.id == "self") and not (
+                            # numpy's generator state (script mode restores a script's RNGs)
+                            isinstance(el.value, ast.Attribute) and el.value.attr == "bit_generator"):
                         offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
             if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "Standby" and len(node.args) > 1:
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} (Standby built with a state)")

@@ -8,6 +8,7 @@ import torch
 
 from trainmover.errors import MigrationError
 from trainmover.runtime import heartbeat, transfer
+from trainmover.runtime.tensors import digest_tensors, flatten
 from trainmover.runtime.groups import SandboxBackend, SwappableGroup
 from tests.unit.gloo_world import gloo_groups, serve_store
 
@@ -63,7 +64,7 @@ def run_pair(store, prefix, sent, like=None, corrupt=False):
 
 def flat(obj):
     tensors = []
-    transfer._flatten(obj, tensors, [])
+    flatten(obj, tensors, [])
     return tensors
 
 
@@ -76,7 +77,7 @@ def test_state_arrives_bit_exact_and_in_place(store):
     target = like["workload"]["model"]["weight"]
     stats, got = run_pair(store, "t1/", sent, like=like)
     assert "error" not in got
-    assert transfer.digest_tensors(flat(got["state"])) == transfer.digest_tensors(flat(sent)) == stats.digest
+    assert digest_tensors(flat(got["state"])) == digest_tensors(flat(sent)) == stats.digest
     assert got["state"]["workload"]["model"]["weight"] is target  # received into the standby's buffer
     assert got["state"]["step"] == 5 and got["state"]["workload"]["data"]["cursor"] == 17
     assert stats.bytes == got["stats"].bytes > 0
@@ -138,7 +139,7 @@ def test_corrupted_copy_is_retried_and_then_exact(store):
     got = run_verified(store, "v1/", sent, corrupt=True)
     assert "error" not in got and "send_error" not in got
     assert got["stats"].attempts == 2 and got["sent"].attempts == 2  # the first copy was refused
-    assert transfer.digest_tensors(flat(got["state"])) == transfer.digest_tensors(flat(sent))
+    assert digest_tensors(flat(got["state"])) == digest_tensors(flat(sent))
 
 
 def test_state_with_nan_is_refused_on_both_sides(store):

@@ -11,6 +11,7 @@ from trainmover.config import Config
 from trainmover.controller.preflight import preflight
 from trainmover.errors import ConfigError
 from trainmover.workloads import base as workloads
+from trainmover.workloads import registry
 from trainmover.workloads.base import BuildContext, Workload
 
 
@@ -37,34 +38,34 @@ HERE = __name__
 def test_a_workload_without_options_runs_with_the_defaults():
     cfg = Config.from_env({"TM_WORKLOAD": f"{HERE}:NoOptions"})
     assert cfg.workload_kwargs() == {}
-    assert isinstance(workloads.load(cfg.workload, cfg.workload_kwargs()), NoOptions)
+    assert isinstance(registry.load(cfg.workload, cfg.workload_kwargs()), NoOptions)
 
 
 def test_a_preset_for_a_workload_without_one_names_tm_model_and_what_it_accepts():
     cfg = Config.from_env({"TM_WORKLOAD": f"{HERE}:Needs", "TM_MODEL": "small", "TM_WORKLOAD_OPTIONS": "width=3"})
     with pytest.raises(ConfigError, match=r"does not accept options \['preset'\] \(preset from TM_MODEL\); "
                                           r"it accepts: lr, width \(the keyword arguments of Needs.__init__\)"):
-        workloads.load(cfg.workload, cfg.workload_kwargs())
+        registry.load(cfg.workload, cfg.workload_kwargs())
 
 
 def test_unknown_and_missing_options_are_named():
     with pytest.raises(ConfigError, match=r"does not accept options \['depth', 'tp'\] \(depth from "
                                           r"TM_WORKLOAD_OPTIONS, tp from TM_TP\)"):
-        workloads.load(f"{HERE}:Needs", {"width": 1, "depth": 2, "tp": 2})
+        registry.load(f"{HERE}:Needs", {"width": 1, "depth": 2, "tp": 2})
     with pytest.raises(ConfigError, match=r"needs option\(s\) \['width'\].*TM_WORKLOAD_OPTIONS=width=\.\.\."):
-        workloads.load(f"{HERE}:Needs", {"lr": 0.5})
+        registry.load(f"{HERE}:Needs", {"lr": 0.5})
     with pytest.raises(ConfigError, match="it accepts: no options"):
-        workloads.load(f"{HERE}:NoOptions", {"lr": 0.5})
-    assert workloads.load(f"{HERE}:Needs", {"width": 2}).width == 2
+        registry.load(f"{HERE}:NoOptions", {"lr": 0.5})
+    assert registry.load(f"{HERE}:Needs", {"width": 2}).width == 2
 
 
 def test_a_workload_taking_any_keyword_gets_what_was_set():
-    assert workloads.load(f"{HERE}:Anything", {"a": 1, "preset": "x"}).options == {"a": 1, "preset": "x"}
+    assert registry.load(f"{HERE}:Anything", {"a": 1, "preset": "x"}).options == {"a": 1, "preset": "x"}
 
 
 def test_the_built_ins_keep_their_default_preset():
-    assert workloads.load("gpt_demo", Config.from_env({}).workload_kwargs()).preset == "tiny"
-    assert workloads.load("gpt_demo", Config.from_env({"TM_MODEL": "small"}).workload_kwargs()).preset == "small"
+    assert registry.load("gpt_demo", Config.from_env({}).workload_kwargs()).preset == "tiny"
+    assert registry.load("gpt_demo", Config.from_env({"TM_MODEL": "small"}).workload_kwargs()).preset == "small"
 
 
 def _report(exact: bool) -> Report:

@@ -8,6 +8,7 @@ import torch
 from tests.unit.test_transfer_groups import flat, pair, state, store  # noqa: F401 - the fixture
 from trainmover.errors import MigrationError
 from trainmover.runtime import transfer, xferplan
+from trainmover.runtime.tensors import digest_tensors, word_view
 
 GLOO = pytest.mark.gloo_threads  # the gloo tests (see tests/unit/conftest.py); the GPU one runs in the GPU session
 
@@ -63,7 +64,7 @@ def test_planned_transfer_is_bit_exact_into_the_receivers_own_buffers(store, mon
     exp_avg = like["workload"]["optimizer"]["state"][0]["exp_avg"]
     got = exchange(store, "p1/", sent, like, send_plan, recv_plan)
     assert "error" not in got and "send_error" not in got
-    assert transfer.digest_tensors(flat(got["state"])) == transfer.digest_tensors(flat(sent))
+    assert digest_tensors(flat(got["state"])) == digest_tensors(flat(sent))
     assert got["state"]["workload"]["model"]["0.weight"] is weight            # a big one, on the wire
     assert got["state"]["workload"]["optimizer"]["state"][0]["exp_avg"] is exp_avg
     assert got["state"]["workload"]["model"]["1.bias"] is like["workload"]["model"]["1.bias"]  # packed
@@ -84,7 +85,7 @@ def test_other_layout_is_received_into_new_buffers_still_exact(store):
     assert not got["stats"].parts["into_own_buffers"]
     assert torch.equal(got["state"]["workload"]["half"], sent["workload"]["half"])
     assert got["state"]["workload"]["model"]["0.weight"] is like["workload"]["model"]["0.weight"]  # by key path
-    assert transfer.digest_tensors(flat(got["state"])) == transfer.digest_tensors(flat(sent))
+    assert digest_tensors(flat(got["state"])) == digest_tensors(flat(sent))
 
 
 @GLOO
@@ -93,7 +94,7 @@ def test_sender_plan_is_remade_when_its_tensors_changed(store):
     stale = xferplan.of_state(big_state())[1]  # another state's tensors: not this one's
     got = exchange(store, "p3/", sent, zeroed(big_state()), stale, None)
     assert "error" not in got and not got["sent"].parts["plan_ahead"]
-    assert transfer.digest_tensors(flat(got["state"])) == transfer.digest_tensors(flat(sent))
+    assert digest_tensors(flat(got["state"])) == digest_tensors(flat(sent))
 
 
 @GLOO
@@ -101,7 +102,7 @@ def test_corrupted_chunk_is_caught_by_the_word_sums_and_sent_again(store):
     sent, like = big_state(), zeroed(big_state())
     got = exchange(store, "p4/", sent, like, xferplan.of_state(sent)[1], xferplan.for_receiving(like), corrupt=True)
     assert "error" not in got and got["stats"].attempts == 2 and got["sent"].attempts == 2
-    assert transfer.digest_tensors(flat(got["state"])) == transfer.digest_tensors(flat(sent))
+    assert digest_tensors(flat(got["state"])) == digest_tensors(flat(sent))
 
 
 @GLOO
@@ -122,7 +123,7 @@ def test_plan_sums_are_the_word_sums_and_pack_round_trips():
     plan.reset()
     for c in range(len(plan.chunks)):  # the packed buffers now hold the small tensors
         plan.check_chunk(c)
-    want = [int(transfer._word_view(t).sum(dtype=torch.int64)) for t in plan.wire]
+    want = [int(word_view(t).sum(dtype=torch.int64)) for t in plan.wire]
     assert plan.sums.tolist() == want
     plan.peer_sums.copy_(plan.sums)
     assert plan.verdict() == (0, 0)
@@ -165,7 +166,7 @@ def test_gpu_checks_on_a_side_stream_match_the_word_sums():
         for c in range(len(plan.chunks)):
             plan.check_chunk(c)
     torch.cuda.current_stream().wait_stream(side)
-    want = [int(transfer._word_view(t).sum(dtype=torch.int64)) for t in plan.wire]
+    want = [int(word_view(t).sum(dtype=torch.int64)) for t in plan.wire]
     assert plan.sums.tolist() == want
     plan.peer_sums.copy_(plan.sums)
     assert plan.verdict() == (0, 0)
@@ -182,7 +183,7 @@ def test_gpu_checks_on_a_side_stream_match_the_word_sums():
         for c in range(len(plan.chunks)):
             plan.check_chunk(c)
     torch.cuda.current_stream().wait_stream(side)
-    assert plan.sums.tolist() == [int(transfer._word_view(t).sum(dtype=torch.int64)) for t in plan.wire]
+    assert plan.sums.tolist() == [int(word_view(t).sum(dtype=torch.int64)) for t in plan.wire]
     assert plan.verdict() == (1, 1)
     # the sender's kind (no norms): its own graphs; a receiver's check on it runs eagerly
     sender = xferplan.of_state({"a": torch.randn(600, 512, device="cuda"), "b": torch.randn(5, device="cuda")})[1]
@@ -193,7 +194,7 @@ def test_gpu_checks_on_a_side_stream_match_the_word_sums():
     sender.sums.zero_()
     for c in range(len(sender.chunks)):
         sender.check_chunk(c, finite=False)
-    assert sender.sums.tolist() == [int(transfer._word_view(t).sum(dtype=torch.int64)) for t in sender.wire]
+    assert sender.sums.tolist() == [int(word_view(t).sum(dtype=torch.int64)) for t in sender.wire]
     assert sender._norms == []
     sender.tensors[0][0, 0] = float("inf")
     for c in range(len(sender.chunks)):

@@ -35,8 +35,9 @@ import torch.distributed as dist  # noqa: E402
 from trainmover.baseline import checkpoint  # noqa: E402
 from trainmover.errors import ConfigError, DeadlineExceeded  # noqa: E402
 from trainmover.runtime import rng  # noqa: E402
-from trainmover.runtime.transfer import digest_tensors, tensors_of  # noqa: E402
+from trainmover.runtime.tensors import digest_tensors, tensors_of  # noqa: E402
 from trainmover.workloads import base as workloads  # noqa: E402
+from trainmover.workloads import registry  # noqa: E402
 
 T_IMPORTED = time.time()
 
@@ -170,7 +171,7 @@ def run(cfg: TrainerConfig) -> int:
         device = torch.device("cpu")
     store, group = rendezvous(cfg, device)
     ev("communicators_ready", world=cfg.world)
-    workload = workloads.load("gpt_demo", {"preset": cfg.model})
+    workload = registry.load("gpt_demo", {"preset": cfg.model})
     workload.build(workloads.BuildContext(rank=cfg.rank, world_size=cfg.world, groups={"world": group},
                                           seed=cfg.seed, options={"preset": cfg.model, "device": cfg.device}))
     ev("model_built")

@@ -27,9 +27,11 @@ import torch.distributed as dist
 from trainmover.check.fingerprint import differences, fingerprint, unplain
 from trainmover.check.plan import shadow_total
 from trainmover.runtime import rng, transfer
+from trainmover.runtime.tensors import digest_tensors, tensors_of
 from trainmover.runtime.groups import SandboxBackend, SwappableGroup, gloo_group
 from trainmover.runtime.group_plan import GroupSpec
 from trainmover.workloads import base as workloads
+from trainmover.workloads import registry
 
 REFERENCE, JOINER = "reference", "joiner"
 HOST = "127.0.0.1"
@@ -82,7 +84,7 @@ def full_state(wl: workloads.Workload, step: int) -> dict:
 def digest(wl: workloads.Workload) -> str:
     """The digest the runtime writes into final.json for this rank (Agent.digest)."""
     sd = wl.state_dict()
-    return transfer.digest_tensors(transfer.tensors_of({"model": sd["model"], "optimizer": sd.get("optimizer", {})}))
+    return digest_tensors(tensors_of({"model": sd["model"], "optimizer": sd.get("optimizer", {})}))
 
 
 def group_specs(wl: workloads.Workload, world: int) -> list[GroupSpec]:
@@ -182,7 +184,7 @@ def _restore(wl, saved: dict) -> None:
 
 
 def reference(spec: ProcSpec, store, out: Emitter, timeout: datetime.timedelta) -> None:
-    wl = workloads.load(spec.workload, spec.options)
+    wl = registry.load(spec.workload, spec.options)
     if hasattr(wl, "inspect_all"):  # a script: look at its loop's frame at every boundary
         wl.inspect_all = True
     groups = make_groups(group_specs(wl, spec.world), spec.rank, lambda g, grank: gloo_group(
@@ -230,7 +232,7 @@ def reference(spec: ProcSpec, store, out: Emitter, timeout: datetime.timedelta) 
     alive = [wl]
     for r in spec.restarts:
         out.phase(f"restart from step {r}: build")
-        fresh = workloads.load(spec.workload, spec.options)
+        fresh = registry.load(spec.workload, spec.options)
         fresh.build(_context(spec, groups, ref_backend))
         _restore(fresh, saved[r])
         out.emit("restartstate", step=r, fp=fingerprint(full_state(fresh, r)), r=r)
@@ -239,7 +241,7 @@ def reference(spec: ProcSpec, store, out: Emitter, timeout: datetime.timedelta) 
 
 
 def joiner(spec: ProcSpec, store, out: Emitter, timeout: datetime.timedelta) -> None:
-    wl = workloads.load(spec.workload, spec.options)
+    wl = registry.load(spec.workload, spec.options)
     specs = group_specs(wl, spec.world)
     # As a standby: built on sandboxed groups and warmed up by shadow steps, then (as at a
     # join) re-pointed at new groups for the rank it takes, and warmed up again.

@@ -22,6 +22,7 @@ from trainmover.check.plan import Plan, plan as make_plan
 from trainmover.check.proc import HOST, JOINER, REFERENCE, ProcSpec
 from trainmover.errors import ConfigError
 from trainmover.workloads import base as workloads
+from trainmover.workloads import registry
 
 WORLD_CANDIDATES = (2, 1, 3, 4, 5, 6, 7, 8)  # the first one the workload's layout accepts
 POLL_S = 0.1
@@ -154,7 +155,7 @@ def run_check(workload: str, options: dict, *, steps: int = 24, ranks: int | Non
     import torch.distributed as dist
     t0 = time.monotonic()
     the_plan = make_plan(steps)
-    world = choose_world(workloads.load(workload, options), ranks)  # the options are checked here too
+    world = choose_world(registry.load(workload, options), ranks)  # the options are checked here too
     store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     tmp = tempfile.TemporaryDirectory(prefix="tm-check-", dir=workdir)

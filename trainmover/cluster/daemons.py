@@ -23,7 +23,7 @@ QUERY_TIMEOUT = 10.0     # one scontrol/sinfo call
 
 def env(spec: ClusterSpec) -> dict[str, str]:
     return {
-        "PATH": install._SEARCH,
+        "PATH": install.SEARCH_PATH,
         "SLURM_CONF": str(spec.slurm_conf),
         "TM_CLUSTER_DIR": str(spec.state_dir),
         "LANG": "C.UTF-8",

@@ -18,11 +18,11 @@ REQUIRED = [
     "srun", "sbatch", "scancel", "munged", "munge", "unshare", "setsid",
 ]
 REQUIRED_FOR_ACCOUNTING = ["slurmdbd", "sacctmgr", "mariadbd", "mariadb-install-db", "mariadb"]
-_SEARCH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/usr/bin", "/sbin", "/bin"])
+SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/usr/bin", "/sbin", "/bin"])
 
 
 def which(program: str) -> str | None:
-    return shutil.which(program, path=_SEARCH)
+    return shutil.which(program, path=SEARCH_PATH)
 
 
 def missing_programs(rel: Release) -> list[str]:
@@ -33,7 +33,7 @@ def missing_programs(rel: Release) -> list[str]:
 def _apt_env() -> dict[str, str]:
     env = dict(os.environ)
     env["DEBIAN_FRONTEND"] = "noninteractive"
-    env["PATH"] = _SEARCH
+    env["PATH"] = SEARCH_PATH
     return env
 
 

@@ -145,7 +145,7 @@ def _lock(path: Path, timeout: float):
 
 
 def _apt_env() -> dict[str, str]:
-    return {"PATH": install._SEARCH, "DEBIAN_FRONTEND": "noninteractive", "LANG": "C.UTF-8"}
+    return {"PATH": install.SEARCH_PATH, "DEBIAN_FRONTEND": "noninteractive", "LANG": "C.UTF-8"}
 
 
 def ensure_built(rel: Release, cache: Path, *, log: Callable[[str], None], mirror: str = MIRROR) -> Path:

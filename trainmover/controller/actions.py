@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+from trainmover.protocol.messages import Message
 
 
 @dataclass(frozen=True)
@@ -17,7 +20,7 @@ class LaunchStandby:
 @dataclass(frozen=True)
 class Send:
     nodes: tuple[str, ...]
-    msg: dict
+    msg: Message
 
 
 @dataclass(frozen=True)
@@ -28,7 +31,7 @@ class ReleaseNode:
 @dataclass(frozen=True)
 class Record:
     stream: str          # "timeline", "metrics" or "final"
-    payload: dict
+    payload: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ class CheckpointDone:
     """Every rank wrote its file of `step`: write the manifest (last), then delete the
     checkpoints older than the newest of `keep` that are not in it."""
     step: int
-    digests: dict
+    digests: dict[int, str]  # rank -> the digest of its file
     keep: tuple[int, ...]
 
 
@@ -60,3 +63,8 @@ class Fence:
     node: str
     pid: int
     reason: str
+
+
+# Every action the policy may return: the executor applies each in turn.
+Action: TypeAlias = (AcquireStandby | LaunchStandby | Send | ReleaseNode | Record | Finish | Rewind | CheckpointDone
+                     | Fence)

@@ -19,6 +19,8 @@ import json
 import types
 import typing
 
+T = typing.TypeVar("T")
+
 
 class DecodeError(ValueError):
     """An encoded state that does not fit its type (names the field's path)."""
@@ -109,7 +111,7 @@ def _deep(value: object) -> object:
     return value
 
 
-def snapshot(value: object) -> object:
+def snapshot(value: T) -> T:
     """A copy of dataclass `value` that later changes to it do not reach: its durable fields
     copied by their declared types (a dict of plain values: one dict() call), its transient
     ones shared (they are not compared). Equal to another snapshot exactly when their

@@ -18,8 +18,6 @@ import threading
 import time
 from pathlib import Path
 
-import torch.distributed as dist
-
 from trainmover import faults
 from trainmover.config import Config, parse_tiers
 from trainmover.protocol import channel, endpoint
@@ -39,9 +37,10 @@ from trainmover.controller.steps import KeeperSteps, LocalSteps, step_environmen
 from trainmover.controller.view import JobView
 from trainmover.errors import ConfigError, SlurmError
 from trainmover.protocol.worker_spec import ENV as SPEC_ENV, WorkerSpec
-from trainmover.slurm.client import client
+from trainmover.slurm.backends import client
 from trainmover.standbys import auto as auto_pool, site
-from trainmover.workloads import base as workloads
+from trainmover.workloads import registry
+from trainmover.workloads.base import Workload
 from trainmover.controller import view as view_mod
 
 log = logging.getLogger("trainmover.controller")
@@ -50,13 +49,14 @@ log = logging.getLogger("trainmover.controller")
 class Controller:
     def __init__(self, cfg: Config, job_id: int, slurm=None, environ=os.environ, *, listen: socket.socket | None = None,
                  store: tuple[str, int] | None = None, resume: bool = False, attempt: int = 0,
-                 keeper: str | None = None, run_dir: str | None = None):
+                 keeper: str | None = None, run_dir: str | None = None, workload: Workload | None = None):
         """`listen` and `store`: the supervisor's control socket and rendezvous store, which
         outlive this controller (None: its own, for one-process uses such as the benches).
         `resume`: take over a job whose controller died, from its journal. `keeper`: the job's
         keeper node (controller/keeper.py), which runs the steps; no rank runs there. `run_dir`:
         the job's run directory as the supervisor found it, where a predecessor that handed over
-        left its record of the job (controller/handover.py)."""
+        left its record of the job (controller/handover.py). `workload`: the job's workload, loaded
+        already (controller/process.py loads it before a spare waits); None: loaded here."""
         self.cfg, self.job_id, self.attempt = cfg, job_id, attempt
         self.faults = faults.Injector(cfg.inject, "controller", first_controller=attempt == 0)
         self.slurm = slurm or client(cfg.slurm_backend, node_query=cfg.node_query)
@@ -114,7 +114,10 @@ class Controller:
             self.cfg = cfg = dataclasses.replace(cfg, standbys=pool_choice["standbys"])
             log.info("TM_STANDBYS=auto: %d standby(s): %s", cfg.standbys, pool_choice["why"])
         # A layout that cannot fit the job (TP x PP x DP != ranks) fails here, before any launch.
-        workload = workloads.load(cfg.workload, cfg.workload_kwargs())
+        # Loading it imports its module, and torch with it: the controller needs the workload's
+        # own answers (its groups, its replica group), which only its code gives.
+        if workload is None:
+            workload = registry.load(cfg.workload, cfg.workload_kwargs())
         specs = workload.group_specs(self.view.world_size)
         replica = next((g.ranks for g in specs if g.name == workload.replica_group()),
                        tuple(range(self.view.world_size)) if workload.replica_group() == "world" else None)
@@ -219,6 +222,9 @@ class Controller:
     def _store(self):
         # TCPStore for gloo rendezvous, on a socket bound to this node's address: every node
         # of the local cluster shares one port space, and a real cluster has several NICs.
+        # Only without the supervisor's store (one-process uses such as the benches): torch is
+        # imported here, not with this module.
+        import torch.distributed as dist
         sock = socket.create_server((self.host, 0), backlog=1024)
         port = sock.getsockname()[1]
         store = dist.TCPStore(self.host, port, is_master=True, wait_for_workers=False,

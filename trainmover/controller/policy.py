@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from typing import Any, Protocol
 
 from trainmover.config import Config
 from trainmover.controller import codec
-from trainmover.controller.actions import Fence, Finish, LaunchStandby, Record, ReleaseNode
+from trainmover.controller.actions import Action, Fence, Finish, LaunchStandby, Record, ReleaseNode
 from trainmover.controller.holder import SnapshotHolder
 from trainmover.controller.journal import Replayed
 from trainmover.controller.liveness import Heard, Liveness
@@ -39,22 +40,38 @@ from trainmover.controller.standby_pool import StandbyPool
 from trainmover.controller.state import PolicyState
 from trainmover.controller.straggler_watch import StragglerWatch
 from trainmover.controller.view import JobView, StandbyState
+from trainmover.protocol.messages import Message
 
 log = logging.getLogger("trainmover.policy")
 
 
-def _part(part: str, attr: str, settable: bool = False) -> property:
-    """Policy.<attr> as <part>.<attr>: read (and, where settable, set) where it lives."""
-    def get(self):
+def _part(part: str, attr: str, settable: bool = False) -> Any:
+    """Policy.<attr> as <part>.<attr>: read (and, where settable, set) where it lives. A property,
+    typed Any: the attribute's annotation on the class gives its type."""
+    def get(self: Policy) -> Any:
         return getattr(getattr(self, part), attr)
 
-    def put(self, value):
+    def put(self: Policy, value: Any) -> None:
         setattr(getattr(self, part), attr, value)
     return property(get, put if settable else None, doc=f"{part}.{attr}")
 
 
+class NodeStatus(Protocol):
+    """What `on_nodes` reads of a node (slurm.model.NodeInfo); `reason` and `unresponsive` where
+    it has them."""
+
+    @property
+    def state(self) -> str: ...
+
+    @property
+    def draining(self) -> bool: ...
+
+    @property
+    def drained(self) -> bool: ...
+
+
 class Policy:
-    def __init__(self, cfg: Config, view: JobView):
+    def __init__(self, cfg: Config, view: JobView) -> None:
         self.cfg = cfg
         self.state = PolicyState.initial(view)
         self.pool = StandbyPool(cfg, self.state)
@@ -70,11 +87,11 @@ class Policy:
         self.takeover = Takeover(cfg, self.state, self.pool, self.progress, self.planner, self.recovery_part)
         # Not journaled: a job that ended has no successor; the executor sets these at start.
         self.done = False
-        self.failure: dict | None = None   # the report that ended the job (status.json)
-        self.failed_reports: dict[str, dict] = {}  # node -> a process's 'failed' report
-        self.recordings: dict[str, dict] = {}  # by recording rank (one per standby role): reported again
+        self.failure: dict[str, Any] | None = None   # the report that ended the job (status.json)
+        self.failed_reports: dict[str, Message] = {}  # node -> a process's 'failed' report
+        self.recordings: dict[str, dict[str, Any]] = {}  # by recording rank (one per standby role): reported again
         self.snapshot_every = cfg.snapshot_every  # the executor sets 0 where no snapshot could be used
-        self.pool_choice: dict | None = None  # TM_STANDBYS=auto: the size picked at start and why (standbys/auto.py)
+        self.pool_choice: dict[str, Any] | None = None  # TM_STANDBYS=auto: the size picked at start and why (standbys/auto.py)
 
     # --- the durable state and what the executor and tests read of it ----------------------
     def durable(self) -> PolicyState:
@@ -86,19 +103,19 @@ class Policy:
     view: JobView = _part("state", "view")
     migrations: list[Migration] = _part("state", "migrations")
     epoch: int = _part("state", "epoch")
-    fenced_pids: set = _part("state", "fenced_pids")
-    standbys_lost: list[dict] = _part("state", "standbys_lost")
+    fenced_pids: set[tuple[str, int]] = _part("state", "fenced_pids")
+    standbys_lost: list[dict[str, Any]] = _part("state", "standbys_lost")
     checkpoint_steps: list[int] = _part("recovery_part", "checkpoint_steps", settable=True)  # from disk
     store_moved: bool = _part("takeover", "store_moved", settable=True)  # from the predecessor's endpoint
-    resuming: dict | None = _part("takeover", "resuming")
+    resuming: dict[str, Any] | None = _part("takeover", "resuming")
     restarts: int = _part("takeover", "restarts")
-    rows: dict = _part("progress", "rows")
+    rows: dict[int, dict[int, Message]] = _part("progress", "rows")
     holder: str | None = _part("snapshots", "holder")
-    processes: dict = _part("liveness", "processes")
-    fenced: list[dict] = _part("liveness", "fenced")
+    processes: dict[tuple[str, int], Heard] = _part("liveness", "processes")
+    fenced: list[dict[str, Any]] = _part("liveness", "fenced")
 
     @property
-    def straggler(self) -> dict:
+    def straggler(self) -> dict[str, Any]:
         return self.stragglers.status()
 
     def active(self) -> Migration | None:
@@ -113,11 +130,11 @@ class Policy:
     def reconnect_window(self) -> float:
         return self.takeover.reconnect_window()
 
-    def flush_rows(self, upto: int) -> list:
+    def flush_rows(self, upto: int) -> list[Action]:
         return self.progress.flush_rows(upto)
 
     # --- events ------------------------------------------------------------------------
-    def start(self, now: float, in_job: list[str] | tuple[str, ...] = ()) -> list:
+    def start(self, now: float, in_job: list[str] | tuple[str, ...] = ()) -> list[Action]:
         """The job starts: its in-job standbys (TM_INJOB_STANDBYS, controller/view.split_in_job)
         join the pool and are launched as a standby taken from the reservation is; then the pool
         is filled where grow is possible."""
@@ -129,33 +146,33 @@ class Policy:
         from the rights check (slurm/pool_mode.py). Refused: the pool is never refilled."""
         self.pool.refill_off(refusal)
 
-    def resume(self, now: float, j: Replayed, metrics_through: int) -> list:
+    def resume(self, now: float, j: Replayed, metrics_through: int) -> list[Action]:
         return self.takeover.resume(now, j, metrics_through)
 
-    def heard(self, now: float, node: str, pid: int, msg: dict) -> None:
+    def heard(self, now: float, node: str, pid: int, msg: Message) -> None:
         self.liveness.heard(now, node, pid, msg)
 
     def forget(self, node: str, pid: int) -> None:
         self.liveness.forget(node, pid)
 
-    def request(self, now: float, node: str, trigger: str) -> tuple[bool, str, list]:
+    def request(self, now: float, node: str, trigger: str) -> tuple[bool, str, list[Action]]:
         """Ask for `node` to leave. Returns (accepted, message, actions)."""
         return self.planner.request(now, node, trigger)
 
-    def on_standby_acquired(self, now: float, node: str) -> list:
+    def on_standby_acquired(self, now: float, node: str) -> list[Action]:
         if node in self.view.released:  # it left the job earlier and is back: a standby now, not released
             self.view.released.remove(node)
         self.pool.acquired()
         self.pool.add(now, node)
         return [LaunchStandby(node)] + self.planner.maybe_acquire(now)
 
-    def on_standby_unavailable(self, now: float, reason: str) -> list:
+    def on_standby_unavailable(self, now: float, reason: str) -> list[Action]:
         self.pool.unavailable(now, reason)
         return []
 
-    def on_nodes(self, now: float, states: dict[str, object]) -> list:
-        """`states`: node name -> object with `.state` (text) and `.draining` (bool)."""
-        actions = []
+    def on_nodes(self, now: float, states: dict[str, NodeStatus]) -> list[Action]:
+        """`states`: node name -> its state (text), whether it drains or is drained."""
+        actions: list[Action] = []
         rank_nodes = self.view.rank_node.values()
         for node, info in states.items():
             self.view.node_state[node] = info.state
@@ -171,7 +188,7 @@ class Policy:
                 actions += self.losses.drained(now, node, getattr(info, "reason", ""))
         return actions
 
-    def on_peer_gone(self, now: float, node: str, ranks: tuple[int, ...] = ()) -> list:
+    def on_peer_gone(self, now: float, node: str, ranks: tuple[int, ...] = ()) -> list[Action]:
         """A worker's or a standby's control connection closed. `ranks`: the ranks that process
         ran, where known; a node with several ranks has a connection per process, and one
         rank's process may end (finished) before its node-mates report."""
@@ -181,7 +198,7 @@ class Policy:
             return self.recovery_part.fault(now, node, "control connection lost")
         return []
 
-    def on_message(self, now: float, node: str, msg: dict) -> list:
+    def on_message(self, now: float, node: str, msg: Message) -> list[Action]:
         kind = msg["type"]
         if kind == "ready":
             s = self.pool.get(node)
@@ -234,7 +251,7 @@ class Policy:
             return self.planner.on_switched(now, m, msg)
         return []
 
-    def _on_finished(self, msg: dict) -> list:
+    def _on_finished(self, msg: Message) -> list[Action]:
         finished = self.progress.finished
         finished[msg["rank"]] = msg
         if len(finished) < self.view.world_size or self.done:
@@ -247,7 +264,7 @@ class Policy:
                                  "migrations": sum(1 for m in self.migrations if m.phase is Phase.DONE)}),
                 Finish(True, "training finished")]
 
-    def _on_failed(self, now: float, node: str, msg: dict) -> list:
+    def _on_failed(self, now: float, node: str, msg: Message) -> list[Action]:
         """A process said why it ends. From a rank (not a standby: its loss is handled as such),
         this is the job's root cause and ends it now: the workload's own error (`user`) would
         follow the rank to any node, so it is never taken for a lost node. Authoritative over
@@ -266,7 +283,7 @@ class Policy:
             message = f"rank {msg['rank']} on {node} failed in {phase}: {msg['error']}"
         self.failure = {"rank": msg["rank"], "node": node, "step": step, "phase": phase, "user": user,
                         "error": msg["error"], "traceback": msg.get("traceback", ""), "t": now}
-        actions: list = []
+        actions: list[Action] = []
         for m in self.migrations:
             if m.active and m.recovery:
                 m.to(Phase.FAILED, now, f"void: {message}"[:300])
@@ -274,15 +291,15 @@ class Policy:
         log.error("the job ends: %s", message)
         return actions + [Finish(False, message)]
 
-    def _on_step(self, now: float, node: str, msg: dict) -> list:
+    def _on_step(self, now: float, node: str, msg: Message) -> list[Action]:
         self.liveness.progressed(now)
-        evicted: list = []
+        evicted: list[Action] = []
         if self.active() is None:  # a migration changes the layout: no verdict across it
             target = self.stragglers.on_compute(now, msg["rank"], msg["compute_s"])
             evicted = self.request(now, target, "straggler")[2] if target else []
         row = self.progress.record(node, msg)
         step = msg["step"]
-        actions = []
+        actions: list[Action] = []
         if row is not None:
             actions += self.planner.rebalance(now, step)
             actions.append(self.progress.metrics_row(step, row))
@@ -291,7 +308,7 @@ class Policy:
                 m.downtime_s = self.progress.downtime(m)
         return actions + evicted
 
-    def on_step_exit(self, now: float, node: str, code: int) -> list:
+    def on_step_exit(self, now: float, node: str, code: int) -> list[Action]:
         m = next((m for m in self.migrations if m.leaver == node and m.phase in (Phase.SWITCHING, Phase.RELEASING)), None)
         if m is not None:
             if m.leaver_exited:  # known already (a recovery's leaver), release under way
@@ -314,7 +331,7 @@ class Policy:
                 return self.recovery_part.fault(now, node, f"its Slurm step exited with code {code}")
         return []
 
-    def on_released(self, now: float, node: str, ok: bool, message: str) -> list:
+    def on_released(self, now: float, node: str, ok: bool, message: str) -> list[Action]:
         m = next((m for m in self.migrations if m.leaver == node and m.phase is Phase.RELEASING), None)
         if m is None:
             if any(x["node"] == node for x in self.standbys_lost) or node in self.losses.drained_nodes:
@@ -322,7 +339,7 @@ class Policy:
             return []
         return self.planner.released(now, m, node, ok, message)
 
-    def on_tick(self, now: float, arrivals: dict | None = None) -> list:
+    def on_tick(self, now: float, arrivals: dict[tuple[str, int], float] | None = None) -> list[Action]:
         """`arrivals`: (node, pid) -> when a frame of that process last arrived (liveness.py)."""
         if self.takeover.resuming is not None:  # nothing is decided before every rank has said where it is
             return self.takeover.tick(now)
@@ -335,7 +352,7 @@ class Policy:
         return (actions + self.recovery_part.maybe_recover(now) + self.planner.maybe_acquire(now)
                 + self.planner.dispatch(now) + self._holder_actions(now))
 
-    def _judged_dead(self, now: float, h: Heard, why: str) -> list:
+    def _judged_dead(self, now: float, h: Heard, why: str) -> list[Action]:
         if self.pool.get(h.node) is not None:
             what = f"standby process {h.pid} on {h.node}"
             actions = self.losses.lost(now, h.node, why)
@@ -349,11 +366,11 @@ class Policy:
         self.liveness.fence(now, h, why)
         return [Fence(h.node, h.pid, f"{what}: {why}")] + actions
 
-    def _holder_actions(self, now: float) -> list:
+    def _holder_actions(self, now: float) -> list[Action]:
         return self.snapshots.actions(now, self.snapshot_every, set(self.progress.steps))
 
     # --- reporting -----------------------------------------------------------------------
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         v = self.view
         nodes = [{"name": n, "role": "train", "ranks": list(v.ranks_of(n)), "slurm_state": v.node_state.get(n, "")}
                  for n in v.train_nodes()]

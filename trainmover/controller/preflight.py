@@ -7,7 +7,7 @@ import logging
 
 from trainmover.config import Config
 from trainmover.errors import ConfigError
-from trainmover.workloads import base as workloads
+from trainmover.workloads import registry
 
 log = logging.getLogger("trainmover.preflight")
 
@@ -15,7 +15,7 @@ log = logging.getLogger("trainmover.preflight")
 def preflight(cfg: Config, run_check=None) -> None:
     """Raise ConfigError, with the reason, when the job must not start. `run_check`: the check
     (trainmover.check.run.run_check; a parameter for tests)."""
-    workloads.load(cfg.workload, cfg.workload_kwargs())
+    registry.load(cfg.workload, cfg.workload_kwargs())
     if not cfg.check_workload:
         return
     if run_check is None:

@@ -15,7 +15,8 @@ from trainmover.controller.exit_codes import CRASHED, REFUSED
 from trainmover.errors import ConfigError, TrainMoverError
 from trainmover.logs import setup_logging
 from trainmover.protocol import files
-from trainmover.slurm.client import client
+from trainmover.slurm.backends import client
+from trainmover.workloads import registry
 
 log = logging.getLogger("trainmover.controller")
 
@@ -43,6 +44,12 @@ def main(argv=None) -> int:
     except TrainMoverError as exc:  # pyslurm that cannot load here: restarting cannot help
         log.error("controller: %s", exc)
         return REFUSED
+    # The workload loaded now (its module imports torch: seconds), before a spare waits: off the
+    # takeover's path. One that does not load fails in the Controller below, as it would there.
+    try:
+        workload = registry.load(cfg.workload, cfg.workload_kwargs())
+    except Exception:  # noqa: BLE001 - raised again, and reported, by the Controller's own load
+        workload = None
     if args.spare_fd is not None:  # imports are done: a takeover costs only the journal and Slurm queries
         log.info("controller pid %d warm (imports done): waiting to take over", os.getpid())
         with os.fdopen(args.spare_fd, "rb") as pipe:
@@ -61,7 +68,7 @@ def main(argv=None) -> int:
         store = (host, int(port))
     try:
         return Controller(cfg, job_id, listen=listen, store=store, resume=args.resume, attempt=args.attempt,
-                          keeper=args.keeper, slurm=slurm, run_dir=args.run_dir).run()
+                          keeper=args.keeper, slurm=slurm, run_dir=args.run_dir, workload=workload).run()
     except TrainMoverError as exc:  # a clear error (config, corrupt journal): restarting cannot help
         log.error("controller: %s", exc)
         return REFUSED

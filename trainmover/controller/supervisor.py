@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     cfg = Config.from_env()
     from trainmover.controller.preflight import preflight
     from trainmover.runtime.usercode import user_code
-    from trainmover.slurm.client import client
+    from trainmover.slurm.backends import client
     slurm = client(cfg.slurm_backend, node_query=cfg.node_query)  # tm_nodes: one RPC a node query, not two
     log.info("Slurm backend: %s (TM_SLURM_BACKEND)", cfg.slurm_backend)
     # Started by the keeper, which read the job and this node just before: asking slurmctld again

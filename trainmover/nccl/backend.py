@@ -20,7 +20,7 @@ import torch.distributed as dist
 from trainmover.errors import MigrationError
 from trainmover.nccl import lib
 from trainmover.runtime.groups import completed_work
-from trainmover.runtime.transfer import by_dtype
+from trainmover.runtime.tensors import by_dtype
 
 WARM_SIZES = (256, 1 << 16, 1 << 20, 1 << 23)  # float32 elements: LL, LL128 and Simple ranges
 

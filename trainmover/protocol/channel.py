@@ -21,10 +21,11 @@ import struct
 import threading
 import time
 import logging
+from collections.abc import Callable
 
 from trainmover.protocol import files
 from trainmover.protocol.handshake_log import HandshakeFailures
-from trainmover.protocol.messages import validate
+from trainmover.protocol.messages import Message, validate
 from trainmover.errors import DeadlineExceeded, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class _Framer:
     def _mac(self, direction: bytes, seq: int, body: bytes) -> bytes:
         return hmac.new(self.key, self.session + direction + struct.pack(">Q", seq) + body, hashlib.sha256).digest()
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg: Message) -> None:
         body = json.dumps(validate(msg), separators=(",", ":")).encode()
         if len(body) > MAX_FRAME:
             raise ProtocolError(f"message too large ({len(body)} bytes)")
@@ -98,7 +99,7 @@ class _Framer:
             self.tx_seq += 1
             self.sock.sendall(struct.pack(">I", len(body)) + body + mac)
 
-    def recv(self, limit: int = MAX_FRAME, deadline: float | None = None) -> dict | None:
+    def recv(self, limit: int = MAX_FRAME, deadline: float | None = None) -> Message | None:
         """The next frame; None at a clean end (EOF between frames). `limit`: the largest body
         accepted (a peer not yet authenticated gets HELLO_MAX); `deadline` (monotonic): the
         whole frame must arrive by then. A frame cut short is a ProtocolError."""
@@ -159,10 +160,10 @@ class Connection:
     def __init__(self, framer: _Framer, peer: str):
         self.framer, self.peer = framer, peer
         self.closed = False
-        self.identity: dict | None = None  # the peer's hello
+        self.identity: Message | None = None  # the peer's hello
         self.last_frame_at = time.time()   # when the reader last received a frame (liveness)
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg: Message) -> None:
         self.framer.send(msg)
 
     def close(self) -> None:
@@ -186,7 +187,8 @@ class Server:
     retries, but never locks it out). The accept loop survives any error."""
 
     def __init__(self, host: str, key: bytes, port: int = 0, handshake_timeout: float = 10.0,
-                 sock: socket.socket | None = None, max_pending: int | None = None, on_hello=None):
+                 sock: socket.socket | None = None, max_pending: int | None = None,
+                 on_hello: Callable[[Connection, Message], None] | None = None):
         """`sock`: a listening socket to accept on (the supervisor's, which outlives a
         controller, so that a restarted one is found at the same address). `on_hello(conn,
         hello)`: called on the connection's thread once a peer has authenticated, before its
@@ -196,7 +198,7 @@ class Server:
         self.max_pending = max_pending or MAX_PENDING
         self.sock = sock if sock is not None else socket.create_server((host, port), backlog=1024)
         self.address = self.sock.getsockname()[:2]
-        self.inbox: queue.Queue = queue.Queue()
+        self.inbox: queue.Queue[tuple[Connection, Message | None]] = queue.Queue()
         self.rejected = 0
         self.evicted = 0
         self.handshake_failures = HandshakeFailures()  # failed MACs before a hello: which get a line
@@ -309,7 +311,7 @@ class Server:
             log.warning("%s", line)
 
 
-def connect(address: tuple[str, int], key: bytes, hello: dict, *, timeout: float = 10.0,
+def connect(address: tuple[str, int], key: bytes, hello: Message, *, timeout: float = 10.0,
             source: str | None = None) -> Connection:
     """Connect and authenticate; `hello` is the first message. Retries until `timeout` (a
     connection the server dropped in the handshake, as under a flood, is tried again)."""
@@ -338,7 +340,7 @@ def connect(address: tuple[str, int], key: bytes, hello: dict, *, timeout: float
     raise DeadlineExceeded(f"could not reach the controller at {address[0]}:{address[1]} within {timeout:.0f}s: {last}")
 
 
-def request(address: tuple[str, int], key: bytes, msg: dict, *, timeout: float = 10.0) -> dict:
+def request(address: tuple[str, int], key: bytes, msg: Message, *, timeout: float = 10.0) -> Message:
     """One request/reply exchange (used by the CLI)."""
     conn = connect(address, key, msg, timeout=timeout)
     try:

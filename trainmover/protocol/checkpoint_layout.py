@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 from trainmover.protocol import files
 from trainmover.errors import MigrationError, ProtocolError
@@ -52,7 +53,7 @@ def write_manifest(root: Path, step: int, digests: dict[int, str], key: bytes) -
     return path
 
 
-def read_manifest(root: Path, step: int, key: bytes) -> dict:
+def read_manifest(root: Path, step: int, key: bytes) -> dict[str, Any]:
     path = step_dir(root, step) / MANIFEST
     try:
         meta = files.unseal(key, _PURPOSE, json.loads(files.read_limited(path, 1 << 20)))

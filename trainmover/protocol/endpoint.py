@@ -45,7 +45,7 @@ class Endpoint:
 _PURPOSE = "trainmover controller endpoint"
 
 
-def write(root: Path, ep: Endpoint, key: bytes, **extra) -> None:
+def write(root: Path, ep: Endpoint, key: bytes, **extra: object) -> None:
     record = files.seal(key, _PURPOSE, {**asdict(ep), **extra})
     files.write_atomic(Path(root) / NAME, json.dumps(record, indent=1, sort_keys=True) + "\n")
 

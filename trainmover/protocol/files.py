@@ -25,6 +25,7 @@ import os
 import stat
 import tempfile
 from pathlib import Path
+from typing import Any, TextIO
 
 from trainmover.errors import ConfigError, ProtocolError
 
@@ -117,13 +118,13 @@ def temp_path(path: Path) -> Path:
     return Path(tmp)
 
 
-def open_append(path: Path, encoding: str = "utf-8", buffering: int = -1):
+def open_append(path: Path, encoding: str = "utf-8", buffering: int = -1) -> TextIO:
     """A text file opened for appending, created 0600; a symbolic link there is an error."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
     return os.fdopen(fd, "a", encoding=encoding, buffering=buffering)
 
 
-def read_limited(path: Path, max_bytes: int, *, owner: int | None = None) -> bytes:
+def read_limited(path: str | Path, max_bytes: int, *, owner: int | None = None) -> bytes:
     """The bytes of a regular file of at most `max_bytes`, read without following a final
     symbolic link and without blocking on a FIFO. `owner`: the uid it must belong to.
     Raises OSError (the caller treats it as 'nothing to read')."""
@@ -153,12 +154,12 @@ def read_limited(path: Path, max_bytes: int, *, owner: int | None = None) -> byt
 
 # --- records authenticated with the job's key ------------------------------------------------
 
-def _mac(key: bytes, purpose: str, body: dict) -> str:
+def _mac(key: bytes, purpose: str, body: dict[str, Any]) -> str:
     canon = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     return hmac.new(key, purpose.encode() + b"\0" + canon, hashlib.sha256).hexdigest()
 
 
-def seal(key: bytes, purpose: str, body: dict) -> dict:
+def seal(key: bytes, purpose: str, body: dict[str, Any]) -> dict[str, Any]:
     """`body` with a `mac` field: HMAC-SHA256 under the job's key over `purpose` and the
     canonical JSON (a record cannot be moved to another purpose, or changed, without the key)."""
     if "mac" in body:
@@ -166,7 +167,7 @@ def seal(key: bytes, purpose: str, body: dict) -> dict:
     return {**body, "mac": _mac(key, purpose, body)}
 
 
-def unseal(key: bytes, purpose: str, record: object) -> dict:
+def unseal(key: bytes, purpose: str, record: object) -> dict[str, Any]:
     """The body of a record `seal` made with `key` for `purpose`; ProtocolError otherwise."""
     if not isinstance(record, dict) or not isinstance(record.get("mac"), str):
         raise ProtocolError(f"{purpose}: record carries no MAC (not written by this job)")

@@ -19,9 +19,9 @@ class HandshakeFailures:
     summary_every_s: float = SUMMARY_EVERY_S
     max_addresses: int = MAX_ADDRESSES
     total: int = 0
-    _seen: set = field(default_factory=set)
+    _seen: set[str] = field(default_factory=set)
     _unreported: int = 0                       # failures since the last line that counted them
-    _unreported_addresses: set = field(default_factory=set)
+    _unreported_addresses: set[str] = field(default_factory=set)
     _last_summary_at: Optional[float] = None
 
     def failed(self, peer: str, detail: str, now: float) -> Optional[str]:

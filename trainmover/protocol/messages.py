@@ -6,12 +6,17 @@ clear text, never a half-understood command.
 """
 from __future__ import annotations
 
+from typing import Any, TypeAlias
+
 from trainmover.errors import ProtocolError
+
+Message: TypeAlias = dict[str, Any]  # a validated message: its `type` and the fields SCHEMA gives it
+FieldType: TypeAlias = "type | tuple[type, ...]"
 
 _INT, _FLOAT, _STR, _LIST, _DICT, _BOOL = int, (int, float), str, list, dict, bool
 
 # type -> {field: expected python type(s)}; every field is required, extra fields are refused.
-SCHEMA: dict[str, dict[str, object]] = {
+SCHEMA: dict[str, dict[str, FieldType]] = {
     # worker / agent -> controller
     "hello": {"role": _STR, "node": _STR, "ranks": _LIST, "pid": _INT},
     # one per standby process (`local`: its index on the node); the node is ready once all are
@@ -91,7 +96,7 @@ MAX_RANKS_IN_MESSAGE = 1 << 16
 JOINER = -1  # `recover.holders`: the lost rank's copy is held by the standby taking its slot (no transfer)
 
 
-def validate(msg: object) -> dict:
+def validate(msg: object) -> Message:
     if not isinstance(msg, dict):
         raise ProtocolError(f"message must be a JSON object, got {type(msg).__name__}")
     kind = msg.get("type")
@@ -130,11 +135,11 @@ def validate(msg: object) -> dict:
     return msg
 
 
-def make(kind: str, **fields) -> dict:
+def make(kind: str, **fields: Any) -> Message:
     return validate({"type": kind, **fields})
 
 
-def _tname(typ) -> str:
+def _tname(typ: FieldType) -> str:
     if isinstance(typ, tuple):
         return "/".join(t.__name__ for t in typ)
     return typ.__name__

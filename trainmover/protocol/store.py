@@ -52,26 +52,28 @@ def open_value(key: bytes, name: str, raw: bytes) -> bytes:
     return raw[:-_TAG]
 
 
-def _bytes(value) -> bytes:
+def _bytes(value: str | bytes) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
 
+# torch's type stubs for Store lack its `timeout` property and type values as str, where the
+# stores take bytes: the `type: ignore`s below are those two, nothing else.
 class AuthStore(dist.Store):
     """A `torch.distributed.Store` over `inner` (a TCPStore client) whose values are tagged with
     the job's `key`; usable wherever a store is (PrefixStore, ProcessGroupGloo)."""
 
-    def __init__(self, inner: dist.Store, key: bytes):
+    def __init__(self, inner: dist.Store, key: bytes) -> None:
         super().__init__()
         self.inner, self.key = inner, key
-        super().set_timeout(inner.timeout)
+        super().set_timeout(inner.timeout)  # type: ignore[attr-defined]
         self.forged = 0  # forged values seen (tests, logs)
         self._warned: set[str] = set()  # keys already logged (a poll loop would repeat it)
 
     # --- writes ---------------------------------------------------------------------------
-    def set(self, name: str, value) -> None:
-        self.inner.set(name, seal(self.key, name, _bytes(value)))
+    def set(self, name: str, value: str | bytes) -> None:
+        self.inner.set(name, seal(self.key, name, _bytes(value)))  # type: ignore[arg-type]
 
-    def compare_set(self, name: str, expected, desired) -> bytes:
+    def compare_set(self, name: str, expected: str | bytes, desired: str | bytes) -> bytes:
         """As TCPStore.compare_set, on genuine values (a forged value reads as absent, empty):
         `desired` is stored if the key's genuine value equals `expected`; returns the genuine
         value held afterwards."""
@@ -80,14 +82,15 @@ class AuthStore(dist.Store):
         current = (self._genuine(name, raw) or b"") if raw else b""
         if current != expected:
             return current
-        got = self.inner.compare_set(name, raw, seal(self.key, name, desired))  # atomic: raw unchanged
+        # atomic: `desired` is stored only while the raw value is still `raw`
+        got = self.inner.compare_set(name, raw, seal(self.key, name, desired))  # type: ignore[arg-type]
         return (self._genuine(name, got) or b"") if got else b""
 
     def add(self, name: str, amount: int) -> int:
         raise NotImplementedError("AuthStore: counters cannot be authenticated; use set/get")
 
     def delete_key(self, name: str) -> bool:
-        return self.inner.delete_key(name)
+        return bool(self.inner.delete_key(name))
 
     # --- reads ----------------------------------------------------------------------------
     def _genuine(self, name: str, raw: bytes) -> bytes | None:
@@ -103,14 +106,15 @@ class AuthStore(dist.Store):
     def get(self, name: str) -> bytes:
         """The genuine value of `name`, waiting up to the store's timeout for one (as TCPStore.get
         waits for the key to exist)."""
-        deadline = time.monotonic() + self.timeout.total_seconds()
+        waited = self.timeout.total_seconds()  # type: ignore[attr-defined]
+        deadline = time.monotonic() + waited
         while True:
             value = self._genuine(name, self.inner.get(name))
             if value is not None:
                 return value
             if time.monotonic() >= deadline:
                 raise dist.DistStoreError(f"rendezvous key {name!r}: no genuine value within "
-                                          f"{self.timeout.total_seconds():.0f}s (a forged one is there)")
+                                          f"{waited:.0f}s (a forged one is there)")
             time.sleep(_POLL_S)
 
     def check(self, names: list[str]) -> bool:
@@ -120,7 +124,7 @@ class AuthStore(dist.Store):
         return all(self._genuine(n, self.inner.get(n)) is not None for n in names)
 
     def wait(self, names: list[str], timeout: datetime.timedelta | None = None) -> None:
-        timeout = self.timeout if timeout is None else timeout
+        timeout = self.timeout if timeout is None else timeout  # type: ignore[attr-defined]
         deadline = time.monotonic() + timeout.total_seconds()
         for name in names:
             while True:
@@ -134,7 +138,7 @@ class AuthStore(dist.Store):
                 time.sleep(min(_POLL_S, max(0.0, deadline - time.monotonic())))
 
     def num_keys(self) -> int:
-        return self.inner.num_keys()
+        return int(self.inner.num_keys())
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self.inner.set_timeout(timeout)

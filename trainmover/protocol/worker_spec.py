@@ -9,7 +9,9 @@ default, so a spec written by hand (tests) needs only the launch fields."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any
 
 from trainmover import config
 from trainmover.config import Config
@@ -19,14 +21,14 @@ ENV = "TM_WORKER_SPEC"
 _CONFIG = {f.name: f for f in fields(Config)}
 
 
-def _default(name: str):
+def _default(name: str) -> Any:
     """Config's default of its field `name`."""
     f = _CONFIG[name]
     assert f.default is not MISSING, f"Config.{name} has no plain default"
     return f.default
 
 
-def _from_config(name: str):
+def _from_config(name: str) -> Any:
     """A spec field that `from_config` copies from the job's Config field of the same name."""
     return field(default=_default(name), metadata={"config": True})
 
@@ -42,7 +44,7 @@ class WorkerSpec:
     store: tuple[str, int]
     secret_file: str
     workload: str = _from_config("workload")
-    workload_options: dict = field(default_factory=dict)  # Config.workload_kwargs(): what the constructor gets
+    workload_options: dict[str, Any] = field(default_factory=dict)  # Config.workload_kwargs(): what the constructor gets
     seed: int = _from_config("seed")
     steps: int = _from_config("steps")
     group_timeout_s: float = _from_config("group_timeout_s")        # deadline of every collective and rendezvous
@@ -68,7 +70,7 @@ class WorkerSpec:
     backend: str = _from_config("backend")  # gloo, nccl or auto
 
     @classmethod
-    def from_config(cls, cfg: Config, *, inject: tuple[str, ...], **launch) -> "WorkerSpec":
+    def from_config(cls, cfg: Config, *, inject: tuple[str, ...], **launch: Any) -> "WorkerSpec":
         """The spec of one launch: every field marked `config` has `cfg`'s value unless `launch`
         gives the controller's own (e.g. snapshot_every, 0 where no snapshot could be used),
         workload_options is `cfg.workload_kwargs()`; `launch` gives the rest (role, ranks,
@@ -87,7 +89,7 @@ class WorkerSpec:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_env(cls, environ=None) -> "WorkerSpec":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "WorkerSpec":
         raw = config.setting(ENV, environ)
         if not raw:
             raise ConfigError(f"{ENV} is not set: workers are started by the TrainMover controller")

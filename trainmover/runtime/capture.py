@@ -24,7 +24,7 @@ every version: pinning gigabytes takes seconds (and on the lent GPU machines hos
 at about 3 s per 8 GiB the first time it is touched).
 
 Checksum (`word_digest`): per tensor the sum of its 32/16-bit words as int64 (what
-`transfer.digest_tensors` computes for CUDA tensors), hashed with shapes and dtypes. The sender
+`tensors.digest_tensors` computes for CUDA tensors), hashed with shapes and dtypes. The sender
 computes it on its GPU from the tensors it copies, on the side stream; a receiver recomputes it
 from the bytes it received, on its GPU when it has one (`word_sums(..., via=cuda)`: copied in
 chunks, a 14.6 GB state in ~0.3 s) and on its CPU otherwise. SHA-256 of 14.6 GB on one CPU core
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainmover.runtime.transfer import _flatten, _unflatten, _word_view
+from trainmover.runtime import tensors as tensor_walk
 
 log = logging.getLogger("trainmover.capture")
 
@@ -55,19 +55,12 @@ def flatten(state: dict) -> tuple[object, list[str], list[torch.Tensor]]:
     """(skeleton, key paths, tensors) of a state: tensors replaced by their index."""
     tensors: list[torch.Tensor] = []
     paths: list[str] = []
-    skeleton = _flatten(state, tensors, paths)
+    skeleton = tensor_walk.flatten(state, tensors, paths)
     return skeleton, paths, tensors
 
 
 def specs_of(paths: list[str], tensors: list[torch.Tensor]) -> list[tuple[str, tuple, str]]:
     return [(p, tuple(t.shape), str(t.dtype)) for p, t in zip(paths, tensors)]
-
-
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"not a dtype: {name!r}")
-    return dt
 
 
 def word_digest(specs: list[tuple[str, tuple, str]], sums: list[int]) -> str:
@@ -99,13 +92,13 @@ class Checker:
         check = finite and t.is_floating_point() and t.numel() > 0
         if not t.numel() or t.device.type == "cuda" or self.via is None:
             if sums:
-                self._sums.append(_word_view(t).sum(dtype=torch.int64) if t.numel()
+                self._sums.append(tensor_walk.word_view(t).sum(dtype=torch.int64) if t.numel()
                                   else torch.zeros((), dtype=torch.int64))
             if check:
                 self._bad.append(torch.isfinite(t).logical_not().any())
             return
         # the word type is the whole tensor's (a piece alone might pick another and sum differently)
-        words = _word_view(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        words = tensor_walk.word_view(t.detach().contiguous().reshape(-1).view(torch.uint8))
         step = max(1, VERIFY_CHUNK_BYTES // words.element_size())
         need = min(step, words.numel())
         buf = self._buf.get(words.dtype)
@@ -178,19 +171,20 @@ class Slab:
         pinned = pin and device is None
         pieces: list[tuple[torch.dtype, list[int]]] = []  # (dtype, member indices) of each buffer
         for dtype, members in by_dtype.items():
-            size = torch.empty((), dtype=_dtype(dtype)).element_size()
+            size = torch.empty((), dtype=tensor_walk.dtype_of(dtype)).element_size()
             group: list[int] = []
             for i in members + [None]:
-                full = i is None or (group and sum(_numel(self.specs[j][1]) for j in group + [i]) * size > CHUNK_BYTES)
+                full = i is None or (group and sum(tensor_walk.numel(self.specs[j][1]) for j in group + [i]) * size
+                                     > CHUNK_BYTES)
                 if full and group:
-                    pieces.append((_dtype(dtype), group))
+                    pieces.append((tensor_walk.dtype_of(dtype), group))
                     group = []
                 if i is not None:
                     group.append(i)
 
         def alloc(piece):
             dt, group = piece
-            n = max(sum(_numel(self.specs[j][1]) for j in group), 1)
+            n = max(sum(tensor_walk.numel(self.specs[j][1]) for j in group), 1)
             if pinned:
                 return _touched(n, dt)
             return torch.empty(n, dtype=dt, device=device)
@@ -210,7 +204,7 @@ class Slab:
         for chunk, (_, group) in zip(chunks, pieces):
             at = 0
             for j in group:
-                n = _numel(self.specs[j][1])
+                n = tensor_walk.numel(self.specs[j][1])
                 views[j] = chunk[at:at + n].view(self.specs[j][1])
                 at += n
         self.views = views
@@ -249,13 +243,6 @@ def _register(t: torch.Tensor) -> torch.Tensor:
         return t
     log.debug("cudaHostRegister of %d bytes: error %d; allocating it pinned instead", t.numel() * t.element_size(), rc)
     return torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 @dataclass
@@ -297,7 +284,7 @@ class Captured:
 
     def state(self) -> dict:
         """The state of `step` (tensors: the slab's views). Call after `wait`."""
-        return _unflatten(self.skeleton, list(self.slab.views))
+        return tensor_walk.unflatten(self.skeleton, list(self.slab.views))
 
 
 class Capture:
@@ -365,7 +352,7 @@ class Capture:
             for i, t in enumerate(tensors):
                 if t.device.type != "cuda":
                     slab.views[i].copy_(t)
-                    cap.cpu_sums[i] = int(_word_view(t).sum(dtype=torch.int64)) if t.numel() else 0
+                    cap.cpu_sums[i] = int(tensor_walk.word_view(t).sum(dtype=torch.int64)) if t.numel() else 0
             if gpu:
                 cap.gpu_index = gpu
                 self.stream.wait_stream(torch.cuda.current_stream())  # ordered after the step's work
@@ -381,7 +368,7 @@ class Capture:
                         cap.staged = torch.cuda.Event(enable_timing=True)
                         cap.staged.record()
                     source = {i: (stage.views[k] if stage is not None else tensors[i]) for k, i in enumerate(gpu)}
-                    sums = torch.stack([_word_view(source[i]).sum(dtype=torch.int64) if source[i].numel()
+                    sums = torch.stack([tensor_walk.word_view(source[i]).sum(dtype=torch.int64) if source[i].numel()
                                         else torch.zeros((), dtype=torch.int64, device=source[i].device)
                                         for i in gpu])
                     for i in gpu:
@@ -436,4 +423,4 @@ def restore_into(captured_state: dict, like: dict) -> tuple[dict, int]:
                 out.append(t.detach().clone())
     if any(t.device.type == "cuda" for t in out) and torch.cuda.is_available():
         torch.cuda.current_stream().synchronize()
-    return _unflatten(skeleton, out), placed
+    return tensor_walk.unflatten(skeleton, out), placed

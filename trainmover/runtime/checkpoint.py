@@ -32,6 +32,7 @@ from trainmover.errors import MigrationError
 from trainmover.protocol import files
 from trainmover.protocol.checkpoint_layout import fsync_dir, rank_file, read_manifest
 from trainmover.runtime import transfer
+from trainmover.runtime.tensors import tensors_of
 
 log = logging.getLogger("trainmover.checkpoint")
 
@@ -81,7 +82,7 @@ def read_rank(root: Path, step: int, rank: int, key: bytes, like: dict | None = 
     if got != expected:
         raise transfer.ChecksumMismatch(f"{path}: checksum {got[:12]} differs from the manifest's {expected[:12]}",
                                         phase="recover", rank=rank)
-    bad = transfer.nonfinite(transfer.tensors_of(state))
+    bad = transfer.nonfinite(tensors_of(state))
     if bad:
         raise MigrationError(f"{path}: refused: {bad} tensor(s) hold NaN or Inf", phase="recover", rank=rank)
     return state

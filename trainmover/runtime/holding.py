@@ -58,6 +58,7 @@ import torch.distributed as dist
 from trainmover.protocol.store import AuthStore
 from trainmover.errors import MigrationError
 from trainmover.runtime import capture, transfer
+from trainmover.runtime.tensors import dtype_of, numel, unflatten
 from trainmover.runtime.groups import gloo_group
 
 log = logging.getLogger("trainmover.holding")
@@ -240,7 +241,7 @@ class Held:
         self.on_device = getattr(slab, "on_device", False)
 
     def state(self) -> dict:
-        return transfer._unflatten(self.skeleton, list(self.slab.views))
+        return unflatten(self.skeleton, list(self.slab.views))
 
 
 class Holding:
@@ -297,7 +298,7 @@ class Holding:
         beside the standby's own model, with a margin for its shadow steps."""
         if not (self.verify_on == "cuda" and self.layout):
             return "no GPU, or the layout is not known ahead"
-        need = sum(capture._numel(shape) * capture._dtype(dt).itemsize for _, shape, dt in self.layout)
+        need = sum(numel(shape) * dtype_of(dt).itemsize for _, shape, dt in self.layout)
         need += DIRECT_MARGIN_BYTES
         free, _ = torch.cuda.mem_get_info()
         return "" if free >= need else f"{free / 2**30:.1f} GiB free on its GPU, {need / 2**30:.1f} needed"

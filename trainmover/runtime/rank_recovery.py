@@ -31,11 +31,11 @@ from trainmover.protocol.messages import JOINER
 from trainmover.errors import MigrationError
 from trainmover.runtime import capture, checkpoint, phase1, rng, transfer
 from trainmover.runtime.context import RankContext
+from trainmover.runtime.epoch import abort
 from trainmover.runtime.group_plan import delta
 from trainmover.runtime.protection import Protection
 from trainmover.runtime.rankstate import RankState
 from trainmover.runtime.standby import StandbyRole
-from trainmover.runtime.switch import abort
 
 log = logging.getLogger("trainmover.recovery")
 

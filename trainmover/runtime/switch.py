@@ -22,6 +22,7 @@ import torch.distributed as dist
 from trainmover.errors import MigrationError
 from trainmover.runtime import phase1, rng, transfer, xferplan
 from trainmover.runtime.context import RankContext
+from trainmover.runtime.epoch import abort, cancel_key, go_key, layout_key
 from trainmover.runtime.group_plan import delta
 from trainmover.runtime.rankstate import RankState
 
@@ -31,31 +32,6 @@ if TYPE_CHECKING:  # roles this one calls, handed to it by the process (worker.A
     from trainmover.runtime.standby import StandbyRole
 
 log = logging.getLogger("trainmover.worker")
-
-
-def go_key(epoch: int, leaver: int) -> str:
-    return f"tm/e{epoch}/xfer/r{leaver}/go"
-
-
-def cancel_key(epoch: int, leaver: int) -> str:
-    return f"tm/e{epoch}/xfer/r{leaver}/cancel"
-
-
-def layout_key(epoch: int, leaver: int) -> str:
-    return f"tm/e{epoch}/xfer/r{leaver}/layout"
-
-
-def abort(ctx: RankContext, msg: dict) -> None:
-    """The controller aborted epoch `msg["epoch"]` (or this rank voided it: an unexpected
-    failure): the planned migration in flight, if it is that one, is dropped."""
-    prep = ctx.pending
-    if prep and prep.epoch == msg["epoch"]:
-        ctx.pending = None
-        if prep.role == "leaver":
-            # Once the leaver stops offering this epoch the MIN can never equal it again:
-            # tell the joiner, which waits on exactly this key.
-            ctx.store.set(cancel_key(prep.epoch, ctx.rank), "1")
-        log.info("epoch %d aborted: %s", prep.epoch, msg["reason"])
 
 
 def switch_ready(prep: phase1.Prepared | None, step: int) -> int:

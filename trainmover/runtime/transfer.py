@@ -15,7 +15,6 @@ Channels (one interface, two implementations):
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import logging
 import threading
@@ -25,6 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from trainmover.errors import MigrationError
+from trainmover.runtime import xferplan
+from trainmover.runtime.tensors import by_dtype, digest_tensors, flatten, tensors_of, unflatten
 
 log = logging.getLogger(__name__)
 
@@ -36,77 +37,11 @@ class ChecksumMismatch(MigrationError):
     """The received bytes are not the bytes sent: the copy is retried, never used."""
 
 
-def _flatten(obj, tensors: list[torch.Tensor], paths: list[str], path: str = ""):
-    """Replace tensors by integer refs (1-element dicts, so weights_only can load them),
-    recording each tensor's key path: receivers match buffers by path, never by position."""
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        paths.append(path)
-        return {"__tm_tensor__": len(tensors) - 1}
-    if isinstance(obj, dict):
-        return {k: _flatten(v, tensors, paths, f"{path}/{k}") for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        out = [_flatten(v, tensors, paths, f"{path}/{i}") for i, v in enumerate(obj)]
-        return out if isinstance(obj, list) else tuple(out)
-    return obj
-
-
-def _unflatten(obj, tensors: list[torch.Tensor]):
-    if isinstance(obj, dict):
-        if set(obj) == {"__tm_tensor__"}:
-            return tensors[obj["__tm_tensor__"]]
-        return {k: _unflatten(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_unflatten(v, tensors) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_unflatten(v, tensors) for v in obj)
-    return obj
-
-
-def tensors_of(obj) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    _flatten(obj, out, [])
-    return out
-
-
-def _word_view(t: torch.Tensor) -> torch.Tensor:
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    for dtype, size in ((torch.int32, 4), (torch.int16, 2)):
-        if flat.numel() % size == 0:
-            return flat.view(dtype)
-    return flat
-
-
-def digest_tensors(tensors: list[torch.Tensor]) -> str:
-    """SHA-256 over shapes, dtypes and bytes. CUDA tensors are reduced on the GPU first
-    (sum of their 32/16-bit words, per tensor), so no state crosses to the host."""
-    h = hashlib.sha256()
-    sums = []
-    for t in tensors:
-        h.update(str((tuple(t.shape), str(t.dtype))).encode())
-        if t.device.type == "cuda":
-            sums.append(_word_view(t).sum(dtype=torch.int64) if t.numel() else torch.zeros((), dtype=torch.int64,
-                                                                                            device=t.device))
-        elif t.numel():
-            h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    if sums:
-        h.update(torch.stack(sums).cpu().numpy().tobytes())
-    return h.hexdigest()
-
-
 def _wait(work, what: str):
     try:
         work.wait()
     except RuntimeError as exc:  # timeouts are the group's (set when it was built)
         raise MigrationError(f"state transfer: {what} failed: {exc}", phase="switch") from exc
-
-
-def by_dtype(tensors: list[torch.Tensor]) -> list[tuple[torch.dtype, list[torch.Tensor]]]:
-    """Tensors grouped by dtype, in first-seen order: the same on sender and receiver."""
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(t.dtype, []).append(t)
-    return list(groups.items())
 
 
 class GlooChannel:
@@ -216,7 +151,7 @@ def pack(state: dict) -> tuple[bytes, list[torch.Tensor], str]:
     the (key path, shape, dtype, device) of each tensor and the checksum of all tensor bytes."""
     tensors: list[torch.Tensor] = []
     paths: list[str] = []
-    skeleton = _flatten(state, tensors, paths)
+    skeleton = flatten(state, tensors, paths)
     tensors = [t.detach().contiguous() for t in tensors]
     digest = digest_tensors(tensors)
     buf = io.BytesIO()
@@ -235,7 +170,7 @@ def unpack(manifest: bytes, like: dict | None = None) -> tuple[dict, list[torch.
     have: list[torch.Tensor] = []
     have_paths: list[str] = []
     if like is not None:
-        _flatten(like, have, have_paths)
+        flatten(like, have, have_paths)
     targets = dict(zip(have_paths, have))
     into = []
     for path, shape, dtype, device in meta["specs"]:
@@ -256,15 +191,15 @@ def assemble(meta: dict, into: list[torch.Tensor]) -> tuple[dict, str]:
     if got != meta["digest"]:
         raise ChecksumMismatch(f"state transfer: checksum mismatch (sent {meta['digest'][:12]}, "
                                f"received {got[:12]})", phase="switch")
-    return _unflatten(meta["skeleton"], into), got
+    return unflatten(meta["skeleton"], into), got
 
 
 def host_copy(state: dict) -> dict:
     """A deep copy of `state` with every tensor copied into host memory: what a snapshot or a
     checkpoint keeps, unaffected by the training steps that follow."""
     tensors: list[torch.Tensor] = []
-    skeleton = _flatten(state, tensors, [])
-    return _unflatten(skeleton, [t.detach().to("cpu", copy=True) for t in tensors])
+    skeleton = flatten(state, tensors, [])
+    return unflatten(skeleton, [t.detach().to("cpu", copy=True) for t in tensors])
 
 
 def send_state(state: dict, xfer, *, dst: int = 1, corrupt: bool = False, chan=None) -> TransferStats:
@@ -298,10 +233,9 @@ def send_planned(state: dict, chan, plan, *, dst: int = 1, corrupt: bool = False
     """Send `state` by `plan` (made ahead from this very state's tensors; rebuilt here if they
     changed since). The manifest carries the skeleton, the specs and their signature, and the
     host tensors (RNG states, step counters) with their digest; the wire carries the rest."""
-    from trainmover.runtime import xferplan
     t0 = time.perf_counter()
     tensors: list[torch.Tensor] = []
-    skeleton = _flatten(state, tensors, [])
+    skeleton = flatten(state, tensors, [])
     ahead = plan is not None and plan.still_describes(tensors)
     if not ahead:
         skeleton, plan = xferplan.of_state(state)
@@ -330,7 +264,7 @@ def warm_manifest(state: dict, plan) -> None:
     """Encode and decode a manifest of `state` once before the pause: the first weights-only
     load of a process sets itself up (its allow-lists, hundreds of small host tensors' storages)."""
     tensors: list[torch.Tensor] = []
-    skeleton = _flatten(state, tensors, [])
+    skeleton = flatten(state, tensors, [])
     cpu = plan.pack_host(tensors)
     buf = io.BytesIO()
     torch.save({"skeleton": skeleton, "specs": plan.specs, "sig": plan.sig, "cpu": cpu,
@@ -343,7 +277,6 @@ def recv_planned(chan, guess, *, src: int = 0, like: dict | None = None):
     """Receive by the sender's plan: into `guess` (the joiner's Phase-1 plan of its own buffers)
     when the signatures match, else into a plan made now from the sender's specs. Returns
     (state, stats, non-finite floating tensors); a word-sum mismatch raises ChecksumMismatch."""
-    from trainmover.runtime import xferplan
     t0 = time.perf_counter()
     # Where the channel tells the sender's signature ahead (NCCL: a store key set before its
     # sends) and it is this joiner's Phase-1 plan's, the receives are posted at once and the
@@ -392,7 +325,7 @@ def recv_planned(chan, guess, *, src: int = 0, like: dict | None = None):
     if bad:
         raise ChecksumMismatch(f"state transfer: {bad} of {len(plan.wire)} wire tensors arrived with other "
                                f"word sums than sent", phase="switch")
-    state = _unflatten(meta["skeleton"], plan.tensors)
+    state = unflatten(meta["skeleton"], plan.tensors)
     nonfin += nonfinite(cpu)
     parts = {**parts, "manifest_s": round(t1 - t0, 5), "recv_s": round(t2 - t1, 5), "posted_early": early,
              "verdict_read_s": round(t3 - t2, 5), "into_own_buffers": plan is guess,

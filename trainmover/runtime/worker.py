@@ -50,9 +50,11 @@ from trainmover.runtime.protection import Protection
 from trainmover.runtime.rankstate import RankState, RankStateMachine
 from trainmover.runtime.rank_recovery import Recovery
 from trainmover.runtime.standby import REWARM_POLL_S, StandbyRole
+from trainmover.runtime.tensors import digest_tensors, tensors_of
 from trainmover.runtime.switch import Switch
 from trainmover.runtime.training import TRACE_STEPS, TrainingLoop
 from trainmover.workloads import base as workloads
+from trainmover.workloads import registry
 
 log = logging.getLogger("trainmover.worker")
 
@@ -130,7 +132,7 @@ class Agent:
         self.inbox: queue.Queue = self.link.inbox
         self.faults = faults.Injector(spec.inject, spec.role)
         with usercode.user_code("construction"):  # importing and constructing it run the user's code
-            loaded = workloads.load(spec.workload, spec.workload_options)
+            loaded = registry.load(spec.workload, spec.workload_options)
         self.workload = usercode.UserWorkload(loaded, self._inject_user_fault)
         if getattr(loaded, "owns_loop", False):  # a script: its own loop decides when training ends, not TM_STEPS
             self.spec = spec = dataclasses.replace(spec, steps=OWN_LOOP_STEPS)
@@ -392,7 +394,7 @@ class Agent:
 
     def digest(self) -> str:
         sd = self.workload.state_dict()
-        return transfer.digest_tensors(transfer.tensors_of({"model": sd["model"], "optimizer": sd.get("optimizer", {})}))
+        return digest_tensors(tensors_of({"model": sd["model"], "optimizer": sd.get("optimizer", {})}))
 
     def run(self) -> int:
         if self.role == "worker":

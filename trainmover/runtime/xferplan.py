@@ -10,7 +10,7 @@ shapes, dtypes, where each tensor lands) is worked out in Phase 1, on both sides
   travel packed, one buffer per dtype, allocated here, and are scattered with one multi-tensor
   copy. Wire tensors are sent in chunks of about CHUNK_BYTES (one NCCL group each);
 * verification as chunks land: after each chunk the receiver's side stream sums its words
-  (int64 per wire tensor, the word sum of `transfer.digest_tensors`) and takes each floating
+  (int64 per wire tensor, the word sum of `tensors.digest_tensors`) and takes each floating
   tensor's L1 norm (NaN and Inf propagate: a non-finite state is refused), while the next
   chunk is still on the wire. The sender sums the same words beside its sends and sends the
   sums last; the receiver compares the two vectors on the GPU and reads back two numbers;
@@ -35,20 +35,13 @@ import logging
 
 import torch
 
-from trainmover.runtime.transfer import _flatten, _word_view
+from trainmover.runtime.tensors import dtype_of, flatten, word_view
 
 CHUNK_BYTES = 4 << 30          # wire tensors per NCCL group: verification overlaps the next chunk (15 groups
 #                                of 1 GiB moved 14.6 GB at 232 GB/s on H100s, one group at 329)
 PACK_BELOW_BYTES = 1 << 20     # smaller device tensors travel packed (per-message cost dominates)
 
 log = logging.getLogger("trainmover.xferplan")
-
-
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, str(name).removeprefix("torch."), None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"not a dtype: {name!r}")
-    return dt
 
 
 def specs_of(paths: list[str], tensors: list[torch.Tensor]) -> list[tuple[str, tuple, str, str]]:
@@ -113,7 +106,7 @@ class Plan:
         for c in self.chunks:
             self.bounds.append((at, at + len(c)))
             at += len(c)
-        self._words = [[_word_view(t.detach()) for t in c] for c in self.chunks]
+        self._words = [[word_view(t.detach()) for t in c] for c in self.chunks]
         self._floats = [[[t for t in c if t.dtype == dt and t.numel()] for dt in sorted({t.dtype for t in c if t.is_floating_point()}, key=str)]
                         for c in self.chunks]
         device = self.wire[0].device if self.wire else torch.device("cpu")
@@ -248,7 +241,7 @@ def of_state(state: dict) -> tuple[object, Plan]:
     """(skeleton, plan) of a state, the state's own tensors as the buffers (the sender's)."""
     tensors: list[torch.Tensor] = []
     paths: list[str] = []
-    skeleton = _flatten(state, tensors, paths)
+    skeleton = flatten(state, tensors, paths)
     # the very tensor objects (not detached aliases): a workload's load_state_dict skips the
     # tensors that already are its own, by identity
     tensors = [t if t.is_contiguous() else t.detach().contiguous() for t in tensors]
@@ -261,11 +254,11 @@ def into(specs, like: dict | None) -> Plan:
     have: list[torch.Tensor] = []
     paths: list[str] = []
     if like is not None:
-        _flatten(like, have, paths)
+        flatten(like, have, paths)
     targets = dict(zip(paths, have))
     out = []
     for path, shape, dtype, device in specs:
-        dt = _dtype(dtype)
+        dt = dtype_of(dtype)
         if device not in ("cpu", "cuda"):
             raise ValueError(f"bad device {device!r} at {path}")
         t = targets.get(path)

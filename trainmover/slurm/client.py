@@ -413,13 +413,3 @@ def node_query_program(setting: str, slurm_conf: Optional[str]) -> Optional[str]
     path = os.path.join(os.path.dirname(slurm_conf or "/etc/slurm/slurm.conf"), NODE_QUERY)
     return path if os.access(path, os.X_OK) else None
 
-
-def client(backend: str = "cli", **kwargs) -> SlurmClient:
-    """The Slurm backend by name: 'cli', or 'pyslurm' (needs a pyslurm built against the
-    cluster's Slurm, pyslurm 25.11 for Slurm 25.11; SlurmError naming the fix otherwise)."""
-    if backend == "cli":
-        return CliSlurm(**kwargs)
-    if backend == "pyslurm":
-        from trainmover.slurm.pyslurm_backend import PySlurm  # imports pyslurm: only when asked for
-        return PySlurm(**kwargs)
-    raise SlurmError(f"unknown Slurm backend {backend!r} (available: 'cli', 'pyslurm')")

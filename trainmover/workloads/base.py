@@ -7,14 +7,14 @@ runs shadow steps to warm up, and later receives a live rank's state.
 from __future__ import annotations
 
 import abc
-import importlib
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from trainmover.errors import ConfigError
-from trainmover.runtime.groups import SwappableGroup
 from trainmover.runtime.group_plan import GroupSpec
+
+if TYPE_CHECKING:  # a name only: this module loads no torch (the controller imports it)
+    from trainmover.runtime.groups import SwappableGroup
 
 
 @dataclass
@@ -23,7 +23,7 @@ class BuildContext:
     world_size: int
     groups: dict[str, SwappableGroup]
     seed: int
-    options: dict = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
     # Call between gradients and the optimizer step: raises if a collective of this step
     # failed. On GPUs an aborted NCCL kernel ends early without an error the host sees, and
     # an optimizer step on its gradients would spoil every replica at once.
@@ -34,7 +34,7 @@ class BuildContext:
     master: tuple[str, int] = ("127.0.0.1", 29500)  # MASTER_ADDR/PORT: the job's rendezvous store
     # new_group(name, ranks) -> the group (a SwappableGroup) or None for a non-member: a group a
     # script makes with dist.new_group, built and swapped by the runtime like its own
-    new_group: Callable | None = None
+    new_group: Callable[..., SwappableGroup | None] | None = None
 
 
 class Workload(abc.ABC):
@@ -65,7 +65,7 @@ class Workload(abc.ABC):
         """Run iteration `step` (0-based) fully, optimizer step included; return the local loss."""
 
     @abc.abstractmethod
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Everything that decides future steps except the global RNGs and the step number,
         which the runtime adds (runtime/rng.py: torch, CUDA, Python `random`, NumPy's global):
         model (buffers such as BatchNorm statistics included), optimizer, LR scheduler, data
@@ -75,7 +75,7 @@ class Workload(abc.ABC):
         transfer decodes with torch.load(weights_only=True)."""
 
     @abc.abstractmethod
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()`'s output. Copy model tensors in place (DDP holds them); the
         tensors of `state` may already be this workload's own (received in place)."""
 
@@ -111,7 +111,7 @@ class Workload(abc.ABC):
         return ""
 
 
-def load_optimizer_in_place(opt, state: dict) -> None:
+def load_optimizer_in_place(opt: Any, state: dict[str, Any]) -> None:
     """Load an optimizer state whose tensors may already *be* the optimizer's own (the
     transfer received them in place into a warm standby's buffers). Then only the
     non-tensor parts are set; `Optimizer.load_state_dict` would copy every tensor again,
@@ -126,69 +126,3 @@ def load_optimizer_in_place(opt, state: dict) -> None:
         return
     for group, loaded in zip(opt.param_groups, state["param_groups"]):
         group.update({k: v for k, v in loaded.items() if k != "params"})
-
-
-REGISTRY = {"gpt_demo": "trainmover.workloads.gpt_demo:GPTDemo",
-            "megatron_gpt": "trainmover.workloads.megatron_gpt:MegatronGPT"}
-
-# Where each constructor option a job hands a workload comes from (the rest: TM_WORKLOAD_OPTIONS).
-OPTION_SOURCES = {"preset": "TM_MODEL", "tp": "TM_TP", "pp": "TM_PP", "dp": "TM_DP",
-                  "distributed_optimizer": "TM_DISTRIBUTED_OPTIMIZER"}
-
-
-def resolve(name: str) -> type[Workload]:
-    """The class of workload `name`, a registry key or `package.module:Class` (imported)."""
-    target = REGISTRY.get(name, name)
-    module_name, _, cls_name = target.partition(":")
-    if not cls_name:
-        raise ConfigError(f"workload {name!r}: expected one of {sorted(REGISTRY)} or 'module:Class'")
-    try:
-        cls = getattr(importlib.import_module(module_name), cls_name)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"workload {name!r} cannot be loaded: {exc}") from exc
-    if not (isinstance(cls, type) and issubclass(cls, Workload)):
-        raise ConfigError(f"workload {name!r} is not a trainmover Workload")
-    return cls
-
-
-def accepted_options(cls: type) -> tuple[dict[str, inspect.Parameter], bool]:
-    """What a workload declares it accepts: the keyword arguments of its constructor, and
-    whether it takes any keyword (**kwargs)."""
-    params = inspect.signature(cls).parameters
-    named = {n: p for n, p in params.items()
-             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
-    return named, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-
-def check_options(name: str, cls: type, options: dict) -> None:
-    """Refuse, naming the key and the variable that set it, an option the workload does not
-    accept, and a required constructor argument that no option sets. Pure."""
-    named, any_key = accepted_options(cls)
-    accepts = ", ".join(sorted(named)) or "no options"
-    unknown = sorted(set(options) - set(named)) if not any_key else []
-    if unknown:
-        sources = ", ".join(f"{k} from {OPTION_SOURCES.get(k, 'TM_WORKLOAD_OPTIONS')}" for k in unknown)
-        raise ConfigError(f"workload {name!r} does not accept options {unknown} ({sources}); it accepts: "
-                          f"{accepts} (the keyword arguments of {cls.__name__}.__init__)")
-    missing = sorted(n for n, p in named.items() if p.default is inspect.Parameter.empty and n not in options)
-    if missing:
-        raise ConfigError(f"workload {name!r} needs option(s) {missing}: set them in TM_WORKLOAD_OPTIONS "
-                          f"(e.g. TM_WORKLOAD_OPTIONS={missing[0]}=...)")
-
-
-def load(name: str, options: dict | None = None) -> Workload:
-    """`name` is a registry key or `package.module:Class`; `options` are the constructor's
-    keyword arguments, checked against its signature first."""
-    options = dict(options or {})
-    if name.startswith("script:"):  # script mode: the user's own script (trainmover/script)
-        from trainmover.script.workload import ScriptWorkload
-        unknown = sorted(set(options) - {"argv"})
-        if unknown:
-            raise ConfigError(f"a script takes its own arguments (TM_SCRIPT_ARGS), not options {unknown}")
-        return ScriptWorkload(name[len("script:"):], options.get("argv", ()))
-    cls = resolve(name)
-    check_options(name, cls, options)
-    try:
-        return cls(**options)
-    except TypeError as exc:  # raised inside the constructor: say whose
-        raise ConfigError(f"workload {name!r} refused options {sorted(options)}: {exc}") from exc
