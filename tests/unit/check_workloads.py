@@ -107,3 +107,17 @@ class HangsOnRank1(CNN):
             import time
             time.sleep(3600)
         return super().train_step(step)
+
+
+class LeavesAChild(CNN):
+    """Exact, but it starts a process of its own and leaves it running (as a DataLoader worker
+    left behind, seen once on a loaded machine). Each child's pid is written into
+    $TM_TEST_CHILD_PIDS, for the test to see it ended with the check."""
+
+    def build(self, ctx) -> None:
+        super().build(ctx)
+        import os
+        import subprocess
+        child = subprocess.Popen(["sleep", "600"])
+        with open(os.path.join(os.environ["TM_TEST_CHILD_PIDS"], str(child.pid)), "w") as f:
+            f.write(str(child.pid))

@@ -5,6 +5,7 @@ file of its own so that `make test`'s parallel workers run the two halves side b
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,27 @@ def test_options_are_checked_before_any_process_starts(on_path):
     with pytest.raises(ConfigError, match=r"does not accept options \['preset'\] \(preset from TM_MODEL\); it accepts: "
                                           r"batch, clip, dropout, gamma, lr, samples, step_size, width"):
         check("cnn:CNN", preset="tiny")
+
+
+def test_what_the_checks_processes_started_ends_with_the_check(on_path, monkeypatch, tmp_path):
+    """Each process of the check runs in a session of its own, killed whole at the end: a child
+    it left behind (a DataLoader worker) does not outlive the check. Old code left it running."""
+    from trainmover.check.run import run_check
+    monkeypatch.setenv("TM_TEST_CHILD_PIDS", str(tmp_path))
+    report = run_check("tests.unit.check_workloads:LeavesAChild", {}, steps=4, timeout_s=150)
+    assert report.failure == "" and report.exact, report.text()
+    pids = [int(p.name) for p in tmp_path.iterdir()]
+    assert pids, "the workload started its children"
+
+    def gone(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"  # a zombie: ended
+        except FileNotFoundError:
+            return True
+    wait_until = time.monotonic() + 10
+    while not all(gone(p) for p in pids) and time.monotonic() < wait_until:
+        time.sleep(0.1)
+    assert all(gone(p) for p in pids), [p for p in pids if not gone(p)]
 
 
 def test_a_process_that_hangs_is_named_with_where_it_was_at_the_deadline(on_path):

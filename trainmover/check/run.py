@@ -87,9 +87,18 @@ class _Proc:
         self.spec, self.log = spec, log
         self.record = compare.Record()
         self.offset = 0
+        # A session of its own: what it starts (DataLoader workers: one was seen left behind on a
+        # loaded machine, parked on a futex) is killed with it, never outlives the check.
         with open(log, "wb") as out:
             self.popen = subprocess.Popen([sys.executable, "-m", "trainmover.check.proc", json.dumps(spec.__dict__)],
-                                          stdout=out, stderr=subprocess.STDOUT, env=env)
+                                          stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def kill_group(self) -> None:
+        """SIGKILL to the process and everything it started that is still in its group."""
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # the group is gone already
+            pass
 
     @property
     def name(self) -> str:
@@ -174,8 +183,7 @@ def run_check(workload: str, options: dict, *, steps: int = 24, ranks: int | Non
         failure = _follow(procs, t0 + timeout_s, timeout_s)
     finally:
         for p in procs:
-            if p.popen.poll() is None:
-                p.popen.kill()
+            p.kill_group()  # also a finished process's leftovers (its DataLoader workers)
         for p in procs:
             try:
                 p.popen.wait(timeout=KILL_WAIT_S)
