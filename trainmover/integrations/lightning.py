@@ -34,6 +34,7 @@ import copy
 import functools
 import io
 import logging
+import os
 import warnings
 from collections import OrderedDict
 
@@ -130,6 +131,26 @@ def _quiet_csv_writer() -> None:
     _ExperimentWriter._check_log_dir_exists = _check_log_dir_exists
 
 
+def _settle_version(lg, version) -> None:
+    """Fixes a logger's version to the run's. Lightning makes every logger's writer before the
+    first callback hook (its setup hook), after its profiler asked for the directory: on a rank
+    re-entering, or on a standby, that took the next free version (a new, empty version_N), and
+    setting the version afterwards left the writer there: a re-entered rank 0 went on logging
+    into version_N. A CSV writer made for another version is pointed at this version's directory
+    (not made again: made live, Lightning's writer deletes the metrics.csv it finds there), and
+    the directory it made is removed if still empty."""
+    lg._version = version
+    writer = getattr(lg, "_experiment", None)
+    if writer is None or not hasattr(writer, "metrics_keys") or writer.log_dir == lg.log_dir:
+        return  # none made yet, not a CSV writer (TensorBoard's holds files open), or the right one
+    stray, writer.log_dir = writer.log_dir, lg.log_dir
+    writer.metrics_file_path = os.path.join(writer.log_dir, writer.NAME_METRICS_FILE)
+    try:
+        os.rmdir(stray)  # only an empty directory: one that holds a file is someone's
+    except OSError:
+        pass
+
+
 class TrainMoverCallback(Callback):
     """Makes `Trainer.fit` migratable under TrainMover (module docstring); nothing otherwise."""
 
@@ -158,7 +179,7 @@ class TrainMoverCallback(Callback):
             # from it), carried in the state so that a rank taking over keeps it.
             for lg in trainer.loggers:
                 if hasattr(lg, "_version"):
-                    lg._version = trainer.strategy.broadcast(lg.version)
+                    _settle_version(lg, trainer.strategy.broadcast(lg.version))
             return
         extra = unpack(state[NAME])
         ckpt = dict(extra["checkpoint"], state_dict=state["model"]["lightning_module"])
@@ -173,7 +194,7 @@ class TrainMoverCallback(Callback):
         self.files = list(extra["files"])
         for lg, saved in zip(trainer.loggers, self.loggers):
             if saved.get("version") is not None and hasattr(lg, "_version"):
-                lg._version = saved["version"]  # before ModelCheckpoint.setup reads it: the same directory
+                _settle_version(lg, saved["version"])  # before ModelCheckpoint.setup reads it: the same directory
         connector = trainer._checkpoint_connector
 
         def resume_start(checkpoint_path=None):  # Lightning's resume path, from memory
