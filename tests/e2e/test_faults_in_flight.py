@@ -36,6 +36,12 @@ def drain(run, node: str) -> float:
     return time.time()
 
 
+# Each test here waits, with training going on, for a second standby to start and warm up after
+# the first was lost (its imports alone take ~15 s on 2 loaded cores): pace (the same bits) keeps
+# the run's 300 steps going for that. Unpaced, the joiner test's run ended first (CI, 300 steps).
+PACE = "pace:0.08"
+
+
 def first_step_after(run, t: float) -> float:
     return min(m["t"] for m in run.metrics() if m["t"] > t)
 
@@ -57,7 +63,7 @@ def test_a_stayer_killed_in_phase1_aborts_the_drain_is_recovered_and_the_drain_c
     """Rank 2 dies as Phase 1 of epoch 1 begins: the drain's migration is aborted, rank 2 is
     rebuilt from a replica on the standby that was joining (TM_STANDBYS=1: the only one), and
     the drain is retried on a new standby."""
-    run = demo("stayer-in-phase1", TM_INJECT="die-in-phase1:2:1")
+    run = demo("stayer-in-phase1", TM_INJECT=f"die-in-phase1:2:1,{PACE}")
     training(run, slurm_client, min_step=20)
     warm_standby(run)
     leaver, victim = leaver_of(run), run.metrics()[-1]["nodes"][2]
@@ -84,7 +90,7 @@ def test_a_stayer_killed_in_phase1_aborts_the_drain_is_recovered_and_the_drain_c
 
 def test_the_joiner_killed_in_phase1_aborts_and_the_drain_completes_on_another_standby(demo, reference,
                                                                                        slurm_client):
-    run = demo("joiner-in-phase1", TM_INJECT="die-in-phase1:joiner:1")
+    run = demo("joiner-in-phase1", TM_INJECT=f"die-in-phase1:joiner:1,{PACE}")
     training(run, slurm_client, min_step=20)
     warm_standby(run)
     leaver = leaver_of(run)
@@ -109,7 +115,7 @@ def test_the_joiner_killed_in_phase1_aborts_and_the_drain_completes_on_another_s
 
 
 def test_a_standby_killed_in_warmup_is_replaced_and_a_pending_drain_completes(demo, reference, slurm_client):
-    run = demo("standby-in-warmup", TM_INJECT="die-in-warmup:1")
+    run = demo("standby-in-warmup", TM_INJECT=f"die-in-warmup:1,{PACE}")
     training(run, slurm_client, min_step=5)
     leaver = leaver_of(run)
     drained_at = drain(run, leaver)

@@ -57,14 +57,15 @@ def test_the_negative_control_without_a_rollback_of_the_live_ranks_differs(demo,
 
 
 def test_a_rank_without_a_replica_or_snapshot_is_recovered_from_the_checkpoint_tier(demo, reference, slurm_client):
-    run = demo("checkpoint-tier", TM_SNAPSHOT_EVERY=0, TM_CHECKPOINT_EVERY=100, **NO_REPLICA)
+    run = demo("checkpoint-tier", TM_SNAPSHOT_EVERY=0, TM_CHECKPOINT_EVERY=50, **NO_REPLICA)
     recovered(run, slurm_client, "checkpoint")
     assert_same_training(run, reference)
     root = run.dir / "checkpoints"
     kept = sorted(d.name for d in root.glob("step-*"))
-    assert kept == ["step-000000300", "step-000000400"], kept  # the two newest complete ones
-    manifest = json.loads((root / "step-000000400" / "manifest.json").read_text())
-    assert manifest["step"] == 400 and sorted(manifest["digests"]) == ["0", "1", "2"]
+    # one every 50 steps of 300 (none at the last: the job ends there), the two newest kept
+    assert kept == ["step-000000200", "step-000000250"], kept
+    manifest = json.loads((root / "step-000000250" / "manifest.json").read_text())
+    assert manifest["step"] == 250 and sorted(manifest["digests"]) == ["0", "1", "2"]
 
 
 def test_megatron_without_data_parallelism_is_recovered_from_the_snapshot_tier(slurm_cluster, slurm_client,
