@@ -6,12 +6,15 @@ VENV := .venv
 PYTEST_ARGS ?=
 # The Slurm matrix: on each supported release the host does not have (its cluster runs from a
 # Debian root filesystem, built once into /var/cache/trainmover/rootfs/<release>; 25.11's from
-# source: $TM_SLURM_SOURCE or ../shared/vendor): the Slurm contract, the embedded cluster's own
-# tests (grow/shrink repeated, no standby, down/up), the drain migration compared bit for bit
-# with an uninterrupted run, and the SPANK plugin. On 25.11 pyslurm is built (make pyslurm), the
+# source: $TM_SLURM_SOURCE or ../shared/vendor): the Slurm contract (nodes, drain/resume, a job
+# grown, stepped on and shrunk, errors, per backend), the drain migration compared bit for bit
+# with an uninterrupted run, and the SPANK plugin. The embedded cluster's own tests
+# (tests/e2e/test_cluster.py: up/down, repeated grow/shrink) run on the host's release only, for
+# CI's time: in the matrix they stopped and restarted each release's cluster, and what in them
+# depends on the release is in the contract. On 25.11 pyslurm is built (make pyslurm), the
 # contract's pyslurm cases run inside its root and the jobs' controllers use it
 # (TM_SLURM_BACKEND=pyslurm).
-SLURM_MATRIX_TESTS := tests/e2e/test_slurm_contract.py tests/e2e/test_cluster.py \
+SLURM_MATRIX_TESTS := tests/e2e/test_slurm_contract.py \
 	tests/e2e/test_migration.py::test_drain_moves_the_rank_to_a_standby_bit_exactly tests/e2e/test_spank.py
 
 # The Slurm release pyslurm is built against (PyPI's pyslurm 25.11.2 needs Slurm 25.11, which
