@@ -114,8 +114,9 @@ def _record_iterator_creation() -> None:
 
 def _quiet_csv_writer() -> None:
     """A CSVLogger's writer made while the run is not live (Lightning makes it on rank 0 before
-    any callback hook) leaves its directory alone: Lightning's deletes an existing metrics.csv,
-    which on a standby or a re-entry is the live job's."""
+    any callback hook) leaves the file system alone: Lightning's deletes an existing metrics.csv,
+    which on a standby or a re-entry is the live job's, and makes the directory, which on a standby
+    is a new empty version_N (the next free one) left beside the job's."""
     from lightning.fabric.loggers.csv_logs import _ExperimentWriter
     if getattr(_ExperimentWriter._check_log_dir_exists, "_trainmover", False):
         return
@@ -129,6 +130,20 @@ def _quiet_csv_writer() -> None:
 
     _check_log_dir_exists._trainmover = True
     _ExperimentWriter._check_log_dir_exists = _check_log_dir_exists
+    init = _ExperimentWriter.__init__
+
+    def __init__(self, log_dir: str) -> None:
+        if tm_owner.live():
+            return init(self, log_dir)
+        existed = os.path.isdir(log_dir)
+        init(self, log_dir)
+        if not existed:  # made off-live (a standby's next free version_N): not left behind, empty
+            try:
+                os.rmdir(log_dir)  # the live rank makes its directory at its first log (_logger_effect)
+            except OSError:
+                pass
+
+    _ExperimentWriter.__init__ = __init__
 
 
 def _settle_version(lg, version) -> None:
@@ -384,6 +399,8 @@ class TrainMoverCallback(Callback):
             self.adopted.add(i)
             self._adopt(i, lg)
         writer = getattr(lg, "_experiment", None)
+        if hasattr(writer, "metrics_keys"):  # a CSV writer made off-live has no directory yet (_quiet_csv_writer)
+            writer._fs.makedirs(writer.log_dir, exist_ok=True)
         pending = len(writer.metrics) if name == "save" and hasattr(writer, "metrics_keys") else 0
         out = original(*args, **kwargs)
         self.rows[i] = self.rows.get(i, 0) + pending
