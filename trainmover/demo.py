@@ -155,12 +155,14 @@ def main(steps: int = 1500, workdir: Path | None = None, slurm: str | None = Non
     job = slurm.job(job_id)
     print(f"[demo] {leaver} left the job and is {node.state} ({node.reason!r}); job {job_id} is {job.state} "
           f"on {','.join(job.nodes)}, RestartCnt={job.restart_count}")
-    status = _wait("the migration's downtime", lambda: (s := json.loads((run / "status.json").read_text()))
-                   and s["migrations"] and s["migrations"][0]["downtime_s"] is not None and s, 60)
+    # done: the release's time is written with the migration's last phase (the downtime before it)
+    status = _wait("the migration to be recorded done", lambda: (s := json.loads((run / "status.json").read_text()))
+                   and s["migrations"] and s["migrations"][0]["state"] == "done"
+                   and s["migrations"][0]["downtime_s"] is not None and s, 60)
     m = status["migrations"][0]
-    d = m["durations"]
-    print(f"[demo] migration {m['leaver']} -> {m['joiner']} [{m['trigger']}]: phase 1 {d['phase1_s']:.3f}s "
-          f"(training continued), switch {d['switch_s']:.3f}s, release {d['release_s']:.3f}s")
+    d = {k: (f"{v:.3f}s" if isinstance(v, (int, float)) else "-") for k, v in m["durations"].items()}
+    print(f"[demo] migration {m['leaver']} -> {m['joiner']} [{m['trigger']}]: phase 1 {d.get('phase1_s', '-')} "
+          f"(training continued), switch {d.get('switch_s', '-')}, release {d.get('release_s', '-')}")
     print(f"[demo] DOWNTIME {m['downtime_s']:.3f}s (pause seen by the stayers, minus one normal step) "
           f"on Slurm {info.slurm_version}")
     if check:
