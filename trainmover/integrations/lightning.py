@@ -399,9 +399,11 @@ class TrainMoverCallback(Callback):
             self.adopted.add(i)
             self._adopt(i, lg)
         writer = getattr(lg, "_experiment", None)
-        if hasattr(writer, "metrics_keys"):  # a CSV writer made off-live has no directory yet (_quiet_csv_writer)
+        csv = hasattr(writer, "metrics_keys")
+        if csv:  # made off-live, a CSV writer has no directory yet (_quiet_csv_writer); checked at
+            # every effect, not once: a standby's writer may remove it while still empty
             writer._fs.makedirs(writer.log_dir, exist_ok=True)
-        pending = len(writer.metrics) if name == "save" and hasattr(writer, "metrics_keys") else 0
+        pending = len(writer.metrics) if name == "save" and csv else 0
         out = original(*args, **kwargs)
         self.rows[i] = self.rows.get(i, 0) + pending
         return out

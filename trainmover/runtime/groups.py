@@ -383,8 +383,9 @@ def _guard_from_compile() -> None:
     DDP's reducer calls collectives from inside a compiled (torch.compile) forward, e.g. the
     broadcast of rebuilt buckets in the second step: they must run eagerly, never traced by
     dynamo. Done here, not at import: `torch.compiler.disable` imports torch._dynamo (~2.6 s
-    of CPU on a 2-core node), which the controller and its warm successor import this module
-    for (the workload's layout) but never need."""
+    of CPU on a 2-core node), which a process that imports this module but makes no group
+    never needs (check-workload's orchestrator, which the supervisor runs for
+    TM_CHECK_WORKLOAD)."""
     global _compile_guarded
     with _compile_guard_lock:
         if _compile_guarded:
