@@ -187,7 +187,9 @@ def main():
     ap.add_argument("--reader-drains", type=int, default=5, help="scontrol drains with the per-cluster reader")
     ap.add_argument("--pace", type=float, default=0.2, help="seconds each step sleeps (CPU for 5 jobs on 2 cores)")
     args = ap.parse_args()
-    info = cluster.up(nodes=args.jobs, standby=args.jobs, keepers=args.jobs, state_dir=STATE_DIR, slurm=args.slurm)
+    # the cluster's own node reader off: the windows without one measure each job's poll
+    info = cluster.up(nodes=args.jobs, standby=args.jobs, keepers=args.jobs, state_dir=STATE_DIR, slurm=args.slurm,
+                      node_reader=False)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TM_")}
     env.update(SLURM_CONF=str(info.slurm_conf), TM_STEPS="100000", TM_INJECT=f"pace:{args.pace}", OMP_NUM_THREADS="1",
                TM_PYTHON=sys.executable, PYTHONPATH=str(ROOT))

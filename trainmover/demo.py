@@ -28,7 +28,10 @@ from trainmover.slurm import commands
 from trainmover.slurm.client import CliSlurm
 
 ROOT = Path(__file__).resolve().parents[1]
-REASON = "trainmover-demo maintenance"  # only nodes drained with this reason are resumed by a later demo
+REASON = "trainmover-demo maintenance"
+PATHS = {"node-reader": "the cluster's node-state reader (one RPC a second for every job: docs/admin.md)",
+         "poll": "the job's own node poll (TM_POLL_S; the cluster runs no node-state reader)",
+         "drain notice": "a drain notice (trainmover drain or the health check)"}  # only nodes drained with this reason are resumed by a later demo
 DEMO_DIR = Path("/var/tmp/trainmover-demo")  # the submit directories of JOB_USER's demo jobs
 
 
@@ -146,6 +149,7 @@ def main(steps: int = 1500, workdir: Path | None = None, slurm: str | None = Non
     leaver = row["nodes"][1]
     print(f"[demo] step {row['step']}, loss {row['loss']:.3f}, ranks on {row['nodes']}; a standby is warm")
     print(f"[demo] scontrol update nodename={leaver} state=drain reason='{REASON}'")
+    drained_at = time.time()
     commands.run(["scontrol", "update", f"nodename={leaver}", "state=drain", f"reason={REASON}"], timeout=10, env=env)
     t0 = time.monotonic()
     row = _wait(f"rank 1 to leave {leaver}", lambda: (r := _last(metrics)) and r["nodes"][1] != leaver and r, 30, 0.1)
@@ -160,6 +164,10 @@ def main(steps: int = 1500, workdir: Path | None = None, slurm: str | None = Non
                    and s["migrations"] and s["migrations"][0]["state"] == "done"
                    and s["migrations"][0]["downtime_s"] is not None and s, 60)
     m = status["migrations"][0]
+    seen = ((status.get("node_watch") or {}).get("drains_seen") or {}).get(leaver)
+    if seen:  # the controller's clock; the embedded cluster's nodes share this host's
+        print(f"[demo] the drain was seen {seen['at'] - drained_at:.2f}s after the scontrol, through "
+              + PATHS.get(seen["via"], seen["via"]))
     d = {k: (f"{v:.3f}s" if isinstance(v, (int, float)) else "-") for k, v in m["durations"].items()}
     print(f"[demo] migration {m['leaver']} -> {m['joiner']} [{m['trigger']}]: phase 1 {d.get('phase1_s', '-')} "
           f"(training continued), switch {d.get('switch_s', '-')}, release {d.get('release_s', '-')}")

@@ -106,20 +106,21 @@ def resume_drained(client: CliSlurm, reason: str) -> None:
 
 
 def own_cluster(nodes: int, standby: int, state_dir: str, drain_reason: str, keepers: int = 2,
-                job_expansion: bool = True) -> Iterator[tuple]:
+                job_expansion: bool = True, node_reader: bool = True) -> Iterator[tuple]:
     """Body of a module-scoped fixture for a module that runs a cluster of its own size in its
     own state directory (its ports apart): yields (ClusterInfo, CliSlurm); nodes the module
     drained are resumed before and after, and the cluster is stopped after the module: left up,
     its idle nodes' health checks (slurmd runs healthcheck.sh on each every 30 s) took 6.8 CPU
     seconds a minute (13 nodes, measured) from the 2 cores of the modules after it, to the end of
     `make test`. The next session starts it again. `job_expansion` False: its slurm.conf lacks
-    permit_job_expansion, as Slurm ships it (`cluster up --no-job-expansion`)."""
+    permit_job_expansion, as Slurm ships it (`cluster up --no-job-expansion`). `node_reader` False:
+    no per-cluster node-state reader (`--no-node-reader`): each job polls for itself."""
     if os.geteuid() != 0:
         pytest.skip("the embedded Slurm cluster needs root (private munged, slurmd in namespaces)")
     from trainmover import cluster
 
     info = cluster.up(nodes=nodes, standby=standby, state_dir=f"{state_dir}{_SUFFIX}", slurm=E2E_SLURM,
-                      keepers=keepers, job_expansion=job_expansion)
+                      keepers=keepers, job_expansion=job_expansion, node_reader=node_reader)
     client = CliSlurm(slurm_conf=str(info.slurm_conf))
     resume_drained(client, drain_reason)
     yield info, client

@@ -112,14 +112,15 @@ def test_without_job_expansion_slurm_conf_is_as_slurm_ships_it():
     assert ClusterSpec.from_json(stock.to_json()) == stock
     assert stock.describe_slurm() == "Slurm 22.05 (host, no permit_job_expansion)"
     d = json.loads(_spec().to_json())
-    del d["job_expansion"], d["unfixed"]  # a cluster.json written before these existed
+    del d["job_expansion"], d["unfixed"], d["node_reader"]  # a cluster.json written before these existed
     assert ClusterSpec.from_json(json.dumps(d)) == _spec()
 
 
 def test_cli_cluster_options_for_a_stock_slurm_conf_and_an_unfixed_build(monkeypatch):
     monkeypatch.delenv("TM_SLURM_UNFIXED", raising=False)
     a = build_parser().parse_args(["up"])
-    assert (a.job_expansion, a.slurm_unfixed) == (True, False)
+    assert (a.job_expansion, a.slurm_unfixed, a.node_reader) == (True, False, True)  # a reader, as a site runs one
+    assert build_parser().parse_args(["up", "--no-node-reader"]).node_reader is False
     a = build_parser().parse_args(["up", "--slurm", "25.11", "--no-job-expansion", "--slurm-unfixed"])
     assert (a.slurm, a.job_expansion, a.slurm_unfixed) == ("25.11", False, True)
     monkeypatch.setenv("TM_SLURM_UNFIXED", "1")

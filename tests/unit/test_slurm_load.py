@@ -228,6 +228,8 @@ def test_node_watch_polls_every_poll_s_and_hears_a_notice_at_once(tmp_path):
     drain_notice.publish(d, "train2", "trainmover: healthcheck gpu", 5.0)
     got = watch.turn(5.05, mine, ranks)
     assert got["train2"].draining and slurm.queries[-1] == ["train2"]  # the notice, confirmed by one query
+    assert watch.status()["drains_seen"] == {"train2": {"via": "drain notice", "at": 5.05}}
+    assert watch.status()["source"] == "poll"
     assert watch.turn(5.2, mine, ranks) == {}  # an old notice is not news again
     slurm.state["spare1"] = "IDLE"
     watch.turn(10.0, mine, ranks)
@@ -235,6 +237,7 @@ def test_node_watch_polls_every_poll_s_and_hears_a_notice_at_once(tmp_path):
     # a notice whose node Slurm says is fine: the states go to the policy, which sees no drain
     drain_notice.publish(d, "train1", "forged?", 12.0)
     assert not watch.turn(12.1, mine, ranks)["train1"].draining
+    assert set(watch.status()["drains_seen"]) == {"train2"}  # a forged notice is no drain seen
     # polls keep to their grid: a turn 0.15 s late does not push the next one back
     watch.turn(20.15, mine, ranks)
     assert watch.next_poll == 30.0 and watch.turn(29.9, mine, ranks) == {} and watch.turn(30.0, mine, ranks)
@@ -253,8 +256,20 @@ def test_node_watch_takes_the_readers_table_instead_of_polling(tmp_path):
     everything["train1"] = _info("train1", "ALLOCATED+DRAIN")
     node_states.write(d, everything, 102.0, 2.0)
     assert watch.turn(102.1, ["train1"], ["train1"])["train1"].draining and slurm.queries == []
+    assert watch.status() == {"source": "node-reader", "poll_s": 10.0,
+                              "drains_seen": {"train1": {"via": "node-reader", "at": 102.1}}}
+    everything["train1"] = _info("train1", "ALLOCATED")  # resumed: the next drain is a new one
+    node_states.write(d, everything, 103.0, 2.0)
+    watch.turn(103.1, ["train1"], ["train1"])
+    assert watch.status()["drains_seen"] == {}
+    everything["train1"] = _info("train1", "ALLOCATED+DRAIN")
+    node_states.write(d, everything, 104.0, 2.0)
+    watch.turn(104.1, ["train1"], ["train1"])
+    slurm.state["train1"] = "ALLOCATED+DRAIN"  # as Slurm says it too
     # the reader stopped: its table goes stale and the job polls for itself
-    assert set(watch.turn(102.0 + 3 * 2.0 + 0.5, ["train1"], ["train1"])) == {"train1"}
+    assert set(watch.turn(104.0 + 3 * 2.0 + 0.5, ["train1"], ["train1"])) == {"train1"}
+    assert watch.status()["source"] == "poll"
+    assert watch.status()["drains_seen"] == {"train1": {"via": "node-reader", "at": 104.1}}  # first seen there
     assert slurm.queries == [["train1", "spare1", "spare2"]]
 
 

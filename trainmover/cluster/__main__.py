@@ -1,5 +1,5 @@
 """`python -m trainmover.cluster {up,down,status,env} [--nodes N] [--standby S] [--dir D] [--slurm V]
-[--no-job-expansion] [--slurm-unfixed]`;
+[--no-job-expansion] [--slurm-unfixed] [--no-node-reader]`;
 `python -m trainmover.cluster releases [--besides-host]`: the supported Slurm releases, one a line;
 `python -m trainmover.cluster build --slurm V`: build V's root filesystem when missing (from source for
 25.11: minutes; `make slurm-matrix` runs it before a release's tests, so their time is the tests'),
@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-job-expansion", dest="job_expansion", action="store_false",
                    help="up: slurm.conf without SchedulerParameters=permit_job_expansion, as Slurm ships it (a "
                         "running cluster's is rewritten and reconfigured): no job can grow")
+    p.add_argument("--no-node-reader", dest="node_reader", action="store_false",
+                   help="up: no per-cluster node-state reader (started by default, as a site runs it: "
+                        "docs/admin.md); each job polls slurmctld itself every TM_POLL_S")
     p.add_argument("--slurm-unfixed", action="store_true", default=config.setting("TM_SLURM_UNFIXED") == "1",
                    help="up, build: --slurm 25.11 built without TrainMover's fixes to its source (its slurmctld "
                         "crashes at every job expansion), in a root filesystem of its own (default: "
@@ -67,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.action == "up":
             info = lifecycle.up(nodes=args.nodes, standby=args.standby, state_dir=args.dir, slurm=args.slurm,
                                 rootfs_cache=args.rootfs_cache, force_root=args.rootfs,
-                                job_expansion=args.job_expansion, unfixed=args.slurm_unfixed)
+                                job_expansion=args.job_expansion, unfixed=args.slurm_unfixed,
+                                node_reader=args.node_reader)
             what = "already running" if info.already_running else f"up in {info.seconds:.1f}s"
             print(f"cluster {what} on {info.slurm}: nodes {','.join(info.train_nodes)}; "
                   f"standby {','.join(info.standby_nodes)} (reservation {info.reservation}); state in {info.state_dir}")

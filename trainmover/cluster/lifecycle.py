@@ -20,6 +20,7 @@ from typing import Optional
 
 from trainmover import config
 from trainmover.cluster import daemons, install, netblock, plugin, rootdirs, rootfs, spec as specmod, users
+from trainmover.cluster import node_reader as state_reader  # `node_reader` is up()'s argument
 from trainmover.cluster.daemons import STEP_TIMEOUT
 from trainmover.cluster.procs import ClusterError, find_pids, flocked, running_pid, tail, terminate, wait_until
 from trainmover.cluster.releases import release
@@ -283,7 +284,7 @@ def _ensure_reservation(spec: ClusterSpec) -> None:
 
 def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = None,
        rootfs_cache=None, force_root: bool = False, keepers: int = specmod.KEEPERS,
-       job_expansion: bool = True, unfixed: bool = False) -> ClusterInfo:
+       job_expansion: bool = True, unfixed: bool = False, node_reader: bool = True) -> ClusterInfo:
     """Start the embedded cluster and wait until every node is idle and the standby
     reservation exists. Idempotent: with the cluster already running it only reports it.
 
@@ -296,7 +297,8 @@ def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = 
     nodes (a TrainMover job's batch script runs on one: one per job running at once).
     `job_expansion` False: slurm.conf without permit_job_expansion (a running cluster's is
     rewritten and reconfigured). `unfixed`: `slurm` (25.11) built without TrainMover's fixes to
-    its source, from a root filesystem of its own (releases.unfixed)."""
+    its source, from a root filesystem of its own (releases.unfixed). `node_reader` False: no
+    per-cluster node-state reader (cluster/node_reader.py; each job polls for itself)."""
     t0 = time.monotonic()
     if slurm is not None:
         release(slurm)  # an unsupported version fails before anything else
@@ -325,6 +327,9 @@ def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = 
         if old and live and old.job_expansion != job_expansion:  # slurm.conf changes; the daemons stay
             old = dataclasses.replace(old, job_expansion=job_expansion)
             _spec_path(state_dir).write_text(old.to_json())
+        if old and live and old.node_reader != node_reader:  # the reader starts or stops; the daemons stay
+            old = dataclasses.replace(old, node_reader=node_reader)
+            _spec_path(state_dir).write_text(old.to_json())
         if old and len(live) == len(running) and daemons.ctld_up(old) and _all_nodes_ready(old) \
                 and (old.standby == 0 or _reservation_exists(old)):
             users.ensure(Path(old.root) if old.root else None, _log)
@@ -333,6 +338,7 @@ def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = 
             _write_slurm_access(old)
             plugin.install(old, _log)  # sbatch/srun/slurmstepd read plugstack.conf at every call
             _refresh_conf(old)
+            state_reader.ensure(old, _log)
             _log(f"already running in {state_dir} ({old.nodes} training + {old.standby} standby nodes, "
                  f"{old.describe_slurm()})")
             return _info(old, already=True, installed=False, t0=t0)
@@ -356,14 +362,16 @@ def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = 
                 db_password=old.db_password if old else secrets.token_hex(16),
                 slurm=rel, slurm_version=full, root=root,
                 net=netblock.claim(state_dir, preferred=old.net if old else None), keepers=keepers,
-                job_expansion=job_expansion, unfixed=unfixed,
+                job_expansion=job_expansion, unfixed=unfixed, node_reader=node_reader,
             )
         _log(f"{spec.describe_slurm()}")
         # before slurmctld starts: it resolves the reservation's Users= and slurmd the jobs' uids
         users.ensure(Path(spec.root) if spec.root else None, _log)
         _write_files(spec, old)
         _start_all(spec, running)
+        state_reader.ensure(spec, _log)
         return _info(spec, already=False, installed=installed, t0=t0)
+
 
 
 def attach(state_dir) -> ClusterInfo:
@@ -502,6 +510,9 @@ def _stop(spec: ClusterSpec) -> dict:
     marker = str(spec.state_dir)
     running = daemons.running(spec)
     stopped: dict[str, int] = {}
+    reader = state_reader.stop(spec)
+    if reader:
+        stopped["node-reader"] = reader
     if running.get("slurmctld") and daemons.ctld_up(spec):
         _cancel_jobs(spec)
     progs = {n: p for n, p, _ in daemons.table(spec)}

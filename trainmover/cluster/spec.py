@@ -67,6 +67,9 @@ class ClusterSpec:
     # True: the release built from source without TrainMover's fixes (releases.unfixed), so that
     # tests can show TrainMover never makes the call that crashes the unfixed slurmctld
     unfixed: bool = False
+    # True: `cluster up` runs the per-cluster node-state reader as a site would
+    # (cluster/node_reader.py); False for the tests and benchmarks that measure each job's own poll
+    node_reader: bool = True
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.standby < 0:

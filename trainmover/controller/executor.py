@@ -194,7 +194,8 @@ class Controller:
 
     def status(self) -> dict:
         """The policy's status with what only the executor knows: the user's rights, fenced nodes."""
-        return {**self.policy.status(), "capabilities": self.capabilities, "fenced_nodes": self.fencing.status()}
+        return {**self.policy.status(), "capabilities": self.capabilities, "fenced_nodes": self.fencing.status(),
+                "node_watch": self.watch.status()}
 
 
     def _hello(self, conn, hello: dict) -> None:

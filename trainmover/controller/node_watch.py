@@ -93,6 +93,10 @@ class NodeWatch:
         self.next_poll = 0.0
         self.seen: dict = {}  # node -> its NodeInfo at the last poll (the reservation's spares too)
         self._primed: dict | None = None
+        # node -> how and when its current drain was first seen ("node-reader", "poll", "drain
+        # notice", "start"): status.json says it, so that a user (and `trainmover demo`) can tell
+        # why a drain took the time it did
+        self.drains_seen: dict[str, dict] = {}
 
     def prime(self, now: float, states: dict) -> None:
         """The controller's first read of its nodes and the reservation's (`states`) stands in for
@@ -110,16 +114,18 @@ class NodeWatch:
         """States new this loop turn (node -> NodeInfo) of `mine` (the job's nodes), and of a rank
         node in `ranks` whose drain notice just came; {} when nothing new."""
         states = {}
+        via = "poll"
         wanted = list(dict.fromkeys(list(mine) + self.pool.nodes()))
         table = self.shared.read(now) if self.shared is not None else None
         if table is not None and all(n in table[1] for n in wanted):
             self.next_poll = now + self.poll_s  # the cluster's reader stands in for our poll
             self._on_shared = True
+            via = "node-reader"
             if table[0] != self._shared_at:
                 self._shared_at = table[0]
                 states = {n: table[1][n] for n in wanted}
         elif self._primed is not None:
-            states, self._primed = self._primed, None
+            states, self._primed, via = self._primed, None, "start"
         elif now >= self.next_poll or self._on_shared:  # the reader's table just went stale: poll now
             # On a fixed grid: a turn that comes a little late (the loop waits up to 0.2 s) does not
             # push the next poll back, so that a drain is seen within TM_POLL_S of the last poll and a
@@ -135,12 +141,28 @@ class NodeWatch:
             self.pool.saw(states)
             self.seen.update(states)
         states = {n: i for n, i in states.items() if n in set(mine)}
+        self._note_drains(now, states, via)
         fresh = self.notices.fresh(ranks) if self.notices is not None else []
         if fresh:
             try:
                 confirmed = self.slurm.nodes(fresh)
                 log.info("drain notice for %s; Slurm says %s", fresh, {n: i.state for n, i in confirmed.items()})
+                self._note_drains(now, confirmed, "drain notice")
                 states.update(confirmed)
             except SlurmError as exc:  # the next poll finds the drain
                 log.warning("drain notice for %s: cannot confirm with Slurm: %s", fresh, exc)
         return states
+
+    def _note_drains(self, now: float, states: dict, via: str) -> None:
+        for n, info in states.items():
+            if info.draining or info.drained:
+                if n not in self.drains_seen:
+                    self.drains_seen[n] = {"via": via, "at": round(now, 3)}
+                    log.info("drain of %s seen through %s", n, via)
+            else:
+                self.drains_seen.pop(n, None)  # resumed: its next drain is a new one
+
+    def status(self) -> dict:
+        """For status.json: where the node states come from now, and how each drain was seen."""
+        return {"source": "node-reader" if self._on_shared else "poll", "poll_s": self.poll_s,
+                "drains_seen": dict(self.drains_seen)}
