@@ -6,6 +6,7 @@ packages are installed). The tests' own cluster is left running at the end (see 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -43,6 +44,37 @@ def test_up_is_idempotent(slurm_cluster):
     assert st["running"] and st["reservation"] == RESV
     assert all(d["up"] for d in st["daemons"].values())
     assert set(st["nodes"]) == {"train1", "train2", "train3", "train4", "spare1", "spare2", "keep1", "keep2"}
+
+
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie its parent (this process, which started it) has not reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_the_node_state_reader_runs_as_a_site_runs_it_and_goes_with_no_node_reader(slurm_cluster):
+    """cluster up starts the per-cluster node-state reader (root, every second: its table
+    fresh); up --no-node-reader stops it and the table goes stale; up again starts it."""
+    from trainmover.slurm import node_states
+    table = Path(slurm_cluster.slurm_conf).parent / "trainmover-drains" / node_states.FILE
+
+    def fresh(within: float) -> bool:
+        return table.exists() and time.time() - json.loads(table.read_text())["at"] < within
+
+    pid = cluster.status(slurm_cluster.state_dir)["node_reader"]["pid"]
+    assert pid and fresh(3.0) and table.stat().st_uid == 0 and not table.stat().st_mode & 0o022
+    assert set(json.loads(table.read_text())["nodes"]) >= {"train1", "spare1", "keep1"}
+    try:
+        cluster.up(nodes=4, standby=2, state_dir=slurm_cluster.state_dir, node_reader=False)
+        assert cluster.status(slurm_cluster.state_dir)["node_reader"] == {"wanted": False, "pid": None}
+        assert _gone(pid)
+        time.sleep(2.5)
+        assert not fresh(2.0)  # nobody writes it now: the jobs poll for themselves
+    finally:
+        cluster.up(nodes=4, standby=2, state_dir=slurm_cluster.state_dir)
+    assert cluster.status(slurm_cluster.state_dir)["node_reader"]["pid"] not in (None, pid) and fresh(3.0)
 
 
 def test_env_lines_work_in_a_shell(slurm_cluster):

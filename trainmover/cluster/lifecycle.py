@@ -571,6 +571,7 @@ def status(state_dir=None, slurm: Optional[str] = None) -> dict:
         "slurm_root": spec.root or None,
         "running": all(v is not None for v in running.values()) and ctld,
         "daemons": {k: {"pid": v, "up": v is not None} for k, v in running.items()},
+        "node_reader": {"wanted": spec.node_reader, "pid": state_reader.running(spec)},
         "nodes": nodes,
         "reservation": resv,
         "train_nodes": spec.train_nodes,
