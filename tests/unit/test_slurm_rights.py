@@ -124,6 +124,7 @@ def test_a_release_whose_slurmctld_crashes_on_expansion_means_no_grow_with_the_c
     error = caps.start_error(1, "trainmover_standby")
     assert error.startswith("cannot take standbys: Slurm 25.11.7") and "upgrade Slurm, or to apply the fix" in error
     assert "admit user" not in error and error.endswith("set TM_STANDBYS=0 to run without migration")
+    assert "1 more node(s) at submit and TM_INJOB_STANDBYS=1" in error  # what the user can do alone
     # the control: the same facts on a release without the crash
     assert rights.decide(facts(slurm_version="24.11.5")).grow
 

@@ -88,7 +88,10 @@ class Capabilities:
         if self.grow or not standbys or in_job:
             return ""
         advice = ADVICE.get(self.grow_blocked_by, ADVICE["reservation"]).format(user=self.user, reservation=reservation)
-        return f"cannot take standbys: {self.why['grow']}. {advice}, or set TM_STANDBYS=0 to run without migration"
+        # the user's own way out, with no admin: in-job standbys need no expansion (docs/admin.md, the top)
+        return (f"cannot take standbys: {self.why['grow']}. {advice}; or bring standbys in the job's own "
+                f"allocation: {standbys} more node(s) at submit and TM_INJOB_STANDBYS={standbys}; or set "
+                "TM_STANDBYS=0 to run without migration")
 
     def consequences(self, standbys: int, in_job: int = 0) -> list[str]:
         """One line per missing capability: what is missing and what follows for this job."""
