@@ -536,4 +536,4 @@ def test_the_keeper_reads_the_key_once_and_launches_only_into_the_run_directory(
     assert started == []  # a log outside the run directory: refused
     k._launch(make("launch", node="train1", role="worker", argv=["srun", "x"], env={"PATH": "/bin", "TOKEN": "t"},
                    log=str(k.root / "worker-train1.log")))
-    assert started == [(["srun", "x"], {"PATH": "/bin"}, k.root / "worker-train1.log")]
+    assert started == [(["srun", "x"], {"PATH": "/bin"}, k.at / "worker-train1.log")]  # through the held directory
