@@ -92,19 +92,20 @@ def private_dir(path: Path, *, parents: bool = True) -> Path:
     return path
 
 
-def held_dir(path: Path) -> Path:
+def held_dir(path: Path, *, owner: int | None = None) -> Path:
     """`path` (a run directory `private_dir` accepted) held open for the process's life: the path
     returned resolves through that descriptor (/proc/self/fd/N), so renaming `runs/` or any
     directory above it (a shared submit directory others can write) cannot put another directory
     in its place for this process's later reads and writes. It is checked again on the
     descriptor (a directory, ours, writable by nobody else). Valid in this process only: hand
-    other processes (steps, ranks) the plain path."""
+    other processes (steps, ranks) the plain path. `owner`: the uid it must belong to (root's
+    `migrate` on a user's job), else ours."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     st = os.fstat(fd)
-    if st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    if st.st_uid != (os.geteuid() if owner is None else owner) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         os.close(fd)
-        raise UnsafePath(f"{path} changed since it was checked (uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}): "
-                         "someone else may have put their directory in its place")
+        raise UnsafePath(f"{path} is not the job's user's own directory (uid {st.st_uid}, mode "
+                         f"{stat.S_IMODE(st.st_mode):o}): changed since it was checked, or someone else's")
     return Path(f"/proc/self/fd/{fd}")
 
 

@@ -130,7 +130,14 @@ def parse_job_text(text: str) -> JobInfo:
         nodelist=nodelist,
         name=_null(kv.get("JobName")),
         reason=_null(kv.get("Reason")),
+        user_id=_uid(kv.get("UserId")),
     )
+
+
+def _uid(value: str | None) -> int:
+    """The uid of Slurm's `UserId=alice(1000)`; -1 where it does not say."""
+    m = re.fullmatch(r"[^()\s]*\((\d+)\)", value or "")
+    return int(m.group(1)) if m else -1
 
 
 def parse_reservation_text(text: str) -> dict[str, dict[str, str]]:
