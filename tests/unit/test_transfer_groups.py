@@ -146,10 +146,10 @@ def test_a_rogue_pair_peer_cannot_feed_the_joiner_a_poisoned_state(store):
     poisoned["step"] = 10_000
     poisoned["rng"] = {"torch": torch.manual_seed(666).get_state()}
 
-    def rogue(plan):
+    def rogue(plan, key=b"r" * 32, context=""):
         def send(a):
             try:
-                return transfer.send_verified(poisoned, a, key=b"r" * 32, dst=1, plan=plan)
+                return transfer.send_verified(poisoned, a, key=key, context=context, dst=1, plan=plan)
             except MigrationError as exc:  # the joiner takes nothing more: the rogue's sends time out
                 return exc
         return send
@@ -161,6 +161,12 @@ def test_a_rogue_pair_peer_cannot_feed_the_joiner_a_poisoned_state(store):
     # planned protocol (a migration's own path): refused the same way, before its manifest is decoded
     _, got = exchange(store, "rogue-planned/", rogue(None),
                       lambda b: transfer.recv_verified(b, key=KEY, src=0, like=None, plan=None), timeout=short)
+    assert isinstance(got.get("error"), transfer.StateRefused) and "state" not in got
+    # a manifest sealed with the job's key for another transfer (an earlier epoch, seen on the
+    # wire) is not replayed into this one: the context (the pair's prefix) is under the MAC
+    _, got = exchange(store, "replay/", rogue(None, key=KEY, context="tm/e1/xfer/r1/"),
+                      lambda b: transfer.recv_verified(b, key=KEY, context="tm/e2/xfer/r1/", src=0, like=None, plan=None),
+                      timeout=short)
     assert isinstance(got.get("error"), transfer.StateRefused) and "state" not in got
     # negative control: unkeyed, the joiner takes the rogue's state
     _, got = exchange(store, "unkeyed/", lambda a: transfer.send_verified(poisoned, a, key=None, dst=1),

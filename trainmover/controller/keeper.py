@@ -507,6 +507,6 @@ def main(cfg: Config, slurm, job_id: int, node: str, reading: tuple | None = Non
         except TrainMoverError as exc:
             log.warning("could not withdraw the job's donor allocations: %s", exc)
     # The job's last word in slurm-<job>.out, however it ended (records.final_line).
-    print(records.final_line(keeper.at, job_id, code, keeper.why, stopped=keeper.stopping, shown=keeper.root), file=sys.stderr,
-          flush=True)
+    print(records.final_line(keeper.at, job_id, code, keeper.why, stopped=keeper.stopping, shown=keeper.root),
+          file=sys.stderr, flush=True)
     return code
