@@ -87,9 +87,7 @@ class Controller:
         self.metrics_through = 0
         k = cfg.ranks_per_node
         if resume:  # claim the journal (the predecessor is demoted by it), then read what it left
-            # through the run directory held open (records.RunFiles): a `runs/` swapped by another
-            # user is never read; the key checks every record's seal
-            self.files = records.RunFiles(root)
+            self.files = records.RunFiles(root)  # held open: a `runs/` another user swaps in is never read
             self.key = channel.read_secret(str(self.files.at / "secret"))  # the ranks hold it: same job, same key
             at = self.files.at
             self.journal = journal.Journal(at / "journal.jsonl", key=self.key, attempt=attempt,
