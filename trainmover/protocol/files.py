@@ -181,7 +181,7 @@ def read_limited(path: str | Path, max_bytes: int, *, owner: int | None = None) 
             raise OSError(f"{path}: {st.st_size} bytes, more than {max_bytes}")
         chunks, left = [], max_bytes + 1
         while left > 0:
-            chunk = os.read(fd, left)
+            chunk = os.read(fd, min(left, 1 << 20))  # os.read allocates what it is asked for
             if not chunk:
                 break
             chunks.append(chunk)
