@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -61,22 +62,29 @@ def _role(report: dict) -> str:
     return f"{report['role']} (rank {report['rank']})" if "role" in report else f"rank {report['rank']}"
 
 
+def _say(line: str) -> None:
+    """A line of `status`, whose strings (node names, notes, messages, a user's exception text)
+    a job's user wrote: control characters printed escaped (\\x1b...), so that an admin's terminal
+    runs no escape sequence another user planted."""
+    print("".join(c if c.isprintable() else repr(c)[1:-1] for c in line))
+
+
 def _status(args) -> int:
     status = _read_run_file(_run_dir(args.job, args.run_dir) / "status.json", args.job, "status")
     if args.json:
-        print(json.dumps(status, indent=1))
+        print(json.dumps(status, indent=1))  # JSON escapes control characters itself
         return 0
-    print(f"job {status['job_id']}  world size {status['world_size']}  batch host {status['batch_host']}")
+    _say(f"job {status['job_id']}  world size {status['world_size']}  batch host {status['batch_host']}")
     for n in status["nodes"]:
-        print(f"  node {n['name']:<10} {n['role']:<9} ranks {n['ranks']}  slurm: {n['slurm_state']}")
+        _say(f"  node {n['name']:<10} {n['role']:<9} ranks {n['ranks']}  slurm: {n['slurm_state']}")
     choice = status.get("standby_pool", {}).get("choice")
     if choice:
-        print(f"  standby pool: {choice['standbys']} ({choice['setting']}): {choice['why']}")
+        _say(f"  standby pool: {choice['standbys']} ({choice['setting']}): {choice['why']}")
     for line in _capability_lines(status.get("capabilities") or {}):
-        print(line)
+        _say(line)
     line = _in_job_line(status.get("standby_pool") or {})
     if line:
-        print(line)
+        _say(line)
     for s in status["standbys"]:
         warm = f"warm in {s['warmup_s']:.1f}s" if s["warmup_s"] is not None else "warming up"
         shadow = s.get("shadow") or {}
@@ -92,22 +100,22 @@ def _status(args) -> int:
                         f", sends {'equal' if shadow['sends_equal'] else 'DIFFERENT'}"))
         elif shadow.get("replay"):
             warm += f", shadow iterations answered locally ({shadow['replay']})"
-        print(f"  standby {s['node']:<7} {s['state']:<9} {warm}")
+        _say(f"  standby {s['node']:<7} {s['state']:<9} {warm}")
     for rec in (status.get("recordings") or {}).values():
-        print(f"  recording v{rec.get('version', 1)}: rank {rec['rank']}, {rec['iterations']} iterations, "
+        _say(f"  recording v{rec.get('version', 1)}: rank {rec['rank']}, {rec['iterations']} iterations, "
               f"{rec['bytes']} bytes, {rec['overhead_s']:.3f}s of extra step time")
     if not status["standbys"]:
-        print(f"  standby pool empty {('(' + status['standby_pool']['note'] + ')') if status['standby_pool']['note'] else ''}")
+        _say(f"  standby pool empty {('(' + status['standby_pool']['note'] + ')') if status['standby_pool']['note'] else ''}")
     if status.get("message"):
-        print(f"  ! {status['message']}")
+        _say(f"  ! {status['message']}")
     for m in status["migrations"]:
         dt = f"downtime {m['downtime_s']:.3f}s" if m["downtime_s"] is not None else "downtime -"
-        print(f"  migration {m['id']}: {m['leaver']} -> {m['joiner'] or '?'}  [{m['trigger']}] {m['state']}  {dt}"
+        _say(f"  migration {m['id']}: {m['leaver']} -> {m['joiner'] or '?'}  [{m['trigger']}] {m['state']}  {dt}"
               f"{'  ' + m['note'] if m['note'] else ''}")
         if m.get("state_source"):
-            print(f"    state from {_source(m['state_source'])}")
+            _say(f"    state from {_source(m['state_source'])}")
     if "outcome" in status:
-        print(f"  finished: {status['outcome']['message']}")
+        _say(f"  finished: {status['outcome']['message']}")
     return 0
 
 
@@ -166,18 +174,30 @@ def _controller() -> int:
     return supervisor.main([])
 
 
+def _job_uid(job: str) -> int:
+    """The job's user's uid, from Slurm: root's `migrate` takes the key of that user's run
+    directory only (a directory of anyone else's, or a link to one, is refused)."""
+    from trainmover.slurm.client import CliSlurm
+    uid = CliSlurm(timeout=10).job(int(job)).user_id
+    if uid < 0:
+        raise TrainMoverError(f"job {job}: Slurm does not say whose job it is: not migrating it as root")
+    return uid
+
+
 def _migrate(args) -> int:
     from trainmover.protocol import channel
     from trainmover.protocol.messages import make
     path = _run_dir(args.job, args.run_dir)
-    from trainmover.protocol import endpoint
-    key = channel.read_secret(str(path / "secret"))
-    where = endpoint.read(path / endpoint.NAME, key)
+    from trainmover.protocol import endpoint, files
+    # held and checked on its descriptor: no link followed, and as root only the job's user's
+    at = files.held_dir(path, owner=_job_uid(args.job) if os.geteuid() == 0 else None)
+    key = channel.read_secret(str(at / "secret"))
+    where = endpoint.read(at / endpoint.NAME, key)
     if where is None:
         print(f"trainmover: job {args.job}: no controller address sealed with the job's key in {path}", file=sys.stderr)
         return 2
     reply = channel.request(where.address, key, make("migrate", node=args.node), timeout=args.timeout)
-    print(reply["message"])
+    _say(reply["message"])
     return 0 if reply["ok"] else 2
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from trainmover import cluster
 from trainmover.cluster import rootdirs
 from trainmover.errors import TrainMoverError
+from trainmover.protocol import files
 from trainmover.slurm import commands
 from trainmover.slurm.client import CliSlurm
 
@@ -58,9 +59,15 @@ def _wait(what: str, check, timeout: float, interval: float = 0.5):
         time.sleep(interval)
 
 
+def _read(path: Path) -> str:
+    """A file of the demo user's job, as root reads it: never through a link, never blocking on a
+    FIFO, a regular file of bounded size only (protocol/files.py); undecodable bytes replaced."""
+    return files.read_limited(path, 256 << 20).decode(errors="replace")
+
+
 def _last(path: Path) -> dict | None:
     try:
-        lines = path.read_text().splitlines()
+        lines = _read(path).splitlines()
     except FileNotFoundError:
         return None
     return json.loads(lines[-1]) if lines else None
@@ -69,17 +76,17 @@ def _last(path: Path) -> dict | None:
 def _rows(run: Path) -> dict[int, list]:
     """Each logged step's losses (every rank's) from a run's metrics.jsonl."""
     path = run / "metrics.jsonl"
-    return {r["step"]: r["losses"] for r in map(json.loads, path.read_text().splitlines())} if path.exists() else {}
+    return {r["step"]: r["losses"] for r in map(json.loads, _read(path).splitlines())} if path.exists() else {}
 
 
 def _final(slurm: CliSlurm, job_id: int, run: Path, out: Path, timeout: float) -> dict:
     """The job's final.json once it finished; an error naming its state if it ended without one."""
     def done():
         if (run / "final.json").exists():
-            return json.loads((run / "final.json").read_text())
+            return json.loads(_read(run / "final.json"))
         state = slurm.job(job_id).state
         if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
-            tail = "\n".join(out.read_text(errors="replace").splitlines()[-15:]) if out.exists() else "(no output)"
+            tail = "\n".join(_read(out).splitlines()[-15:]) if out.exists() else "(no output)"
             raise TrainMoverError(f"demo: job {job_id} ended {state} without final.json; {out}:\n{tail}")
         return None
     return _wait(f"job {job_id} to finish", done, timeout, 1.0)
@@ -138,13 +145,13 @@ def main(steps: int = 1500, workdir: Path | None = None, slurm: str | None = Non
         job = slurm.job(job_id)
         if job.state not in ("PENDING", "CONFIGURING", "RUNNING"):
             out = workdir / f"slurm-{job_id}.out"
-            tail = "\n".join(out.read_text(errors="replace").splitlines()[-15:]) if out.exists() else "(no output)"
+            tail = "\n".join(_read(out).splitlines()[-15:]) if out.exists() else "(no output)"
             raise TrainMoverError(f"demo: job {job_id} ended {job.state} before step {step}; {out}:\n{tail}")
         return False
 
     _wait("training to log step 100", lambda: training(100), 120)
     _wait("a warm standby", lambda: any(s["state"] == "ready" for s in
-                                        json.loads((run / "status.json").read_text())["standbys"]), 60)
+                                        json.loads(_read(run / "status.json"))["standbys"]), 60)
     row = _last(metrics)
     leaver = row["nodes"][1]
     print(f"[demo] step {row['step']}, loss {row['loss']:.3f}, ranks on {row['nodes']}; a standby is warm")
@@ -160,7 +167,7 @@ def main(steps: int = 1500, workdir: Path | None = None, slurm: str | None = Non
     print(f"[demo] {leaver} left the job and is {node.state} ({node.reason!r}); job {job_id} is {job.state} "
           f"on {','.join(job.nodes)}, RestartCnt={job.restart_count}")
     # done: the release's time is written with the migration's last phase (the downtime before it)
-    status = _wait("the migration to be recorded done", lambda: (s := json.loads((run / "status.json").read_text()))
+    status = _wait("the migration to be recorded done", lambda: (s := json.loads(_read(run / "status.json")))
                    and s["migrations"] and s["migrations"][0]["state"] == "done"
                    and s["migrations"][0]["downtime_s"] is not None and s, 60)
     m = status["migrations"][0]

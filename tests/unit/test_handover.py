@@ -10,6 +10,7 @@ from trainmover.controller import handover, journal
 from trainmover.protocol import channel
 from trainmover.slurm.model import JobInfo
 
+
 JOB = JobInfo(job_id=7, state="RUNNING", nodes=("keep1", "train2", "spare1"), batch_host="keep1", restart_count=0,
               work_dir="/home/u/run", partition="train", num_nodes=3, nodelist="keep1,spare1,train2", name="tm")
 
@@ -18,12 +19,13 @@ def _run_dir(tmp_path, claims=()):
     root = tmp_path / "run"
     root.mkdir(mode=0o700)
     key = channel.write_secret(str(root / "secret"))
-    first = journal.Journal(root / "journal.jsonl", attempt=0)
+    first = journal.Journal(root / "journal.jsonl", key=key, attempt=0)
     first.write(time.time(), [{"kind": "start", "job_id": 7, "world_size": 1, "ranks_per_node": 1,
                                "batch_host": "keep1", "rank_node": {"0": "train2"}}])
     first.close()
     for attempt in claims:  # controllers that took over, in order
-        j = journal.Journal(root / "journal.jsonl", seq=journal.read(root / "journal.jsonl").seq, attempt=attempt)
+        j = journal.Journal(root / "journal.jsonl", key=key, seq=journal.read(root / "journal.jsonl", key).seq,
+                            attempt=attempt)
         j.claim(time.time())
         j.close()
     return root, key

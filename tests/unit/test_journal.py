@@ -13,6 +13,10 @@ from trainmover.controller.journal import Journal, JournalError, fold
 from trainmover.controller.migration import Phase
 from trainmover.controller.supervisor import restart_decision
 
+from trainmover.protocol import files
+
+KEY = b"k" * 32  # the job's key: the journal and the outcome are sealed with it
+
 
 class Writer:
     """The executor's journaling, in memory: diff of the durable view after each decision."""
@@ -141,11 +145,12 @@ def test_a_version_1_journal_of_the_previous_controller_still_loads():
 def test_the_writer_fsyncs_appends_and_cuts_a_torn_tail(tmp_path):
     path = tmp_path / "journal.jsonl"
     p, w = preparing()
-    path.write_text("".join(w.lines) + '{"v": 1, "ki')
-    jn = Journal(path, seq=fold(path.read_text().splitlines(keepends=True)).seq)
+    sealed = [json.dumps(files.seal(KEY, journal.PURPOSE, json.loads(line))) + "\n" for line in w.lines]
+    path.write_text("".join(sealed) + '{"v": 1, "ki')
+    jn = Journal(path, key=KEY, seq=fold(path.read_text().splitlines(keepends=True), key=KEY).seq)
     jn.write(1.0, [{"kind": "restart", "attempt": 1}])
     jn.close()
-    j = journal.read(path)
+    j = journal.read(path, KEY)
     assert not j.torn_tail and j.restarts == 1 and j.seq == len(w.lines) + 1
 
 

@@ -4,6 +4,10 @@ import json
 from trainmover.controller.keeper import Keeper, choose_home
 from trainmover.controller.steps import KeeperSteps
 
+from trainmover.controller.records import sealed_outcome
+
+KEY = b"k" * 32  # the job's key: the journal and the outcome are sealed with it
+
 
 class Conn:
     def __init__(self, fail=False):
@@ -57,14 +61,18 @@ def test_a_keeper_that_cannot_be_reached_keeps_the_launches():
 
 def test_the_jobs_outcome_is_read_from_status_only_when_a_controller_ended_it(tmp_path):
     k = Keeper.__new__(Keeper)
-    k.root = tmp_path
+    k.root = k.at = tmp_path
+    k.key = KEY
     assert k._outcome() is None
     (tmp_path / "status.json").write_text(json.dumps({"job_id": 1}))  # running, or moved away
     assert k._outcome() is None
-    (tmp_path / "status.json").write_text(json.dumps({"outcome": {"ok": True, "message": "training finished"}}))
+    (tmp_path / "status.json").write_text(json.dumps({"outcome": sealed_outcome(KEY, True, "training finished")}))
     assert k._outcome() == 0
-    (tmp_path / "status.json").write_text(json.dumps({"outcome": {"ok": False, "message": "x"}}))
+    (tmp_path / "status.json").write_text(json.dumps({"outcome": sealed_outcome(KEY, False, "x")}))
     assert k._outcome() == 1
+    # negative control: an outcome not sealed with the job's key (another user's file) is never believed
+    (tmp_path / "status.json").write_text(json.dumps({"outcome": {"ok": True, "message": "forged"}}))
+    assert k._outcome() is None
 
 
 def test_a_controller_that_ended_the_job_is_never_replaced_even_before_its_status_is_written(tmp_path):
@@ -76,15 +84,16 @@ def test_a_controller_that_ended_the_job_is_never_replaced_even_before_its_statu
     from trainmover.controller import journal, succession
 
     k = Keeper.__new__(Keeper)
-    k.root = tmp_path
-    j = journal.Journal(tmp_path / "journal.jsonl")
+    k.root = k.at = tmp_path
+    k.key = KEY
+    j = journal.Journal(tmp_path / "journal.jsonl", key=KEY)
     j.write(1.0, [{"kind": "start", "job_id": 7, "world_size": 2, "ranks_per_node": 1, "batch_host": "k",
                    "rank_node": {"0": "train1", "1": "train2"}}])
     assert k._outcome() is None  # running: a silent controller would be replaced
     j.write(2.0, [{"kind": "end", "ok": False, "message": "user code raised on rank 1 (train2) at step 3: E"}])
     j.close()
     assert k._outcome() == 1  # FAILED, from the journal alone
-    (tmp_path / "status.json").write_text(json.dumps({"outcome": {"ok": True, "message": "trained"}}))
+    (tmp_path / "status.json").write_text(json.dumps({"outcome": sealed_outcome(KEY, True, "trained")}))
     assert k._outcome() == 0  # status.json's outcome, once written, is the final word
     primary = succession.Primary("train1", 0, 0.0, 2.0, 120.0)
     primary.heard(0.5)
@@ -133,7 +142,7 @@ def test_a_successor_with_nowhere_to_go_is_placed_again_rarely_and_at_once_when_
     assert Slurm.queries == 2  # the job as last read left nowhere, and no standby joined: not asked again
     k.successor_retry_at = 1e18
     monkeypatch.setattr(keeper_mod, "start_srun", lambda *a, **kw: None)
-    k.root, k.steps = tmp_path, {}
+    k.root, k.at, k.steps = tmp_path, tmp_path, {}
     env = {"TM_WORKER_SPEC": json.dumps({"node_addr": "10.0.0.7"}), "SLURM_JOB_NODELIST": "keep1,spare1,train1"}
     k._launch({"node": "spare1", "role": "standby", "log": str(tmp_path / "standby-spare1.log"), "argv": ["srun"],
                "env": env})

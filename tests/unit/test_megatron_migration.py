@@ -33,6 +33,8 @@ from trainmover.runtime.group_plan import delta  # noqa: E402
 from trainmover.workloads import base as workloads  # noqa: E402
 from trainmover.workloads import registry  # noqa: E402
 
+KEY = b"k" * 32  # the job's key: the manifest crosses the pair sealed with it
+
 TIMEOUT = datetime.timedelta(seconds=90)
 LAYOUT = {"tp": 2, "pp": 2, "dp": 2}
 WORLD = 8
@@ -102,7 +104,7 @@ def _train(job: Job, start: int, migrations: list[tuple[int, int]], drop: str | 
                 elif drop == "main_params":  # what a joiner would derive from the bf16 model params
                     opt = state["workload"]["optimizer"]
                     opt["main_params"] = [[t.to(torch.bfloat16).float() for t in part] for part in opt["main_params"]]
-                transfer.send_state(state, xfer, dst=1)
+                transfer.send_state(state, xfer, key=KEY, dst=1)
                 return ("left", job.losses)
             for name, backend in job.new_backends(d, job.rank).items():
                 job.groups[name].swap(backend)
@@ -141,7 +143,7 @@ def _joiner(index, port, options, migrations, drop, results):
         d = delta(job.specs, {leaver}, epoch)
         backends = job.new_backends(d, leaver)
         xfer = gloo_group(job.store, xfer_prefix(epoch, leaver), 1, 2, host="127.0.0.1", timeout=TIMEOUT)
-        state, _ = transfer.recv_state(xfer, src=0, like=job.full_state(0))
+        state, _ = transfer.recv_state(xfer, key=KEY, src=0, like=job.full_state(0))
         assert state["step"] == at
         job.workload.load_state_dict(state["workload"])
         rng.restore(state["rng"])

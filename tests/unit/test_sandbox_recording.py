@@ -113,10 +113,22 @@ def test_a_step_that_differs_from_the_recording_is_a_clear_error(recorded):
         wl.train_step(0)
 
 
+def test_a_recording_is_written_through_a_unique_temporary_never_a_planted_link(tmp_path):
+    """A fixed `<file>.part` name (before issue 37) would have been opened through a link
+    planted there: the writer's temporary is a fresh O_EXCL file of its own."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    (tmp_path / "r.h5.part").symlink_to(victim)  # what the old name would have written through
+    w = RecordingWriter(tmp_path / "r.h5", rank=0, iterations=1)
+    w.file.close()
+    assert w.tmp.name != "r.h5.part" and not w.tmp.is_symlink() and w.tmp.parent == tmp_path
+    assert victim.read_bytes() == b"keep"
+
+
 def test_incomplete_recording_is_refused(tmp_path):
     w = RecordingWriter(tmp_path / "r.h5", rank=0, iterations=1)
     w.file.close()
-    (tmp_path / "r.h5.part").rename(tmp_path / "r.h5")
+    w.tmp.rename(tmp_path / "r.h5")
     with pytest.raises(MigrationError, match="incomplete"):
         Replay(tmp_path / "r.h5")
 

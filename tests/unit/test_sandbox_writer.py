@@ -65,7 +65,8 @@ def test_a_write_error_is_reported_with_the_file_name(tmp_path):
 
 
 def test_a_part_file_is_not_a_version(tmp_path):
-    (tmp_path / "rank0.v1.h5.part").write_bytes(b"")
+    (tmp_path / ".rank0.v1.h5.x1y2.tmp").write_bytes(b"")  # a writer's temporary (files.temp_path)
+    (tmp_path / "rank0.v1.h5.part").write_bytes(b"")    # and an older writer's
     (tmp_path / "rank0.v2.h5").write_bytes(b"")
     (tmp_path / "rank1.v3.h5").write_bytes(b"")
     assert recording.versions(tmp_path / "rank0.h5") == [2]

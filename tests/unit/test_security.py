@@ -442,6 +442,18 @@ REAL = ("JobId=9 JobName={name} UserId=tmuser(1001) GroupId=tmuser(1001) MCS_lab
         "WorkDir=/home/tmuser/w StdErr=/home/tmuser/w/out StdIn=/dev/null StdOut=/home/tmuser/w/out Power= \n")
 
 
+def test_an_account_that_imitates_fields_spoofs_none():
+    """Account= is the user's pick, printed after UserId= GroupId= MCS_label= and before
+    NodeList=: without the check its text's first NodeList= won (negative control below)."""
+    spoof = REAL.format(name="x", command="/bin/true").replace("Account=root QOS=",
+                                                               "Account=a NodeList=evil[1-2] BatchHost=evil1 QOS=")
+    # negative control: the first NodeList= after the run, which the old rule took, is the forged one
+    assert spoof.split("MCS_label=", 1)[1].split("NodeList=", 1)[1].startswith("evil[1-2]")
+    with pytest.raises(SlurmError, match="Account= is not followed by QOS="):
+        parse.parse_job_text(spoof)
+    assert parse.parse_job_text(REAL.format(name="x", command="/bin/true")).nodes == ("train3", "train4")
+
+
 def test_a_spoofing_job_name_spoofs_no_field():
     name = "x NodeList=evil[1-2] BatchHost=evil1 WorkDir=/tmp/a"
     job = parse.parse_job_text(REAL.format(name=name, command="/home/tmuser/w/job.sh"))
@@ -536,4 +548,4 @@ def test_the_keeper_reads_the_key_once_and_launches_only_into_the_run_directory(
     assert started == []  # a log outside the run directory: refused
     k._launch(make("launch", node="train1", role="worker", argv=["srun", "x"], env={"PATH": "/bin", "TOKEN": "t"},
                    log=str(k.root / "worker-train1.log")))
-    assert started == [(["srun", "x"], {"PATH": "/bin"}, k.root / "worker-train1.log")]
+    assert started == [(["srun", "x"], {"PATH": "/bin"}, k.at / "worker-train1.log")]  # through the held directory

@@ -123,7 +123,7 @@ def test_parse_job_text_running_resized():
     assert job == JobInfo(
         job_id=9, state="RUNNING", nodes=("spare1", "spare2", "train3", "train4"), batch_host="train3",
         restart_count=0, work_dir="/tmp/jt", partition="train", num_nodes=4,
-        nodelist="spare[1-2],train[3-4]", name="job2.sh", reason="",
+        nodelist="spare[1-2],train[3-4]", name="job2.sh", reason="", user_id=0,
     )
     assert job.running
 

@@ -15,6 +15,8 @@ from trainmover.controller.journal import Journal
 from trainmover.controller.state import PolicyState
 from trainmover.controller.view import JobView, StandbyState
 
+KEY = b"k" * 32  # the job's key: the journal and the outcome are sealed with it
+
 START = {"kind": "start", "job_id": 7, "world_size": 3, "ranks_per_node": 1, "batch_host": "train1",
          "rank_node": {"0": "train1", "1": "train2", "2": "train3"}}
 
@@ -82,12 +84,12 @@ def through_the_journal(tmp_path, state: PolicyState) -> PolicyState:
     """`state` written as the executor writes it (start, then the state's diff from what the
     start record implies), read back by the successor's replay."""
     path = tmp_path / "journal.jsonl"
-    w = Journal(path)
+    w = Journal(path, key=KEY)
     w.write(1.0, [START])
-    seed = journal.read(path).encoded
+    seed = journal.read(path, KEY).encoded
     w.write(2.0, journal.diff(seed, codec.encode(state)))
     w.close()
-    return journal.read(path).durable()
+    return journal.read(path, KEY).durable()
 
 
 def test_every_durable_field_survives_a_journal_round_trip(tmp_path):
@@ -101,10 +103,10 @@ def test_every_durable_field_survives_a_journal_round_trip(tmp_path):
 def test_a_second_diff_on_top_of_the_first_lands_too(tmp_path):
     """The executor writes a diff after each decision: one that drops and changes entries."""
     path = tmp_path / "journal.jsonl"
-    w = Journal(path)
+    w = Journal(path, key=KEY)
     w.write(1.0, [START])
     first = full_state()
-    w.write(2.0, journal.diff(journal.read(path).encoded, codec.encode(first)))
+    w.write(2.0, journal.diff(journal.read(path, KEY).encoded, codec.encode(first)))
     second = full_state()
     second.view.standbys.clear()
     second.migrations[1].note = "changed"
@@ -112,7 +114,7 @@ def test_a_second_diff_on_top_of_the_first_lands_too(tmp_path):
     second.epoch += 1
     w.write(3.0, journal.diff(codec.encode(first), codec.encode(second)))
     w.close()
-    assert journal.read(path).durable() == second
+    assert journal.read(path, KEY).durable() == second
 
 
 @pytest.mark.parametrize("name", [f.name for f in codec.durable_fields(PolicyState)])
@@ -196,8 +198,8 @@ def test_the_start_record_implies_the_state_a_new_policy_starts_from(tmp_path):
     view = JobView(7, 3, 1, "train1", {0: "train1", 1: "train2", 2: "train3"})
     for cfg in (Config(), Config(standbys=3, straggler="evict", snapshot_every=7)):
         path = tmp_path / f"j{cfg.standbys}.jsonl"
-        w = Journal(path)
+        w = Journal(path, key=KEY)
         w.write(1.0, [START])
         w.close()
         fresh = Policy(cfg, JobView(**{f.name: getattr(view, f.name) for f in dataclasses.fields(view)}))
-        assert journal.read(path).encoded == codec.encode(fresh.durable())
+        assert journal.read(path, KEY).encoded == codec.encode(fresh.durable())

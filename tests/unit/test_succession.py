@@ -10,6 +10,8 @@ from trainmover.controller import journal
 from trainmover.controller.journal import Journal, Superseded, fold
 from trainmover.controller.succession import IllegalTransition, Primary, Promote, State, may_promote
 
+KEY = b"k" * 32  # the job's key: the journal and the outcome are sealed with it
+
 
 def epoch(n):
     """A state record that sets the policy's epoch (controller/state.py)."""
@@ -98,18 +100,18 @@ START = {"kind": "start", "job_id": 7, "world_size": 2, "ranks_per_node": 1, "ba
 
 def test_a_successors_claim_demotes_the_old_controller_before_it_acts(tmp_path):
     path = tmp_path / "journal.jsonl"
-    old = Journal(path, attempt=0)
+    old = Journal(path, key=KEY, attempt=0)
     old.write(1.0, [START])
     old.write(2.0, [epoch(1)])
     assert old.held()
-    new = Journal(path, seq=journal.read(path).seq, attempt=1)
+    new = Journal(path, key=KEY, seq=journal.read(path, KEY).seq, attempt=1)
     new.claim(3.0)                                     # the successor's first act
     assert not old.held()                              # the cheap check before acting on anything
     with pytest.raises(Superseded):
         old.write(4.0, [epoch(2)])  # refused before writing
     new.write(5.0, [epoch(3)])
     assert new.held()
-    j = journal.read(path)
+    j = journal.read(path, KEY)
     assert j.durable().epoch == 3 and j.restarts == 1 and j.stale == 0
 
 
@@ -117,9 +119,9 @@ def test_a_write_racing_the_claim_is_caught_by_the_read_back(tmp_path):
     """The old controller checked `held()`, then the claim landed, then its write: its bytes are not
     where it expected them, so it raises before acting; replay ignores that record."""
     path = tmp_path / "journal.jsonl"
-    old = Journal(path, attempt=0)
+    old = Journal(path, key=KEY, attempt=0)
     old.write(1.0, [START])
-    new = Journal(path, seq=journal.read(path).seq, attempt=1)
+    new = Journal(path, key=KEY, seq=journal.read(path, KEY).seq, attempt=1)
     new.claim(2.0)
     old.held = lambda: True                             # the check ran just before the claim landed
     with pytest.raises(Superseded, match="before this write"):

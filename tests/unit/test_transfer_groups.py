@@ -12,6 +12,8 @@ from trainmover.runtime.tensors import digest_tensors, flatten
 from trainmover.runtime.groups import SandboxBackend, SwappableGroup
 from tests.unit.gloo_world import gloo_groups, serve_store
 
+KEY = b"k" * 32  # the job's key: the manifest crosses the pair sealed with it
+
 pytestmark = pytest.mark.gloo_threads  # see tests/unit/conftest.py
 
 TIMEOUT = datetime.timedelta(seconds=20)
@@ -24,8 +26,8 @@ def store():
     del master
 
 
-def pair(store, prefix):
-    return gloo_groups(store, prefix, 2, TIMEOUT)
+def pair(store, prefix, timeout=TIMEOUT):
+    return gloo_groups(store, prefix, 2, timeout)
 
 
 def state():
@@ -38,10 +40,10 @@ def state():
             "rng": {"torch": torch.get_rng_state()}, "step": 5, "scalar": torch.tensor(3.5)}
 
 
-def exchange(store, prefix, send, recv):
+def exchange(store, prefix, send, recv, timeout=TIMEOUT):
     """`send(a)` here while `recv(b)` runs on a thread, over a fresh pair (a, b); returns what
     send returned and {"state", "stats"} from recv, or {"error"} with its MigrationError."""
-    a, b = pair(store, prefix)
+    a, b = pair(store, prefix, timeout)
     result = {}
 
     def receive():
@@ -58,8 +60,8 @@ def exchange(store, prefix, send, recv):
 
 
 def run_pair(store, prefix, sent, like=None, corrupt=False):
-    return exchange(store, prefix, lambda a: transfer.send_state(sent, a, dst=1, corrupt=corrupt),
-                    lambda b: transfer.recv_state(b, src=0, like=like))
+    return exchange(store, prefix, lambda a: transfer.send_state(sent, a, key=KEY, dst=1, corrupt=corrupt),
+                    lambda b: transfer.recv_state(b, key=KEY, src=0, like=like))
 
 
 def flat(obj):
@@ -127,11 +129,53 @@ def test_swappable_group_switches_backend_under_ddp(store):
 def run_verified(store, prefix, sent, corrupt=False):
     def send(a):
         try:
-            return {"sent": transfer.send_verified(sent, a, dst=1, corrupt=corrupt)}
+            return {"sent": transfer.send_verified(sent, a, key=KEY, dst=1, corrupt=corrupt)}
         except MigrationError as exc:
             return {"send_error": exc}
-    sender, result = exchange(store, prefix, send, lambda b: transfer.recv_verified(b, src=0, like=None))
+    sender, result = exchange(store, prefix, send, lambda b: transfer.recv_verified(b, key=KEY, src=0, like=None))
     return {**result, **sender}
+
+
+def test_a_rogue_pair_peer_cannot_feed_the_joiner_a_poisoned_state(store):
+    """A local user who joined the transfer pair (the store's values are readable) sends the
+    joiner a state of their own: its RNG state, counters and tensors, consistent with its own
+    checksums. Without the job's key its manifest carries no valid MAC: refused, nothing loaded,
+    not retried. Negative control: the same exchange without MACs (key None on both sides, as
+    before) loads the poisoned state."""
+    poisoned = state()
+    poisoned["step"] = 10_000
+    poisoned["rng"] = {"torch": torch.manual_seed(666).get_state()}
+
+    def rogue(plan, key=b"r" * 32, context=""):
+        def send(a):
+            try:
+                return transfer.send_verified(poisoned, a, key=key, context=context, dst=1, plan=plan)
+            except MigrationError as exc:  # the joiner takes nothing more: the rogue's sends time out
+                return exc
+        return send
+    short = datetime.timedelta(seconds=2)
+    _, got = exchange(store, "rogue/", rogue(False), lambda b: transfer.recv_verified(b, key=KEY, src=0, like=None),
+                      timeout=short)
+    assert isinstance(got.get("error"), transfer.StateRefused) and "not sealed with the job's key" in str(got["error"])
+    assert "state" not in got
+    # planned protocol (a migration's own path): refused the same way, before its manifest is decoded
+    _, got = exchange(store, "rogue-planned/", rogue(None),
+                      lambda b: transfer.recv_verified(b, key=KEY, src=0, like=None, plan=None), timeout=short)
+    assert isinstance(got.get("error"), transfer.StateRefused) and "state" not in got
+    # a manifest sealed with the job's key for another transfer (an earlier epoch, seen on the
+    # wire) is not replayed into this one: the context (the pair's prefix) is under the MAC
+    _, got = exchange(store, "replay/", rogue(None, key=KEY, context="tm/e1/xfer/r1/"),
+                      lambda b: transfer.recv_verified(b, key=KEY, context="tm/e2/xfer/r1/", src=0, like=None, plan=None),
+                      timeout=short)
+    assert isinstance(got.get("error"), transfer.StateRefused) and "state" not in got
+    # negative control: unkeyed, the joiner takes the rogue's state
+    _, got = exchange(store, "unkeyed/", lambda a: transfer.send_verified(poisoned, a, key=None, dst=1),
+                      lambda b: transfer.recv_verified(b, key=None, src=0, like=None))
+    assert got["state"]["step"] == 10_000
+    # and the job's own ranks, both with the key, exchange as before
+    _, got = exchange(store, "keyed/", lambda a: transfer.send_verified(state(), a, key=KEY, dst=1),
+                      lambda b: transfer.recv_verified(b, key=KEY, src=0, like=None))
+    assert got["state"]["step"] == 5
 
 
 def test_corrupted_copy_is_retried_and_then_exact(store):

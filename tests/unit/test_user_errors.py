@@ -31,6 +31,8 @@ from trainmover.runtime.usercode import MAX_TRACEBACK, UserCodeError, UserWorklo
 
 from test_policy import new_policy, ready_standby, sends, stalled
 
+KEY = b"k" * 32  # the job's key: the journal and the outcome are sealed with it
+
 
 # --- the wrapper marks a failed collective; the user's error marks nothing -----------------
 class FailingBackend(SandboxBackend):
@@ -256,16 +258,16 @@ def test_a_lost_node_is_still_recovered_when_nobody_reports_an_error():
 # --- a controller that ended the job is never started again; the last line says how ------
 def test_a_controller_that_journaled_the_jobs_end_is_never_restarted(tmp_path):
     path = tmp_path / "journal.jsonl"
-    assert journal.ended(path) is None  # no journal yet
-    j = journal.Journal(path)
+    assert journal.ended(path, KEY) is None  # no journal yet
+    j = journal.Journal(path, key=KEY)
     j.write(1.0, [{"kind": "start", "job_id": 7, "world_size": 2, "ranks_per_node": 1, "batch_host": "k",
                    "rank_node": {"0": "a", "1": "b"}}])
-    assert journal.ended(path) is None
+    assert journal.ended(path, KEY) is None
     j.write(2.0, [{"kind": "end", "ok": False, "message": "user code raised on rank 1 (b) at step 3: ..."}])
     j.close()
-    end = journal.ended(path)
+    end = journal.ended(path, KEY)
     assert end == {"ok": False, "message": "user code raised on rank 1 (b) at step 3: ..."}
-    assert journal.read(path).ended == end
+    assert journal.read(path, KEY).ended == end
     # a crash (70) or a kill during its shutdown: still no restart
     assert restart_decision(70, 0, 3, stopping=False, ended=end)[0] is False
     assert restart_decision(-9, 0, 3, stopping=False, ended=end)[0] is False

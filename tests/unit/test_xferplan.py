@@ -10,6 +10,8 @@ from trainmover.errors import MigrationError
 from trainmover.runtime import transfer, xferplan
 from trainmover.runtime.tensors import digest_tensors, word_view
 
+KEY = b"k" * 32  # the job's key: the manifest crosses the pair sealed with it
+
 GLOO = pytest.mark.gloo_threads  # the gloo tests (see tests/unit/conftest.py); the GPU one runs in the GPU session
 
 
@@ -39,13 +41,13 @@ def exchange(store, prefix, sent, like, send_plan=None, recv_plan=None, corrupt=
 
     def recv():
         try:
-            out["state"], out["stats"] = transfer.recv_verified(b, src=0, like=like, plan=recv_plan)
+            out["state"], out["stats"] = transfer.recv_verified(b, key=KEY, src=0, like=like, plan=recv_plan)
         except MigrationError as exc:
             out["error"] = exc
     t = threading.Thread(target=recv)
     t.start()
     try:
-        out["sent"] = transfer.send_verified(sent, a, dst=1, corrupt=corrupt, plan=send_plan)
+        out["sent"] = transfer.send_verified(sent, a, key=KEY, dst=1, corrupt=corrupt, plan=send_plan)
     except MigrationError as exc:
         out["send_error"] = exc
     t.join(30)
@@ -145,9 +147,9 @@ def test_manifest_with_a_forged_signature_is_refused():
             buf = io.BytesIO()
             torch.save({"skeleton": {}, "specs": [("/a", (2,), "torch.float32", "cpu")], "sig": "0" * 64,
                         "cpu": [], "cpu_digest": ""}, buf)
-            return buf.getvalue()
+            return transfer.seal_manifest(KEY, buf.getvalue())  # sealed, yet its signature lies
     with pytest.raises(MigrationError, match="undecodable manifest"):
-        transfer.recv_planned(Chan(), None)
+        transfer.recv_planned(Chan(), None, key=KEY)
 
 
 @pytest.mark.gpu

@@ -212,7 +212,7 @@ def reference(spec: ProcSpec, store, out: Emitter, timeout: datetime.timedelta) 
         raise TypeError(enc["message"])
     out.phase("sending the state to its joiner")
     xfer = gloo_group(store, f"xfer/{spec.rank}/", 0, 2, host=HOST, timeout=timeout)
-    stats = transfer.send_verified(state, xfer, dst=1)
+    stats = transfer.send_verified(state, xfer, key=None, dst=1)  # the check's own processes and store
     out.emit("sent", bytes=stats.bytes, tensors=stats.tensors, seconds=stats.seconds)
     end = spec.at + spec.compare
     _train(wl, out, spec.at, end, states_from=spec.at, groups=groups)
@@ -264,7 +264,7 @@ def joiner(spec: ProcSpec, store, out: Emitter, timeout: datetime.timedelta) -> 
             for name, g in groups.items()}
     out.phase("waiting for the state")
     xfer = gloo_group(store, f"xfer/{spec.rank}/", 1, 2, host=HOST, timeout=timeout)
-    state, _ = transfer.recv_verified(xfer, src=0, like=full_state(wl, 0))
+    state, _ = transfer.recv_verified(xfer, key=None, src=0, like=full_state(wl, 0))
     wl.load_state_dict(state["workload"])
     rng.restore(state["rng"])
     for name, g in groups.items():

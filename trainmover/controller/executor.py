@@ -87,14 +87,17 @@ class Controller:
         self.metrics_through = 0
         k = cfg.ranks_per_node
         if resume:  # claim the journal (the predecessor is demoted by it), then read what it left
-            self.journal = journal.Journal(root / "journal.jsonl", seq=journal.read(root / "journal.jsonl").seq,
-                                           attempt=attempt)
+            self.files = records.RunFiles(root)  # held open: a `runs/` another user swaps in is never read
+            self.key = channel.read_secret(str(self.files.at / "secret"))  # the ranks hold it: same job, same key
+            at = self.files.at
+            self.journal = journal.Journal(at / "journal.jsonl", key=self.key, attempt=attempt,
+                                           seq=journal.read(at / "journal.jsonl", self.key).seq)
             self.journal.claim(time.time())
-            self.replayed = j = journal.read(root / "journal.jsonl")  # everything before our claim
+            self.replayed = j = journal.read(at / "journal.jsonl", self.key)  # everything before our claim
             if j.job_id != job_id:
                 raise ConfigError(f"{root}/journal.jsonl belongs to job {j.job_id}, not {job_id}")
-            self.metrics_through = records.trim_torn(root / "metrics.jsonl")
-            records.trim_torn(root / "timeline.jsonl")
+            self.metrics_through = records.trim_torn(at / "metrics.jsonl")
+            records.trim_torn(at / "timeline.jsonl")
             # the job's nodes now include standbys: the layout is the journal's
             self.view = JobView(job_id, j.world_size, j.ranks_per_node, j.batch_host, dict(j.rank_node))
             self.in_job: list[str] = []  # the journal has the pool, the job's own standbys included
@@ -126,11 +129,9 @@ class Controller:
         self.policy = Policy(cfg, self.view)
         self.policy.pool_choice = pool_choice
         self.policy.snapshot_every = self.snapshot_every
-        self.files = records.RunFiles(root)
-        self.checkpoint_root = self.files.root / "checkpoints"
-        if resume:
-            self.key = channel.read_secret(str(self.files.secret))  # the ranks hold it: same job, same key
-        else:
+        self.checkpoint_root = root / "checkpoints"
+        if not resume:
+            self.files = records.RunFiles(root)
             try:
                 self.key = channel.write_secret(str(self.files.secret))
             except FileExistsError:
@@ -150,12 +151,12 @@ class Controller:
         self.server = channel.Server(self.host, self.key, sock=listen, on_hello=self._hello)
         self.store, (self.store_host, self.store_port) = (None, store) if store else self._store()
         if not resume:
-            self.journal = journal.Journal(self.files.root / "journal.jsonl", attempt=attempt)
+            self.journal = journal.Journal(self.files.at / "journal.jsonl", key=self.key, attempt=attempt)
         self.durable: dict = {}
         if resume:  # before ours replaces it: where the predecessor's rendezvous store was
-            before = endpoint.read(self.files.root / endpoint.NAME, self.key)
+            before = endpoint.read(self.files.at / endpoint.NAME, self.key)
             self.policy.store_moved = before is not None and before.store != (self.store_host, self.store_port)
-        endpoint.write(self.files.root, endpoint.Endpoint(self.server.address[0], self.server.address[1],
+        endpoint.write(self.files.at, endpoint.Endpoint(self.server.address[0], self.server.address[1],
                                                           self.store_host, self.store_port, self.home, attempt),
                        self.key, job_id=job_id, batch_host=self.batch_host, keeper=keeper or "", pid=os.getpid())
         self.conns: dict[str, list] = {}           # node -> authenticated worker connections
@@ -181,11 +182,11 @@ class Controller:
                                                           in_job=self.cfg.injob_standbys)
         self.grow_refusal = user_rights.grow_refusal(self.capabilities)
         if error:
-            self.files.write("status", {**self.status(), "outcome": {"ok": False, "message": error}})
+            self.files.write("status", {**self.status(), "outcome": records.sealed_outcome(self.key, False, error)})
             raise ConfigError(error)
 
     def _rights_from_predecessor(self) -> bool:
-        caps = user_rights.from_predecessor(self.files.root / "status.json", self.fencing)
+        caps = user_rights.from_predecessor(self.files.at / "status.json", self.fencing)
         if caps is not None:
             self.capabilities = caps
             self.grow_refusal = user_rights.grow_refusal(caps)
@@ -563,7 +564,7 @@ class Controller:
         # on, no keeper or supervisor starts a controller again (journal.ended).
         self.journal.write(time.time(), [{"kind": "end", "ok": bool(ok), "message": message[:2000]}])
         status = self.status()
-        status["outcome"] = {"ok": ok, "message": message}
+        status["outcome"] = records.sealed_outcome(self.key, bool(ok), message)  # the keeper believes only this
         self.files.write("status", status)
         log.info("controller: %s", message)
         # a standby being taken right now must not outlive us
@@ -593,7 +594,7 @@ class Controller:
         self.files.append("timeline", {"t": time.time(), "event": "controller_hand_over", "node": self.home,
                                        "attempt": self.attempt, "migration": None})
         self.files.write("status", self.status())
-        handover.leave(self.files.root, self.key, attempt=self.attempt, job=self.resizer.record_if_idle(),
+        handover.leave(self.files.at, self.key, attempt=self.attempt, job=self.resizer.record_if_idle(),
                        pool_nodes=self.watch.pool.known())  # what the successor need not ask Slurm
         for conns in self.conns.values():
             for conn in conns:

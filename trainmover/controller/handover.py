@@ -54,7 +54,7 @@ def for_successor(root: Path, job_id: int) -> HandedOver | None:
     that the journal's last claim is still the predecessor's); None: read Slurm."""
     try:
         key = channel.read_secret(str(Path(root) / "secret"))
-        last_claim = journal.read(Path(root) / "journal.jsonl").restarts
+        last_claim = journal.read(Path(root) / "journal.jsonl", key).restarts
     except (OSError, ValueError, TrainMoverError) as exc:
         log.info("no hand-over record used (%s): the job is read from Slurm", exc)
         return None

@@ -22,6 +22,11 @@ Version 1 journals (written before the state record existed: `view` and `migrati
 with a hand-picked part of the state) are still read: their records are turned into state
 operations (`_v1_ops`), so that a job started by an older controller can be taken over.
 
+Every record is sealed with the job's key (`files.seal`, purpose "journal": a `mac` field):
+`read` and `ended` refuse a record that is not, so a journal another user wrote (or changed) is
+never replayed nor believed to say the job ended (docs/security.md). `fold` without a key (the
+standby-pool history's statistics) does not check.
+
 Replay folds the records into a `Replayed` value (pure), the durable state included. A torn last line (the controller
 died inside a write) is dropped with a warning; any other bad line is a `JournalError`:
 a journal that lies in its middle must not be guessed around.
@@ -37,11 +42,13 @@ from pathlib import Path
 from trainmover.controller import codec
 from trainmover.controller.state import PolicyState
 from trainmover.controller.view import JobView
-from trainmover.errors import TrainMoverError
+from trainmover.errors import ProtocolError, TrainMoverError
+from trainmover.protocol import files
 
 log = logging.getLogger("trainmover.journal")
 
 VERSION = 2
+PURPOSE = "journal"  # the seal's label (protocol/files.py)
 READS = {1, 2}  # version 1: see _v1_ops
 KINDS = {1: {"start", "launch", "view", "migration", "restart", "end"},
          2: {"start", "launch", "state", "restart", "end"}}
@@ -112,9 +119,10 @@ def _check(n: int, rec: object) -> dict:
     return rec
 
 
-def fold(lines: list[str], on_record=None) -> Replayed:
+def fold(lines: list[str], on_record=None, key: bytes | None = None) -> Replayed:
     """What `lines` (the journal's text split at newlines) record. Pure. `on_record(rec, state)`,
-    if given, sees each record applied and the encoded state after it (standbys/history.py)."""
+    if given, sees each record applied and the encoded state after it (standbys/history.py).
+    `key`: every record must be sealed with it (a JournalError otherwise)."""
     out = Replayed()
     complete = lines[:-1] if lines and not lines[-1].endswith("\n") else lines
     if len(complete) < len(lines):
@@ -124,7 +132,12 @@ def fold(lines: list[str], on_record=None) -> Replayed:
         if not line.strip():
             continue
         try:
-            rec = _check(n, json.loads(line))
+            rec = json.loads(line)
+            if key is not None:
+                rec = files.unseal(key, PURPOSE, rec)
+            rec = _check(n, rec)
+        except ProtocolError as exc:
+            raise JournalError(f"journal line {n}: {exc}: refusing to replay or believe it") from None
         except ValueError as exc:
             raise JournalError(f"journal line {n} is corrupt ({exc}); it is not the last line, so it is not "
                                "a write cut short by a crash: refusing to guess the job's state") from None
@@ -178,24 +191,35 @@ def _v1_ops(rec: dict) -> list[list]:
     return ops
 
 
-def read(path: Path) -> Replayed:
+def _text(path: Path) -> str:
+    """The journal's text, never through a link or a FIFO (protocol/files.py)."""
+    return files.read_limited(path, files.RUN_FILE_MAX).decode()
+
+
+def read(path: Path, key: bytes) -> Replayed:
+    """The journal at `path` (in a held run directory: files.held_dir), every record sealed with `key`."""
     try:
-        text = Path(path).read_text()
+        text = _text(path)
     except FileNotFoundError:
         raise JournalError(f"no journal at {path}: nothing to resume") from None
-    out = fold(text.splitlines(keepends=True))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise JournalError(f"cannot read the journal at {path}: {exc}") from None
+    out = fold(text.splitlines(keepends=True), key=key)
     if out.torn_tail:
         log.warning("journal %s ends in a torn line (a write cut short): ignored", path)
     return out
 
 
-def ended(path: Path) -> dict | None:
-    """{"ok", "message"} if a controller ended the job on purpose (its `end` record), else None,
-    also where there is no journal (yet) or it cannot be read: then nothing says it ended. For
-    the keeper and the supervisor, which must never start a controller after that."""
+def ended(path: Path, key: bytes | None) -> dict | None:
+    """{"ok", "message"} if a controller ended the job on purpose (its sealed `end` record), else
+    None, also where there is no journal (yet), no key (yet) or it cannot be read or is not
+    sealed with `key`: then nothing says it ended. For the keeper and the supervisor, which must
+    never start a controller after that."""
+    if key is None:
+        return None
     try:
-        return fold(Path(path).read_text().splitlines(keepends=True)).ended
-    except (OSError, TrainMoverError):
+        return fold(_text(path).splitlines(keepends=True), key=key).ended
+    except (OSError, UnicodeDecodeError, TrainMoverError):
         return None
 
 
@@ -228,23 +252,13 @@ class Journal:
     line are atomic on a local file system and on NFS with one client per file; the read-back
     does not depend on it."""
 
-    def __init__(self, path: Path, seq: int = 0, attempt: int = 0):
+    def __init__(self, path: Path, *, key: bytes, seq: int = 0, attempt: int = 0):
         self.path = Path(path)
-        self.seq, self.attempt = seq, attempt
-        self._trim_torn_tail()
+        self.key, self.seq, self.attempt = key, seq, attempt
+        files.trim_torn_tail(self.path)  # the next record starts on a line of its own
         # 0600, never through a link (docs/security.md)
         self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         self.end = os.fstat(self.fd).st_size
-
-    def _trim_torn_tail(self) -> None:
-        """Cut a torn last line, so that the next record starts on a line of its own."""
-        try:
-            data = self.path.read_bytes()
-        except FileNotFoundError:
-            return
-        if data and not data.endswith(b"\n"):
-            with open(self.path, "r+b") as f:
-                f.truncate(data.rfind(b"\n") + 1)
 
     def held(self) -> bool:
         """Whether nobody else appended since our last write (a successor's claim would have)."""
@@ -264,17 +278,21 @@ class Journal:
         lines = []
         for r in records:
             self.seq += 1
-            lines.append(json.dumps({"v": VERSION, "seq": self.seq, "t": round(now, 6), "a": self.attempt, **r},
-                                    sort_keys=True, separators=(",", ":")) + "\n")
+            rec = files.seal(self.key, PURPOSE, {"v": VERSION, "seq": self.seq, "t": round(now, 6),
+                                                 "a": self.attempt, **r})
+            lines.append(json.dumps(rec, sort_keys=True, separators=(",", ":")) + "\n")
         data = "".join(lines).encode()
         os.write(self.fd, data)
         os.fsync(self.fd)
         if claiming:
             self.end = os.fstat(self.fd).st_size
             return
-        with open(self.path, "rb") as f:  # did our bytes land right after our last write?
-            f.seek(self.end)
-            landed = f.read(len(data)) == data
+        # did our bytes land right after our last write? A fresh open (NFS revalidates on open), no link
+        rfd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            landed = os.pread(rfd, len(data), self.end) == data
+        finally:
+            os.close(rfd)
         if not landed:
             raise Superseded(f"{self.path}: another controller claimed the journal before this write")
         self.end += len(data)

@@ -99,6 +99,7 @@ class Keeper:
         self.joined: tuple | None = None    # (job, {standby: info}) from a standby's launch: placed there, no query
         # the job's user's alone; one someone else made first is refused (protocol/files.py)
         self.root = files.private_dir(Path(cfg.run_dir or records.run_dir(job.work_dir or os.getcwd(), job_id)))
+        self.at = files.held_dir(self.root)  # read through: a `runs/` another user swaps in is never read
         self.key: bytes | None = None  # the job's secret: read once, when the controller has made it
         self.steps: dict[str, tuple[str, object]] = {}  # node -> (role, Popen)
         self.controller = None          # (node, Popen) of the primary controller's step
@@ -251,16 +252,19 @@ class Keeper:
         if self.primary.state is not succession.State.ENDING:
             self._connect()
 
-    def _connect(self) -> None:
-        if self.key is None:
-            if not (self.root / "secret").exists():
-                return  # the first controller has not made it yet
+    def _read_key(self) -> None:
+        """The job's secret, once the first controller has made it (kept from then on)."""
+        if self.key is None and (self.at / "secret").exists():
             try:
-                self.key = channel.read_secret(str(self.root / "secret"))
+                self.key = channel.read_secret(str(self.at / "secret"))
             except ProtocolError as exc:
                 log.error("%s", exc)
-                return
-        ep = endpoint.read(self.root / endpoint.NAME, self.key)
+
+    def _connect(self) -> None:
+        self._read_key()
+        if self.key is None:
+            return  # the first controller has not made it yet (or it is refused: logged)
+        ep = endpoint.read(self.at / endpoint.NAME, self.key)
         if ep is None or ep.node != self.controller[0] or ep.attempt != self.attempt:
             return  # the new controller has not written where it is yet
         try:
@@ -303,7 +307,8 @@ class Keeper:
         if log_path.resolve().parent != self.root.resolve():  # an authenticated controller of this job writes only there
             log.error("launch of %s on %s refused: its log %s is outside the run directory", role, node, log_path)
             return
-        self.steps[node] = (role, start_srun(msg["argv"], step_environment(msg["env"]), log_path))
+        # opened through the held directory: a `runs/` swapped since gets none of the step's output
+        self.steps[node] = (role, start_srun(msg["argv"], step_environment(msg["env"]), self.at / log_path.name))
         log.info("launched %s on %s for the controller", role, node)
         if role == "standby":  # a node joined the job: a warm successor may go there now
             self.successor_retry_at, self.successor_retry_s = 0.0, SUCCESSOR_RETRY_S[0]
@@ -395,13 +400,11 @@ class Keeper:
         (written last at its shutdown: 0 trained, 1 stopped with an error) or, before that is
         written, the journal's `end` (written first: a controller that ended the job and then
         died or hung in its shutdown is never replaced)."""
-        try:
-            outcome = json.loads((self.root / "status.json").read_text()).get("outcome")
-        except (OSError, ValueError, AttributeError):
-            outcome = None
+        self._read_key()
+        outcome = records.read_outcome(self.at / "status.json", self.key)  # sealed with the job's key, or None
         if outcome:
-            return 0 if outcome.get("ok") else 1
-        end = journal.ended(self.root / "journal.jsonl")
+            return 0 if outcome["ok"] else 1
+        end = journal.ended(self.at / "journal.jsonl", self.key)
         return None if end is None else (0 if end["ok"] else 1)
 
     def _finish(self, code: int) -> int:
@@ -504,6 +507,6 @@ def main(cfg: Config, slurm, job_id: int, node: str, reading: tuple | None = Non
         except TrainMoverError as exc:
             log.warning("could not withdraw the job's donor allocations: %s", exc)
     # The job's last word in slurm-<job>.out, however it ended (records.final_line).
-    print(records.final_line(keeper.root, job_id, code, keeper.why, stopped=keeper.stopping), file=sys.stderr,
-          flush=True)
+    print(records.final_line(keeper.at, job_id, code, keeper.why, stopped=keeper.stopping, shown=keeper.root),
+          file=sys.stderr, flush=True)
     return code

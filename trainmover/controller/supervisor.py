@@ -33,10 +33,10 @@ import time
 from pathlib import Path
 
 from trainmover.config import Config
-from trainmover.protocol import files
+from trainmover.protocol import channel, files
 from trainmover.controller import journal, records
 from trainmover.controller.exit_codes import FAILED, FINISHED, MOVED, REFUSED, SUPERSEDED
-from trainmover.errors import ConfigError, TrainMoverError
+from trainmover.errors import ConfigError, ProtocolError, TrainMoverError
 from trainmover.logs import setup_logging
 
 log = logging.getLogger("trainmover.supervisor")
@@ -62,7 +62,7 @@ def restart_decision(code: int, restarts_done: int, limit: int, stopping: bool,
     return True, f"controller {why}; restart {restarts_done + 1} of {limit} from the journal"
 
 
-def _refused(root: Path, job_id: int, exc: Exception, last_line: bool) -> int:
+def _refused(root: Path, job_id: int, exc: Exception, last_line: bool, shown: Path | None = None) -> int:
     """The job cannot start (the workload does not construct, a bad option): said in status.json,
     with the user's traceback where it was theirs, and in the batch script's last line."""
     from trainmover.runtime.usercode import UserCodeError
@@ -77,12 +77,20 @@ def _refused(root: Path, job_id: int, exc: Exception, last_line: bool) -> int:
                     "user": user, "error": exc.error if user else str(exc)[:1000],
                     "traceback": exc.traceback if user else ""}})
     if last_line:
-        print(records.final_line(root, job_id, REFUSED), file=sys.stderr, flush=True)
+        print(records.final_line(root, job_id, REFUSED, shown=shown), file=sys.stderr, flush=True)
     return REFUSED
 
 
 def _bind(host: str) -> socket.socket:
     return socket.create_server((host, 0), backlog=1024)
+
+
+def _key(at: Path) -> bytes | None:
+    """The job's secret if a controller made it (journal.ended believes only records sealed with it)."""
+    try:
+        return channel.read_secret(str(at / "secret"))
+    except ProtocolError:
+        return None
 
 
 def main(argv=None) -> int:
@@ -117,13 +125,14 @@ def main(argv=None) -> int:
     work_dir = args.work_dir or job.work_dir
     # verified first: a run directory someone else planted (with a final.json saying "done") is refused
     root = files.private_dir(Path(cfg.run_dir or records.run_dir(work_dir or os.getcwd(), job_id)))
+    at = files.held_dir(root)  # read through: a `runs/` another user swaps in mid-job is never read
     try:
         with user_code("construction"):  # constructing the workload runs the user's code
             preflight(cfg)  # options the workload does not take, TM_CHECK_WORKLOAD: before anything starts
     except TrainMoverError as exc:  # it would fail the same on any node: final (2), never restarted
-        return _refused(root, job_id, exc, last_line=not args.keeper)
+        return _refused(at, job_id, exc, last_line=not args.keeper, shown=root)
     import torch.distributed as dist
-    done = records.completed_before(root, job_id, cfg.steps)
+    done = records.completed_before(at, job_id, cfg.steps)
     if done:
         log.warning("%s", done)
         return 0
@@ -181,7 +190,7 @@ def main(argv=None) -> int:
             t0 = time.time()
             log.info("controller running (pid %d, attempt %d)", child.pid, restarts)
             code = child.wait()
-            ended = journal.ended(root / "journal.jsonl")
+            ended = journal.ended(at / "journal.jsonl", _key(at))
             again, why = restart_decision(code, restarts, cfg.controller_restarts, stopping, ended)
             log.log(logging.INFO if code == 0 else logging.WARNING,
                     "controller pid %d ended after %.1fs: %s", child.pid, time.time() - t0, why)
@@ -190,7 +199,7 @@ def main(argv=None) -> int:
                     code = 0 if ended["ok"] else 1
                 code = code if code >= 0 else 128 - code
                 if not args.keeper and code != MOVED:  # the batch step itself: the job's last line
-                    print(records.final_line(root, job_id, code, why, stopped=stopping),
+                    print(records.final_line(at, job_id, code, why, stopped=stopping, shown=root),
                           file=sys.stderr, flush=True)
                 return code
             restarts += 1

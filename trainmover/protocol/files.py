@@ -13,6 +13,9 @@ replace nor plant them (docs/security.md).
   checkpoint manifests).
 * `read_limited`: a bounded read of a file someone else may control (a FIFO, a huge file or a
   link is refused at once, without blocking).
+* `held_dir`: the run directory held by a descriptor for the process's life, so that a `runs/`
+  renamed and replaced by another user mid-job is never read or written in its place.
+* `trim_torn_tail`: cut a last line a writer died inside of, in place, never through a link.
 
 The module has no policy beyond "refuse": callers decide what a refusal means.
 """
@@ -31,6 +34,7 @@ from trainmover.errors import ConfigError, ProtocolError
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600
+RUN_FILE_MAX = 1 << 30  # read_limited's bound for the job's own files (a long job's journal)
 
 
 class UnsafePath(ConfigError):
@@ -88,6 +92,44 @@ def private_dir(path: Path, *, parents: bool = True) -> Path:
     return path
 
 
+def held_dir(path: Path, *, owner: int | None = None) -> Path:
+    """`path` (a run directory `private_dir` accepted) held open for the process's life: the path
+    returned resolves through that descriptor (/proc/self/fd/N), so renaming `runs/` or any
+    directory above it (a shared submit directory others can write) cannot put another directory
+    in its place for this process's later reads and writes. It is checked again on the
+    descriptor (a directory, ours, writable by nobody else). Valid in this process only: hand
+    other processes (steps, ranks) the plain path. `owner`: the uid it must belong to (root's
+    `migrate` on a user's job), else ours."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if st.st_uid != (os.geteuid() if owner is None else owner) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        os.close(fd)
+        raise UnsafePath(f"{path} is not the job's user's own directory (uid {st.st_uid}, mode "
+                         f"{stat.S_IMODE(st.st_mode):o}): changed since it was checked, or someone else's")
+    return Path(f"/proc/self/fd/{fd}")
+
+
+def trim_torn_tail(path: Path) -> bytes:
+    """Cut a last line its writer died inside of (no newline at its end), in place: opened
+    read-write without following a link or blocking on a FIFO, a regular file only. Returns the
+    complete lines' bytes (b"" where there is no file)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return b""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnsafePath(f"{path}: not a regular file")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read()
+        if data and not data.endswith(b"\n"):
+            data = data[:data.rfind(b"\n") + 1]
+            os.ftruncate(fd, len(data))
+        return data
+    finally:
+        os.close(fd)
+
+
 def write_atomic(path: Path, data: bytes | str, *, fsync: bool = False) -> None:
     """Replace `path` with `data` (0600): a unique temporary in the same directory, renamed over
     the target (readers never see half a file; a planted `.x.tmp` link is never followed)."""
@@ -139,7 +181,7 @@ def read_limited(path: str | Path, max_bytes: int, *, owner: int | None = None) 
             raise OSError(f"{path}: {st.st_size} bytes, more than {max_bytes}")
         chunks, left = [], max_bytes + 1
         while left > 0:
-            chunk = os.read(fd, left)
+            chunk = os.read(fd, min(left, 1 << 20))  # os.read allocates what it is asked for
             if not chunk:
                 break
             chunks.append(chunk)

@@ -167,7 +167,8 @@ class StandbyLink:
         self.direct_sent = True  # once, whatever happens: the host versions follow anyway
         t0 = time.perf_counter()
         self.store.set(self.prefix + "direct/go", str(int(step)))
-        stats = transfer.send_verified(state, self.direct, dst=1, corrupt=corrupt)
+        stats = transfer.send_verified(state, self.direct, key=self.key, context=self.prefix + "direct/", dst=1,
+                                       corrupt=corrupt)
         return {"bytes": stats.bytes, "send_s": time.perf_counter() - t0, "copy_s": stats.copy_s,
                 "attempts": stats.attempts, "direct": True}
 
@@ -331,7 +332,7 @@ class Holding:
                 self.direct_note = "the worker's side of the pair was not built"
                 return
             t1 = time.perf_counter()
-            state, stats = transfer.recv_verified(pair, src=0)
+            state, stats = transfer.recv_verified(pair, key=self.key, context=self.prefix + "direct/", src=0)
         except Exception as exc:  # noqa: BLE001 - the host versions still come
             self.direct_note = f"first version not received on the GPU: {exc}"
             log.warning("holding rank %d: %s", self.ward, self.direct_note)

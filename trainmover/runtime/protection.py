@@ -41,7 +41,7 @@ class Protection:
             spec = self.ctx.spec
             self.snapshots = snapshot.Snapshots(self.ctx.rank, spec.world_size, spec.ranks_per_node,
                                                 spec.group_timeout_s, corrupt=self.ctx.faults.at("snapshot-send"),
-                                                device=self.ctx.device)
+                                                device=self.ctx.device, key=self.ctx.key)
         return self.snapshots
 
     def protect(self, step: int) -> None:

@@ -76,7 +76,8 @@ def rebuild(rec: Recovery, msg: dict, role: str) -> tuple[dict, dict]:
 def _send(rec: Recovery, state: dict, epoch: int, needer: int, step: int) -> dict:
     """Send `state` to `needer` over a new verified transfer pair (this rank is its member 0)."""
     pair = rec.ctx.build_backend("xfer", phase1.xfer_prefix(epoch, needer), 0, 2)
-    stats = transfer.send_verified(state, pair, dst=1, corrupt=rec.ctx.faults.at("transfer-send"))
+    stats = transfer.send_verified(state, pair, key=rec.ctx.key, context=phase1.xfer_prefix(epoch, needer), dst=1,
+                                   corrupt=rec.ctx.faults.at("transfer-send"))
     rec.ctx.retire(pair, step)
     return {"to": needer, "bytes": stats.bytes, "seconds": stats.seconds, "attempts": stats.attempts}
 
@@ -84,7 +85,8 @@ def _send(rec: Recovery, state: dict, epoch: int, needer: int, step: int) -> dic
 def _receive(rec: Recovery, epoch: int, step: int, like: dict | None) -> tuple[dict, dict]:
     """This rank's state of `step` from member 0 of its verified transfer pair."""
     pair = rec.ctx.build_backend("xfer", phase1.xfer_prefix(epoch, rec.ctx.rank), 1, 2)
-    state, stats = transfer.recv_verified(pair, src=0, like=like)
+    state, stats = transfer.recv_verified(pair, key=rec.ctx.key, context=phase1.xfer_prefix(epoch, rec.ctx.rank),
+                                          src=0, like=like)
     if int(state["step"]) != step:
         raise MigrationError(f"sent the state of step {state['step']}, not {step}", phase="recover", rank=rec.ctx.rank)
     rec.ctx.retire(pair, step)

@@ -61,8 +61,10 @@ class Snapshots:
     job, the link to the standby that holds them)."""
 
     def __init__(self, rank: int, world: int, per_node: int, timeout_s: float, corrupt: bool = False,
-                 device: str = "cpu"):
+                 device: str = "cpu", key: bytes | None = None):
+        """`key`: the job's, sealing each copy's manifest (transfer.seal_manifest)."""
         self.rank, self.world, self.per_node = rank, world, per_node
+        self.key = key
         self.timeout_s = timeout_s
         self.corrupt = corrupt  # fault injection: the first copy sent is spoilt on the wire
         self.one_node = holder_of(rank, world, per_node) == rank
@@ -146,7 +148,8 @@ class Snapshots:
     def _send(self, cap: capture.Captured, group) -> None:
         try:
             cap.wait(self.timeout_s)
-            stats = transfer.send_verified(cap.state(), group, dst=self.holder, corrupt=self.corrupt)
+            stats = transfer.send_verified(cap.state(), group, key=self.key, context=f"snapshot/r{self.rank}",
+                                           dst=self.holder, corrupt=self.corrupt)
             self.corrupt = False
             self._finish(cap, send_s=stats.seconds, attempts=stats.attempts, held_by=self.holder)
         except Exception as exc:  # noqa: BLE001 - a lost peer: this version is incomplete, training goes on
@@ -155,7 +158,7 @@ class Snapshots:
     def _recv(self, step: int, group) -> None:
         ward = self.ward
         try:
-            state, _ = transfer.recv_verified(group, src=ward)
+            state, _ = transfer.recv_verified(group, key=self.key, context=f"snapshot/r{ward}", src=ward)
         except Exception as exc:  # noqa: BLE001 - as above
             log.warning("snapshot %d: copy from rank %d failed: %s", step, ward, str(exc)[:300])
             return

@@ -148,8 +148,9 @@ class Switch:
             state["workload"].pop("optimizer", None)
         self.ctx.store.set(go_key(prep.epoch, self.ctx.rank), "1")
         self.ctx.faults.at("copy")  # die-in-copy: the state must then come from a replica
-        stats = transfer.send_verified(state, prep.xfer, dst=1, corrupt=self.ctx.faults.at("transfer-send"),
-                                       plan=prep.plan)
+        stats = transfer.send_verified(state, prep.xfer, key=self.ctx.key, dst=1, plan=prep.plan,
+                                       context=phase1.xfer_prefix(prep.epoch, prep.rank),  # sealed for this pair only
+                                       corrupt=self.ctx.faults.at("transfer-send"))
         self.ctx.pending = None
         self.ctx.state.to(RankState.LEFT)
         self.ctx.switched_epoch = prep.epoch
@@ -216,7 +217,8 @@ class Switch:
             return None
         t_switch = time.perf_counter()
         try:
-            state, stats = transfer.recv_verified(prep.xfer, src=0, like=like, plan=prep.plan)
+            state, stats = transfer.recv_verified(prep.xfer, key=self.ctx.key, src=0, like=like, plan=prep.plan,
+                                                  context=phase1.xfer_prefix(prep.epoch, prep.rank))
         except (MigrationError, RuntimeError) as exc:  # the leaver died mid-copy: a replica will send it
             self.ctx.rank = rank
             self.ctx.send("stalled", rank=rank, step=0, digest="", error=str(exc)[:500], role="joiner",

@@ -8,6 +8,12 @@ Protocol, over a *channel* between the leaver (sender) and the joiner (receiver)
      key path, shape and dtype (a warm standby's buffers), else into a new one.
 The receiver recomputes the checksum; a mismatch is an error, never silently used.
 
+The manifest crosses the pair sealed with the job's key (`seal_manifest`: HMAC-SHA256 ahead of
+its bytes) and the receiver checks it before decoding anything (`open_manifest`): a peer that is
+not one of the job's ranks (a local user who joined the gloo or NCCL pair) cannot feed a joiner
+its RNG state, counters, host tensors or checksums; the state is refused (`StateRefused`), never
+loaded. What the MAC does not cover is in docs/security.md ("Known limits").
+
 Channels (one interface, two implementations):
   * `GlooChannel`: CPU tensors; one flat buffer per dtype, so a few large messages.
   * `trainmover.nccl.backend.NcclChannel`: GPU tensors; one grouped NCCL send/recv of all
@@ -15,6 +21,8 @@ Channels (one interface, two implementations):
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import io
 import logging
 import threading
@@ -35,6 +43,39 @@ MANIFEST_TIMEOUT_S = 300.0  # bound on a manifest fetched beside the posted rece
 
 class ChecksumMismatch(MigrationError):
     """The received bytes are not the bytes sent: the copy is retried, never used."""
+
+
+class StateRefused(MigrationError):
+    """A manifest not sealed with the job's key: not from one of the job's ranks; never retried."""
+
+
+_MANIFEST_LABEL = b"trainmover state manifest\0"  # a MAC made for another purpose never passes
+_MAC_LEN = 32
+
+
+def _manifest_mac(key: bytes, context: str, manifest: bytes) -> bytes:
+    return hmac.new(key, _MANIFEST_LABEL + context.encode() + b"\0" + manifest, hashlib.sha256).digest()
+
+
+def seal_manifest(key: bytes | None, manifest: bytes, context: str = "") -> bytes:
+    """`manifest` with HMAC-SHA256 under the job's key ahead of it (`key` None: as it is; the
+    check tool's own processes only). `context` names the transfer (its pair's prefix: epoch and
+    rank), so that a manifest sealed for one transfer cannot be replayed into another."""
+    if key is None:
+        return manifest
+    return _manifest_mac(key, context, manifest) + manifest
+
+
+def open_manifest(key: bytes | None, data: bytes, context: str = "") -> bytes:
+    """The manifest `seal_manifest` sealed with `key` for `context`; StateRefused otherwise
+    (before a byte of it is decoded)."""
+    if key is None:
+        return data
+    mac, manifest = data[:_MAC_LEN], data[_MAC_LEN:]
+    if len(data) < _MAC_LEN or not hmac.compare_digest(mac, _manifest_mac(key, context, manifest)):
+        raise StateRefused("state transfer: refused: the manifest is not sealed with the job's key (a peer that "
+                           "is not one of the job's ranks joined the pair?); nothing of it is loaded", phase="switch")
+    return manifest
 
 
 def _wait(work, what: str):
@@ -202,11 +243,13 @@ def host_copy(state: dict) -> dict:
     return unflatten(skeleton, [t.detach().to("cpu", copy=True) for t in tensors])
 
 
-def send_state(state: dict, xfer, *, dst: int = 1, corrupt: bool = False, chan=None) -> TransferStats:
+def send_state(state: dict, xfer, *, key: bytes | None, context: str = "", dst: int = 1, corrupt: bool = False,
+               chan=None) -> TransferStats:
+    """`key`: the job's, sealing the manifest for `context` (seal_manifest)."""
     t0 = time.perf_counter()
     chan = chan or channel_for(xfer)
     manifest, tensors, digest = pack(state)
-    chan.send_bytes(manifest, dst)
+    chan.send_bytes(seal_manifest(key, manifest, context), dst)
     t1 = time.perf_counter()
     chan.send_tensors(tensors, dst, corrupt=corrupt)
     t2 = time.perf_counter()
@@ -214,11 +257,13 @@ def send_state(state: dict, xfer, *, dst: int = 1, corrupt: bool = False, chan=N
     return TransferStats(nbytes, t2 - t0, len(tensors), digest, getattr(chan, "group_s", 0.0) or t2 - t1)
 
 
-def recv_state(xfer, *, src: int = 0, like: dict | None = None, chan=None) -> tuple[dict, TransferStats]:
-    """Receive a state; tensors land in `like`'s tensors when key, shape and dtype match."""
+def recv_state(xfer, *, key: bytes | None, context: str = "", src: int = 0, like: dict | None = None,
+               chan=None) -> tuple[dict, TransferStats]:
+    """Receive a state; tensors land in `like`'s tensors when key, shape and dtype match. Its
+    manifest must be sealed with `key` (StateRefused)."""
     t0 = time.perf_counter()
     chan = chan or channel_for(xfer)
-    meta, into = unpack(chan.recv_bytes(src), like)
+    meta, into = unpack(open_manifest(key, chan.recv_bytes(src), context), like)
     t1 = time.perf_counter()
     with torch.no_grad():
         chan.recv_tensors(into, src)
@@ -229,7 +274,8 @@ def recv_state(xfer, *, src: int = 0, like: dict | None = None, chan=None) -> tu
 
 
 # --- the planned protocol: layout worked out in Phase 1 (xferplan.py) ----------------------
-def send_planned(state: dict, chan, plan, *, dst: int = 1, corrupt: bool = False):
+def send_planned(state: dict, chan, plan, *, key: bytes | None, context: str = "", dst: int = 1,
+                 corrupt: bool = False):
     """Send `state` by `plan` (made ahead from this very state's tensors; rebuilt here if they
     changed since). The manifest carries the skeleton, the specs and their signature, and the
     host tensors (RNG states, step counters) with their digest; the wire carries the rest."""
@@ -250,7 +296,7 @@ def send_planned(state: dict, chan, plan, *, dst: int = 1, corrupt: bool = False
         torch.save({"skeleton": skeleton, "specs": plan.specs, "sig": plan.sig, "cpu": cpu,
                     "cpu_digest": digest_tensors(cpu)}, buf)
         encoded["s"] = time.perf_counter() - t1
-        return buf.getvalue()
+        return seal_manifest(key, buf.getvalue(), context)
     chan.send_planned(plan, dst, corrupt=corrupt, manifest=manifest)
     t2 = time.perf_counter()
     return TransferStats(plan.bytes, t2 - t0, len(plan.tensors), plan.sig, getattr(chan, "group_s", 0.0) or t2 - t1,
@@ -273,7 +319,7 @@ def warm_manifest(state: dict, plan) -> None:
     digest_tensors(meta["cpu"])
 
 
-def recv_planned(chan, guess, *, src: int = 0, like: dict | None = None):
+def recv_planned(chan, guess, *, key: bytes | None, context: str = "", src: int = 0, like: dict | None = None):
     """Receive by the sender's plan: into `guess` (the joiner's Phase-1 plan of its own buffers)
     when the signatures match, else into a plan made now from the sender's specs. Returns
     (state, stats, non-finite floating tensors); a word-sum mismatch raises ChecksumMismatch."""
@@ -288,7 +334,8 @@ def recv_planned(chan, guess, *, src: int = 0, like: dict | None = None):
         # (posting a grouped NCCL receive returns only once the sender's sends are matched)
         def fetch():
             try:
-                fetched["meta"] = torch.load(io.BytesIO(chan.recv_bytes(src)), weights_only=True)
+                data = open_manifest(key, chan.recv_bytes(src), context)  # the MAC first: nothing unsealed is decoded
+                fetched["meta"] = torch.load(io.BytesIO(data), weights_only=True)
             except Exception as exc:  # noqa: BLE001 - reported below, as a protocol error
                 fetched["error"] = exc
         reader = threading.Thread(target=fetch, name="tm-manifest", daemon=True)
@@ -297,11 +344,13 @@ def recv_planned(chan, guess, *, src: int = 0, like: dict | None = None):
     try:
         if early:
             reader.join(MANIFEST_TIMEOUT_S)
+            if isinstance(fetched.get("error"), StateRefused):
+                raise fetched["error"]
             if "error" in fetched or "meta" not in fetched:
                 raise ValueError(fetched.get("error") or f"no manifest within {MANIFEST_TIMEOUT_S:g}s")
             meta = fetched["meta"]
         else:
-            meta = torch.load(io.BytesIO(chan.recv_bytes(src)), weights_only=True)
+            meta = torch.load(io.BytesIO(open_manifest(key, chan.recv_bytes(src), context)), weights_only=True)
         if meta["sig"] != xferplan.signature(meta["specs"]) or (early and meta["sig"] != guess.sig):
             raise ValueError("the signature does not match the specs")
         plan = guess if guess is not None and guess.sig == meta["sig"] else xferplan.into(meta["specs"], like)
@@ -339,16 +388,19 @@ def recv_planned(chan, guess, *, src: int = 0, like: dict | None = None):
 OK, AGAIN, REFUSED = 1, 2, 3
 
 
-def send_verified(state: dict, xfer, *, dst: int = 1, corrupt: bool = False, plan=False) -> TransferStats:
+def send_verified(state: dict, xfer, *, key: bytes | None, context: str = "", dst: int = 1, corrupt: bool = False,
+                  plan=False) -> TransferStats:
     """`send_state`, then wait for the receiver's verdict: on a checksum mismatch send again
     (up to ATTEMPTS times). `corrupt` (fault injection) spoils the first attempt only.
     `plan` (not False): the planned protocol, by this plan made ahead (None: made now); the
-    receiver must call `recv_verified` with a `plan` too."""
+    receiver must call `recv_verified` with a `plan` too. `key`: the job's (seal_manifest); None
+    only between the check tool's own processes. `context`: the transfer's name, the same on
+    both sides (its pair's prefix)."""
     chan = channel_for(xfer)
     for attempt in range(1, ATTEMPTS + 1):
         bad = corrupt and attempt == 1
-        stats = (send_state(state, xfer, dst=dst, corrupt=bad, chan=chan) if plan is False
-                 else send_planned(state, chan, plan, dst=dst, corrupt=bad))
+        stats = (send_state(state, xfer, key=key, context=context, dst=dst, corrupt=bad, chan=chan) if plan is False
+                 else send_planned(state, chan, plan, key=key, context=context, dst=dst, corrupt=bad))
         verdict = chan.recv_verdict(dst)
         if verdict == OK:
             stats.attempts = attempt
@@ -360,19 +412,21 @@ def send_verified(state: dict, xfer, *, dst: int = 1, corrupt: bool = False, pla
     raise MigrationError(f"state transfer: checksum mismatch in all {ATTEMPTS} attempts", phase="switch")
 
 
-def recv_verified(xfer, *, src: int = 0, like: dict | None = None, plan=False) -> tuple[dict, TransferStats]:
+def recv_verified(xfer, *, key: bytes | None, context: str = "", src: int = 0, like: dict | None = None,
+                  plan=False) -> tuple[dict, TransferStats]:
     """`recv_state` with the receiver's side of `send_verified`: a checksum mismatch asks for
     the state again; NaN or Inf in floating-point state is refused (an error, never loaded).
     `plan` (not False): the planned protocol, received into this plan's buffers when the
-    sender's layout is the same (None: into `like`'s, planned now)."""
+    sender's layout is the same (None: into `like`'s, planned now). A manifest not sealed with
+    `key` raises StateRefused at once: not retried, nothing loaded."""
     chan = channel_for(xfer)
     for attempt in range(1, ATTEMPTS + 1):
         try:
             if plan is False:
-                state, stats = recv_state(xfer, src=src, like=like, chan=chan)
+                state, stats = recv_state(xfer, key=key, context=context, src=src, like=like, chan=chan)
                 bad = None
             else:
-                state, stats, bad = recv_planned(chan, plan, src=src, like=like)
+                state, stats, bad = recv_planned(chan, plan, key=key, context=context, src=src, like=like)
         except ChecksumMismatch as exc:
             log.warning("state transfer attempt %d: %s; asking again", attempt, exc)
             chan.send_verdict(AGAIN, src)

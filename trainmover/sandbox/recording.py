@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from trainmover.errors import DeadlineExceeded, MigrationError
+from trainmover.protocol import files
 
 try:
     import h5py
@@ -62,7 +63,7 @@ def version_path(base: Path, version: int) -> Path:
 
 
 def versions(base: Path) -> list[int]:
-    """Complete versions present for `base`, oldest first (a .part file is not one)."""
+    """Complete versions present for `base`, oldest first (a writer's temporary is not one)."""
     base = Path(base)
     pattern = re.compile(re.escape(base.stem) + r"\.v(\d+)" + re.escape(base.suffix) + "$")
     if not base.parent.is_dir():
@@ -211,7 +212,9 @@ class RecordingWriter:
             raise MigrationError(available()[1], phase="record")
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = self.path.with_name(self.path.name + ".part")
+        # a unique 0600 temporary (O_EXCL) h5py then opens by name: never a fixed `.part` name,
+        # which a link planted there would redirect (protocol/files.py)
+        self.tmp = files.temp_path(self.path)
         self.file = h5py.File(self.tmp, "w")
         self.file.attrs.update(rank=rank, iterations=iterations, version=version, first_step=first_step,
                                complete=False)

@@ -10,6 +10,7 @@ picks one (TM_SLURM_BACKEND for the controller).
 from __future__ import annotations
 
 import grp
+import logging
 import math
 import os
 import pwd
@@ -23,6 +24,8 @@ from trainmover.slurm import argv as build
 from trainmover.slurm import commands, parse, rights
 from trainmover.slurm import expansion_fix as expansion_fix_file
 from trainmover.slurm.model import BatchHostRelease, JobInfo, NodeInfo, NoStandbyAvailable, UnknownNodes
+
+log = logging.getLogger(__name__)
 
 __all__ = ["SlurmClient", "CliSlurm", "client"]
 
@@ -411,5 +414,13 @@ def node_query_program(setting: str, slurm_conf: Optional[str]) -> Optional[str]
     if setting != "auto":
         return setting
     path = os.path.join(os.path.dirname(slurm_conf or "/etc/slurm/slurm.conf"), NODE_QUERY)
-    return path if os.access(path, os.X_OK) else None
+    if not os.access(path, os.X_OK):
+        return None
+    # root's node-reader runs it: only a real file (no link) that root (or the user running us)
+    # owns and nobody else can write, in directories likewise, never one a user could plant
+    why = "it is a symbolic link" if os.path.islink(path) else commands.untrusted(path)
+    if why:
+        log.warning("%s not run (%s): node states are read with scontrol", path, why)
+        return None
+    return path
 

@@ -8,7 +8,9 @@ newer than what it has seen (`Watcher.fresh`), asks Slurm once about that node a
 Slurm's answer, never on the file's content. So:
 
 * root never reads anything a user can write: it only writes, into a directory it checked is
-  its own (opened with O_NOFOLLOW, written through that descriptor, renamed into place);
+  its own (opened with O_NOFOLLOW, written through that descriptor, renamed into place), under
+  directories all root's and writable by nobody else unless sticky (`_above`: else a user who
+  can rename one of them could put their own directory, with a link in it, in its place);
 * a user cannot forge a notice: the watcher ignores a directory or file that is not root's
   or that group or others may write; and even a notice that passed would only trigger one
   Slurm query, whose answer (the node drained or not) decides.
@@ -27,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from trainmover.slurm.commands import untrusted
+
 __all__ = ["DIR_NAME", "publish", "Watcher", "default_dir"]
 
 DIR_NAME = "trainmover-drains"
@@ -41,6 +45,13 @@ def default_dir(slurm_conf: Optional[str]) -> Optional[Path]:
 
 def root_only(st: os.stat_result) -> bool:
     return st.st_uid == 0 and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def _above(directory: Path) -> str:
+    """Why `directory` or a directory above it cannot be trusted ('' if they can): every one
+    root's (or this process's user's) and writable by nobody else, sticky ones above excepted
+    (slurm/commands.py `untrusted`, the rule a cluster's exec prefix follows)."""
+    return untrusted(str(directory))
 
 
 def publish(directory: Path, node: str, reason: str, now: float) -> Path:
@@ -61,9 +72,10 @@ def write_root_file(directory: Path, name: str, data: bytes) -> Path:
         pass
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
-        if not root_only(os.fstat(fd)) or os.geteuid() != 0:
+        above = _above(directory)
+        if not root_only(os.fstat(fd)) or os.geteuid() != 0 or above:
             raise PermissionError(f"{directory}: drain notices are written by root into a directory only root "
-                                  "can write")
+                                  f"can write, under directories only root can change{': ' + above if above else ''}")
         tmp = f".{name.lstrip('.')}.{os.getpid()}.tmp"
         out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=fd)
         try:
@@ -85,7 +97,7 @@ def read_root_file(directory: Path, name: str) -> Optional[tuple[bytes, int]]:
     except OSError:
         return None
     try:
-        if not root_only(os.fstat(fd)):
+        if not root_only(os.fstat(fd)) or _above(directory):
             return None
         try:
             f = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=fd)
@@ -138,8 +150,10 @@ class Watcher:
         try:
             st = os.fstat(fd)
             self._dir_mtime = st.st_mtime_ns
-            if not root_only(st):
-                self.refused = f"{self.directory} is not root's alone: its drain notices are ignored"
+            above = _above(self.directory)
+            if not root_only(st) or above:
+                self.refused = (f"{self.directory} is not root's alone ({above or 'its owner or mode'}): its drain "
+                                "notices are ignored")
                 return []
             self.refused = ""
             new = []

@@ -102,6 +102,7 @@ class JobInfo:
     nodelist: str = ""
     name: str = ""
     reason: str = ""
+    user_id: int = -1  # Slurm's UserId (its uid); -1: not known (root's `migrate` then refuses)
 
     @property
     def running(self) -> bool:

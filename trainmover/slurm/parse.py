@@ -88,14 +88,21 @@ def parse_job_fields(line: str) -> dict[str, str]:
     """The fields of one `scontrol -o show job` line, none taken from the job's own free text:
     JobName ends where the one run UserId= GroupId= MCS_label= starts; every other field is its
     first occurrence after that (the free-text fields Command, WorkDir, StdOut... come after
-    all of Slurm's own), and WorkDir must occur there once. A line where the job's text
-    imitates that run, or WorkDir, cannot be read safely: SlurmError, never a guess."""
+    all of Slurm's own), WorkDir must occur there once, and Account= (the user's pick, printed
+    before Slurm's own fields) must be followed by QOS=. A line where the job's text imitates
+    that run, WorkDir or a field after Account cannot be read safely: SlurmError, never a guess."""
     matches = list(_KEY.finditer(line))
     keys = [m.group(1) for m in matches]
     runs = [i for i in range(len(keys) - 2) if tuple(keys[i:i + 3]) == _AFTER_NAME]
     if len(runs) != 1 or keys[:2] != ["JobId", "JobName"]:
         raise SlurmError(f"job line not in Slurm's field order (the job's name or text imitates it?): {line[:200]!r}")
     start = runs[0]
+    # Account= is the one value a user picks (sbatch --account) that Slurm prints between that run
+    # and its own fields (NodeList, BatchHost...); QOS= always follows it. Anything between them
+    # is the account's text imitating a field.
+    if "Account" in keys[start:] and keys[keys.index("Account", start) + 1:][:1] != ["QOS"]:
+        raise SlurmError(f"job line: its Account= is not followed by QOS= (the account's text imitates a field?): "
+                         f"{line[:200]!r}")
     out = {"JobId": line[matches[0].end():matches[1].start()].strip(),
            "JobName": line[matches[1].end():matches[start].start()].strip()}
     later = matches[start:]
@@ -130,7 +137,14 @@ def parse_job_text(text: str) -> JobInfo:
         nodelist=nodelist,
         name=_null(kv.get("JobName")),
         reason=_null(kv.get("Reason")),
+        user_id=_uid(kv.get("UserId")),
     )
+
+
+def _uid(value: str | None) -> int:
+    """The uid of Slurm's `UserId=alice(1000)`; -1 where it does not say."""
+    m = re.fullmatch(r"[^()\s]*\((\d+)\)", value or "")
+    return int(m.group(1)) if m else -1
 
 
 def parse_reservation_text(text: str) -> dict[str, dict[str, str]]:

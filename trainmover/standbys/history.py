@@ -20,6 +20,7 @@ from pathlib import Path
 
 from trainmover.controller import journal
 from trainmover.errors import ConfigError, SlurmError, TrainMoverError
+from trainmover.protocol import files
 from trainmover.slurm import commands
 
 UNPLANNED = {"failure"}
@@ -120,7 +121,9 @@ def from_journals(dirs: list[str]) -> History:
     refills: list[float] = []
     for path in paths:
         try:
-            h, p, u, r = journal_exposure(path.read_text(errors="replace").splitlines(keepends=True))
+            # `plan` may run as root over users' runs/: never through a link, never a FIFO (protocol/files.py)
+            text = files.read_limited(path, files.RUN_FILE_MAX).decode(errors="replace")
+            h, p, u, r = journal_exposure(text.splitlines(keepends=True))
         except (OSError, TrainMoverError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(f"{path}: not a readable journal ({type(exc).__name__}: {exc})") from None
         hours, planned, unplanned = hours + h, planned + p, unplanned + u
