@@ -50,6 +50,8 @@ GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NV
            "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
            # connect every peer during (non-blocking) init, i.e. in Phase 1, not at the first collective
            "NCCL_RUNTIME_CONNECT": "0"}
+# TM_BENCH_NCCL_RUNTIME_CONNECT: an experiment's other choice (1: connect at first use), recorded in settings.env
+GPU_ENV["NCCL_RUNTIME_CONNECT"] = os.environ.get("TM_BENCH_NCCL_RUNTIME_CONNECT", GPU_ENV["NCCL_RUNTIME_CONNECT"])
 os.environ.update(GPU_ENV)
 
 P2P = r'''
