@@ -28,9 +28,10 @@ import time
 from collections import deque
 from pathlib import Path
 
+from trainmover import config
 from trainmover.protocol.messages import JOINER
 from trainmover.errors import MigrationError
-from trainmover.runtime import capture, checkpoint, phase1, rng, transfer
+from trainmover.runtime import capture, checkpoint, phase1, rng, stacks, transfer
 from trainmover.runtime.context import RankContext
 from trainmover.runtime.epoch import abort
 from trainmover.runtime.group_plan import delta
@@ -352,6 +353,8 @@ class Recovery:
         state. The groups and transfer pair are built in threads while the rebind runs (or since
         the `anticipate`, which also did the rebind)."""
         t0 = time.perf_counter()
+        if config.setting("TM_TRACE_SWITCH"):
+            stacks.sample()
         rank = int(msg["assign"][str(self.ctx.local)])
         self.ctx.rank = rank
         early = self.early
@@ -366,11 +369,13 @@ class Recovery:
         prebound = self._bind(rank) if rebind else False
         rebind_s = time.perf_counter() - t0
         backends, report = rebuild(self, msg, "joiner", builds)
+        t1 = time.perf_counter()
         for name, backend in backends.items():
             self.ctx.retire(self.ctx.groups[name].swap(backend), msg["step"])
         self.ctx.role = "worker"
         self.ctx.state.to(RankState.TRAINING)
         self.ctx.switched_epoch = msg["epoch"]
+        report["after_rebuild_s"] = time.perf_counter() - t1
         self.ctx.send("switched", epoch=msg["epoch"], rank=rank, role="joiner", step=msg["step"], t=time.time(),
                       detail={**report, "rebind_s": rebind_s, "prebound": prebound, "anticipated": anticipated,
                               "builds_before_plan_s": round(before_plan, 4),
