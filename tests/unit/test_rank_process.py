@@ -420,3 +420,31 @@ def test_the_joiners_wait_for_go_ends_on_cancel_abort_or_its_deadline():
     assert await_go(lambda: store, 1, 0, lambda: False, time.monotonic() + 0.3) == "timeout"
     store.set(cancel_key(1, 0), b"1")
     assert await_go(lambda: store, 1, 0, lambda: False, time.monotonic() + 10) == "cancelled"
+
+
+def test_the_joiners_wait_for_go_sees_it_at_once_and_logs_nothing_while_it_waits(capfd):
+    """A joiner waits out a whole Phase 1 for the go: its wait must not log (c10d warns on every
+    timed store wait that times out: one line every 50 ms filled a standby's log, issue 36), and
+    sees the go within a few ms. Control: one timed wait of 50 ms on the same store does log."""
+    from trainmover.protocol.store import AuthStore
+    from trainmover.runtime.epoch import go_key
+    from trainmover.runtime.switch import await_go
+
+    key = b"k" * 32
+    server = _store()
+    store = AuthStore(_store(server.port, master=False), key)
+    setter = AuthStore(_store(server.port, master=False), key)
+    t_set = {}
+
+    def go_later():
+        time.sleep(0.6)
+        t_set["t"] = time.monotonic()
+        setter.set(go_key(4, 1), b"1")
+    threading.Thread(target=go_later, daemon=True).start()
+    assert await_go(lambda: store, 4, 1, lambda: False, time.monotonic() + 10) == "go"
+    assert time.monotonic() - t_set["t"] < 0.05
+    waited = capfd.readouterr().err
+    assert "timed out" not in waited, waited[-500:]
+    with pytest.raises(Exception):
+        store.inner.wait([go_key(5, 1)], datetime.timedelta(seconds=0.05))
+    assert "timed out" in capfd.readouterr().err  # the control: what a timed wait logs
