@@ -28,7 +28,7 @@ def pytest_collection_modifyitems(config, items):
         if gpu and not GPU_SESSION and HAS_GPU:
             # ahead of the test's own skipif ("needs a GPU"), which would be wrong here
             item.add_marker(pytest.mark.skipif(True, reason="a GPU test: it runs in the GPU session "
-                                               "(TM_TEST_GPU=1 pytest tests -m gpu; `make test` runs it)"),
+                                               "(TM_TEST_GPU=1 pytest tests/unit -m gpu; `make test` runs it)"),
                             append=False)
         elif not gpu and GPU_SESSION:
             item.add_marker(pytest.mark.skipif(True, reason="a CPU test: it runs in a session without "

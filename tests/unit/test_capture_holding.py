@@ -289,6 +289,12 @@ def test_cuda_capture_is_pinned_off_the_training_stream_and_gated_before_the_upd
     assert (c.stage_s is not None) == stage
     assert c.digest == capture.word_digest(c.specs, capture.word_sums(c.slab.views, via="cuda"))
     assert c.digest == capture.word_digest(c.specs, capture.word_sums(c.slab.views))  # CPU and GPU agree
+    # writes queued on the training stream just before the restore (behind a long matmul) land
+    # first: the restore's side streams wait for it, so the restored values win
+    big = torch.randn(8192, 8192, device="cuda")
+    (big @ big).sum()
+    for p in model.parameters():
+        p.data.mul_(0)
     restored, placed = capture.restore_into(c.state(), like={"workload": {"model": model.state_dict(),
                                                                          "optimizer": opt.state_dict()}, "step": 0})
     # like with like: digest_tensors sums CUDA tensors' words but hashes CPU tensors' bytes

@@ -269,16 +269,22 @@ def wait_until(what: str, check) -> None:
 
 @pytest.mark.gloo_threads
 @pytest.mark.own_process  # conftest: a fresh process, then the forked child
-@pytest.mark.parametrize("tier", ["replica", "snapshot", "checkpoint", "snapshot-no-rollback"])
+@pytest.mark.parametrize("tier", ["replica", "snapshot", "checkpoint", "snapshot-no-rollback", "replica-anticipated",
+                                  "replica-anticipated-other-epoch"])
 def test_a_lost_rank_is_recovered_by_the_standby_bit_exact(job, tmp_path, tier):
     """rank 1's training thread hangs (TM_INJECT hang:1:5); the controller revokes rank 0's
     groups; rank 0 stalls, and on `recover` the standby takes rank 1 with its state from each
     tier: rank 0's replica of step 5, rank 1's snapshot of step 4 that rank 0 holds (rank 0 rolls
     back to its own), or both ranks' checkpoint files of step 4. Negative control: rank 0 keeps
-    its state instead of rolling back (TM_INJECT no-rollback): the run ends with other digests."""
+    its state instead of rolling back (TM_INJECT no-rollback): the run ends with other digests.
+    replica-anticipated: the standby is told before rank 0 stalls (`anticipate`, as the
+    controller does once it chose it): it binds itself to rank 1 and starts its groups then,
+    not after the plan. Its control: an anticipate of another epoch is not used (rebound and
+    built after the plan, as without one), and the run is exact either way."""
     want = uninterrupted(job)
     negative = tier == "snapshot-no-rollback"
-    tier = "snapshot" if negative else tier
+    anticipate_epoch = {"replica-anticipated": 1, "replica-anticipated-other-epoch": 7}.get(tier)
+    tier = "snapshot" if negative else "replica" if anticipate_epoch else tier
     protect = {"snapshot": {"snapshot_every": 2},
                "checkpoint": {"checkpoint_every": 2, "checkpoint_dir": str(tmp_path / "ckpt")}}.get(tier, {})
     standby, s_link, s_seen = job("standby", "spare0", **protect)
@@ -299,6 +305,8 @@ def test_a_lost_rank_is_recovered_by_the_standby_bit_exact(job, tmp_path, tier):
     # as the link's reader thread does on the controller's `revoke`: rank 0's collective with
     # the hung rank ends now, not at the group timeout
     live._on_control(make("revoke", epoch=1, failed=[1], reason="test: rank 1 lost"))
+    if anticipate_epoch:
+        s_link.inbox.put(make("anticipate", epoch=anticipate_epoch, failed=[1], assign={"0": 1}))
     stalled = live_link.wait_for("stalled")
     # what the product guarantees: a rank stalls at the last step whose update its state holds,
     # the last step it reported (rank 0 cannot finish step 6 without rank 1)
@@ -330,6 +338,11 @@ def test_a_lost_rank_is_recovered_by_the_standby_bit_exact(job, tmp_path, tier):
         assert [s["to"] for s in resumed["detail"]["sent"]] == [1]
     took = s_link.wait_for("switched", role="joiner", rank=1)
     assert took["step"] == resume_at and took["epoch"] == 1
+    # the standby rehearsed rank 0 (local 0 of a 2-rank job): an anticipate bound it to rank 1 before the plan
+    # (of any epoch: the binding is the rank's); only that of the plan's epoch has its groups used
+    assert took["detail"]["prebound"] is (anticipate_epoch is not None)
+    assert took["detail"]["anticipated"] is (anticipate_epoch == 1)
+    assert (took["detail"]["builds_before_plan_s"] > 0) is (anticipate_epoch == 1)
     assert trained_steps(s_link) == list(range(resume_at + 1, STEPS + 1))
     # rank 0 redoes the steps after the one it rolled back to
     assert trained_steps(live_link) == list(range(1, lost_at + 1)) + list(range(resume_at + 1, STEPS + 1))
@@ -407,3 +420,31 @@ def test_the_joiners_wait_for_go_ends_on_cancel_abort_or_its_deadline():
     assert await_go(lambda: store, 1, 0, lambda: False, time.monotonic() + 0.3) == "timeout"
     store.set(cancel_key(1, 0), b"1")
     assert await_go(lambda: store, 1, 0, lambda: False, time.monotonic() + 10) == "cancelled"
+
+
+def test_the_joiners_wait_for_go_sees_it_at_once_and_logs_nothing_while_it_waits(capfd):
+    """A joiner waits out a whole Phase 1 for the go: its wait must not log (c10d warns on every
+    timed store wait that times out: one line every 50 ms filled a standby's log, issue 36), and
+    sees the go within a few ms. Control: one timed wait of 50 ms on the same store does log."""
+    from trainmover.protocol.store import AuthStore
+    from trainmover.runtime.epoch import go_key
+    from trainmover.runtime.switch import await_go
+
+    key = b"k" * 32
+    server = _store()
+    store = AuthStore(_store(server.port, master=False), key)
+    setter = AuthStore(_store(server.port, master=False), key)
+    t_set = {}
+
+    def go_later():
+        time.sleep(0.6)
+        t_set["t"] = time.monotonic()
+        setter.set(go_key(4, 1), b"1")
+    threading.Thread(target=go_later, daemon=True).start()
+    assert await_go(lambda: store, 4, 1, lambda: False, time.monotonic() + 10) == "go"
+    assert time.monotonic() - t_set["t"] < 0.05
+    waited = capfd.readouterr().err
+    assert "timed out" not in waited, waited[-500:]
+    with pytest.raises(Exception):
+        store.inner.wait([go_key(5, 1)], datetime.timedelta(seconds=0.05))
+    assert "timed out" in capfd.readouterr().err  # the control: what a timed wait logs

@@ -157,3 +157,22 @@ def test_snapshots_are_taken_only_where_they_could_be_used():
     assert snapshots_needed(default, None, 4)                    # no replica group (Megatron without DP)
     assert snapshots_needed(("snapshot", "replica"), (0, 1, 2, 3), 4)  # snapshot preferred
     assert not snapshots_needed(("replica", "checkpoint"), None, 4)    # snapshot tier not allowed
+
+
+def test_the_chosen_standby_is_told_its_rank_at_the_fault_before_the_plan():
+    """`anticipate` goes to the standby once, when the controller chooses it (the live ranks have
+    not stalled yet), naming the rank the plan will assign it: it binds itself and starts its
+    groups while the others stall (runtime/rank_recovery.py). Control: the plan itself only
+    comes once every live rank stalled, and it sends no second anticipate."""
+    p = new_policy()
+    ready_standby(p)
+    acts = p.on_step_exit(3.0, "train2", 137)
+    (early,) = sends(acts, "anticipate")
+    assert early.nodes == ("spare1",) and early.msg["assign"] == {"0": 1} and early.msg["failed"] == [1]
+    assert not sends(acts, "recover")
+    acts = stalled(p, 3.1, 0, 231)
+    assert not sends(acts, "recover") and not sends(acts, "anticipate")
+    acts = stalled(p, 3.2, 2, 231)
+    (_, to_joiner) = sends(acts, "recover")
+    assert not sends(acts, "anticipate")
+    assert to_joiner.msg["assign"] == early.msg["assign"] and to_joiner.msg["epoch"] == early.msg["epoch"]

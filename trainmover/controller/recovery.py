@@ -111,6 +111,8 @@ class Recovery:
         if m is None or m.phase not in (Phase.REQUESTED, Phase.WAITING_STANDBY):
             return []
         live = [r for r in range(view.world_size) if r not in m.leaver_ranks]
+        assign = {str(i): r for i, r in enumerate(m.leaver_ranks)}
+        early = []
         if not m.joiner:
             joiner = self.pool.take_ready(self.snapshots.joiner_order)
             if joiner is None:
@@ -120,9 +122,11 @@ class Recovery:
                     return [planner.timeline(m, now, "waiting_standby")] + planner.maybe_acquire(now)
                 return planner.maybe_acquire(now)
             m.joiner = joiner
+            # the joiner binds itself and starts its groups while the live ranks stall (runtime/rank_recovery.py)
+            early = [Send((joiner,), make("anticipate", epoch=m.epoch, failed=list(m.leaver_ranks), assign=assign))]
         stayers = [self.stalled.get(r) for r in live]
         if any(s is None or s["role"] != "stayer" for s in stayers):
-            return []  # not every live rank has stopped yet
+            return early  # not every live rank has stopped yet
         joiner = self.pool.get(m.joiner)
         choice = tiers.choose(parse_tiers(self.cfg.recovery_tiers), m.leaver_ranks, {s["rank"]: s for s in stayers},
                               self.checkpoint_steps, joiner=dict(joiner.held) if joiner else {},
@@ -146,8 +150,8 @@ class Recovery:
             self.progress.rewind(step)
             actions.append(Rewind(step))
         to_stayers = [Send(stayer_nodes, make("recover", assign={}, **common))] if stayer_nodes else []  # none: one worker
-        return actions + [planner.timeline(m, now, "recover", **m.source)] + to_stayers + [
-                Send((m.joiner,), make("recover", assign={str(i): r for i, r in enumerate(m.leaver_ranks)}, **common))]
+        return early + actions + [planner.timeline(m, now, "recover", **m.source)] + to_stayers + [
+                Send((m.joiner,), make("recover", assign=assign, **common))]
 
     # --- checkpoints -------------------------------------------------------------------------
     def on_checkpointed(self, msg: dict) -> list:

@@ -86,6 +86,9 @@ SCHEMA: dict[str, dict[str, FieldType]] = {
     # (every rank loads its file of `step`)
     "recover": {"epoch": _INT, "failed": _LIST, "step": _INT, "source": _INT, "needers": _LIST, "assign": _DICT,
                 "tier": _STR, "holders": _DICT},
+    # to the standby chosen to take `failed` ranks (`assign`: its local index -> rank, as the
+    # `recover` to come will say), before the plan: it binds itself and builds its groups now
+    "anticipate": {"epoch": _INT, "failed": _LIST, "assign": _DICT},
     # CLI -> controller, and replies
     "migrate": {"node": _STR},
     "status": {},

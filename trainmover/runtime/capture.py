@@ -403,24 +403,58 @@ class Capture:
         return before.elapsed_time(after) / 1000.0
 
 
+RESTORE_STREAMS = 4  # host-to-device copies of a restore spread over this many streams
+
+
 def restore_into(captured_state: dict, like: dict) -> tuple[dict, int]:
     """`captured_state`'s tensors copied into `like`'s tensors of the same key path, shape and
     dtype (a standby's own model and optimizer buffers: in place, nothing allocated; from a
     pinned slab without blocking), others as new tensors on the CPU. Returns (the state whose
-    tensors are `like`'s, bytes copied into place). Synchronises before returning."""
+    tensors are `like`'s, bytes copied into place). Synchronises before returning.
+
+    Pinned copies go out on RESTORE_STREAMS side streams, each given about the same bytes
+    (largest first): one stream issues its copies one after another, each waiting for the
+    last (7.6 GB/s for GPT 1.2B on 4x H100 in issue 36, 37 GB/s on H200 with one stream); on
+    several, the copy engines overlap them. Each side stream first waits for the current
+    stream (whatever it had queued on these buffers comes first), and the current stream
+    waits for each side stream before anything else runs on it."""
     skeleton, paths, tensors = flatten(captured_state)
     _, like_paths, like_tensors = flatten(like)
     targets = dict(zip(like_paths, like_tensors))
-    out, placed = [], 0
+    out: list = []
+    placed = 0
+    device_copies: list[tuple[int, torch.Tensor, torch.Tensor]] = []
     with torch.no_grad():
         for p, t in zip(paths, tensors):
             dst = targets.get(p)
             if dst is not None and dst.shape == t.shape and dst.dtype == t.dtype and dst.is_contiguous():
-                dst.copy_(t, non_blocking=t.is_pinned() and dst.device.type == "cuda")
+                if dst.device.type == "cuda" and t.device.type == "cpu" and t.is_pinned():
+                    device_copies.append((len(out), dst, t))
+                else:
+                    dst.copy_(t)
                 placed += t.numel() * t.element_size()
                 out.append(dst)
             else:
                 out.append(t.detach().clone())
+        if device_copies:
+            _copy_on_streams(device_copies)
     if any(t.device.type == "cuda" for t in out) and torch.cuda.is_available():
         torch.cuda.current_stream().synchronize()
     return tensor_walk.unflatten(skeleton, out), placed
+
+
+def _copy_on_streams(copies: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+    current = torch.cuda.current_stream(copies[0][1].device)
+    streams = [torch.cuda.Stream(device=copies[0][1].device) for _ in range(RESTORE_STREAMS)]
+    load = [0] * len(streams)
+    for stream in streams:
+        stream.wait_stream(current)
+    for _, dst, src in sorted(copies, key=lambda c: -c[2].numel() * c[2].element_size()):
+        i = load.index(min(load))
+        load[i] += src.numel() * src.element_size()
+        with torch.cuda.stream(streams[i]):
+            dst.copy_(src, non_blocking=True)
+            # dst was made on `current`: the allocator must not reuse it before this copy ends
+            dst.record_stream(streams[i])
+    for stream in streams:
+        current.wait_stream(stream)

@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections import deque
 from pathlib import Path
 
+from trainmover import config
 from trainmover.protocol.messages import JOINER
 from trainmover.errors import MigrationError
-from trainmover.runtime import capture, checkpoint, phase1, rng, transfer
+from trainmover.runtime import capture, checkpoint, phase1, rng, stacks, transfer
 from trainmover.runtime.context import RankContext
 from trainmover.runtime.epoch import abort
 from trainmover.runtime.group_plan import delta
@@ -42,40 +44,133 @@ log = logging.getLogger("trainmover.recovery")
 RECOVERY_GRACE_S = 10.0  # a stalled rank outwaits the controller's recovery deadline by this much
 
 
-def rebuild(rec: Recovery, msg: dict, role: str) -> tuple[dict, dict]:
-    """Build the replacement backends and run this rank's part of the state copy.
-    Returns (new backends by group name, report fields). Deadlines: every rendezvous and
-    transfer is bounded by the group timeout the builder was configured with."""
-    t0 = time.perf_counter()
-    epoch, step, tier = msg["epoch"], msg["step"], msg["tier"]
+class Builds:
+    """The backends of one recovery, built at once: each in a thread of its own, on a rendezvous
+    client of its own (a TCPStore client serialises its operations: one waiting for a peer would
+    hold up the others' rendezvous). Built one after another, a joiner's groups and transfer pair
+    took 0.86 s + ~0.3 s after its rebind (0.87 s) on 4x H100 (bench/results/issue36); started
+    together, before the rebind, they take about one communicator's build, beside the rebind."""
+
+    def __init__(self, ctx: RankContext):
+        self.ctx = ctx
+        self.t0 = time.perf_counter()
+        self.pending: dict[str, tuple[threading.Thread, list]] = {}
+        self.ready: dict[str, object] = {}  # taken from the groups a one-node standby built ahead
+        self.seconds: dict[str, float] = {}
+
+    def start(self, key: str, name: str, prefix: str, grank: int, size: int) -> None:
+        if key in self.pending or key in self.ready:
+            return
+        build, out = self.ctx.phase1_builder(), []
+
+        def run():
+            try:
+                out.append(build(name, prefix, grank, size))
+            except BaseException as exc:  # noqa: BLE001 - raised again by get() on the rank's thread
+                out.append(exc)
+            self.seconds[key] = time.perf_counter() - self.t0
+        th = threading.Thread(target=run, name=f"tm-rebuild-{key}", daemon=True)
+        th.start()
+        self.pending[key] = (th, out)
+
+    def has(self, key: str) -> bool:
+        return key in self.pending or key in self.ready
+
+    def get(self, key: str):
+        """The backend `key`, once built (bounded by the group timeout the builder was given)."""
+        if key in self.ready:
+            return self.ready.pop(key)
+        th, out = self.pending.pop(key)
+        th.join()
+        if isinstance(out[0], BaseException):
+            raise out[0]
+        return out[0]
+
+
+def start_builds(rec: Recovery, msg: dict, builds: Builds | None = None) -> Builds:
+    """Start building everything this rank's part of recovery `msg` needs: every group of the
+    new epoch and the transfer pairs of the state copy. Needs only the epoch, the tier and who
+    sends to whom, all in the plan (or, for the groups alone, in a joiner's `anticipate`)."""
+    builds = Builds(rec.ctx) if builds is None else builds
+    rank, epoch = rec.ctx.rank, msg["epoch"]
     # Every group is replaced, not only those holding a failed rank: a step cut short leaves
     # operations unmatched in the others too (a pipeline peer waiting for a rank that stalled
     # keeps waiting until the group timeout, which then closes that pair for good).
     plan = delta(rec.ctx.specs, sorted({r for g in rec.ctx.specs for r in g.ranks}), epoch)
+    built_ahead = rec.standby.ahead  # a one-node job's standby built them already (ahead.py)
+    for g in plan.groups_to_build(rank):
+        if builds.has(g.name):
+            continue
+        backend = built_ahead.take(g.name, g.ranks, rank) if built_ahead is not None else None
+        if backend is not None:
+            builds.ready[g.name] = backend
+            builds.seconds[g.name] = 0.0
+            continue
+        builds.start(g.name, g.name, plan.prefix(g), g.ranks.index(rank), len(g.ranks))
+    for key, (peer, grank) in pairs(msg, rank).items():
+        builds.start(key, "xfer", phase1.xfer_prefix(epoch, peer), grank, 2)
+    return builds
+
+
+def pairs(msg: dict, rank: int) -> dict[str, tuple[int, int]]:
+    """This rank's transfer pairs in plan `msg`: key -> (the needer the pair is named for, this
+    rank's place in it: 0 sends, 1 receives). None before the plan (an `anticipate`)."""
+    out: dict[str, tuple[int, int]] = {}
+    if "tier" not in msg:
+        return out
+    if msg["tier"] == "replica":
+        if rank == msg["source"]:
+            out.update({f"xfer-to-{n}": (n, 0) for n in msg["needers"]})
+        elif rank in msg["needers"]:
+            out["xfer-in"] = (rank, 1)
+    elif msg["tier"] == "snapshot":
+        for lost, holder in sorted(msg["holders"].items()):
+            if rank == holder:
+                out[f"xfer-to-{int(lost)}"] = (int(lost), 0)
+        if rank in msg["failed"] and msg["holders"].get(str(rank)) != JOINER:
+            out["xfer-in"] = (rank, 1)
+    return out
+
+
+def rebuild(rec: Recovery, msg: dict, role: str, builds: Builds | None = None) -> tuple[dict, dict]:
+    """Build the replacement backends (or take those `builds` started earlier) and run this
+    rank's part of the state copy. Returns (new backends by group name, report fields).
+    Deadlines: every rendezvous and transfer is bounded by the group timeout the builder was
+    configured with."""
+    t0 = time.perf_counter()
+    epoch, tier = msg["epoch"], msg["tier"]
     if tier == "replica" and rec.ctx.workload.replica_group() is None:
         raise MigrationError(f"workload {rec.ctx.spec.workload!r} names no replica group: a vanished rank's "
                              "state can only come from a snapshot or a checkpoint", phase="recover", rank=rec.ctx.rank)
-    backends, ahead = {}, []
-    built_ahead = rec.standby.ahead  # a one-node job's standby built them already (ahead.py)
-    for g in plan.groups_to_build(rec.ctx.rank):
-        backend = built_ahead.take(g.name, g.ranks, rec.ctx.rank) if built_ahead is not None else None
-        if backend is not None:
-            ahead.append(g.name)
-        else:
-            backend = rec.ctx.build_backend(g.name, plan.prefix(g), g.ranks.index(rec.ctx.rank), len(g.ranks))
-        backends[g.name] = backend
+    builds = start_builds(rec, msg, builds)
+    early = t0 - builds.t0  # a joiner's builds started before: at its rebind's start, or at the anticipate
+    ahead = sorted(builds.ready)
+    plan = delta(rec.ctx.specs, sorted({r for g in rec.ctx.specs for r in g.ranks}), epoch)
+    backends = {g.name: builds.get(g.name) for g in plan.groups_to_build(rec.ctx.rank)}
     report = {"role": role, "build_s": time.perf_counter() - t0, "groups": sorted(backends), "tier": tier,
-              "source": msg["source"], "built_ahead": ahead}
-    report.update(STATE_FROM[tier](rec, msg, role))
+              "source": msg["source"], "built_ahead": ahead, "builds_started_early_s": round(early, 4),
+              "group_build_s": {k: round(v, 4) for k, v in builds.seconds.items()}}
+    rec.builds = builds  # the transfer pairs, for _send and _receive
+    try:
+        report.update(STATE_FROM[tier](rec, msg, role))
+    finally:
+        rec.builds = None
     report["seconds"] = time.perf_counter() - t0
-    log.info("recovery epoch %d: rank %d (%s) ready to resume at step %d in %.3fs", epoch, rec.ctx.rank, role, step,
-             report["seconds"])
+    log.info("recovery epoch %d: rank %d (%s) ready to resume at step %d in %.3fs", epoch, rec.ctx.rank, role,
+             msg["step"], report["seconds"])
     return backends, report
+
+
+def _pair(rec: Recovery, key: str, epoch: int, needer: int, grank: int):
+    builds = rec.builds
+    if builds is not None and builds.has(key):
+        return builds.get(key)
+    return rec.ctx.build_backend("xfer", phase1.xfer_prefix(epoch, needer), grank, 2)
 
 
 def _send(rec: Recovery, state: dict, epoch: int, needer: int, step: int) -> dict:
     """Send `state` to `needer` over a new verified transfer pair (this rank is its member 0)."""
-    pair = rec.ctx.build_backend("xfer", phase1.xfer_prefix(epoch, needer), 0, 2)
+    pair = _pair(rec, f"xfer-to-{needer}", epoch, needer, 0)
     stats = transfer.send_verified(state, pair, key=rec.ctx.key, context=phase1.xfer_prefix(epoch, needer), dst=1,
                                    corrupt=rec.ctx.faults.at("transfer-send"))
     rec.ctx.retire(pair, step)
@@ -84,7 +179,7 @@ def _send(rec: Recovery, state: dict, epoch: int, needer: int, step: int) -> dic
 
 def _receive(rec: Recovery, epoch: int, step: int, like: dict | None) -> tuple[dict, dict]:
     """This rank's state of `step` from member 0 of its verified transfer pair."""
-    pair = rec.ctx.build_backend("xfer", phase1.xfer_prefix(epoch, rec.ctx.rank), 1, 2)
+    pair = _pair(rec, "xfer-in", epoch, rec.ctx.rank, 1)
     state, stats = transfer.recv_verified(pair, key=rec.ctx.key, context=phase1.xfer_prefix(epoch, rec.ctx.rank),
                                           src=0, like=like)
     if int(state["step"]) != step:
@@ -173,6 +268,8 @@ class Recovery:
 
     def __init__(self, ctx: RankContext, protection: Protection, standby: StandbyRole):
         self.ctx, self.protection, self.standby = ctx, protection, standby
+        self.builds: Builds | None = None  # during rebuild(): the backends being built (transfer pairs)
+        self.early: tuple[int, int, Builds] | None = None  # a standby's anticipate: (epoch, rank, its builds)
 
     def stall(self, completed: int, exc: Exception | str) -> int:
         """A collective failed: report how far this rank got and wait (bounded) for the
@@ -220,30 +317,71 @@ class Recovery:
                 return msg
             # revoke (already applied), or a planned epoch's prepare/abort: void now
 
+    def anticipate(self, msg: dict) -> None:
+        """A standby the controller chose to take a vanished rank, told before the plan (which
+        waits for every live rank to stall): it binds itself to that rank now (new wrappers,
+        shadow steps in the sandbox) and starts building the epoch's groups, whose other members
+        join when the plan reaches them. Both were on the recovery's critical path after the
+        plan (0.87 s + 0.86 s of 2.76 s on 4x H100, bench/results/issue36). The plan decides:
+        `take_failed_rank` rebinds again if it assigns another rank (the controller never does:
+        the plan's `assign` is made from the same choice)."""
+        mine = msg["assign"].get(str(self.ctx.local))
+        if mine is None:
+            return
+        rank = int(mine)
+        t0 = time.perf_counter()
+        self.ctx.rank = rank
+        self.early = (int(msg["epoch"]), rank, start_builds(self, {"epoch": msg["epoch"]}))
+        self._bind(rank)
+        log.info("anticipating rank %d (epoch %d): bound in %.3fs, its groups building", rank, msg["epoch"],
+                 time.perf_counter() - t0)
+
+    def _bind(self, rank: int) -> bool:
+        """Bind the workload to `rank` unless it is already (a one-node job's standby binds
+        itself to the rank it will take, ahead.py; an anticipate did it). True if it was."""
+        groups = self.ctx.groups
+        if self.standby.rehearsed == rank and bool(groups) and all(g.sandboxed for g in groups.values()):
+            return True
+        self.ctx.groups = self.ctx.make_groups(rank, sandbox=True)
+        self.ctx.workload.rebind(self.ctx.build_context(rank))
+        self.standby.rehearsed = rank
+        self.standby.shadow_until_steady(self.ctx.spec.shadow_steps)
+        return False
+
     def take_failed_rank(self, msg: dict, rebind: bool = True) -> int:
         """Unexpected failure: take a vanished rank's slot. Unlike a planned join, the job is
         paused while this runs, so only what must happen is done: rebind to the rank (its new
-        wrappers' one-time collectives in the sandbox), build the groups, receive a replica's state."""
+        wrappers' one-time collectives in the sandbox), build the groups, receive a replica's
+        state. The groups and transfer pair are built in threads while the rebind runs (or since
+        the `anticipate`, which also did the rebind)."""
         t0 = time.perf_counter()
+        if config.setting("TM_TRACE_SWITCH"):
+            stacks.sample()
         rank = int(msg["assign"][str(self.ctx.local)])
         self.ctx.rank = rank
-        # bound already (a one-node job's standby binds itself to the rank it will take, ahead.py)
-        groups = self.ctx.groups
-        prebound = self.standby.rehearsed == rank and bool(groups) and all(g.sandboxed for g in groups.values())
-        if rebind and not prebound:
-            self.ctx.groups = self.ctx.make_groups(rank, sandbox=True)
-            self.ctx.workload.rebind(self.ctx.build_context(rank))
-            self.standby.shadow_until_steady(self.ctx.spec.shadow_steps)
+        early = self.early
+        self.early = None
+        builds = early[2] if early is not None and early[:2] == (int(msg["epoch"]), rank) else None
+        if early is not None and builds is None:
+            log.warning("anticipated rank %d (epoch %d), the plan assigns rank %d (epoch %d): its early groups "
+                        "are left", early[1], early[0], rank, msg["epoch"])
+        anticipated = builds is not None
+        before_plan = t0 - builds.t0 if builds is not None else 0.0
+        builds = start_builds(self, msg, builds)  # the groups not started yet and the transfer pair
+        prebound = self._bind(rank) if rebind else False
         rebind_s = time.perf_counter() - t0
-        backends, report = rebuild(self, msg, "joiner")
+        backends, report = rebuild(self, msg, "joiner", builds)
+        t1 = time.perf_counter()
         for name, backend in backends.items():
             self.ctx.retire(self.ctx.groups[name].swap(backend), msg["step"])
         self.ctx.role = "worker"
         self.ctx.state.to(RankState.TRAINING)
         self.ctx.switched_epoch = msg["epoch"]
+        report["after_rebuild_s"] = time.perf_counter() - t1
         self.ctx.send("switched", epoch=msg["epoch"], rank=rank, role="joiner", step=msg["step"], t=time.time(),
-                      detail={**report, "rebind_s": rebind_s, "prebound": prebound, "seconds": time.perf_counter() - t0,
-                              **self.ctx.memory()})
+                      detail={**report, "rebind_s": rebind_s, "prebound": prebound, "anticipated": anticipated,
+                              "builds_before_plan_s": round(before_plan, 4),
+                              "seconds": time.perf_counter() - t0, **self.ctx.memory()})
         log.info("took failed rank %d at step %d in %.3fs", rank, msg["step"], time.perf_counter() - t0)
         self.ctx.trace_next_steps()
         return int(msg["step"])

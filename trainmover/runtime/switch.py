@@ -11,7 +11,6 @@ late abort can never leave the joiner waiting for a state that will not come.
 """
 from __future__ import annotations
 
-import datetime
 import logging
 import queue
 import time
@@ -44,14 +43,22 @@ def switch_ready(prep: phase1.Prepared | None, step: int) -> int:
     return prep.epoch
 
 
-def await_go(store, epoch: int, leaver: int, aborted, deadline: float, poll_s: float = 0.05) -> str:
+UNREACHABLE_POLL_S = 0.05
+
+
+def await_go(store, epoch: int, leaver: int, aborted, deadline: float, poll_s: float = 0.002) -> str:
     """The joiner's wait for the leaver's verdict: "go" (it is sending its state), "cancelled"
     (its cancel key, or the controller's abort) or "timeout" (monotonic `deadline` passed).
     `store()` is asked anew each round: when the controller that hosts the store is killed, the
     link's reconnection moves the process's client to its successor's store. An unreachable
     store meanwhile is "no verdict yet", never a reason for this process to die (seen: the
-    controller killed mid-prepare, and the joiner's DistNetworkError stopped the job)."""
-    wait = datetime.timedelta(seconds=poll_s)
+    controller killed mid-prepare, and the joiner's DistNetworkError stopped the job).
+
+    Polled with `check` every `poll_s`, never with a timed `wait`: c10d logs a warning for each
+    wait that times out ("waitForInput ... timed out after 49ms"), and a joiner waiting out a
+    long Phase 1 filled its log with one every 50 ms (Megatron PP3, issue 36). A check answers
+    at once; the go is seen at most `poll_s` late (2 ms: two store round trips on the job's
+    network per poll)."""
     while True:
         if aborted():
             return "cancelled"
@@ -59,13 +66,14 @@ def await_go(store, epoch: int, leaver: int, aborted, deadline: float, poll_s: f
         try:
             if client.check([cancel_key(epoch, leaver)]):
                 return "cancelled"
-            client.wait([go_key(epoch, leaver)], wait)
-            return "go"
-        except (RuntimeError, dist.DistStoreError):  # not set yet, or the store unreachable
-            # an unreachable store fails at once: no busy loop while the successor comes up
-            time.sleep(max(0.0, poll_s - (time.monotonic() - started)))
+            if client.check([go_key(epoch, leaver)]):
+                return "go"
+        except (RuntimeError, dist.DistStoreError):  # the store unreachable: no verdict yet
+            # it fails at once: wait longer, no busy loop while the successor comes up
+            time.sleep(UNREACHABLE_POLL_S)
         if time.monotonic() > deadline:
             return "timeout"
+        time.sleep(max(0.0, poll_s - (time.monotonic() - started)))
 
 
 class Switch:

@@ -427,6 +427,8 @@ class Agent:
                     return self.training.train(start)
                 self.send("ready", enter=RankState.READY, node=self.spec.node, local=self.local,
                           warmup_s=time.perf_counter() - t0, shadow_steps=0, detail={})
+            elif msg["type"] == "anticipate":  # chosen to take a vanished rank: bind and build before the plan
+                self.recovery.anticipate(msg)
             elif msg["type"] == "recover" and str(self.local) in msg["assign"]:
                 start = self.recovery.take_failed_rank(msg)
                 self.standby.now_a_worker(start)
