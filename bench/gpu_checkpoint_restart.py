@@ -239,8 +239,10 @@ def main():
         params = sum(p.numel() for p in GPT(layers, d, heads, seq, vocab).parameters())
     name = ("side-by-side" if args.with_trainmover else "baseline") + f"-gpu-{args.preset}"
     result = {
-        "scenario": name, "machine": args.machine,
+        "scenario": name,
         "gpus": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}" if args.device == "cuda" else "none",
+        "machine": results_io.ran_on(args.machine, f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}")
+        if args.device == "cuda" else args.machine,
         **results_io.provenance(__file__),
         "settings": {"model_params": params, "preset": args.preset, "workers": args.gpus - 1, "standbys": 1,
                      "device": args.device, "repeats": args.repeats, "event_at": args.event_at,

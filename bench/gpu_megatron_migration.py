@@ -114,7 +114,7 @@ def main() -> int:
                 f"{args.layout}{workers}{'-distopt' if dist_opt else ''}")
     path = out / f"{scenario}.json"
     result = {
-        "scenario": scenario, "machine": args.machine if cuda else "cpu-local",
+        "scenario": scenario, "machine": results_io.ran_on(args.machine, jobs.gpu_names()) if cuda else "cpu-local",
         "gpus": jobs.gpu_names() if cuda else "none", "leaver": args.leaver,
         **results_io.provenance(__file__),
         "settings": {"model_params": None, "preset": args.preset, "workload": "megatron_gpt", **lay,

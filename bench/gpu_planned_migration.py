@@ -432,7 +432,7 @@ def main() -> int:
         result = {
             "scenario": f"{'planned' if fault == 'migrate' else 'unexpected-failure'}-{'gpu' if cuda else 'cpu-dryrun'}"
                         f"-{args.preset}",
-            "machine": args.machine if cuda else "cpu-local", "leaver": args.leaver,
+            "machine": results_io.ran_on(args.machine, jobs.gpu_names()) if cuda else "cpu-local", "leaver": args.leaver,
             "gpus": jobs.gpu_names() if cuda else "none",
             **results_io.provenance(__file__),
             "settings": {"model_params": params, "preset": args.preset, "dtype": "bf16 autocast, fp32 master + AdamW",

@@ -166,7 +166,8 @@ def main() -> int:
                 + ("-record-from0" if args.record_from == 0 else ""))
     path = out / f"{scenario}.json"
     result = {
-        "scenario": scenario, "machine": args.machine if args.device == "cuda" else "cpu-local",
+        "scenario": scenario,
+        "machine": results_io.ran_on(args.machine, jobs.gpu_names()) if args.device == "cuda" else "cpu-local",
         "gpus": jobs.gpu_names() if args.device == "cuda" else "none",
         **results_io.provenance(__file__),
         "settings": {"preset": args.preset, "compile": not args.no_compile, "workers": gpus - 1, "standbys": 1,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,16 @@ def commit() -> str:
 def machine() -> str:
     """The machine a result names by default: TM_BENCH_MACHINE, else "unknown"."""
     return config.setting("TM_BENCH_MACHINE")
+
+
+def ran_on(machine: str, gpus: str) -> str:
+    """`machine` (the kind asked for) unless the cards that ran (`gpus`, e.g. "4x NVIDIA H200")
+    are of another model than the kind names: the device tool may lend H200s for an H100 kind,
+    and a result must never name cards it did not run on."""
+    asked = re.search(r"h(100|200)", machine.lower())
+    if asked and f"h{asked.group(1)}" not in gpus.lower():
+        return f"{machine} asked, ran on {gpus}"
+    return machine
 
 
 def now() -> str:
