@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import exactness, results_io  # noqa: E402
 from bench import single_host_jobs as jobs  # noqa: E402
+from trainmover import config  # noqa: E402
 from bench.cpu_planned_migration import gantt  # noqa: E402
 
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
@@ -51,7 +52,7 @@ GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NV
            # connect every peer during (non-blocking) init, i.e. in Phase 1, not at the first collective
            "NCCL_RUNTIME_CONNECT": "0"}
 # TM_BENCH_NCCL_RUNTIME_CONNECT: an experiment's other choice (1: connect at first use), recorded in settings.env
-GPU_ENV["NCCL_RUNTIME_CONNECT"] = os.environ.get("TM_BENCH_NCCL_RUNTIME_CONNECT", GPU_ENV["NCCL_RUNTIME_CONNECT"])
+GPU_ENV["NCCL_RUNTIME_CONNECT"] = config.setting("TM_BENCH_NCCL_RUNTIME_CONNECT")
 os.environ.update(GPU_ENV)
 
 P2P = r'''

@@ -159,18 +159,20 @@ def _controller() -> int:
     from trainmover.controller import keeper, supervisor
     from trainmover.protocol import files
     files.private_umask()  # the job's files are its user's alone (docs/security.md)
-    node, job = os.environ.get("SLURMD_NODENAME", ""), os.environ.get("SLURM_JOB_ID", "")
-    if node and job.isdigit():
+    from trainmover.slurm.job_env import JobEnv
+    here = JobEnv.read()
+    node, job = here.node, here.job_id
+    if node and job is not None:
         from trainmover.config import Config
         from trainmover.slurm.client import CliSlurm
         cfg = Config.from_env()
         slurm = CliSlurm(node_query=cfg.node_query)  # tm_nodes: one RPC a node query, not two
         # one query (the allocation's nodes): is this a keeper node, and where can the controller go
-        reading = keeper.start_reading(slurm, int(job), node, os.environ, os.getcwd())
+        reading = keeper.start_reading(slurm, job, node, os.environ, os.getcwd())
         info = reading[1].get(node) if reading else None
         if (keeper.KEEPER_FEATURE in info.features) if info is not None else keeper.is_keeper(slurm, node):
             setup_logging()
-            return keeper.main(cfg, slurm, int(job), node, reading)
+            return keeper.main(cfg, slurm, job, node, reading)
     return supervisor.main([])
 
 
@@ -337,7 +339,8 @@ def _run(rest: list[str]) -> int:
     if not script.endswith(".py") or not os.path.isfile(script):
         print(f"trainmover run: {rest[0]!r} is not a Python script (a .py file)\n\n{RUN_USAGE}", file=sys.stderr)
         return 2
-    if not os.environ.get("SLURM_JOB_ID"):
+    from trainmover.slurm.job_env import JobEnv
+    if not JobEnv.read().in_job:
         print("trainmover run: not inside a Slurm job (no SLURM_JOB_ID): submit it with "
               "sbatch_templates/torch_script.sbatch, or run the script with torchrun as before", file=sys.stderr)
         return 2

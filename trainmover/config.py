@@ -76,6 +76,8 @@ VARIABLES = (
     Variable("TM_SLURM_UNFIXED", "tool", "", "1: `trainmover cluster up/build --slurm 25.11` builds and runs Slurm without TrainMover's fixes to its source (its slurmctld crashes at every job expansion; cluster/source.py), in a root filesystem of its own: for tests that show no job expansion is made there"),
     Variable("TM_BENCH_MACHINE", "tool", "unknown", "bench/: the machine named in a result's JSON"),
     Variable("TM_COMMIT", "tool", "", "bench/: the commit named in a result's JSON (default: git rev-parse HEAD)"),
+    Variable("TM_BENCH_NCCL_RUNTIME_CONNECT", "tool", "0", "bench/gpu_planned_migration.py: NCCL_RUNTIME_CONNECT for "
+             "its jobs (0: every peer connected at init, in Phase 1; 1: at first use, an experiment)"),
     Variable("TM_BENCH_INSIDE_ROOT", "tool", "", "bench/slurm_poll.py: set in its re-execution inside a release's root filesystem"),
     Variable("TM_TRACE_COLLECTIVES", "debug", "", "1: print every collective a group forwards (mismatched sequences between ranks)"),
     Variable("TM_TRACE_SWITCH", "debug", "", "1: log the timings of the two steps after a switch"),

@@ -156,3 +156,11 @@ def test_a_reused_job_directory_is_refused(tmp_path):
     (tmp_path / "migrate" / "raw.json").write_text("{}")
     assert reused(tmp_path, ["ref", "migrate", "kill"]) == [
         f"{tmp_path / 'migrate'} exists from an earlier run: give a new --work (or remove it)"]
+
+
+def test_a_result_names_the_cards_that_ran_not_only_the_kind_asked():
+    """The device tool may lend H200s for an H100 kind: the machine field says so."""
+    from bench.results_io import ran_on
+    assert ran_on("nvidia-h100-x4", "4x NVIDIA H200") == "nvidia-h100-x4 asked, ran on 4x NVIDIA H200"
+    assert ran_on("nvidia-h100-x4", "4x NVIDIA H100 80GB HBM3") == "nvidia-h100-x4"  # the control
+    assert ran_on("nvidia-h200", "1x NVIDIA H200") == "nvidia-h200"

@@ -36,6 +36,7 @@ from trainmover.baseline import checkpoint  # noqa: E402
 from trainmover.errors import ConfigError, DeadlineExceeded  # noqa: E402
 from trainmover.runtime import rng  # noqa: E402
 from trainmover.runtime.tensors import digest_tensors, tensors_of  # noqa: E402
+from trainmover.slurm.job_env import JobEnv  # noqa: E402
 from trainmover.workloads import base as workloads  # noqa: E402
 from trainmover.workloads import registry  # noqa: E402
 
@@ -74,14 +75,14 @@ class TrainerConfig:
         ap.add_argument("--addr", help="default: the address of $SLURMD_NODENAME (else of this host)")
         ap.add_argument("--local-device", type=int, default=0)
         a = ap.parse_args(argv)
-        try:
-            rank = a.rank if a.rank is not None else int(environ["SLURM_PROCID"])
-            world = a.world if a.world is not None else int(environ["SLURM_NTASKS"])
-        except (KeyError, ValueError):
+        here = JobEnv.read(environ)
+        rank = a.rank if a.rank is not None else here.proc_id
+        world = a.world if a.world is not None else here.ntasks
+        if rank is None or world is None:
             raise ConfigError("trainer: give --rank and --world, or run it under srun (SLURM_PROCID, "
-                              "SLURM_NTASKS)") from None
-        gen = a.generation or f"{environ.get('SLURM_JOB_ID', 'local')}.{environ.get('SLURM_RESTART_COUNT', '0')}"
-        addr = a.addr or socket.gethostbyname(environ.get("SLURMD_NODENAME") or socket.gethostname())
+                              "SLURM_NTASKS)")
+        gen = a.generation or f"{here.job_id or 'local'}.{here.restart_count}"
+        addr = a.addr or socket.gethostbyname(here.node or socket.gethostname())
         if a.steps <= 0 or a.ckpt_every < 0 or not 0 <= rank < world:
             raise ConfigError(f"trainer: need steps > 0, ckpt-every >= 0, 0 <= rank < world "
                               f"(got {a.steps}, {a.ckpt_every}, {rank}, {world})")

@@ -38,6 +38,7 @@ from trainmover.controller.view import JobView
 from trainmover.errors import ConfigError, SlurmError
 from trainmover.protocol.worker_spec import ENV as SPEC_ENV, WorkerSpec
 from trainmover.slurm.backends import client
+from trainmover.slurm.job_env import JobEnv
 from trainmover.standbys import auto as auto_pool, site
 from trainmover.workloads import registry
 from trainmover.workloads.base import Workload
@@ -77,7 +78,7 @@ class Controller:
         self.keeper = keeper
         # Our node (a keeper runs us as a step on a training node; without one, the batch host):
         # bind to its own address, from Slurm.
-        self.home = os.environ.get("SLURMD_NODENAME") if keeper else self.batch_host
+        self.home = JobEnv.read().node or None if keeper else self.batch_host
         if self.home not in self.addr:
             self.home = self.batch_host
         self.host = self.addr[self.home]

@@ -39,8 +39,9 @@ from trainmover.protocol import channel, endpoint, files
 from trainmover.protocol.messages import make
 from trainmover.controller import journal, records, succession
 from trainmover.controller.steps import start_srun, step_environment
-from trainmover.errors import ProtocolError, TrainMoverError
+from trainmover.errors import ConfigError, ProtocolError, TrainMoverError
 from trainmover.protocol.worker_spec import ENV as SPEC_ENV
+from trainmover.slurm.job_env import JobEnv
 from trainmover.slurm import parse
 from trainmover.slurm.model import JobInfo, NodeInfo
 
@@ -70,8 +71,8 @@ def joined_from_launch(job: JobInfo, node: str, env: dict) -> tuple | None:
     placing a successor there without asking Slurm; None if the launch does not say."""
     try:
         addr = json.loads(env.get(SPEC_ENV, "{}")).get("node_addr", "")
-        nodes = tuple(parse.expand_hostlist(env.get("SLURM_JOB_NODELIST", "")))
-    except (ValueError, AttributeError):
+        nodes = JobEnv.read(env).allocation()
+    except (ValueError, AttributeError, ConfigError):
         return None
     if not addr or node not in nodes:
         return None
@@ -471,12 +472,11 @@ def start_reading(slurm, job_id: int, node: str, environ, work_dir: str) -> tupl
     """The batch script's first look at its job: its nodes from the allocation Slurm gave it
     (SLURM_JOB_NODELIST: the job has not been resized yet), their states and features in one
     query. (job, infos), or None when the environment does not say (then ask Slurm)."""
-    nodelist = environ.get("SLURM_JOB_NODELIST", "")
-    nodes = tuple(parse.expand_hostlist(nodelist)) if nodelist else ()
+    here = JobEnv.read(environ)
+    nodes = here.allocation()
     if node not in nodes:
         return None
-    job = JobInfo(job_id, "RUNNING", nodes, node, 0, work_dir, environ.get("SLURM_JOB_PARTITION", ""), len(nodes),
-                  nodelist=nodelist)
+    job = JobInfo(job_id, "RUNNING", nodes, node, 0, work_dir, here.partition, len(nodes), nodelist=here.nodelist)
     return job, slurm.nodes(list(nodes))
 
 

@@ -16,6 +16,7 @@ from trainmover.errors import ConfigError, TrainMoverError
 from trainmover.logs import setup_logging
 from trainmover.protocol import files
 from trainmover.slurm.backends import client
+from trainmover.slurm.job_env import JobEnv
 from trainmover.workloads import registry
 
 log = logging.getLogger("trainmover.controller")
@@ -57,10 +58,7 @@ def main(argv=None) -> int:
         if not word:
             return 0
         args.attempt, args.resume = int(word), True
-    try:
-        job_id = int(os.environ["SLURM_JOB_ID"])
-    except (KeyError, ValueError):
-        raise ConfigError("trainmover controller runs inside a Slurm job (SLURM_JOB_ID is not set)") from None
+    job_id = JobEnv.read().require_job("trainmover controller")
     listen = socket.socket(fileno=args.listen_fd) if args.listen_fd is not None else None
     store = None
     if args.store:

@@ -38,6 +38,7 @@ from trainmover.controller import journal, records
 from trainmover.controller.exit_codes import FAILED, FINISHED, MOVED, REFUSED, SUPERSEDED
 from trainmover.errors import ConfigError, ProtocolError, TrainMoverError
 from trainmover.logs import setup_logging
+from trainmover.slurm.job_env import JobEnv
 
 log = logging.getLogger("trainmover.supervisor")
 
@@ -73,7 +74,7 @@ def _refused(root: Path, job_id: int, exc: Exception, last_line: bool, shown: Pa
     root.mkdir(parents=True, exist_ok=True)
     records.write_json(root / "status.json", {
         "job_id": job_id, "outcome": {"ok": False, "message": message},
-        "failure": {"rank": None, "node": os.environ.get("SLURMD_NODENAME", ""), "step": 0, "phase": "construction",
+        "failure": {"rank": None, "node": JobEnv.read().node, "step": 0, "phase": "construction",
                     "user": user, "error": exc.error if user else str(exc)[:1000],
                     "traceback": exc.traceback if user else ""}})
     if last_line:
@@ -109,10 +110,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     files.private_umask()  # the job's files are its user's alone (docs/security.md)
     setup_logging()
-    try:
-        job_id = int(os.environ["SLURM_JOB_ID"])
-    except (KeyError, ValueError):
-        raise ConfigError("trainmover controller runs inside a Slurm job (SLURM_JOB_ID is not set)") from None
+    job_id = JobEnv.read().require_job("trainmover controller")
     cfg = Config.from_env()
     from trainmover.controller.preflight import preflight
     from trainmover.runtime.usercode import user_code
@@ -136,7 +134,7 @@ def main(argv=None) -> int:
     if done:
         log.warning("%s", done)
         return 0
-    me = os.environ.get("SLURMD_NODENAME") or (job.batch_host or job.nodes[0] if job else "")
+    me = JobEnv.read().node or (job.batch_host or job.nodes[0] if job else "")
     host = args.node_addr or slurm.nodes([me])[me].addr  # our node's own address, from Slurm
     listen = _bind(host)
     store_sock = _bind(host)

@@ -42,6 +42,7 @@ from trainmover.protocol import channel, endpoint, files
 from trainmover.protocol.messages import make
 from trainmover.protocol.worker_spec import WorkerSpec
 from trainmover.protocol.store import AuthStore
+from trainmover.slurm.job_env import JobEnv
 from trainmover.runtime import heartbeat, phase1, rng, transfer, usercode
 from trainmover.runtime.groups import CONTROL, SNAPSHOT, Revoked, SandboxBackend, SwappableGroup, gloo_group
 from trainmover.runtime.link import Link
@@ -451,10 +452,11 @@ class Agent:
 
 def main() -> int:
     files.private_umask()  # what this rank writes (logs, recordings, checkpoints) is its user's alone
-    setup_logging(node=os.environ.get("SLURMD_NODENAME", "?"))
+    here = JobEnv.read()
+    setup_logging(node=here.node or "?")
     torch.set_num_threads(1)  # determinism and fair sharing of the node's cores
     spec = WorkerSpec.from_env()
-    local = int(os.environ.get("SLURM_LOCALID", "0"))
+    local = here.local_id
     # Bound before its __init__ runs: constructing the workload (the user's code) happens there,
     # and its error is reported through the link that __init__ opened first.
     agent = Agent.__new__(Agent)

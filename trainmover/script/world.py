@@ -17,6 +17,7 @@ import torch.distributed as dist
 from trainmover.errors import ConfigError
 from trainmover.megatron import c10d
 from trainmover.runtime.groups import SwappableGroup
+from trainmover.slurm.job_env import JobEnv
 
 _made: list = []  # the ranks of each group the script made, in order (the same on every rank and run)
 _original_destroy = dist.destroy_process_group
@@ -34,7 +35,7 @@ def prepare(ctx) -> None:
                        "MASTER_PORT": str(master_port), "GROUP_RANK": str(ctx.rank // max(ctx.local_world_size, 1)),
                        # torchrun's too: frameworks read it as "launched by torchrun, the processes exist"
                        # (Lightning's TorchElasticEnvironment, ahead of its SLURMEnvironment)
-                       "TORCHELASTIC_RUN_ID": os.environ.get("SLURM_JOB_ID", "trainmover")})
+                       "TORCHELASTIC_RUN_ID": str(JobEnv.read().job_id or "trainmover")})
     _made.clear()
     dist.new_group = lambda ranks=None, *args, **kwargs: _new_group(ctx, ranks, kwargs)
     dist.destroy_process_group = _destroy
