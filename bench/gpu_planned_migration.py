@@ -254,7 +254,7 @@ def summarize_failure(run: dict, p2p: float | None, every: int = 0) -> dict:
         "joiner_rebind_s": joined.get("rebind_s"), "joiner_prebound": joined.get("prebound"),
         "joiner_build_s": joined.get("build_s"), "joiner_groups_built_ahead": joined.get("built_ahead"),
         # told at the fault (anticipate): bound and its groups started that long before the plan
-        "joiner_anticipated": joined.get("anticipated"), "joiner_builds_before_plan_s": joined.get("builds_before_plan_s"),
+        "joiner_anticipated": joined.get("anticipated"),
         "joiner_group_build_s": joined.get("group_build_s"),
         "state_bytes": joined.get("recv_bytes"), "state_copy_s": joined.get("restore_s", joined.get("recv_s")),
         "state_held_by": joined.get("held_by", "sent by a live rank"),

@@ -90,7 +90,7 @@ class Builds:
 def start_builds(rec: Recovery, msg: dict, builds: Builds | None = None) -> Builds:
     """Start building everything this rank's part of recovery `msg` needs: every group of the
     new epoch and the transfer pairs of the state copy. Needs only the epoch, the tier and who
-    sends to whom, all in the plan (or, for the groups alone, in a joiner's `anticipate`)."""
+    sends to whom, all in the plan."""
     builds = Builds(rec.ctx) if builds is None else builds
     rank, epoch = rec.ctx.rank, msg["epoch"]
     # Every group is replaced, not only those holding a failed rank: a step cut short leaves
@@ -269,7 +269,7 @@ class Recovery:
     def __init__(self, ctx: RankContext, protection: Protection, standby: StandbyRole):
         self.ctx, self.protection, self.standby = ctx, protection, standby
         self.builds: Builds | None = None  # during rebuild(): the backends being built (transfer pairs)
-        self.early: tuple[int, int, Builds] | None = None  # a standby's anticipate: (epoch, rank, its builds)
+        self.early: tuple[int, int] | None = None  # a standby's anticipate: (epoch, rank) it bound itself to
 
     def stall(self, completed: int, exc: Exception | str) -> int:
         """A collective failed: report how far this rank got and wait (bounded) for the
@@ -320,21 +320,24 @@ class Recovery:
     def anticipate(self, msg: dict) -> None:
         """A standby the controller chose to take a vanished rank, told before the plan (which
         waits for every live rank to stall): it binds itself to that rank now (new wrappers,
-        shadow steps in the sandbox) and starts building the epoch's groups, whose other members
-        join when the plan reaches them. Both were on the recovery's critical path after the
-        plan (0.87 s + 0.86 s of 2.76 s on 4x H100, bench/results/issue36). The plan decides:
+        shadow steps in the sandbox), which was on the recovery's critical path after the plan
+        (0.87 s of 2.76 s on 4x H100, bench/results/issue36). The plan decides:
         `take_failed_rank` rebinds again if it assigns another rank (the controller never does:
-        the plan's `assign` is made from the same choice)."""
+        the plan's `assign` is made from the same choice).
+        Its groups are NOT started here: their rendezvous is bounded by the group timeout, and the
+        plan may come later than that after the fault (a pipeline peer of the stalled rank waits
+        in a gloo receive until the group timeout: the Megatron TP2xPP2 e2e test, TM_GROUP_TIMEOUT_S
+        20 s, saw the joiner's early world group time out and the job stop). They start at the
+        plan, all at once (Builds)."""
         mine = msg["assign"].get(str(self.ctx.local))
         if mine is None:
             return
         rank = int(mine)
         t0 = time.perf_counter()
         self.ctx.rank = rank
-        self.early = (int(msg["epoch"]), rank, start_builds(self, {"epoch": msg["epoch"]}))
+        self.early = (int(msg["epoch"]), rank)
         self._bind(rank)
-        log.info("anticipating rank %d (epoch %d): bound in %.3fs, its groups building", rank, msg["epoch"],
-                 time.perf_counter() - t0)
+        log.info("anticipating rank %d (epoch %d): bound in %.3fs", rank, msg["epoch"], time.perf_counter() - t0)
 
     def _bind(self, rank: int) -> bool:
         """Bind the workload to `rank` unless it is already (a one-node job's standby binds
@@ -352,22 +355,19 @@ class Recovery:
         """Unexpected failure: take a vanished rank's slot. Unlike a planned join, the job is
         paused while this runs, so only what must happen is done: rebind to the rank (its new
         wrappers' one-time collectives in the sandbox), build the groups, receive a replica's
-        state. The groups and transfer pair are built in threads while the rebind runs (or since
-        the `anticipate`, which also did the rebind)."""
+        state. The groups and transfer pair are built in threads while the rebind runs (which an
+        `anticipate` did already)."""
         t0 = time.perf_counter()
         if config.setting("TM_TRACE_SWITCH"):
             stacks.sample()
         rank = int(msg["assign"][str(self.ctx.local)])
         self.ctx.rank = rank
-        early = self.early
-        self.early = None
-        builds = early[2] if early is not None and early[:2] == (int(msg["epoch"]), rank) else None
-        if early is not None and builds is None:
-            log.warning("anticipated rank %d (epoch %d), the plan assigns rank %d (epoch %d): its early groups "
-                        "are left", early[1], early[0], rank, msg["epoch"])
-        anticipated = builds is not None
-        before_plan = t0 - builds.t0 if builds is not None else 0.0
-        builds = start_builds(self, msg, builds)  # the groups not started yet and the transfer pair
+        early, self.early = self.early, None
+        anticipated = early == (int(msg["epoch"]), rank)
+        if early is not None and not anticipated:
+            log.warning("anticipated rank %d (epoch %d), the plan assigns rank %d (epoch %d)", early[1], early[0],
+                        rank, msg["epoch"])
+        builds = start_builds(self, msg)  # the groups and the transfer pair, at once
         prebound = self._bind(rank) if rebind else False
         rebind_s = time.perf_counter() - t0
         backends, report = rebuild(self, msg, "joiner", builds)
@@ -380,7 +380,6 @@ class Recovery:
         report["after_rebuild_s"] = time.perf_counter() - t1
         self.ctx.send("switched", epoch=msg["epoch"], rank=rank, role="joiner", step=msg["step"], t=time.time(),
                       detail={**report, "rebind_s": rebind_s, "prebound": prebound, "anticipated": anticipated,
-                              "builds_before_plan_s": round(before_plan, 4),
                               "seconds": time.perf_counter() - t0, **self.ctx.memory()})
         log.info("took failed rank %d at step %d in %.3fs", rank, msg["step"], time.perf_counter() - t0)
         self.ctx.trace_next_steps()
