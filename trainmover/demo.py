@@ -29,10 +29,11 @@ from trainmover.slurm import commands
 from trainmover.slurm.client import CliSlurm
 
 ROOT = Path(__file__).resolve().parents[1]
-REASON = "trainmover-demo maintenance"
+REASON = "trainmover-demo maintenance"  # only nodes drained with this reason are resumed by a later demo
+# how the controller saw the drain (status.json's node_watch.drains_seen), in words
 PATHS = {"node-reader": "the cluster's node-state reader (one RPC a second for every job: docs/admin.md)",
          "poll": "the job's own node poll (TM_POLL_S; the cluster runs no node-state reader)",
-         "drain notice": "a drain notice (trainmover drain or the health check)"}  # only nodes drained with this reason are resumed by a later demo
+         "drain notice": "a drain notice (trainmover drain or the health check)"}
 DEMO_DIR = Path("/var/tmp/trainmover-demo")  # the submit directories of JOB_USER's demo jobs
 
 

@@ -78,6 +78,7 @@ def start(spec: ClusterSpec) -> Optional[int]:
         if proc.poll() is not None or time.monotonic() > deadline:
             if proc.poll() is None:
                 proc.kill()
+                proc.wait(5)  # reaped: no zombie left in a long-lived caller
             raise ClusterError(f"node-reader failed: no table in {notices(spec)} after {time.time() - t0:.0f}s\n"
                                f"--- last lines of {log_file(spec)} ---\n{tail(log_file(spec))}")
         time.sleep(0.1)

@@ -114,10 +114,8 @@ def start_builds(rec: Recovery, msg: dict, builds: Builds | None = None) -> Buil
 
 def pairs(msg: dict, rank: int) -> dict[str, tuple[int, int]]:
     """This rank's transfer pairs in plan `msg`: key -> (the needer the pair is named for, this
-    rank's place in it: 0 sends, 1 receives). None before the plan (an `anticipate`)."""
+    rank's place in it: 0 sends, 1 receives)."""
     out: dict[str, tuple[int, int]] = {}
-    if "tier" not in msg:
-        return out
     if msg["tier"] == "replica":
         if rank == msg["source"]:
             out.update({f"xfer-to-{n}": (n, 0) for n in msg["needers"]})
@@ -143,7 +141,7 @@ def rebuild(rec: Recovery, msg: dict, role: str, builds: Builds | None = None) -
         raise MigrationError(f"workload {rec.ctx.spec.workload!r} names no replica group: a vanished rank's "
                              "state can only come from a snapshot or a checkpoint", phase="recover", rank=rec.ctx.rank)
     builds = start_builds(rec, msg, builds)
-    early = t0 - builds.t0  # a joiner's builds started before: at its rebind's start, or at the anticipate
+    early = t0 - builds.t0  # a joiner's builds started before: at its rebind's start
     ahead = sorted(builds.ready)
     plan = delta(rec.ctx.specs, sorted({r for g in rec.ctx.specs for r in g.ranks}), epoch)
     backends = {g.name: builds.get(g.name) for g in plan.groups_to_build(rec.ctx.rank)}

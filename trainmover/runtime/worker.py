@@ -25,8 +25,8 @@ import dataclasses
 import datetime
 import logging
 import os
-import socket
 import queue
+import socket
 import sys
 import threading
 import time
@@ -433,7 +433,7 @@ class Agent:
                     return self.training.train(start)
                 self.send("ready", enter=RankState.READY, node=self.spec.node, local=self.local,
                           warmup_s=time.perf_counter() - t0, shadow_steps=0, detail={})
-            elif msg["type"] == "anticipate":  # chosen to take a vanished rank: bind and build before the plan
+            elif msg["type"] == "anticipate":  # chosen to take a vanished rank: bind to it before the plan
                 self.recovery.anticipate(msg)
             elif msg["type"] == "recover" and str(self.local) in msg["assign"]:
                 start = self.recovery.take_failed_rank(msg)
