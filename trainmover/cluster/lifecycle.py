@@ -373,7 +373,6 @@ def up(nodes: int = 4, standby: int = 2, state_dir=None, slurm: Optional[str] = 
         return _info(spec, already=False, installed=installed, t0=t0)
 
 
-
 def attach(state_dir) -> ClusterInfo:
     """The running cluster in `state_dir`, read only: starts, builds and installs nothing.
     For a process inside the cluster's root filesystem (tests of the pyslurm backend run
