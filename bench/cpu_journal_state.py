@@ -1,5 +1,5 @@
-"""What journaling the policy's whole durable state costs per decision (controller/state.py,
-controller/codec.py): the executor encodes the state and diffs it against the last after every
+"""What journaling the policy's whole durable state costs per decision (controller/durable/state.py,
+controller/durable/codec.py): the executor encodes the state and diffs it against the last after every
 message it handles (controller/executor.py `_journal_decisions`), so this runs at the message rate.
 
 Most decisions change nothing durable (a step report): then the cost is a typed snapshot and
@@ -21,10 +21,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import results_io  # noqa: E402
-from trainmover.controller import codec, journal  # noqa: E402
-from trainmover.controller.migration import Migration  # noqa: E402
-from trainmover.controller.state import PolicyState  # noqa: E402
-from trainmover.controller.view import JobView, Standby  # noqa: E402
+from trainmover.controller.durable import codec, journal  # noqa: E402
+from trainmover.controller.durable.migration import Migration  # noqa: E402
+from trainmover.controller.durable.state import PolicyState  # noqa: E402
+from trainmover.controller.durable.view import JobView, Standby  # noqa: E402
 
 
 def state(ranks: int, migrations: int, per_node: int = 8) -> PolicyState:
@@ -39,7 +39,7 @@ def state(ranks: int, migrations: int, per_node: int = 8) -> PolicyState:
 
 
 def hand_list(st: PolicyState) -> dict:
-    """The durable view main journaled before (controller/takeover.py `durable`, to_record)."""
+    """The durable view main journaled before (controller/policy/takeover.py `durable`, to_record)."""
     v = st.view
     return {"rank_node": dict(v.rank_node), "standbys": {n: s.state for n, s in v.standbys.items()},
             "released": list(v.released), "epoch": st.epoch, "fenced": sorted([n, p] for n, p in st.fenced_pids),

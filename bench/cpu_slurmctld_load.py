@@ -42,7 +42,7 @@ from bench import results_io  # noqa: E402
 from bench.polling import wait  # noqa: E402
 from trainmover import cluster  # noqa: E402
 from trainmover.cluster.users import JOB_USER, host_account  # noqa: E402
-from trainmover.controller.keeper import sbatch_args  # noqa: E402
+from trainmover.controller.succession.keeper import sbatch_args  # noqa: E402
 from trainmover.slurm import commands  # noqa: E402
 from trainmover.slurm.client import CliSlurm  # noqa: E402
 

@@ -40,7 +40,7 @@ from trainmover.cluster import netfault  # noqa: E402
 from trainmover.cluster.procs import step_pid  # noqa: E402
 from trainmover.slurm.client import CliSlurm  # noqa: E402
 from trainmover.slurm import commands  # noqa: E402
-from trainmover.controller.keeper import sbatch_args  # noqa: E402
+from trainmover.controller.succession.keeper import sbatch_args  # noqa: E402
 
 
 def events(run: Path) -> dict:

@@ -18,7 +18,7 @@ Jobs, each a child process with a deadline (what it wrote is kept when it has to
 
 With one worker there is no stayer: the migration's pause is measured on the joiner's side
 (the end of its first step against the end of the leaver's last, minus a steady step; see
-controller/policy.py `_downtime`), and the job's own rows give the same number.
+controller/policy/core.py `_downtime`), and the job's own rows give the same number.
 Writes <out>/gpu-planned-<preset>-<leaver>.json and gpu-failure-<preset>-<leaver>.json
 (cpu-dryrun-... on the CPU) in the format of shared/reference/bench-results.md, `complete` and
 `errors` saying what is missing. Exactness (`bit_exact`, `losses_equal`, `digest_equal`) is said

@@ -36,7 +36,7 @@ from bench.polling import read_jsonl, wait  # noqa: E402
 from trainmover import cluster  # noqa: E402
 from trainmover.cluster.procs import read_pid  # noqa: E402
 from trainmover.cluster.users import JOB_USER, host_account  # noqa: E402
-from trainmover.controller.keeper import sbatch_args  # noqa: E402
+from trainmover.controller.succession.keeper import sbatch_args  # noqa: E402
 from trainmover.slurm import commands  # noqa: E402
 from trainmover.slurm.client import CliSlurm  # noqa: E402
 

@@ -30,7 +30,7 @@ from trainmover.errors import TrainMoverError
 def _run_dir(job: str, run_dir: str | None) -> Path:
     if run_dir:
         return Path(run_dir)
-    from trainmover.controller.records import run_dir as default_dir
+    from trainmover.controller.durable.records import run_dir as default_dir
     from trainmover.slurm.client import CliSlurm
     try:
         work_dir = CliSlurm(timeout=10).job(int(job)).work_dir
@@ -156,10 +156,11 @@ def _controller() -> int:
     """The batch script's process: the keeper on a keeper node, else the supervisor itself."""
     import os
     from trainmover.logs import setup_logging
-    from trainmover.controller import keeper, supervisor
+    from trainmover.controller.succession import keeper, supervisor
     from trainmover.protocol import files
     files.private_umask()  # the job's files are its user's alone (docs/security.md)
     from trainmover.slurm.job_env import JobEnv
+    from trainmover.slurm.model import KEEPER_FEATURE
     here = JobEnv.read()
     node, job = here.node, here.job_id
     if node and job is not None:
@@ -170,7 +171,7 @@ def _controller() -> int:
         # one query (the allocation's nodes): is this a keeper node, and where can the controller go
         reading = keeper.start_reading(slurm, job, node, os.environ, os.getcwd())
         info = reading[1].get(node) if reading else None
-        if (keeper.KEEPER_FEATURE in info.features) if info is not None else keeper.is_keeper(slurm, node):
+        if (KEEPER_FEATURE in info.features) if info is not None else keeper.is_keeper(slurm, node):
             setup_logging()
             return keeper.main(cfg, slurm, job, node, reading)
     return supervisor.main([])

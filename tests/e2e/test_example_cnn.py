@@ -20,7 +20,7 @@ import pytest
 from tests.e2e.conftest import TEST_JOB_PREFIX, job_ended, wait_for
 from tests.e2e.test_migration import Run
 from trainmover.slurm import commands
-from trainmover.controller.keeper import sbatch_args
+from trainmover.controller.succession.keeper import sbatch_args
 
 pytestmark = pytest.mark.slurm
 

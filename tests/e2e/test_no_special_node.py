@@ -1,5 +1,5 @@
 """No special node, end to end on the real local Slurm cluster: the demo template's batch script
-runs on a keeper node (controller/keeper.py), the controller on a training node; every training
+runs on a keeper node (controller/succession/keeper.py), the controller on a training node; every training
 node, the controller's included, can leave the job like any other.
 
 Each run is compared bit for bit (per-step losses, final digest) with an uninterrupted run of the

@@ -20,7 +20,7 @@ from tests.e2e.test_failures import recoveries, timeline
 from tests.e2e.test_migration import (  # noqa: F401 - fixtures shared with the planned-migration tests
     ROOT, STEPS, Run, assert_same_training, demo, reference, resume_drained_nodes)
 from trainmover.slurm import commands
-from trainmover.controller.keeper import sbatch_args
+from trainmover.controller.succession.keeper import sbatch_args
 
 pytestmark = pytest.mark.slurm
 

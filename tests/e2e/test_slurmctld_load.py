@@ -21,7 +21,7 @@ import pytest
 from tests.e2e.conftest import (E2E_SLURM, JOB_USER, TEST_JOB_PREFIX, as_user, job_ended, own_cluster, resume_drained,
                                 user_dir, wait_for)
 from trainmover.cluster.users import host_account
-from trainmover.controller.keeper import sbatch_args
+from trainmover.controller.succession.keeper import sbatch_args
 from trainmover.errors import SlurmError
 from trainmover.slurm import commands
 

@@ -21,7 +21,7 @@ import pytest
 from tests.e2e.conftest import JOB_USER, TEST_JOB_PREFIX, as_user, assert_runs_as_user, job_ended, user_dir, wait_for
 from tests.e2e.test_failures import may_miss, recoveries
 from tests.e2e.test_migration import Run
-from trainmover.controller.keeper import sbatch_args
+from trainmover.controller.succession.keeper import sbatch_args
 from trainmover.slurm import commands
 
 pytestmark = pytest.mark.slurm

@@ -2,7 +2,7 @@
 drained, it may leave the job; not drained (no right, or the drain failed), it is held."""
 from __future__ import annotations
 
-from trainmover.controller.actions import LaunchStandby, ReleaseNode
+from trainmover.controller.policy.actions import LaunchStandby, ReleaseNode
 from trainmover.controller.fencing import DRAINED, HELD, FencedNodes
 
 

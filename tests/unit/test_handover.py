@@ -1,4 +1,4 @@
-"""controller/handover.py: what a controller that hands over on purpose leaves its successor
+"""controller/durable/handover.py: what a controller that hands over on purpose leaves its successor
 (the job's record, the reservation's nodes), and when the successor must ask Slurm instead."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import os
 import time
 
-from trainmover.controller import handover, journal
+from trainmover.controller.durable import handover, journal
 from trainmover.protocol import channel
 from trainmover.slurm.model import JobInfo
 

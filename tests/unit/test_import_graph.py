@@ -388,7 +388,7 @@ def test_importing_the_controller_loads_no_torch():
     code gives its groups), not with its modules: a keeper, a supervisor or a warm successor
     imports them without it."""
     for module in ("trainmover.controller.executor", "trainmover.controller.process",
-                   "trainmover.controller.keeper", "trainmover.controller.supervisor"):
+                   "trainmover.controller.succession.keeper", "trainmover.controller.succession.supervisor"):
         assert _loaded_by(module) == [], f"{module} loads torch at import"
     # negative control: the probe sees torch where a module does import it
     assert "torch" in _loaded_by("trainmover.workloads.gpt_demo")

@@ -35,7 +35,7 @@ def test_a_malformed_number_is_a_clear_error_naming_the_variable(name):
 def test_the_trainer_and_the_keeper_read_through_it():
     """The baseline trainer's rank and world, the keeper's first look at its allocation."""
     from trainmover.baseline.trainer import TrainerConfig
-    from trainmover.controller.keeper import start_reading
+    from trainmover.controller.succession.keeper import start_reading
     cfg = TrainerConfig.parse(["--run-dir", "/tmp/x", "--addr", "127.0.0.1"],
                               {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "9"})
     assert (cfg.rank, cfg.world, cfg.generation) == (1, 2, "9.0")

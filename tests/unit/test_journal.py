@@ -7,11 +7,11 @@ import pytest
 from tests.unit.test_policy import Node, new_policy, ready_standby, sends
 from trainmover.config import Config
 from trainmover.protocol.messages import make
-from trainmover.controller import journal
-from trainmover.controller.actions import Finish, Record, ReleaseNode
-from trainmover.controller.journal import Journal, JournalError, fold
-from trainmover.controller.migration import Phase
-from trainmover.controller.supervisor import restart_decision
+from trainmover.controller.durable import journal
+from trainmover.controller.policy.actions import Finish, Record, ReleaseNode
+from trainmover.controller.durable.journal import Journal, JournalError, fold
+from trainmover.controller.durable.migration import Phase
+from trainmover.controller.succession.supervisor import restart_decision
 
 from trainmover.protocol import files
 
@@ -280,7 +280,7 @@ def test_a_requeued_job_whose_training_ended_has_nothing_left_to_do(tmp_path):
     only if final.json and status.json say this very job trained every step and ended well."""
     import json
 
-    from trainmover.controller.records import completed_before
+    from trainmover.controller.durable.records import completed_before
     assert completed_before(tmp_path, 7, 500) is None                      # a first run
     (tmp_path / "final.json").write_text(json.dumps({"job_id": 7, "steps": 500, "digest": "x"}))
     (tmp_path / "status.json").write_text(json.dumps({"outcome": {"ok": True, "message": "training finished"}}))

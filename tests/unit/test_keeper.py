@@ -1,10 +1,10 @@
-"""The keeper and the steps it runs for the controller (controller/keeper.py, controller/steps.py)."""
+"""The keeper and the steps it runs for the controller (controller/succession/keeper.py, controller/steps.py)."""
 import json
 
-from trainmover.controller.keeper import Keeper, choose_home
+from trainmover.controller.succession.keeper import Keeper, choose_home
 from trainmover.controller.steps import KeeperSteps
 
-from trainmover.controller.records import sealed_outcome
+from trainmover.controller.durable.records import sealed_outcome
 
 KEY = b"k" * 32  # the job's key: the journal and the outcome are sealed with it
 
@@ -81,7 +81,8 @@ def test_a_controller_that_ended_the_job_is_never_replaced_even_before_its_statu
     verdict then turns into waiting for its step (succession ENDING), never a successor."""
     import json
 
-    from trainmover.controller import journal, succession
+    from trainmover.controller.durable import journal
+    from trainmover.controller.succession import rules as succession
 
     k = Keeper.__new__(Keeper)
     k.root = k.at = tmp_path
@@ -108,7 +109,7 @@ def test_a_successor_with_nowhere_to_go_is_placed_again_rarely_and_at_once_when_
                                                                                              monkeypatch):
     """Each placement costs two queries of the user's rate-limit bucket (the job, its nodes):
     with no node free, tries back off from 60 s to 600 s; a standby's launch resets them."""
-    from trainmover.controller import keeper as keeper_mod
+    from trainmover.controller.succession import keeper as keeper_mod
     from trainmover.slurm.model import JobInfo, NodeInfo
 
     class Slurm:
@@ -155,7 +156,7 @@ def test_a_successor_with_nowhere_to_go_is_placed_again_rarely_and_at_once_when_
 
 
 def test_the_batch_script_reads_its_job_from_the_allocation_and_its_nodes_in_one_query():
-    from trainmover.controller.keeper import start_reading
+    from trainmover.controller.succession.keeper import start_reading
     from trainmover.slurm.model import NodeInfo
     asked = []
 
@@ -176,7 +177,7 @@ def test_a_controller_that_ended_the_job_is_not_connected_to_again(tmp_path, mon
     """ENDING: its outcome is written and only its step's exit is awaited. A connect would retry
     its closed port for the whole 2 s deadline while the loop sees no exit (every job ended 2 s
     late); before that, and for a new primary, the keeper connects as ever."""
-    from trainmover.controller import succession
+    from trainmover.controller.succession import rules as succession
 
     tried = []
     monkeypatch.setattr(Keeper, "_connect", lambda self: tried.append(self.primary.state))

@@ -1,10 +1,10 @@
-"""Silent failures (controller/liveness.py): a fake clock and made-up heartbeats."""
+"""Silent failures (controller/policy/liveness.py): a fake clock and made-up heartbeats."""
 import pytest
 
 from trainmover.config import Config
-from trainmover.controller.actions import Fence, Finish
-from trainmover.controller.policy import Policy
-from trainmover.controller.view import JobView
+from trainmover.controller.policy.actions import Fence, Finish
+from trainmover.controller.policy.core import Policy
+from trainmover.controller.durable.view import JobView
 from tests.unit.test_policy import ready_standby, sends
 
 PIDS = {0: 100, 1: 101, 2: 102}
@@ -178,7 +178,7 @@ def test_a_silent_standby_is_lost_and_fenced_not_a_rank():
 
 
 def test_fenced_processes_survive_a_controller_restart_in_the_journal():
-    from trainmover.controller import journal
+    from trainmover.controller.durable import journal
     p = new_policy()
     ready_standby(p)
     t, n = train(p, 3.0)

@@ -1,6 +1,6 @@
 import pytest
 
-from trainmover.controller.migration import ALLOWED, IllegalPhaseTransition, Migration, Phase, TERMINAL
+from trainmover.controller.durable.migration import ALLOWED, IllegalPhaseTransition, Migration, Phase, TERMINAL
 
 
 def test_happy_path_and_durations():

@@ -3,10 +3,10 @@ from dataclasses import dataclass
 
 from trainmover.config import Config
 from trainmover.protocol.messages import make
-from trainmover.controller.actions import AcquireStandby, Finish, LaunchStandby, Record, ReleaseNode, Send
-from trainmover.controller.migration import Phase
-from trainmover.controller.policy import Policy
-from trainmover.controller.view import JobView
+from trainmover.controller.policy.actions import AcquireStandby, Finish, LaunchStandby, Record, ReleaseNode, Send
+from trainmover.controller.durable.migration import Phase
+from trainmover.controller.policy.core import Policy
+from trainmover.controller.durable.view import JobView
 
 
 @dataclass
@@ -397,9 +397,9 @@ def test_one_node_planned_pause_is_the_gap_no_rank_trained_not_against_a_median_
     """With no stayer the pause is from the leaver's report of the switch step to the start of
     the joiner's next step: slow steps before it (Phase 1) or a fast first step after it do
     not move it (against the median interval it read 0.0 here, clamped)."""
-    from trainmover.controller.migration import Migration
-    from trainmover.controller.progress import Progress
-    from trainmover.controller.state import PolicyState
+    from trainmover.controller.durable.migration import Migration
+    from trainmover.controller.policy.progress import Progress
+    from trainmover.controller.durable.state import PolicyState
     prog = Progress(PolicyState.__new__(PolicyState))
     t = 0.0
     for step in range(1, 11):
@@ -462,7 +462,7 @@ def test_a_released_node_taken_again_is_a_standby_not_released():
     """A node that left the job (released), was resumed and was taken again as a standby: the live
     controller drops it from `released`; a successor that finds it in the job unjournaled (its
     grow's controller died) makes it a standby too (executor.came_back), so a drain of it counts."""
-    from trainmover.controller.view import came_back
+    from trainmover.controller.durable.view import came_back
     p = new_policy()
     p.view.released.append("spare1")
     p.on_standby_acquired(1.0, "spare1")

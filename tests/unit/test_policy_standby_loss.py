@@ -4,8 +4,8 @@ import pytest
 
 from trainmover.config import Config
 from trainmover.faults import Fault, parse_one
-from trainmover.controller.actions import AcquireStandby, Finish, LaunchStandby, Record, ReleaseNode
-from trainmover.controller.migration import Phase
+from trainmover.controller.policy.actions import AcquireStandby, Finish, LaunchStandby, Record, ReleaseNode
+from trainmover.controller.durable.migration import Phase
 from trainmover.errors import ConfigError
 from test_policy import Node, new_policy, ready_standby, sends, stalled
 

@@ -1,6 +1,6 @@
 """A ready standby that re-warms on a newer recording is not offered to a migration until it
 is ready again; a re-warm's report that crosses a prepare does not undo the join."""
-from trainmover.controller.migration import Phase
+from trainmover.controller.durable.migration import Phase
 from test_policy import Node, new_policy, ready_standby, sends
 
 

@@ -370,7 +370,7 @@ def test_every_state_is_reachable_and_an_illegal_transition_names_both_ends():
     for terminal in (S.LEFT, S.FINISHED):
         with pytest.raises(IllegalRankTransition, match="allowed from .*: none"):
             RankStateMachine(terminal).to(S.TRAINING)
-    # the values are the wire's: the controller reads them in a resync (controller/takeover.py)
+    # the values are the wire's: the controller reads them in a resync (controller/policy/takeover.py)
     assert [s.value for s in RankState] == ["starting", "ready", "warming", "joining", "training", "stalled",
                                             "left", "finished"]
 

@@ -2,10 +2,10 @@
 else a clear stop; and what the policy sends and records for each."""
 import json
 
-from trainmover.controller import tiers
-from trainmover.controller.actions import CheckpointDone, Finish, Rewind
-from trainmover.controller.migration import Phase
-from trainmover.controller.records import RunFiles
+from trainmover.controller.policy import tiers
+from trainmover.controller.policy.actions import CheckpointDone, Finish, Rewind
+from trainmover.controller.durable.migration import Phase
+from trainmover.controller.durable.records import RunFiles
 
 from test_policy import new_policy, ready_standby, sends, stalled
 
@@ -150,7 +150,7 @@ def test_rewinding_the_metrics_keeps_each_step_once_and_appends_after(tmp_path):
 
 
 def test_snapshots_are_taken_only_where_they_could_be_used():
-    from trainmover.controller.tiers import snapshots_needed
+    from trainmover.controller.policy.tiers import snapshots_needed
     default = ("replica", "snapshot", "checkpoint")
     assert not snapshots_needed(default, (0, 1, 2, 3), 4)       # plain DDP: every rank has a live replica
     assert snapshots_needed(default, (0, 2), 4)                  # replicas of part of the job only

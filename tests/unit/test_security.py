@@ -517,7 +517,7 @@ class _Slurm:
 @as_root
 def test_the_keeper_refuses_a_run_directory_planted_before_the_job(tmp_path):
     from trainmover.config import Config
-    from trainmover.controller.keeper import Keeper
+    from trainmover.controller.succession.keeper import Keeper
     planted = tmp_path / "runs" / "12"
     planted.mkdir(parents=True)
     os.chown(planted, OTHER_UID, OTHER_UID)
@@ -528,7 +528,7 @@ def test_the_keeper_refuses_a_run_directory_planted_before_the_job(tmp_path):
 
 def test_the_keeper_reads_the_key_once_and_launches_only_into_the_run_directory(tmp_path, monkeypatch):
     from trainmover.config import Config
-    from trainmover.controller import keeper as keeper_mod
+    from trainmover.controller.succession import keeper as keeper_mod
     k = keeper_mod.Keeper(Config.from_env({}), _Slurm(tmp_path), 12, "keeper1")
     assert stat.S_IMODE(k.root.stat().st_mode) == 0o700
     key = channel.write_secret(str(k.root / "secret"))

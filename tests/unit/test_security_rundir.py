@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from trainmover.controller import journal, records
-from trainmover.controller.keeper import Keeper
+from trainmover.controller.durable import journal, records
+from trainmover.controller.succession.keeper import Keeper
 from trainmover.protocol import files
 
 KEY = b"k" * 32

@@ -176,8 +176,8 @@ def test_config_takes_auto_or_an_integer():
 
 
 def test_status_shows_the_choice():
-    from trainmover.controller.policy import Policy
-    from trainmover.controller.view import JobView
+    from trainmover.controller.policy.core import Policy
+    from trainmover.controller.durable.view import JobView
     view = JobView(1, 2, 1, "n1", {0: "n1", 1: "n2"})
     fixed = Policy(Config(standbys=2), view).status()["standby_pool"]
     assert fixed["choice"] == {"setting": "fixed", "standbys": 2, "why": "TM_STANDBYS=2"}

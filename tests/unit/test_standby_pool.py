@@ -1,4 +1,4 @@
-"""The standby pool (controller/standby_pool.py): the one owner of every standby's state, with a
+"""The standby pool (controller/policy/standby_pool.py): the one owner of every standby's state, with a
 table of transitions, and the one place a ready standby is picked. Pure."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from trainmover.config import Config
-from trainmover.controller.standby_pool import ALLOWED, IllegalStandbyTransition, StandbyPool
-from trainmover.controller.state import PolicyState
-from trainmover.controller.view import JobView, StandbyState as S
+from trainmover.controller.policy.standby_pool import ALLOWED, IllegalStandbyTransition, StandbyPool
+from trainmover.controller.durable.state import PolicyState
+from trainmover.controller.durable.view import JobView, StandbyState as S
 
 ROOT = Path(__file__).resolve().parents[2] / "trainmover"
 

@@ -1,5 +1,5 @@
-"""Every field of the policy's durable state survives a journal round trip (controller/state.py,
-controller/codec.py, controller/journal.py). The sample state is generated from the fields'
+"""Every field of the policy's durable state survives a journal round trip (controller/durable/state.py,
+controller/durable/codec.py, controller/durable/journal.py). The sample state is generated from the fields'
 types, every field set to a value other than its default, so a field added to the state later
 is covered without editing this test; a field of a type the journal cannot keep fails here."""
 from __future__ import annotations
@@ -10,10 +10,10 @@ import typing
 
 import pytest
 
-from trainmover.controller import codec, journal
-from trainmover.controller.journal import Journal
-from trainmover.controller.state import PolicyState
-from trainmover.controller.view import JobView, StandbyState
+from trainmover.controller.durable import codec, journal
+from trainmover.controller.durable.journal import Journal
+from trainmover.controller.durable.state import PolicyState
+from trainmover.controller.durable.view import JobView, StandbyState
 
 KEY = b"k" * 32  # the job's key: the journal and the outcome are sealed with it
 
@@ -194,7 +194,7 @@ def test_the_start_record_implies_the_state_a_new_policy_starts_from(tmp_path):
     starts from the start record: the two must be the same, or a field set at construction
     would never be journaled."""
     from trainmover.config import Config
-    from trainmover.controller.policy import Policy
+    from trainmover.controller.policy.core import Policy
     view = JobView(7, 3, 1, "train1", {0: "train1", 1: "train2", 2: "train3"})
     for cfg in (Config(), Config(standbys=3, straggler="evict", snapshot_every=7)):
         path = tmp_path / f"j{cfg.standbys}.jsonl"

@@ -1,20 +1,20 @@
-"""The controller's succession (controller/succession.py, pure, a fake clock) and the journal as
-its lease (controller/journal.py: a successor's claim demotes the old controller)."""
+"""The controller's succession (controller/succession/rules.py, pure, a fake clock) and the journal as
+its lease (controller/durable/journal.py: a successor's claim demotes the old controller)."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from trainmover.controller import journal
-from trainmover.controller.journal import Journal, Superseded, fold
-from trainmover.controller.succession import IllegalSuccessionTransition, Primary, Promote, State, may_promote
+from trainmover.controller.durable import journal
+from trainmover.controller.durable.journal import Journal, Superseded, fold
+from trainmover.controller.succession.rules import IllegalSuccessionTransition, Primary, Promote, State, may_promote
 
 KEY = b"k" * 32  # the job's key: the journal and the outcome are sealed with it
 
 
 def epoch(n):
-    """A state record that sets the policy's epoch (controller/state.py)."""
+    """A state record that sets the policy's epoch (controller/durable/state.py)."""
     return {"kind": "state", "ops": [["set", ["epoch"], n]]}
 
 

@@ -3,7 +3,7 @@
 Classified where it happens: the group wrapper marks a collective that fails (groups/swappable.py),
 the workload's own calls are guarded (runtime/usercode.py), the loop decides from the marks
 (runtime/training.py), and the controller's policy ends the job on a rank's own error, however
-the other ranks' failures that follow reach it (controller/policy.py). Pure parts with a fake
+the other ranks' failures that follow reach it (controller/policy/core.py). Pure parts with a fake
 clock; the wrapper over real gloo groups (threads of one process) and a fake failing backend."""
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ import torch.distributed as dist
 
 from trainmover import faults
 from trainmover.protocol.messages import make
-from trainmover.controller import journal, records
-from trainmover.controller.actions import Fence, Finish, Send
-from trainmover.controller.migration import Phase
-from trainmover.controller.supervisor import restart_decision
+from trainmover.controller.durable import journal, records
+from trainmover.controller.policy.actions import Fence, Finish, Send
+from trainmover.controller.durable.migration import Phase
+from trainmover.controller.succession.supervisor import restart_decision
 from trainmover.errors import ConfigError, MigrationError
 from trainmover.groups.swappable import SandboxBackend, SwappableGroup, gloo_group
 from trainmover.runtime.rankstate import RankState, RankStateMachine
@@ -292,7 +292,7 @@ def test_the_last_line_names_the_state_the_cause_and_where_the_traceback_is(tmp_
 def test_a_workload_that_cannot_be_constructed_is_refused_once_with_the_users_traceback(tmp_path, capsys):
     """The batch step constructs the workload before anything starts (preflight): the user's
     error there is final (exit 2: no node would do better), said in status.json and last line."""
-    from trainmover.controller import supervisor
+    from trainmover.controller.succession import supervisor
     try:
         with user_code("construction"):
             {}["vocab_size"]

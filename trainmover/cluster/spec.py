@@ -13,7 +13,7 @@ from pathlib import Path
 from trainmover.cluster.releases import RELEASES, Release
 from trainmover.cluster.source import JOB_EXPANSION_NULL_LICENSES
 from trainmover.cluster.users import JOB_USER
-from trainmover.controller.keeper import KEEPER_FEATURE, TRAIN_FEATURE  # what the keeper and templates ask for
+from trainmover.slurm.model import KEEPER_FEATURE, TRAIN_FEATURE  # what the keeper and templates ask for
 
 PARTITION = "train"
 KEEPERS = 2                   # keeper nodes: one per TrainMover job running at the same time

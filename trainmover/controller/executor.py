@@ -23,18 +23,20 @@ from trainmover.config import Config, parse_tiers
 from trainmover.protocol import channel, endpoint
 from trainmover.protocol import checkpoint_layout
 from trainmover.protocol.messages import make
-from trainmover.controller import handover, journal, records, tiers, user_rights
+from trainmover.controller.durable import handover, journal, records
+from trainmover.controller.policy import tiers
+from trainmover.controller import user_rights
 from trainmover.controller.fencing import FencedNodes, kill_and_drain
-from trainmover.controller.keeper import TRAIN_FEATURE
+from trainmover.slurm.model import TRAIN_FEATURE
 from trainmover.controller.exit_codes import MOVED, SUPERSEDED
-from trainmover.controller.actions import (AcquireStandby, CheckpointDone, Fence, Finish, LaunchStandby, Record,
+from trainmover.controller.policy.actions import (AcquireStandby, CheckpointDone, Fence, Finish, LaunchStandby, Record,
                                           ReleaseNode, Rewind, Send)
 from trainmover.controller.node_watch import NodeWatch
-from trainmover.controller.policy import Policy
+from trainmover.controller.policy.core import Policy
 from trainmover.controller.resize import Resizer
 from trainmover.controller.slurm_work import SlurmWork
 from trainmover.controller.steps import KeeperSteps, LocalSteps, step_environment
-from trainmover.controller.view import JobView
+from trainmover.controller.durable.view import JobView
 from trainmover.errors import ConfigError, SlurmError
 from trainmover.protocol.worker_spec import ENV as SPEC_ENV, WorkerSpec
 from trainmover.slurm.backends import client
@@ -42,7 +44,7 @@ from trainmover.slurm.job_env import JobEnv
 from trainmover.standbys import auto as auto_pool, site
 from trainmover.workloads import registry
 from trainmover.workloads.base import Workload
-from trainmover.controller import view as view_mod
+from trainmover.controller.durable import view as view_mod
 
 log = logging.getLogger("trainmover.controller")
 
@@ -54,9 +56,9 @@ class Controller:
         """`listen` and `store`: the supervisor's control socket and rendezvous store, which
         outlive this controller (None: its own, for one-process uses such as the benches).
         `resume`: take over a job whose controller died, from its journal. `keeper`: the job's
-        keeper node (controller/keeper.py), which runs the steps; no rank runs there. `run_dir`:
+        keeper node (controller/succession/keeper.py), which runs the steps; no rank runs there. `run_dir`:
         the job's run directory as the supervisor found it, where a predecessor that handed over
-        left its record of the job (controller/handover.py). `workload`: the job's workload, loaded
+        left its record of the job (controller/durable/handover.py). `workload`: the job's workload, loaded
         already (controller/process.py loads it before a spare waits); None: loaded here."""
         self.cfg, self.job_id, self.attempt = cfg, job_id, attempt
         self.faults = faults.Injector(cfg.inject, "controller", first_controller=attempt == 0)
@@ -319,7 +321,7 @@ class Controller:
             elif isinstance(a, Finish):
                 self.outcome = (a.ok, a.message)
 
-    # --- fencing (controller/liveness.py) ------------------------------------------------
+    # --- fencing (controller/policy/liveness.py) ------------------------------------------------
     def _refuse(self, conn, reason: str) -> None:
         try:
             conn.send(make("fenced", reason=reason[:500]))
@@ -521,7 +523,7 @@ class Controller:
 
     def _arrivals(self) -> dict:
         """(node, pid) -> when its connection's reader last received a frame: a message still
-        queued for the policy proves its sender alive (controller/liveness.py)."""
+        queued for the policy proves its sender alive (controller/policy/liveness.py)."""
         return {(node, (c.identity or {}).get("pid", 0)): c.last_frame_at
                 for node, conns in self.conns.items() for c in conns}
 
@@ -603,7 +605,7 @@ class Controller:
         self.server.close()
         self.files.close()
         self.journal.close()
-        # Last: the keeper promotes the warm successor on this word (controller/keeper.py),
+        # Last: the keeper promotes the warm successor on this word (controller/succession/keeper.py),
         # without waiting for this process and its step to end. We act on nothing after it.
         keeper = getattr(self.launcher, "conn", None)
         if keeper is not None:
@@ -615,5 +617,5 @@ class Controller:
 
 
 TICK_S = 1.0  # the policy's tick at most this far apart (the node poll may be further)
-KEEPER_BEAT_S = 0.25  # the controller's beat to the keeper (controller/keeper.py)
+KEEPER_BEAT_S = 0.25  # the controller's beat to the keeper (controller/succession/keeper.py)
 LOOP_STALL_S = 30.0   # a main loop that has not turned for this long is hung: no more beats

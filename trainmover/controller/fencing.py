@@ -1,4 +1,4 @@
-"""Where a fenced node goes (controller/liveness.py judges a process dead; the executor kills
+"""Where a fenced node goes (controller/policy/liveness.py judges a process dead; the executor kills
 its step and drains its node). A fenced node must never go back into service undrained: a
 node released from the job returns to Slurm's pool (or the standby reservation), and the next
 job would get a node that hung. So a fenced node leaves the job only once drained; when the
@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from trainmover.controller.actions import ReleaseNode
+from trainmover.controller.policy.actions import ReleaseNode
 from trainmover.errors import SlurmError
 
 PENDING, DRAINED, HELD = "drain pending", "drained", "held"

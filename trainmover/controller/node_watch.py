@@ -47,7 +47,7 @@ class PoolWatch:
         return None if self._nodes is None else list(self._nodes)
 
     def prime(self, nodes: list[str]) -> None:
-        """The node list a predecessor read (controller/handover.py): not asked again."""
+        """The node list a predecessor read (controller/durable/handover.py): not asked again."""
         self._nodes = list(nodes)
 
     def saw(self, states: dict) -> None:

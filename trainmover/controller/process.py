@@ -32,9 +32,9 @@ def main(argv=None) -> int:
     p.add_argument("--resume", action="store_true", help="take over from the journal of a controller that died")
     p.add_argument("--spare-fd", type=int, help="a pre-started spare: wait for the attempt number on this pipe "
                                                 "(EOF: not needed), then resume")
-    p.add_argument("--keeper", help="the job's keeper node, which runs the steps (controller/keeper.py)")
+    p.add_argument("--keeper", help="the job's keeper node, which runs the steps (controller/succession/keeper.py)")
     p.add_argument("--run-dir", help="the job's run directory, as the supervisor found it (a predecessor's "
-                                     "hand-over record is there: controller/handover.py)")
+                                     "hand-over record is there: controller/durable/handover.py)")
     args = p.parse_args(argv)
     setup_logging()
     cfg = Config.from_env()

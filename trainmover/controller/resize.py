@@ -117,7 +117,7 @@ class Resizer:
 
     def record_if_idle(self) -> JobInfo | None:
         """The job's record when no grow or release is under way (None otherwise: a resize in
-        flight may be changing it), for a successor (controller/handover.py)."""
+        flight may be changing it), for a successor (controller/durable/handover.py)."""
         if not self._lock.acquire(blocking=False):
             return None
         try:

@@ -6,7 +6,7 @@ step). So the sruns must run where they outlive a controller:
 
 * `LocalSteps`: the controller's own children (as in the batch step of a job without a keeper
   node, and on the single-host GPU machines);
-* `KeeperSteps`: the job's keeper (controller/keeper.py, the batch script on the job's keeper
+* `KeeperSteps`: the job's keeper (controller/succession/keeper.py, the batch script on the job's keeper
   node) runs them; the controller asks it over the control channel (`launch`) and learns of
   their ends (`step_exit`). A controller can then move from node to node while every step runs on.
 """

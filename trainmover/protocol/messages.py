@@ -35,7 +35,7 @@ SCHEMA: dict[str, dict[str, FieldType]] = {
     "failed": {"rank": _INT, "phase": _STR, "error": _STR, "step": _INT, "user": _BOOL, "traceback": _STR},
     # a rank whose collective failed (or was revoked) stopped at a step boundary: `step` steps
     # are complete in its state, whose digest it sends; it waits for a `recover`. `holds`: what
-    # the tiers can use (controller/tiers.py): `replicas` (its replica group's ranks), `own`
+    # the tiers can use (controller/policy/tiers.py): `replicas` (its replica group's ranks), `own`
     # (snapshot steps of itself), `held` (rank -> snapshot steps it holds of that rank)
     "stalled": {"rank": _INT, "step": _INT, "digest": _STR, "error": _STR, "role": _STR, "holds": _DICT},
     # a one-node job's standby holds these complete, verified snapshot steps of `rank` (runtime/holding.py)
@@ -56,7 +56,7 @@ SCHEMA: dict[str, dict[str, FieldType]] = {
     # `waiting` the age in seconds of the oldest collective in flight per group (gloo only);
     # `cpu_s` the CPU time of the training thread (a rank computing is slow, not dead)
     "beat": {"ranks": _LIST, "step": _INT, "issued": _DICT, "waiting": _DICT, "cpu_s": _FLOAT},
-    # the job's keeper (controller/keeper.py) -> controller: after its hello, the steps it runs
+    # the job's keeper (controller/succession/keeper.py) -> controller: after its hello, the steps it runs
     # (node -> role); then each step's end
     "steps": {"running": _DICT},
     "step_exit": {"node": _STR, "role": _STR, "code": _INT},
@@ -68,7 +68,7 @@ SCHEMA: dict[str, dict[str, FieldType]] = {
     "alive": {},
     # controller -> worker / agent
     # a one-node job's snapshots of `wards` (its ranks) go to standby `holder` ("": to nobody),
-    # over links built under the store prefix `prefix` (controller/holder.py)
+    # over links built under the store prefix `prefix` (controller/policy/holder.py)
     "hold": {"holder": _STR, "wards": _LIST, "prefix": _STR},
     "prepare": {"epoch": _INT, "leavers": _LIST, "joiner_node": _STR, "assign": _DICT, "options": _DICT},
     "abort": {"epoch": _INT, "reason": _STR},

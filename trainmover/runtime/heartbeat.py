@@ -4,7 +4,7 @@ A crashed process is found at once (the kernel closes its sockets), but a frozen
 (SIGSTOP, a kernel hang), a cut-off one (a network partition) or one whose training thread is
 stuck (a hung kernel or collective) keeps its sockets open. So every process sends `beat`
 every TM_HEARTBEAT_S from a thread of its own: its silence names a frozen or cut-off process,
-and what it says lets the controller name a stuck rank (controller/liveness.py):
+and what it says lets the controller name a stuck rank (controller/policy/liveness.py):
 
 * `step`: steps complete; `issued`: collectives issued per group since the group's last swap
   (the rank the others wait on has issued fewer); `waiting`: how long the oldest collective in

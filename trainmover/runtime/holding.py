@@ -14,7 +14,7 @@ one survives an exchange cut by the failure), and one copy of the state over the
 snapshot, in background threads on both sides. The controller assigns the holder (`hold`: a
 ready standby, while the job has one training node) and tells both sides; the holder reports
 each complete, verified version (`snapshot_held`), and the controller picks from those reports
-(controller/tiers.py), never from the assignment.
+(controller/policy/tiers.py), never from the assignment.
 
 Protocol, per ward rank, on a 2-member gloo group (member 0 the worker, 1 the standby) under
 the assignment's prefix, beside a store client of each side's own (a long wait here must not

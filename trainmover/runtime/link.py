@@ -24,7 +24,7 @@ from trainmover.errors import DeadlineExceeded, TrainMoverError
 
 log = logging.getLogger("trainmover.link")
 
-# Short: a successor serves within a second of a hand-over (controller/keeper.py), and a pause
+# Short: a successor serves within a second of a hand-over (controller/succession/keeper.py), and a pause
 # also ends as soon as `news()` changes (controller.json rewritten by a successor).
 BACKOFF_S = (0.05, 0.1, 0.2, 0.5)
 

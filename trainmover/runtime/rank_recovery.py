@@ -4,7 +4,7 @@
 The controller revokes the groups of a vanished rank (every collective with it fails at once),
 collects each live rank's `stalled` report (steps complete, state digest, what it holds) and
 sends one plan, `recover`: the epoch, the failed ranks, the step S to resume from and the tier
-(controller/tiers.py). Everyone then builds the replacement groups (same delta as a planned
+(controller/policy/tiers.py). Everyone then builds the replacement groups (same delta as a planned
 migration), gets the state of S, swaps its groups and resumes at S:
 
 * replica: a `source` rank that completed S sends its state to each needer (the standby taking

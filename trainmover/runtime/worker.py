@@ -223,7 +223,7 @@ class Agent:
             _exit_now(ENDED)
 
     def resync_messages(self) -> list[dict]:
-        """What a restarted controller needs, sent right after `hello` (see controller/takeover.py):
+        """What a restarted controller needs, sent right after `hello` (see controller/policy/takeover.py):
         where this process is, its recent step reports (the controller skips those it logged)
         and the last message of each kind that changes the controller's view."""
         prep = self.pending

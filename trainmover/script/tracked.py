@@ -125,7 +125,7 @@ class Tracked:
 
     def state(self) -> dict:
         """{"model": {name: ...}, "optimizer": {name: ...}, "objects": {name: ...}}: models and
-        optimizers apart, since the job's digest is of those (controller/records.py)."""
+        optimizers apart, since the job's digest is of those (controller/durable/records.py)."""
         out: dict = {"model": {}, "optimizer": {}, "objects": {}}
         for name, obj in self.objects.items():
             kind = kind_of(obj)

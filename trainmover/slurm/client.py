@@ -242,8 +242,8 @@ class CliSlurm:
 
     def kill_steps(self, job_id: int, node: str, names: Sequence[str] = ()) -> list[str]:
         """SIGKILL the job's numbered steps that run on `node` alone, only those named one of
-        `names` if given (a rank judged dead: controller/liveness.py; a lost controller:
-        controller/keeper.py). Returns the step ids. The batch and extern steps are left."""
+        `names` if given (a rank judged dead: controller/policy/liveness.py; a lost controller:
+        controller/succession/keeper.py). Returns the step ids. The batch and extern steps are left."""
         out = self._run(build.steps_of(job_id)).stdout
         ids = []
         for line in out.splitlines():

@@ -9,7 +9,13 @@ from dataclasses import dataclass
 
 from trainmover.errors import SlurmError
 
-__all__ = ["NodeInfo", "JobInfo", "SlurmError", "NoStandbyAvailable", "BatchHostRelease", "UnknownNodes"]
+# The node features a TrainMover job asks for (docs/admin.md, "No special node"): its batch
+# script runs on a keeper node, its ranks on training nodes. Here, beside the node values,
+# because the keeper, the controller and the embedded cluster all need them.
+KEEPER_FEATURE = "tm_keeper"
+TRAIN_FEATURE = "tm_train"
+
+__all__ = ["KEEPER_FEATURE", "TRAIN_FEATURE", "NodeInfo", "JobInfo", "SlurmError", "NoStandbyAvailable", "BatchHostRelease", "UnknownNodes"]
 
 
 class NoStandbyAvailable(SlurmError):
@@ -40,7 +46,7 @@ class NodeInfo:
     addr: str
     state: str
     reason: str = ""
-    features: tuple[str, ...] = ()   # ActiveFeatures (e.g. tm_keeper: see controller/keeper.py)
+    features: tuple[str, ...] = ()   # ActiveFeatures (e.g. tm_keeper: see controller/succession/keeper.py)
 
     @property
     def base_state(self) -> str:

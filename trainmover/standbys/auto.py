@@ -2,7 +2,7 @@
 
 The controller calls `choose` once at start (and again, with the same inputs, after a restart
 from its journal) and then keeps the pool at that size as it always does: a used or lost
-standby is refilled (controller/policy.py). The choice and its reason go to status.json.
+standby is refilled (controller/policy/core.py). The choice and its reason go to status.json.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Failure rates from a cluster's history: the jobs' journals, or Slurm accounting (sacct).
 
-* Journals (`runs/<job>/journal.jsonl`, controller/journal.py): exposure = the job's training
+* Journals (`runs/<job>/journal.jsonl`, controller/durable/journal.py): exposure = the job's training
   nodes x the span of its records (wall-clock `t`); interruptions = its migrations by trigger:
   `failure` unplanned; `drain`, `healthcheck` (the health check's own drains) and `straggler`
   planned; `rebalance` and `manual` are the user's choice, not interruptions. A node counts once
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainmover.controller import journal
+from trainmover.controller.durable import journal
 from trainmover.errors import ConfigError, SlurmError, TrainMoverError
 from trainmover.protocol import files
 from trainmover.slurm import commands

@@ -58,7 +58,7 @@ class CheckpointDone:
 
 @dataclass(frozen=True)
 class Fence:
-    """A process judged dead (controller/liveness.py) can never come back and act: kill its
+    """A process judged dead (controller/policy/liveness.py) can never come back and act: kill its
     Slurm step, refuse its connection from now on, drain its node with `reason`."""
     node: str
     pid: int

@@ -21,7 +21,7 @@ import logging
 import os
 from pathlib import Path
 
-from trainmover.controller import journal
+from trainmover.controller.durable import journal
 from trainmover.errors import ProtocolError, TrainMoverError
 from trainmover.protocol import channel, files
 from trainmover.slurm.model import JobInfo

@@ -1,5 +1,5 @@
 """The controller's supervisor: the batch step's process (a job without a keeper node), or the
-step the keeper runs on the controller's home node (controller/keeper.py). It keeps what must
+step the keeper runs on the controller's home node (controller/succession/keeper.py). It keeps what must
 outlive a controller on its node and restarts the controller there when it dies.
 
 It holds, for the whole job:
@@ -34,7 +34,7 @@ from pathlib import Path
 
 from trainmover.config import Config
 from trainmover.protocol import channel, files
-from trainmover.controller import journal, records
+from trainmover.controller.durable import journal, records
 from trainmover.controller.exit_codes import FAILED, FINISHED, MOVED, REFUSED, SUPERSEDED
 from trainmover.errors import ConfigError, ProtocolError, TrainMoverError
 from trainmover.logs import setup_logging
@@ -95,15 +95,15 @@ def _key(at: Path) -> bytes | None:
 
 
 def main(argv=None) -> int:
-    """`python -m trainmover.controller.supervisor [--keeper NODE] [--resume --attempt N]`: as a
+    """`python -m trainmover.controller.succession.supervisor [--keeper NODE] [--resume --attempt N]`: as a
     step the keeper runs (a successor resumes from the journal), or from `trainmover controller`."""
     import argparse
-    p = argparse.ArgumentParser(prog="python -m trainmover.controller.supervisor")
+    p = argparse.ArgumentParser(prog="python -m trainmover.controller.succession.supervisor")
     p.add_argument("--keeper", help="the job's keeper node (it runs no rank)")
     p.add_argument("--resume", action="store_true", help="take the job over from the journal")
     p.add_argument("--attempt", type=int, default=0, help="controllers of this job before this one")
     p.add_argument("--successor", action="store_true",
-                   help="a warm successor (controller/keeper.py): bind, start the controller idle, and take the job "
+                   help="a warm successor (controller/succession/keeper.py): bind, start the controller idle, and take the job "
                         "over on `takeover <attempt>` read from stdin (EOF: not needed, exit 0)")
     p.add_argument("--work-dir", help="the job's working directory (the keeper read it from Slurm: not asked again)")
     p.add_argument("--node-addr", help="this node's address (the keeper read it from Slurm: not asked again)")
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
             "--store", f"{host}:{store_port}", "--run-dir", str(root)] + (["--keeper", args.keeper] if args.keeper else [])
 
     def start_spare(force=False):
-        # With a keeper, the warm successor on another node is the spare (controller/keeper.py):
+        # With a keeper, the warm successor on another node is the spare (controller/succession/keeper.py):
         # the keeper alone decides who takes over, so no local restart races it.
         if not force and (cfg.controller_restarts == 0 or args.keeper):
             return None

@@ -1,6 +1,6 @@
 """The controller policy's durable state: everything it keeps across a controller takeover, in
-one value. The journal (controller/journal.py) writes and reads it whole, field by field from
-its types (controller/codec.py), so that a field added here is journaled without more code;
+one value. The journal (controller/durable/journal.py) writes and reads it whole, field by field from
+its types (controller/durable/codec.py), so that a field added here is journaled without more code;
 tests/unit/test_state_roundtrip.py proves every field survives a journal round trip.
 
 What a successor need not keep lives outside, in the policy's components, each marked
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainmover.controller.migration import Migration
-from trainmover.controller.view import JobView
+from trainmover.controller.durable.migration import Migration
+from trainmover.controller.durable.view import JobView
 
 
 @dataclass

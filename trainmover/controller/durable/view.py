@@ -1,5 +1,5 @@
 """What the controller believes about its job and its standbys: plain values, part of the
-policy's durable state (controller/state.py). Fields declared `transient` are not journaled: a
+policy's durable state (controller/durable/state.py). Fields declared `transient` are not journaled: a
 controller that takes over learns them again (each says how)."""
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from trainmover.controller.codec import transient
+from trainmover.controller.durable.codec import transient
 from trainmover.errors import ConfigError
 
 
 class StandbyState(enum.StrEnum):
-    """A standby's stance; changed only by controller/standby_pool.py (its table of transitions)."""
+    """A standby's stance; changed only by controller/policy/standby_pool.py (its table of transitions)."""
     STARTING = "starting"   # launched, or back after an aborted join: its processes warm up
     READY = "ready"         # every process warm: may join a migration or a recovery
     WARMING = "warming"     # re-warming on a newer recording: not offered until ready again
@@ -24,7 +24,7 @@ class Standby:
     node: str
     state: StandbyState = StandbyState.STARTING
     # The rest a standby reports again to a controller that takes over (it starts as STARTING
-    # there, controller/takeover.py): nothing of it is journaled.
+    # there, controller/policy/takeover.py): nothing of it is journaled.
     since: float = transient("when it entered its state: the successor's clock starts afresh", default=0.0)
     warmup_s: float | None = transient("reported again with 'ready'", default=None)
     shadow_steps: int | None = transient("reported again with 'ready'", default=None)
@@ -32,7 +32,7 @@ class Standby:
                              default_factory=dict)
     warm: set = transient("local indices of its processes that reported 'ready': they report again",
                           default_factory=set)
-    held: dict = transient("ward rank -> snapshot steps it holds (controller/holder.py): reported again",
+    held: dict = transient("ward rank -> snapshot steps it holds (controller/policy/holder.py): reported again",
                            default_factory=dict)
     held_detail: dict = transient("its last held version (bytes, seconds): reported again", default_factory=dict)
 

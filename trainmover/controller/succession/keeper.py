@@ -11,7 +11,7 @@ there, which:
   moves away (it says `moving`: its home is leaving the job) or is lost (its channel closed, its
   step ended without an outcome, or it was silent past TM_CONTROLLER_DEADLINE_S: fenced with
   SIGKILL), the keeper tells the successor `takeover <attempt>` and starts a new successor
-  (controller/succession.py decides; the successor's claim in the journal fences the old one);
+  (controller/succession/rules.py decides; the successor's claim in the journal fences the old one);
 * runs every other step the controller asks for (`launch`), so that the sruns outlive any
   controller, and tells the controller of each step's end (`step_exit`);
 * ends with the controller's final exit code: the job's own state (COMPLETED on success).
@@ -37,13 +37,14 @@ from pathlib import Path
 from trainmover.config import Config
 from trainmover.protocol import channel, endpoint, files
 from trainmover.protocol.messages import make
-from trainmover.controller import journal, records, succession
+from trainmover.controller.durable import journal, records
+from trainmover.controller.succession import rules as succession
 from trainmover.controller.steps import start_srun, step_environment
 from trainmover.errors import ConfigError, ProtocolError, TrainMoverError
 from trainmover.protocol.worker_spec import ENV as SPEC_ENV
 from trainmover.slurm.job_env import JobEnv
 from trainmover.slurm import parse
-from trainmover.slurm.model import JobInfo, NodeInfo
+from trainmover.slurm.model import KEEPER_FEATURE, TRAIN_FEATURE, JobInfo, NodeInfo
 
 log = logging.getLogger("trainmover.keeper")
 
@@ -131,7 +132,7 @@ class Keeper:
 
     def _start_controller(self, home: Home, resume: bool) -> None:
         """A cold start (the first controller, or no warm successor to promote)."""
-        argv = [sys.executable, "-m", "trainmover.controller.supervisor", "--keeper", self.node]
+        argv = [sys.executable, "-m", "trainmover.controller.succession.supervisor", "--keeper", self.node]
         if resume:
             argv += ["--resume", "--attempt", str(self.attempt)]
         self._became_primary(home.node, self._srun(home, argv, successor=False))
@@ -177,7 +178,7 @@ class Keeper:
             self.successor_retry_at = now + self.successor_retry_s
             self.successor_retry_s = min(SUCCESSOR_RETRY_S[1], 2 * self.successor_retry_s)
             return
-        argv = [sys.executable, "-m", "trainmover.controller.supervisor", "--keeper", self.node, "--successor"]
+        argv = [sys.executable, "-m", "trainmover.controller.succession.supervisor", "--keeper", self.node, "--successor"]
         self.successors.append((home.node, self._srun(home, argv, successor=True)))
         self.successor_starts += 1
         log.info("warm successor controller starting on %s (%d of %d)", home.node, len(self.successors),
@@ -457,8 +458,6 @@ def _read(conn, inbox: queue.Queue) -> None:
     inbox.put(None)
 
 
-KEEPER_FEATURE = "tm_keeper"
-TRAIN_FEATURE = "tm_train"
 
 
 def sbatch_args(training_nodes: int) -> list[str]:

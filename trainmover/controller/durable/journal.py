@@ -9,8 +9,8 @@ versioned and checked on replay:
 kinds:
   start      the job's initial layout (world size, ranks per node, batch host, rank -> node)
   launch     a Slurm step the controller started (node, role, ranks, pid of its srun)
-  state      what changed of the policy's durable state (controller/state.py) since the last
-             record: operations on its encoding (controller/codec.py), ["set", path, value] and
+  state      what changed of the policy's durable state (controller/durable/state.py) since the last
+             record: operations on its encoding (controller/durable/codec.py), ["set", path, value] and
              ["drop", path]. Every field of that state is kept, by construction
   restart    a controller took over (attempt number): its *claim*. Every record carries its
              writer's attempt (`a`); once a claim is in the journal, records of a lower attempt
@@ -39,9 +39,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainmover.controller import codec
-from trainmover.controller.state import PolicyState
-from trainmover.controller.view import JobView
+from trainmover.controller.durable import codec
+from trainmover.controller.durable.state import PolicyState
+from trainmover.controller.durable.view import JobView
 from trainmover.errors import ProtocolError, TrainMoverError
 from trainmover.protocol import files
 
@@ -76,7 +76,7 @@ class Replayed:
     world_size: int = 0
     ranks_per_node: int = 0
     batch_host: str = ""
-    encoded: dict = field(default_factory=dict)  # the policy's durable state, encoded (controller/codec.py)
+    encoded: dict = field(default_factory=dict)  # the policy's durable state, encoded (controller/durable/codec.py)
     steps: dict[str, dict] = field(default_factory=dict)       # node -> last launch record
     restarts: int = 0
     ended: dict | None = None  # {"ok", "message"} once a controller ended the job on purpose

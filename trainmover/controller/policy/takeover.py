@@ -22,15 +22,15 @@ import logging
 
 from trainmover.config import Config
 from trainmover.protocol.messages import make
-from trainmover.controller import codec
-from trainmover.controller.actions import Finish, Record, ReleaseNode, Send
-from trainmover.controller.journal import Replayed
-from trainmover.controller.migration import Migration, Phase
-from trainmover.controller.planner import Planner
-from trainmover.controller.progress import Progress
-from trainmover.controller.recovery import RecoveryPolicy
-from trainmover.controller.standby_pool import StandbyPool
-from trainmover.controller.state import PolicyState
+from trainmover.controller.durable import codec
+from trainmover.controller.policy.actions import Finish, Record, ReleaseNode, Send
+from trainmover.controller.durable.journal import Replayed
+from trainmover.controller.durable.migration import Migration, Phase
+from trainmover.controller.policy.planner import Planner
+from trainmover.controller.policy.progress import Progress
+from trainmover.controller.policy.recovery import RecoveryPolicy
+from trainmover.controller.policy.standby_pool import StandbyPool
+from trainmover.controller.durable.state import PolicyState
 
 log = logging.getLogger("trainmover.policy")
 

@@ -11,16 +11,16 @@ to stop sending.
 
 What the recovery tiers may use is what the holder *reports* (`snapshot_held`: the complete,
 verified versions of each rank), kept on its `Standby` (`held`); a recovery prefers the holder
-as the joiner (controller/recovery.py), which then needs no copy over the network.
+as the joiner (controller/policy/recovery.py), which then needs no copy over the network.
 """
 from __future__ import annotations
 
 import logging
 
 from trainmover.protocol.messages import make
-from trainmover.controller.actions import Send
-from trainmover.controller.standby_pool import StandbyPool
-from trainmover.controller.state import PolicyState
+from trainmover.controller.policy.actions import Send
+from trainmover.controller.policy.standby_pool import StandbyPool
+from trainmover.controller.durable.state import PolicyState
 
 log = logging.getLogger("trainmover.policy")
 

@@ -1,6 +1,6 @@
 """Who is the job's controller, as the keeper sees it (pure: events and `now` in, verdicts out).
 
-The keeper (controller/keeper.py) runs the controller (the *primary*) as a step on one training
+The keeper (controller/succession/keeper.py) runs the controller (the *primary*) as a step on one training
 node and, from the start, a warm *successor* on another: its imports done, its control socket and
 rendezvous store bound, waiting for one word. The primary moves or is lost; the keeper promotes
 the successor and starts a new one:
@@ -18,7 +18,7 @@ it closes anything: the keeper checks for it before it acts on a loss (`ending`)
 ENDING is never replaced (its shutdown may be silent for a while: it waits for the steps).
 
 Fencing is not decided here: the promoted successor's first act is its claim in the journal
-(controller/journal.py), after which the old primary can act on nothing, and the keeper kills
+(controller/durable/journal.py), after which the old primary can act on nothing, and the keeper kills
 the old primary's step as well.
 """
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""The ranks' compute times folded into windows for the straggler policy (controller/straggler.py),
+"""The ranks' compute times folded into windows for the straggler policy (controller/policy/straggler.py),
 and its verdict: whom to evict, if anyone (pure)."""
 from __future__ import annotations
 
 import statistics
 
 from trainmover.config import Config
-from trainmover.controller.state import PolicyState
-from trainmover.controller import straggler
+from trainmover.controller.durable.state import PolicyState
+from trainmover.controller.policy import straggler
 
 
 class StragglerWatch:

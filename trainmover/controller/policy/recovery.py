@@ -6,7 +6,7 @@ error: a software fault would follow the rank to any node.) Then:
 
     detected ── revoke ──> every live rank stalls, reports (steps complete, state digest)
        └─ a warm standby (or the joiner already in the slot) ── recover ──> groups rebuilt,
-          state from a tier (controller/tiers.py: replica, else a snapshot or a checkpoint,
+          state from a tier (controller/policy/tiers.py: replica, else a snapshot or a checkpoint,
           to which every rank rolls back), every rank resumes at the same step ──> node released
 
 Recoveries use the migration state machine (trigger "failure"): REQUESTED/WAITING_STANDBY
@@ -22,14 +22,14 @@ from typing import Callable
 from trainmover.config import Config, parse_tiers
 from trainmover.protocol.checkpoint_layout import KEEP as KEEP_CHECKPOINTS  # complete checkpoints kept
 from trainmover.protocol.messages import make
-from trainmover.controller import tiers
-from trainmover.controller.actions import CheckpointDone, Finish, Rewind, Send
-from trainmover.controller.holder import SnapshotHolder
-from trainmover.controller.migration import Phase
-from trainmover.controller.planner import Planner
-from trainmover.controller.progress import Progress
-from trainmover.controller.standby_pool import StandbyPool
-from trainmover.controller.state import PolicyState
+from trainmover.controller.policy import tiers
+from trainmover.controller.policy.actions import CheckpointDone, Finish, Rewind, Send
+from trainmover.controller.policy.holder import SnapshotHolder
+from trainmover.controller.durable.migration import Phase
+from trainmover.controller.policy.planner import Planner
+from trainmover.controller.policy.progress import Progress
+from trainmover.controller.policy.standby_pool import StandbyPool
+from trainmover.controller.durable.state import PolicyState
 
 log = logging.getLogger("trainmover.policy")
 
@@ -44,7 +44,7 @@ class RecoveryPolicy:
         self.cfg, self.state, self.pool, self.progress = cfg, state, pool, progress
         self.planner, self.snapshots, self.done = planner, snapshots, done
         # Not journaled: a recovery in flight is not resumed by a successor (the job stops,
-        # controller/takeover.py), so what the stalled ranks said dies with it; the complete
+        # controller/policy/takeover.py), so what the stalled ranks said dies with it; the complete
         # checkpoints are read from disk by the executor (executor.py sets checkpoint_steps).
         self.stalled: dict[int, dict] = {}                 # rank -> its 'stalled' report
         self.checkpoints: dict[int, dict[int, str]] = {}   # step -> rank -> digest, until every rank wrote it

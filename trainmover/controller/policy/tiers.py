@@ -10,7 +10,7 @@ checkpoints. Output: a `Choice`, or a `Stop` whose message names what each tier 
   of them; nobody rolls back.
 * snapshot: the newest step S that every live rank holds of itself and whose copy of each
   lost rank a live rank, or the joiner itself, holds (a one-node job's standby holds them:
-  controller/holder.py); every rank rolls back to S. With no live rank at all (one worker) the
+  controller/policy/holder.py); every rank rolls back to S. With no live rank at all (one worker) the
   joiner's copies decide alone.
 * checkpoint: the newest complete checkpoint; every rank rolls back to it.
 """

@@ -1,4 +1,4 @@
-"""Typed JSON for the controller's durable state (controller/state.py): a dataclass to JSON
+"""Typed JSON for the controller's durable state (controller/durable/state.py): a dataclass to JSON
 values and back, driven by its fields' types, so that every field is journaled without a
 hand-written list of what to keep. Also the diff of two encoded states and its replay.
 

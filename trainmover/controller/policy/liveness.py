@@ -14,15 +14,15 @@ TM_HEARTBEAT_S from a thread of its own (runtime/heartbeat.py); two rules name t
             recompile), is never stuck: that is the straggler policy's business.
 
 A verdict (`Liveness.verdicts`; the policy acts on it) starts the recovery of the node
-(controller/recovery.py) and fences the process (`Fence`): its Slurm step is killed, its connection refused from then on, its node drained.
+(controller/policy/recovery.py) and fences the process (`Fence`): its Slurm step is killed, its connection refused from then on, its node drained.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from trainmover.config import Config
-from trainmover.controller.progress import Progress
-from trainmover.controller.state import PolicyState
+from trainmover.controller.policy.progress import Progress
+from trainmover.controller.durable.state import PolicyState
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Planned migrations: a node asked to leave, a warm standby prepared for it, the switch, the
-release (pure). The migrations' own phases are controller/migration.py's state machine; this
+release (pure). The migrations' own phases are controller/durable/migration.py's state machine; this
 part starts them (`request`, `dispatch`), abandons them (`abort`) and ends them (`released`).
-Recoveries (controller/recovery.py) and a successor's takeover (controller/takeover.py) use it too.
+Recoveries (controller/policy/recovery.py) and a successor's takeover (controller/policy/takeover.py) use it too.
 """
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from typing import Callable
 
 from trainmover.config import Config
 from trainmover.protocol.messages import make
-from trainmover.controller.actions import Record, ReleaseNode, Send
-from trainmover.controller.migration import Migration, Phase
-from trainmover.controller.progress import Progress
-from trainmover.controller.standby_pool import StandbyPool
-from trainmover.controller.state import PolicyState
+from trainmover.controller.policy.actions import Record, ReleaseNode, Send
+from trainmover.controller.durable.migration import Migration, Phase
+from trainmover.controller.policy.progress import Progress
+from trainmover.controller.policy.standby_pool import StandbyPool
+from trainmover.controller.durable.state import PolicyState
 
 log = logging.getLogger("trainmover.policy")
 

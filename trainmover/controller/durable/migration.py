@@ -13,7 +13,7 @@ import enum
 import logging
 from dataclasses import dataclass, field
 
-from trainmover.controller.codec import transient
+from trainmover.controller.durable.codec import transient
 
 log = logging.getLogger("trainmover.migration")
 
@@ -70,7 +70,7 @@ class Migration:
     phase: Phase = Phase.REQUESTED
     times: dict[str, float] = field(default_factory=dict)   # phase name -> wall time entered
     # Who prepared or switched is not journaled: a controller that takes over asks the ranks
-    # (resync, controller/takeover.py), and recomputes who must report.
+    # (resync, controller/policy/takeover.py), and recomputes who must report.
     prepared: set = transient("(rank, role) that finished Phase 1: the ranks say again", default_factory=set)
     switched: dict = transient("(rank, role) -> switched message: the ranks say again", default_factory=dict)
     expected: set = transient("(rank, role) that must report: recomputed on takeover", default_factory=set)

@@ -8,16 +8,16 @@
 Every change of `Standby.state` goes through `_to`, which checks the table below and logs one
 line; "pick a ready standby" is `take_ready`. Acquiring (a node from Slurm) and the bound on
 standbys lost per job are here too; what a lost standby means for a migration is
-controller/standby_loss.py's.
+controller/policy/standby_loss.py's.
 """
 from __future__ import annotations
 
 import logging
 
 from trainmover.config import Config
-from trainmover.controller.actions import AcquireStandby
-from trainmover.controller.state import PolicyState
-from trainmover.controller.view import Standby, StandbyState as S
+from trainmover.controller.policy.actions import AcquireStandby
+from trainmover.controller.durable.state import PolicyState
+from trainmover.controller.durable.view import Standby, StandbyState as S
 from trainmover.errors import TrainMoverError
 
 log = logging.getLogger("trainmover.policy")
@@ -27,7 +27,7 @@ ALLOWED: dict[S, set[S]] = {
     S.READY: {S.JOINING, S.WARMING, S.READY, S.STARTING},  # READY again: a re-ready after a re-warm
     S.WARMING: {S.READY, S.STARTING},
     # an aborted join warms up again; a successor finds the joiner never took the epoch up
-    # (controller/takeover.py) and takes it as warm as it says
+    # (controller/policy/takeover.py) and takes it as warm as it says
     S.JOINING: {S.STARTING, S.READY},
 }
 

@@ -3,7 +3,7 @@
 The executor (`controller/executor.py`) feeds it what it observed (node states from Slurm,
 messages from ranks, results of Slurm operations, `now`) and applies the actions it returns.
 
-The policy is one durable state (controller/state.py: journaled whole, by construction) and
+The policy is one durable state (controller/durable/state.py: journaled whole, by construction) and
 parts that each own a piece of it and are handed what they need:
 
     pool        standby_pool.py    standbys and their states, taking a ready one, acquiring
@@ -25,21 +25,21 @@ import logging
 from typing import Any, Protocol
 
 from trainmover.config import Config
-from trainmover.controller import codec
-from trainmover.controller.actions import Action, Fence, Finish, LaunchStandby, Record, ReleaseNode
-from trainmover.controller.holder import SnapshotHolder
-from trainmover.controller.journal import Replayed
-from trainmover.controller.liveness import Heard, Liveness
-from trainmover.controller.migration import Migration, Phase
-from trainmover.controller.planner import Planner
-from trainmover.controller.progress import Progress
-from trainmover.controller.recovery import RecoveryPolicy
-from trainmover.controller.takeover import Takeover
-from trainmover.controller.standby_loss import StandbyLoss
-from trainmover.controller.standby_pool import StandbyPool
-from trainmover.controller.state import PolicyState
-from trainmover.controller.straggler_watch import StragglerWatch
-from trainmover.controller.view import JobView, StandbyState
+from trainmover.controller.durable import codec
+from trainmover.controller.policy.actions import Action, Fence, Finish, LaunchStandby, Record, ReleaseNode
+from trainmover.controller.policy.holder import SnapshotHolder
+from trainmover.controller.durable.journal import Replayed
+from trainmover.controller.policy.liveness import Heard, Liveness
+from trainmover.controller.durable.migration import Migration, Phase
+from trainmover.controller.policy.planner import Planner
+from trainmover.controller.policy.progress import Progress
+from trainmover.controller.policy.recovery import RecoveryPolicy
+from trainmover.controller.policy.takeover import Takeover
+from trainmover.controller.policy.standby_loss import StandbyLoss
+from trainmover.controller.policy.standby_pool import StandbyPool
+from trainmover.controller.durable.state import PolicyState
+from trainmover.controller.policy.straggler_watch import StragglerWatch
+from trainmover.controller.durable.view import JobView, StandbyState
 from trainmover.protocol.messages import Message
 
 log = logging.getLogger("trainmover.policy")
