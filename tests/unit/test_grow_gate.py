@@ -8,6 +8,7 @@ import json
 from trainmover.controller import user_rights
 from trainmover.controller.fencing import FencedNodes
 from trainmover.controller.resize import Resizer
+from trainmover.controller.slurm_work import Acquired, Unavailable
 from trainmover.slurm import rights
 from trainmover.slurm.model import JobInfo
 
@@ -43,11 +44,11 @@ def _resizer(slurm, refusal):
 def test_a_refused_or_unknown_grow_asks_slurm_nothing_and_says_why():
     slurm = _Slurm()
     crash = "Slurm 25.11.7: slurmctld crashes (SIGSEGV in _valid_license_job_expansion(), job_mgr.c)"
-    assert _resizer(slurm, crash).acquire() == ("unavailable", f"no standby is taken: {crash}")
-    kind, why = _resizer(slurm, None).acquire()
-    assert kind == "unavailable" and why.startswith("waiting for the check of what this job may do")
+    assert _resizer(slurm, crash).acquire() == Unavailable(f"no standby is taken: {crash}")
+    got = _resizer(slurm, None).acquire()
+    assert isinstance(got, Unavailable) and got.reason.startswith("waiting for the check of what this job may do")
     assert slurm.grows == 0
-    assert _resizer(slurm, "").acquire() == ("acquired", "spare1", "10.0.0.5")  # the control
+    assert _resizer(slurm, "").acquire() == Acquired("spare1", "10.0.0.5")  # the control
     assert slurm.grows == 1
 
 

@@ -10,7 +10,7 @@ import time
 
 from trainmover.controller import slurm_work
 from trainmover.controller.resize import Resizer
-from trainmover.controller.slurm_work import SlurmWork
+from trainmover.controller.slurm_work import Acquired, Released, RightsChecked, SlurmWork, WorkFailed
 from trainmover.errors import SlurmError
 from trainmover.slurm import BatchHostRelease
 from trainmover.slurm.model import JobInfo
@@ -51,7 +51,7 @@ def test_a_release_under_way_at_the_end_is_waited_for_and_handed_over():
     w.start("release", lambda: r.release("train2"))
     assert slurm.started.wait(5)
     t0 = time.monotonic()
-    assert w.finish_releases() == [("released", "train2", True, "")]
+    assert w.finish_releases() == [Released("train2", True, "")]
     assert 0.2 < time.monotonic() - t0 < 5 and slurm.kept == ["train1", "spare1"]
 
 
@@ -67,16 +67,29 @@ def test_the_wait_is_bounded_and_a_failed_release_is_said(monkeypatch):
         w, r = work(SlowShrink(0.0, fail))
         w.start("release", lambda: r.release("train2"))
         (ev,) = w.finish_releases()
-        assert ev[:3] == ("released", "train2", False) and ev[3].startswith(said), ev
+        assert (ev.node, ev.ok) == ("train2", False) and ev.message.startswith(said), ev
 
 
 def test_other_work_is_not_waited_for_and_its_events_stay_out():
     w, _ = work(SlowShrink(0.0))
     gate = threading.Event()
-    w.start("acquire", lambda: (gate.wait(5), ("acquired", "spare2"))[1])
-    w.start("rights", lambda: ("rights",))
+    w.start("acquire", lambda: (gate.wait(5), Acquired("spare2", "10.0.0.9"))[1])
+    w.start("rights", lambda: RightsChecked())
     time.sleep(0.1)
     t0 = time.monotonic()
     assert w.finish_releases() == []
     assert time.monotonic() - t0 < 0.5
     gate.set()
+
+
+def test_work_that_raises_is_a_typed_failure_naming_the_work():
+    w, _ = work(SlowShrink(0.0))
+    boom = SlurmError("scontrol timed out")
+
+    def fail():
+        raise boom
+    w.start("acquire", fail)
+    ev = w.events.get(timeout=5)
+    assert isinstance(ev, WorkFailed) and (ev.name, ev.error) == ("acquire", boom)
+    w.start("acquire", lambda: Acquired("spare2", "10.0.0.9"))  # the control: a result is queued as it is
+    assert w.events.get(timeout=5) == Acquired("spare2", "10.0.0.9")

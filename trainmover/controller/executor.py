@@ -34,7 +34,8 @@ from trainmover.controller.policy.actions import (AcquireStandby, CheckpointDone
 from trainmover.controller.node_watch import NodeWatch
 from trainmover.controller.policy.core import Policy
 from trainmover.controller.resize import Resizer
-from trainmover.controller.slurm_work import SlurmWork
+from trainmover.controller.slurm_work import (Acquired, Fenced, Released, RightsChecked, SlurmWork, Unavailable,
+                                               WorkEvent, WorkFailed)
 from trainmover.controller.steps import KeeperSteps, LocalSteps, step_environment
 from trainmover.controller.durable.view import JobView
 from trainmover.errors import ConfigError, SlurmError
@@ -280,7 +281,7 @@ class Controller:
         actions, held = self.fencing.route(actions)  # a fenced node leaves the job only drained
         for node, why in held:
             log.warning("%s stays in the job: %s", node, why)
-            self.work.events.put(("released", node, False, why))
+            self.work.events.put(Released(node, False, why))
         for a in actions:
             if isinstance(a, AcquireStandby):
                 self.work.start("acquire", self.resizer.acquire)
@@ -445,7 +446,7 @@ class Controller:
         self.fencing.restore(sorted(n for n in fenced & in_job if n not in self.view.rank_node.values()
                                     and n not in self.view.standbys and n != self.keeper), "fenced")
         if not self._rights_from_predecessor():
-            self.work.start("rights", lambda: (self._check_rights(), ("rights",))[1])
+            self.work.start("rights", lambda: (self._check_rights(), RightsChecked())[1])
         for node, rec in j.steps.items():
             if node in known and node not in self.view.released:
                 self.launcher.adopt(node, rec["pid"])
@@ -527,42 +528,44 @@ class Controller:
         return {(node, (c.identity or {}).get("pid", 0)): c.last_frame_at
                 for node, conns in self.conns.items() for c in conns}
 
-    def _on_event(self, now: float, ev) -> list:
-        kind = ev[0]
-        if kind == "fenced":
-            if ev[2]:
-                log.warning("fencing %s incomplete: %s", ev[1], ev[2])
-            if not ev[3]:
+    def _on_event(self, now: float, ev: WorkEvent) -> list:
+        """What the policy hears of the work beside the loop (controller/slurm_work.py)."""
+        match ev:
+            case Fenced(node, kill_errors, drain, drain_error):
+                if kill_errors:
+                    log.warning("fencing %s incomplete: %s", node, kill_errors)
+                if not drain:
+                    return []
+                actions, held = self.fencing.drained(node, drain_error)
+                if drain_error:
+                    log.warning("drain of fenced %s refused (%s): held in the job, out of training and of the "
+                                "standby pool, until the job ends", node, drain_error)
+                for n, why in held:
+                    actions += self.policy.on_released(now, n, False, why)
+                return actions
+            case RightsChecked():  # a successor's check in the background answered (on its thread)
+                self.policy.on_grow_verdict(self.grow_refusal)
                 return []
-            actions, held = self.fencing.drained(ev[1], ev[4])
-            if ev[4]:
-                log.warning("drain of fenced %s refused (%s): held in the job, out of training and of the "
-                            "standby pool, until the job ends", ev[1], ev[4])
-            for node, why in held:
-                actions += self.policy.on_released(now, node, False, why)
-            return actions
-        if kind == "rights":  # a successor's check in the background answered (on its thread)
-            self.policy.on_grow_verdict(self.grow_refusal)
-            return []
-        if kind == "acquired":
-            log.info("standby %s joined the allocation", ev[1])
-            self.addr[ev[1]] = ev[2]
-            return self.policy.on_standby_acquired(now, ev[1])
-        if kind == "unavailable":
-            return self.policy.on_standby_unavailable(now, ev[1])
-        if kind == "released":
-            return self.policy.on_released(now, ev[1], ev[2], ev[3])
-        log.error("background %s failed: %s", ev[1], ev[2])
-        if ev[1] == "acquire":
-            return self.policy.on_standby_unavailable(now, str(ev[2]))
-        return []
+            case Acquired(node, addr):
+                log.info("standby %s joined the allocation", node)
+                self.addr[node] = addr
+                return self.policy.on_standby_acquired(now, node)
+            case Unavailable(reason):
+                return self.policy.on_standby_unavailable(now, reason)
+            case Released(node, ok, message):
+                return self.policy.on_released(now, node, ok, message)
+            case WorkFailed(name, error):
+                log.error("background %s failed: %s", name, error)
+                return self.policy.on_standby_unavailable(now, str(error)) if name == "acquire" else []
+        raise TypeError(f"not an event of the controller's work: {ev!r}")  # a bug: every WorkEvent is matched
 
     def shutdown(self) -> int:
         ok, message = self.outcome
         if ok is None:  # moving: nothing ends, the successor resumes from the journal
             return self._hand_over(message)
         for ev in self.work.finish_releases():  # a node that left the job is recorded so; nothing new starts
-            self.apply([a for a in self.policy.on_released(time.time(), *ev[1:]) if isinstance(a, Record)])
+            self.apply([a for a in self.policy.on_released(time.time(), ev.node, ev.ok, ev.message)
+                        if isinstance(a, Record)])
         # First, durably: the job ended on purpose. Whatever happens to this process from here
         # on, no keeper or supervisor starts a controller again (journal.ended).
         self.journal.write(time.time(), [{"kind": "end", "ok": bool(ok), "message": message[:2000]}])

@@ -19,6 +19,7 @@ import logging
 from dataclasses import dataclass
 
 from trainmover.controller.policy.actions import ReleaseNode
+from trainmover.controller.slurm_work import Fenced
 from trainmover.errors import SlurmError
 
 PENDING, DRAINED, HELD = "drain pending", "drained", "held"
@@ -101,10 +102,10 @@ log = logging.getLogger("trainmover.controller")
 RANK_STEPS = ("tm-worker", "tm-standby")  # the steps a fence kills: never the controller's own
 
 
-def kill_and_drain(slurm, job_id: int, proc, node: str, reason: str, drain: bool) -> tuple:
+def kill_and_drain(slurm, job_id: int, proc, node: str, reason: str, drain: bool) -> Fenced:
     """The fence's effects, off the controller's loop: the node's rank steps killed (or `proc`,
     the process the controller started, where there is no Slurm step), then the node drained
-    if `drain`. Returns the executor's ("fenced", node, kill errors, drain, drain error) event."""
+    if `drain`. Returns the executor's `Fenced` event."""
     errors = []
     try:
         killed = slurm.kill_steps(job_id, node, names=RANK_STEPS)
@@ -119,4 +120,4 @@ def kill_and_drain(slurm, job_id: int, proc, node: str, reason: str, drain: bool
             slurm.drain(node, f"trainmover: {reason}"[:200])
         except SlurmError as exc:
             drain_error = str(exc)[:300]
-    return ("fenced", node, "; ".join(errors), drain, drain_error)
+    return Fenced(node, "; ".join(errors), drain, drain_error)

@@ -19,6 +19,7 @@ import logging
 import threading
 from collections.abc import Callable
 
+from trainmover.controller.slurm_work import Acquired, Released, Unavailable
 from trainmover.errors import SlurmError
 from trainmover.slurm import commands
 from trainmover.slurm.model import BatchHostRelease, JobInfo, NoStandbyAvailable
@@ -60,19 +61,19 @@ class Resizer:
         self._lock = threading.Lock()  # a grow and a release never overlap: each changes self.job
         self.pace = TokenBucket(max(ACQUIRE_BURST, GROW_RPCS * standbys), ACQUIRE_RATE, clock())
 
-    def acquire(self) -> tuple:
-        """One try to take a standby: ("acquired", node, address) or ("unavailable", why)."""
+    def acquire(self) -> Acquired | Unavailable:
+        """One try to take a standby: `Acquired` (node, address) or `Unavailable` (why)."""
         refused = self.gate()
         if refused is None:  # a successor's check in the background has not answered yet
-            return ("unavailable", "waiting for the check of what this job may do (its Slurm release included)")
+            return Unavailable("waiting for the check of what this job may do (its Slurm release included)")
         if refused:
-            return ("unavailable", f"no standby is taken: {refused}")
+            return Unavailable(f"no standby is taken: {refused}")
         idle = self.pool.none_idle()
         if idle:  # the last node poll saw no free spare: asking slurmctld now would only cost RPCs
-            return ("unavailable", idle)
+            return Unavailable(idle)
         wait = self.pace.wait(self._clock(), GROW_RPCS)
         if wait > 0:  # this job's share of its user's tokens for standbys is spent: later
-            return ("unavailable", f"standby requests paced to {ACQUIRE_RATE * 60:g} RPCs a minute; "
+            return Unavailable(f"standby requests paced to {ACQUIRE_RATE * 60:g} RPCs a minute; "
                                    f"the next in {wait:.0f}s")
         self.pool.asked()
         # as many donor requests as the job's share allows (each of DONOR_TRY_S): when several of a
@@ -89,31 +90,31 @@ class Resizer:
                                        timeout=timeout)
             except NoStandbyAvailable as exc:
                 self.pool.none_granted()
-                return ("unavailable", str(exc))
+                return Unavailable(str(exc))
             except SlurmError as exc:
                 self._reread()
-                return ("unavailable", f"taking a standby failed: {exc}")
+                return Unavailable(f"taking a standby failed: {exc}")
             finally:  # charged what it asked: each donor request, the merge and its check
                 tries = max(1, commands.calls().get("salloc", 0) - sallocs)
                 self.pace.take(self._clock(), GROW_RPCS + DONOR_RETRY_RPCS * (tries - 1))
             self.job = with_nodes(self.job, self.job.nodes + (node,))
         # its address from the node poll, which reads the reservation's nodes (one query if not seen)
-        return ("acquired", node, self._addr(node) or self.slurm.nodes([node])[node].addr)
+        return Acquired(node, self._addr(node) or self.slurm.nodes([node])[node].addr)
 
-    def release(self, node: str) -> tuple:
-        """Release `node` from the job: ("released", node, ok, why not)."""
+    def release(self, node: str) -> Released:
+        """Release `node` from the job: `Released` (ok, or why not)."""
         with self._lock:  # after any grow under way: its node must be among those kept
             keep = [n for n in self.job.nodes if n != node]
             try:
                 self.slurm.shrink(self.job.job_id, keep, job=self.job)  # checked against the record: no query
             except BatchHostRelease:
-                return ("released", node, False,
+                return Released(node, False,
                         f"{node} runs the batch script: it stays in the job until the job ends")
             except SlurmError as exc:
                 self._reread()
-                return ("released", node, False, f"release failed: {exc}")
+                return Released(node, False, f"release failed: {exc}")
             self.job = with_nodes(self.job, tuple(keep))
-            return ("released", node, True, "")
+            return Released(node, True)
 
     def record_if_idle(self) -> JobInfo | None:
         """The job's record when no grow or release is under way (None otherwise: a resize in
