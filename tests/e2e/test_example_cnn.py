@@ -19,8 +19,8 @@ import pytest
 
 from tests.e2e.conftest import TEST_JOB_PREFIX, job_ended, wait_for
 from tests.e2e.test_migration import Run
-from trainmover.slurm import commands
 from trainmover.controller.succession.keeper import sbatch_args
+from trainmover.slurm import commands
 
 pytestmark = pytest.mark.slurm
 

@@ -21,8 +21,8 @@ import pytest
 from tests.e2e.conftest import TEST_JOB_PREFIX, as_user, job_ended, own_cluster, user_dir, wait_for
 from tests.e2e.test_migration import STEPS, Run, assert_same_training
 from trainmover.cluster.procs import step_pid
-from trainmover.slurm.model import KEEPER_FEATURE, TRAIN_FEATURE
 from trainmover.slurm import commands
+from trainmover.slurm.model import KEEPER_FEATURE, TRAIN_FEATURE
 
 pytestmark = pytest.mark.slurm
 

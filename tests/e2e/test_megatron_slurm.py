@@ -24,8 +24,8 @@ import pytest
 
 from tests.e2e.conftest import TEST_JOB_PREFIX, job_ended, own_cluster, resume_drained, wait_for
 from tests.e2e.test_migration import Run
-from trainmover.slurm import commands
 from trainmover.controller.succession.keeper import sbatch_args
+from trainmover.slurm import commands
 from trainmover.slurm.client import CliSlurm
 
 pytestmark = pytest.mark.slurm

@@ -19,8 +19,8 @@ from tests.e2e.conftest import TEST_JOB_PREFIX, job_ended, wait_for
 from tests.e2e.test_failures import recoveries, timeline
 from tests.e2e.test_migration import (  # noqa: F401 - fixtures shared with the planned-migration tests
     ROOT, STEPS, Run, assert_same_training, demo, reference, resume_drained_nodes)
-from trainmover.slurm import commands
 from trainmover.controller.succession.keeper import sbatch_args
+from trainmover.slurm import commands
 
 pytestmark = pytest.mark.slurm
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainmover.runtime import capture, holding, transfer
 from trainmover.groups.tensors import digest_tensors, tensors_of
+from trainmover.runtime import capture, holding, transfer
 from trainmover.runtime.snapshot import Snapshots
 
 KEY = b"k" * 32  # the job's key: the rendezvous values are tagged with it (protocol/store.py)

@@ -2,8 +2,8 @@
 drained, it may leave the job; not drained (no right, or the drain failed), it is held."""
 from __future__ import annotations
 
-from trainmover.controller.policy.actions import LaunchStandby, ReleaseNode
 from trainmover.controller.fencing import DRAINED, HELD, FencedNodes
+from trainmover.controller.policy.actions import LaunchStandby, ReleaseNode
 
 
 def test_without_the_right_to_drain_a_fenced_node_is_held_and_its_release_withheld():

@@ -11,11 +11,11 @@ import pytest
 
 from trainmover.config import Config
 from trainmover.controller import user_rights
-from trainmover.controller.policy.actions import AcquireStandby, LaunchStandby, ReleaseNode, Send
-from trainmover.controller.fencing import FencedNodes
 from trainmover.controller.durable.migration import Phase
-from trainmover.controller.policy.core import Policy
 from trainmover.controller.durable.view import JobView, split_in_job
+from trainmover.controller.fencing import FencedNodes
+from trainmover.controller.policy.actions import AcquireStandby, LaunchStandby, ReleaseNode, Send
+from trainmover.controller.policy.core import Policy
 from trainmover.errors import ConfigError
 from trainmover.slurm import rights
 

@@ -6,12 +6,12 @@ import pytest
 
 from tests.unit.test_policy import Node, new_policy, ready_standby, sends
 from trainmover.config import Config
-from trainmover.protocol.messages import make
 from trainmover.controller.durable import journal
-from trainmover.controller.policy.actions import Finish, Record, ReleaseNode
 from trainmover.controller.durable.journal import Journal, JournalError, fold
 from trainmover.controller.durable.migration import Phase
+from trainmover.controller.policy.actions import Finish, Record, ReleaseNode
 from trainmover.controller.succession.supervisor import restart_decision
+from trainmover.protocol.messages import make
 
 from trainmover.protocol import files
 

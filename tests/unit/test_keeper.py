@@ -1,8 +1,8 @@
 """The keeper and the steps it runs for the controller (controller/succession/keeper.py, controller/steps.py)."""
 import json
 
-from trainmover.controller.succession.keeper import Keeper, choose_home
 from trainmover.controller.steps import KeeperSteps
+from trainmover.controller.succession.keeper import Keeper, choose_home
 
 from trainmover.controller.durable.records import sealed_outcome
 

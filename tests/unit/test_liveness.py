@@ -2,9 +2,9 @@
 import pytest
 
 from trainmover.config import Config
+from trainmover.controller.durable.view import JobView
 from trainmover.controller.policy.actions import Fence, Finish
 from trainmover.controller.policy.core import Policy
-from trainmover.controller.durable.view import JobView
 from tests.unit.test_policy import ready_standby, sends
 
 PIDS = {0: 100, 1: 101, 2: 102}

@@ -8,8 +8,8 @@ import pytest
 
 from trainmover.config import Config
 from trainmover.errors import ConfigError
-from trainmover.megatron.layout import Layout, group_specs
 from trainmover.groups.specs import delta
+from trainmover.megatron.layout import Layout, group_specs
 from trainmover.workloads import registry
 
 pytest.importorskip("megatron.core")

@@ -26,11 +26,11 @@ import torch.distributed as dist  # noqa: E402
 import trainmover.megatron.stack  # noqa: E402,F401  - Megatron imported before the fork
 from tests.unit.late_store import LateStore  # noqa: E402
 from trainmover.groups import rng  # noqa: E402
-from trainmover.runtime import transfer  # noqa: E402
-from trainmover.groups.tensors import digest_tensors, tensors_of  # noqa: E402
-from trainmover.groups.swappable import SandboxBackend, SwappableGroup, gloo_group  # noqa: E402
-from trainmover.runtime.phase1 import xfer_prefix  # noqa: E402
 from trainmover.groups.specs import delta  # noqa: E402
+from trainmover.groups.swappable import SandboxBackend, SwappableGroup, gloo_group  # noqa: E402
+from trainmover.groups.tensors import digest_tensors, tensors_of  # noqa: E402
+from trainmover.runtime import transfer  # noqa: E402
+from trainmover.runtime.phase1 import xfer_prefix  # noqa: E402
 from trainmover.workloads import base as workloads  # noqa: E402
 from trainmover.workloads import registry  # noqa: E402
 

@@ -2,12 +2,12 @@
 says when no rank survives, and the pause of a planned migration without a stayer. Pure: a
 fake clock and fake observations, as test_policy.py."""
 from trainmover.config import Config
-from trainmover.protocol.messages import JOINER, make
+from trainmover.controller.durable.migration import Phase
+from trainmover.controller.durable.view import JobView
 from trainmover.controller.policy import tiers
 from trainmover.controller.policy.actions import AcquireStandby, Finish, LaunchStandby, Rewind
-from trainmover.controller.durable.migration import Phase
 from trainmover.controller.policy.core import Policy
-from trainmover.controller.durable.view import JobView
+from trainmover.protocol.messages import JOINER, make
 
 from test_policy import sends
 

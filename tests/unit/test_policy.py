@@ -2,11 +2,11 @@
 from dataclasses import dataclass
 
 from trainmover.config import Config
-from trainmover.protocol.messages import make
-from trainmover.controller.policy.actions import AcquireStandby, Finish, LaunchStandby, Record, ReleaseNode, Send
 from trainmover.controller.durable.migration import Phase
-from trainmover.controller.policy.core import Policy
 from trainmover.controller.durable.view import JobView
+from trainmover.controller.policy.actions import AcquireStandby, Finish, LaunchStandby, Record, ReleaseNode, Send
+from trainmover.controller.policy.core import Policy
+from trainmover.protocol.messages import make
 
 
 @dataclass
@@ -489,3 +489,30 @@ def test_a_drained_standby_is_given_back_and_replaced_not_counted_as_lost():
     q.on_nodes(10.0, {"train2": Node("ALLOCATED+DRAIN")})
     assert q.active().joiner == "spare1"
     assert q.on_nodes(10.5, {"spare1": Node("ALLOCATED+DRAIN")}) == [] and "spare1" in q.view.standbys
+
+
+# Every message type of the protocol, by who decides on it. A new type must be placed here,
+# so none reaches the controller and is dropped unseen.
+TO_RANKS = {"abort", "anticipate", "bye", "fenced", "hold", "prepare", "recover", "revoke"}  # controller -> processes
+TO_KEEPER_OR_CLI = {"alive", "launch", "moving", "reply"}                                     # controller -> keeper, CLI
+EXECUTORS = {"hello", "beat", "migrate", "status", "steps", "step_exit"}  # heard or answered by the executor itself
+
+
+def test_every_report_type_has_one_handler_in_the_policys_table():
+    from trainmover.controller.policy.core import HANDLERS
+    from trainmover.protocol.messages import SCHEMA
+    assert set(HANDLERS) | TO_RANKS | TO_KEEPER_OR_CLI | EXECUTORS == set(SCHEMA)
+    assert not set(HANDLERS) & (TO_RANKS | TO_KEEPER_OR_CLI | EXECUTORS)
+    p = new_policy()
+    for kind, name in HANDLERS.items():
+        assert callable(getattr(p, name, None)), f"{kind}: Policy has no method {name}"
+
+
+def test_a_report_reaches_its_handler_and_another_type_decides_nothing():
+    p = new_policy(ranks_per_node=1)
+    ready_standby(p)
+    assert p.on_message(2.0, "spare1", make("warming", node="spare1", version=2, rank=0)) == []
+    assert [s["state"] for s in p.status()["standbys"]] == ["warming"]  # the table routed it to the pool
+    for kind in ("beat", "hello", "migrate"):  # the control: not the policy's, nothing decided, nothing changed
+        before = p.status()
+        assert p.on_message(3.0, "spare1", {"type": kind}) == [] and p.status() == before

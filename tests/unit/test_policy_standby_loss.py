@@ -3,10 +3,10 @@ Driven with a fake clock, as the controller's executor would (see standby_loss.p
 import pytest
 
 from trainmover.config import Config
-from trainmover.faults import Fault, parse_one
-from trainmover.controller.policy.actions import AcquireStandby, Finish, LaunchStandby, Record, ReleaseNode
 from trainmover.controller.durable.migration import Phase
+from trainmover.controller.policy.actions import AcquireStandby, Finish, LaunchStandby, Record, ReleaseNode
 from trainmover.errors import ConfigError
+from trainmover.faults import Fault, parse_one
 from test_policy import Node, new_policy, ready_standby, sends, stalled
 
 

@@ -2,10 +2,10 @@
 else a clear stop; and what the policy sends and records for each."""
 import json
 
-from trainmover.controller.policy import tiers
-from trainmover.controller.policy.actions import CheckpointDone, Finish, Rewind
 from trainmover.controller.durable.migration import Phase
 from trainmover.controller.durable.records import RunFiles
+from trainmover.controller.policy import tiers
+from trainmover.controller.policy.actions import CheckpointDone, Finish, Rewind
 
 from test_policy import new_policy, ready_standby, sends, stalled
 

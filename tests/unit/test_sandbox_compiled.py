@@ -11,8 +11,8 @@ import torch.multiprocessing as mp
 
 from trainmover.config import Config, parse_options
 from trainmover.errors import ConfigError
-from trainmover.groups.swappable import SwappableGroup, gloo_group
 from trainmover.groups.specs import GroupSpec
+from trainmover.groups.swappable import SwappableGroup, gloo_group
 from trainmover.sandbox import shadow
 from trainmover.sandbox.live import Recorder
 from trainmover.workloads.base import BuildContext

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from tests.unit.gloo_world import gloo_groups, serve_store
 from trainmover.errors import ConfigError
 from trainmover.groups import rng
-from trainmover.runtime import transfer
 from trainmover.groups.swappable import SwappableGroup
+from trainmover.runtime import transfer
 from trainmover.script.workload import ScriptWorkload
 from trainmover.workloads.base import BuildContext
 

@@ -18,13 +18,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from trainmover.controller.steps import step_environment
+from trainmover.errors import ProtocolError, SlurmError
+from trainmover.healthcheck import Finding, Options, checks, run
 from trainmover.protocol import channel, endpoint, files
 from trainmover.protocol import checkpoint_layout
 from trainmover.protocol.messages import make
 from trainmover.protocol.store import AuthStore, ForgedValue, open_value, seal
-from trainmover.controller.steps import step_environment
-from trainmover.errors import ProtocolError, SlurmError
-from trainmover.healthcheck import Finding, Options, checks, run
 from trainmover.slurm import argv as build
 from trainmover.slurm import commands, parse
 

@@ -6,10 +6,10 @@ import threading
 import pytest
 import torch
 
-from trainmover.protocol import checkpoint_layout as layout
 from trainmover.errors import MigrationError
-from trainmover.runtime import checkpoint, transfer
 from trainmover.groups.tensors import digest_tensors, tensors_of
+from trainmover.protocol import checkpoint_layout as layout
+from trainmover.runtime import checkpoint, transfer
 from trainmover.runtime.snapshot import Snapshots, holder_of, ward_of
 from tests.unit.gloo_world import gloo_groups, serve_store
 

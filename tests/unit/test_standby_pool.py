@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from trainmover.config import Config
-from trainmover.controller.policy.standby_pool import ALLOWED, IllegalStandbyTransition, StandbyPool
 from trainmover.controller.durable.state import PolicyState
 from trainmover.controller.durable.view import JobView, StandbyState as S
+from trainmover.controller.policy.standby_pool import ALLOWED, IllegalStandbyTransition, StandbyPool
 
 ROOT = Path(__file__).resolve().parents[2] / "trainmover"
 

@@ -3,8 +3,8 @@ import random
 
 import pytest
 
-from trainmover.errors import ConfigError
 from trainmover.controller.policy.straggler import Decision, StragglerConfig, StragglerInputError, decide
+from trainmover.errors import ConfigError
 
 RANK_NODE = {r: f"n{r // 2}" for r in range(8)}     # 4 nodes, 2 ranks each
 

@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 
 from trainmover import faults
-from trainmover.protocol.messages import make
 from trainmover.controller.durable import journal, records
-from trainmover.controller.policy.actions import Fence, Finish, Send
 from trainmover.controller.durable.migration import Phase
+from trainmover.controller.policy.actions import Fence, Finish, Send
 from trainmover.controller.succession.supervisor import restart_decision
 from trainmover.errors import ConfigError, MigrationError
 from trainmover.groups.swappable import SandboxBackend, SwappableGroup, gloo_group
+from trainmover.protocol.messages import make
 from trainmover.runtime.rankstate import RankState, RankStateMachine
 from trainmover.runtime.training import TrainingLoop, lost_peer
 from trainmover.runtime.usercode import MAX_TRACEBACK, UserCodeError, UserWorkload, user_code

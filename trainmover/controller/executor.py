@@ -20,15 +20,15 @@ from pathlib import Path
 
 from trainmover import faults
 from trainmover.config import Config, parse_tiers
+from trainmover.controller import user_rights
+from trainmover.controller.durable import handover, journal, records
+from trainmover.controller.exit_codes import MOVED, SUPERSEDED
+from trainmover.controller.fencing import FencedNodes, kill_and_drain
+from trainmover.controller.policy import tiers
 from trainmover.protocol import channel, endpoint
 from trainmover.protocol import checkpoint_layout
 from trainmover.protocol.messages import make
-from trainmover.controller.durable import handover, journal, records
-from trainmover.controller.policy import tiers
-from trainmover.controller import user_rights
-from trainmover.controller.fencing import FencedNodes, kill_and_drain
 from trainmover.slurm.model import TRAIN_FEATURE
-from trainmover.controller.exit_codes import MOVED, SUPERSEDED
 from trainmover.controller.policy.actions import (AcquireStandby, CheckpointDone, Fence, Finish, LaunchStandby, Record,
                                           ReleaseNode, Rewind, Send)
 from trainmover.controller.node_watch import NodeWatch
@@ -36,8 +36,9 @@ from trainmover.controller.policy.core import Policy
 from trainmover.controller.resize import Resizer
 from trainmover.controller.slurm_work import (Acquired, Fenced, Released, RightsChecked, SlurmWork, Unavailable,
                                                WorkEvent, WorkFailed)
-from trainmover.controller.steps import KeeperSteps, LocalSteps, step_environment
+from trainmover.controller.durable import view as view_mod
 from trainmover.controller.durable.view import JobView
+from trainmover.controller.steps import KeeperSteps, LocalSteps, step_environment
 from trainmover.errors import ConfigError, SlurmError
 from trainmover.protocol.worker_spec import ENV as SPEC_ENV, WorkerSpec
 from trainmover.slurm.backends import client
@@ -45,7 +46,6 @@ from trainmover.slurm.job_env import JobEnv
 from trainmover.standbys import auto as auto_pool, site
 from trainmover.workloads import registry
 from trainmover.workloads.base import Workload
-from trainmover.controller.durable import view as view_mod
 
 log = logging.getLogger("trainmover.controller")
 

@@ -55,11 +55,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from trainmover.protocol.store import AuthStore
 from trainmover.errors import MigrationError
-from trainmover.runtime import capture, transfer
-from trainmover.groups.tensors import dtype_of, numel, unflatten
 from trainmover.groups.swappable import gloo_group
+from trainmover.groups.tensors import dtype_of, numel, unflatten
+from trainmover.protocol.store import AuthStore
+from trainmover.runtime import capture, transfer
 
 log = logging.getLogger("trainmover.holding")
 

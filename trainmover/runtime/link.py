@@ -19,8 +19,8 @@ import threading
 import time
 from typing import Callable
 
-from trainmover.protocol import channel
 from trainmover.errors import DeadlineExceeded, TrainMoverError
+from trainmover.protocol import channel
 
 log = logging.getLogger("trainmover.link")
 

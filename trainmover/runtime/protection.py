@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from trainmover.groups.swappable import SNAPSHOT
 from trainmover.runtime import capture, checkpoint, holding, snapshot, transfer
 from trainmover.runtime.context import RankContext
-from trainmover.groups.swappable import SNAPSHOT
 
 log = logging.getLogger("trainmover.worker")
 

@@ -29,13 +29,13 @@ from collections import deque
 from pathlib import Path
 
 from trainmover import config
-from trainmover.protocol.messages import JOINER
 from trainmover.errors import MigrationError
 from trainmover.groups import rng
+from trainmover.groups.specs import delta
+from trainmover.protocol.messages import JOINER
 from trainmover.runtime import capture, checkpoint, phase1, stacks, transfer
 from trainmover.runtime.context import RankContext
 from trainmover.runtime.epoch import abort
-from trainmover.groups.specs import delta
 from trainmover.runtime.protection import Protection
 from trainmover.runtime.rankstate import RankState
 from trainmover.runtime.standby import StandbyRole

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from trainmover.errors import MigrationError
+from trainmover.groups.swappable import CONTROL, SwappableGroup
 from trainmover.runtime import ahead
 from trainmover.runtime.context import RankContext
-from trainmover.groups.swappable import CONTROL, SwappableGroup
 from trainmover.runtime.protection import Protection
 from trainmover.runtime.rankstate import RankState
 

@@ -20,10 +20,10 @@ import torch.distributed as dist
 
 from trainmover.errors import MigrationError
 from trainmover.groups import rng
+from trainmover.groups.specs import delta
 from trainmover.runtime import phase1, transfer, xferplan
 from trainmover.runtime.context import RankContext
 from trainmover.runtime.epoch import abort, cancel_key, go_key, layout_key
-from trainmover.groups.specs import delta
 from trainmover.runtime.rankstate import RankState
 
 if TYPE_CHECKING:  # roles this one calls, handed to it by the process (worker.Agent)

@@ -15,12 +15,12 @@ import logging
 import time
 
 from trainmover import config
+from trainmover.groups.swappable import CONTROL, CollectiveFailure, first_failure
 from trainmover.runtime import boundary
 from trainmover.runtime.context import RankContext
-from trainmover.groups.swappable import CONTROL, CollectiveFailure, first_failure
 from trainmover.runtime.protection import Protection
-from trainmover.runtime.rankstate import RankState
 from trainmover.runtime.rank_recovery import RankRecovery
+from trainmover.runtime.rankstate import RankState
 from trainmover.runtime.switch import Switch, switch_ready
 from trainmover.script.run import ScriptEnded
 

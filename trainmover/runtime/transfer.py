@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from trainmover.errors import MigrationError
-from trainmover.runtime import xferplan
 from trainmover.groups.tensors import by_dtype, digest_tensors, flatten, tensors_of, unflatten
+from trainmover.runtime import xferplan
 
 log = logging.getLogger(__name__)
 

@@ -38,24 +38,24 @@ import torch.distributed as dist
 
 from trainmover import faults
 from trainmover.errors import MigrationError
+from trainmover.groups import rng
+from trainmover.groups.specs import GroupSpec
+from trainmover.groups.swappable import CONTROL, SNAPSHOT, Revoked, SandboxBackend, SwappableGroup, gloo_group
+from trainmover.groups.tensors import digest_tensors, tensors_of
 from trainmover.logs import setup_logging
 from trainmover.protocol import channel, endpoint, files
 from trainmover.protocol.messages import make
-from trainmover.protocol.worker_spec import WorkerSpec
 from trainmover.protocol.store import AuthStore
-from trainmover.slurm.job_env import JobEnv
-from trainmover.groups import rng
+from trainmover.protocol.worker_spec import WorkerSpec
 from trainmover.runtime import heartbeat, phase1, transfer, usercode
-from trainmover.groups.swappable import CONTROL, SNAPSHOT, Revoked, SandboxBackend, SwappableGroup, gloo_group
 from trainmover.runtime.link import Link
-from trainmover.groups.specs import GroupSpec
 from trainmover.runtime.protection import Protection
-from trainmover.runtime.rankstate import RankState, RankStateMachine
 from trainmover.runtime.rank_recovery import RankRecovery
+from trainmover.runtime.rankstate import RankState, RankStateMachine
 from trainmover.runtime.standby import REWARM_POLL_S, StandbyRole
-from trainmover.groups.tensors import digest_tensors, tensors_of
 from trainmover.runtime.switch import Switch
 from trainmover.runtime.training import TRACE_STEPS, TrainingLoop
+from trainmover.slurm.job_env import JobEnv
 from trainmover.workloads import base as workloads
 from trainmover.workloads import registry
 

@@ -15,8 +15,8 @@ import sys
 import torch.distributed as dist
 
 from trainmover.errors import ConfigError
-from trainmover.megatron import c10d
 from trainmover.groups.swappable import SwappableGroup
+from trainmover.megatron import c10d
 from trainmover.slurm.job_env import JobEnv
 
 _made: list = []  # the ranks of each group the script made, in order (the same on every rank and run)

@@ -23,8 +23,8 @@ import math
 import torch
 
 from trainmover.errors import ConfigError, MigrationError
-from trainmover.megatron.layout import Layout, group_specs
 from trainmover.groups.specs import GroupSpec
+from trainmover.megatron.layout import Layout, group_specs
 from trainmover.workloads.base import BuildContext, Workload, load_optimizer_in_place
 
 PRESETS = {

@@ -26,20 +26,20 @@ from typing import Any, Protocol
 
 from trainmover.config import Config
 from trainmover.controller.durable import codec
+from trainmover.controller.durable.journal import Replayed
+from trainmover.controller.durable.migration import Migration, Phase
+from trainmover.controller.durable.state import PolicyState
+from trainmover.controller.durable.view import JobView, StandbyState
 from trainmover.controller.policy.actions import Action, Fence, Finish, LaunchStandby, Record, ReleaseNode
 from trainmover.controller.policy.holder import SnapshotHolder
-from trainmover.controller.durable.journal import Replayed
 from trainmover.controller.policy.liveness import Heard, Liveness
-from trainmover.controller.durable.migration import Migration, Phase
 from trainmover.controller.policy.planner import Planner
 from trainmover.controller.policy.progress import Progress
 from trainmover.controller.policy.recovery import RecoveryPolicy
-from trainmover.controller.policy.takeover import Takeover
 from trainmover.controller.policy.standby_loss import StandbyLoss
 from trainmover.controller.policy.standby_pool import StandbyPool
-from trainmover.controller.durable.state import PolicyState
 from trainmover.controller.policy.straggler_watch import StragglerWatch
-from trainmover.controller.durable.view import JobView, StandbyState
+from trainmover.controller.policy.takeover import Takeover
 from trainmover.protocol.messages import Message
 
 log = logging.getLogger("trainmover.policy")
@@ -69,6 +69,17 @@ class NodeStatus(Protocol):
     @property
     def drained(self) -> bool: ...
 
+
+# The policy's vocabulary: a process's report type -> the Policy method that decides on it.
+# The executor hands every report here (Policy.on_message); tests/unit/test_policy.py checks
+# that every type a rank, standby or keeper sends is either in this table or heard elsewhere.
+HANDLERS: dict[str, str] = {
+    "ready": "_on_ready", "resync": "_on_resync", "stalled": "_on_stalled", "failed": "_on_failed",
+    "checkpointed": "_on_checkpointed", "snapshot_held": "_on_snapshot_held",
+    "snapshot_taken": "_on_snapshot_taken", "recorded": "_on_recorded", "warming": "_on_warming",
+    "step": "_on_step_report", "finished": "_on_finished_report",
+    "prepared": "_on_prepared", "prepare_failed": "_on_prepare_failed", "switched": "_on_switched",
+}
 
 class Policy:
     def __init__(self, cfg: Config, view: JobView) -> None:
@@ -199,57 +210,79 @@ class Policy:
         return []
 
     def on_message(self, now: float, node: str, msg: Message) -> list[Action]:
-        kind = msg["type"]
-        if kind == "ready":
-            s = self.pool.get(node)
-            if s is None or s.state is StandbyState.JOINING:  # a re-warm's report that crossed a prepare: the join decides
-                return []
-            # A node runs ranks_per_node standby processes; it takes a whole node's ranks, so it
-            # is ready once every one of them is warm.
-            s.warm.add(msg["local"])
-            if len(s.warm) < self.view.ranks_per_node:
-                return []
-            self.pool.mark_ready(now, node, msg["warmup_s"], msg["shadow_steps"], msg["detail"])
-            return self.recovery_part.maybe_recover(now) + self.planner.dispatch(now) + self._holder_actions(now)
-        if kind == "resync":
-            return self.takeover.on_resync(now, node, msg)
-        if kind == "stalled":
-            return self.recovery_part.on_stalled(now, node, msg)
-        if kind == "failed":
-            return self._on_failed(now, node, msg)
-        if kind == "checkpointed":
-            return self.recovery_part.on_checkpointed(msg)
-        if kind == "snapshot_held":
-            return self.snapshots.on_held(node, msg)
-        if kind == "snapshot_taken":
-            return self.snapshots.on_taken(msg)
-        if kind == "recorded":
-            self.recordings[str(msg["rank"])] = {k: msg[k] for k in ("rank", "iterations", "bytes", "overhead_s",
-                                                                     "step_s", "version", "detail")}
+        """A process's report, to its handler by type (HANDLERS: one table, the policy's whole
+        vocabulary). A type without a handler is not the policy's to decide on: `hello` and
+        `beat` are heard (`heard`), the CLI's and the keeper's requests are the executor's."""
+        name = HANDLERS.get(msg["type"])
+        return getattr(self, name)(now, node, msg) if name is not None else []
+
+    def _on_ready(self, now: float, node: str, msg: Message) -> list[Action]:
+        s = self.pool.get(node)
+        if s is None or s.state is StandbyState.JOINING:  # a re-warm's report that crossed a prepare: the join decides
             return []
-        if kind == "warming":  # not offered to a migration until it is ready again
-            self.pool.mark_warming(now, node)
+        # A node runs ranks_per_node standby processes; it takes a whole node's ranks, so it
+        # is ready once every one of them is warm.
+        s.warm.add(msg["local"])
+        if len(s.warm) < self.view.ranks_per_node:
             return []
-        if kind in ("step", "finished") and msg["rank"] not in self.view.rank_node:
-            log.warning("ignoring %s from %s for rank %d, which job %d does not have", kind, node, msg["rank"],
-                        self.view.job_id)
-            return []
-        if kind == "step":
-            if msg["step"] <= self.progress.metrics_through:  # re-sent after a controller restart: logged already
-                return []
-            return self._on_step(now, node, msg)
-        if kind == "finished":
-            return self._on_finished(msg)
-        m = next((x for x in self.migrations if x.active and x.epoch and x.epoch == msg.get("epoch")), None)
-        if m is None:
-            return []
-        if kind == "prepared":
-            return self.planner.on_prepared(now, m, node, msg)
-        if kind == "prepare_failed":
-            return self.planner.abort(now, m, f"rank {msg['rank']} on {node}: {msg['error']}")
-        if kind == "switched":
-            return self.planner.on_switched(now, m, msg)
+        self.pool.mark_ready(now, node, msg["warmup_s"], msg["shadow_steps"], msg["detail"])
+        return self.recovery_part.maybe_recover(now) + self.planner.dispatch(now) + self._holder_actions(now)
+
+    def _on_resync(self, now: float, node: str, msg: Message) -> list[Action]:
+        return self.takeover.on_resync(now, node, msg)
+
+    def _on_stalled(self, now: float, node: str, msg: Message) -> list[Action]:
+        return self.recovery_part.on_stalled(now, node, msg)
+
+    def _on_checkpointed(self, now: float, node: str, msg: Message) -> list[Action]:
+        return self.recovery_part.on_checkpointed(msg)
+
+    def _on_snapshot_held(self, now: float, node: str, msg: Message) -> list[Action]:
+        return self.snapshots.on_held(node, msg)
+
+    def _on_snapshot_taken(self, now: float, node: str, msg: Message) -> list[Action]:
+        return self.snapshots.on_taken(msg)
+
+    def _on_recorded(self, now: float, node: str, msg: Message) -> list[Action]:
+        self.recordings[str(msg["rank"])] = {k: msg[k] for k in ("rank", "iterations", "bytes", "overhead_s",
+                                                                 "step_s", "version", "detail")}
         return []
+
+    def _on_warming(self, now: float, node: str, msg: Message) -> list[Action]:
+        self.pool.mark_warming(now, node)  # not offered to a migration until it is ready again
+        return []
+
+    def _of_a_rank(self, node: str, msg: Message) -> bool:
+        """Whether a rank's report names a rank of this job (else it is logged and ignored)."""
+        if msg["rank"] in self.view.rank_node:
+            return True
+        log.warning("ignoring %s from %s for rank %d, which job %d does not have", msg["type"], node, msg["rank"],
+                    self.view.job_id)
+        return False
+
+    def _on_step_report(self, now: float, node: str, msg: Message) -> list[Action]:
+        if not self._of_a_rank(node, msg) or msg["step"] <= self.progress.metrics_through:
+            return []  # (the latter: re-sent after a controller restart, logged already)
+        return self._on_step(now, node, msg)
+
+    def _on_finished_report(self, now: float, node: str, msg: Message) -> list[Action]:
+        return self._on_finished(msg) if self._of_a_rank(node, msg) else []
+
+    def _migration_of(self, msg: Message) -> Migration | None:
+        """The active migration of a report's epoch (None: a report of an epoch no longer acted on)."""
+        return next((x for x in self.migrations if x.active and x.epoch and x.epoch == msg.get("epoch")), None)
+
+    def _on_prepared(self, now: float, node: str, msg: Message) -> list[Action]:
+        m = self._migration_of(msg)
+        return self.planner.on_prepared(now, m, node, msg) if m is not None else []
+
+    def _on_prepare_failed(self, now: float, node: str, msg: Message) -> list[Action]:
+        m = self._migration_of(msg)
+        return self.planner.abort(now, m, f"rank {msg['rank']} on {node}: {msg['error']}") if m is not None else []
+
+    def _on_switched(self, now: float, node: str, msg: Message) -> list[Action]:
+        m = self._migration_of(msg)
+        return self.planner.on_switched(now, m, msg) if m is not None else []
 
     def _on_finished(self, msg: Message) -> list[Action]:
         finished = self.progress.finished

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import logging
 
-from trainmover.protocol.messages import make
+from trainmover.controller.durable.state import PolicyState
 from trainmover.controller.policy.actions import Send
 from trainmover.controller.policy.standby_pool import StandbyPool
-from trainmover.controller.durable.state import PolicyState
+from trainmover.protocol.messages import make
 
 log = logging.getLogger("trainmover.policy")
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trainmover.config import Config
-from trainmover.controller.policy.progress import Progress
 from trainmover.controller.durable.state import PolicyState
+from trainmover.controller.policy.progress import Progress
 
 
 @dataclass

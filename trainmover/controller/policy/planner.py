@@ -9,12 +9,12 @@ import logging
 from typing import Callable
 
 from trainmover.config import Config
-from trainmover.protocol.messages import make
-from trainmover.controller.policy.actions import Record, ReleaseNode, Send
 from trainmover.controller.durable.migration import Migration, Phase
+from trainmover.controller.durable.state import PolicyState
+from trainmover.controller.policy.actions import Record, ReleaseNode, Send
 from trainmover.controller.policy.progress import Progress
 from trainmover.controller.policy.standby_pool import StandbyPool
-from trainmover.controller.durable.state import PolicyState
+from trainmover.protocol.messages import make
 
 log = logging.getLogger("trainmover.policy")
 

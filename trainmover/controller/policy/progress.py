@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import statistics
 
-from trainmover.controller.policy.actions import Record
 from trainmover.controller.durable.migration import Migration
 from trainmover.controller.durable.state import PolicyState
+from trainmover.controller.policy.actions import Record
 
 
 class Progress:

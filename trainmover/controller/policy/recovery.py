@@ -20,16 +20,16 @@ import logging
 from typing import Callable
 
 from trainmover.config import Config, parse_tiers
-from trainmover.protocol.checkpoint_layout import KEEP as KEEP_CHECKPOINTS  # complete checkpoints kept
-from trainmover.protocol.messages import make
+from trainmover.controller.durable.migration import Phase
+from trainmover.controller.durable.state import PolicyState
 from trainmover.controller.policy import tiers
 from trainmover.controller.policy.actions import CheckpointDone, Finish, Rewind, Send
 from trainmover.controller.policy.holder import SnapshotHolder
-from trainmover.controller.durable.migration import Phase
 from trainmover.controller.policy.planner import Planner
 from trainmover.controller.policy.progress import Progress
 from trainmover.controller.policy.standby_pool import StandbyPool
-from trainmover.controller.durable.state import PolicyState
+from trainmover.protocol.checkpoint_layout import KEEP as KEEP_CHECKPOINTS  # complete checkpoints kept
+from trainmover.protocol.messages import make
 
 log = logging.getLogger("trainmover.policy")
 

@@ -21,13 +21,13 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from trainmover.controller.policy.actions import Finish, ReleaseNode, Record
 from trainmover.controller.durable.migration import Migration, Phase
+from trainmover.controller.durable.state import PolicyState
+from trainmover.controller.durable.view import StandbyState
+from trainmover.controller.policy.actions import Finish, ReleaseNode, Record
 from trainmover.controller.policy.planner import Planner
 from trainmover.controller.policy.recovery import RecoveryPolicy
 from trainmover.controller.policy.standby_pool import StandbyPool
-from trainmover.controller.durable.state import PolicyState
-from trainmover.controller.durable.view import StandbyState
 
 log = logging.getLogger("trainmover.policy")
 

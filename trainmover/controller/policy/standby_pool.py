@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 
 from trainmover.config import Config
-from trainmover.controller.policy.actions import AcquireStandby
 from trainmover.controller.durable.state import PolicyState
 from trainmover.controller.durable.view import Standby, StandbyState as S
+from trainmover.controller.policy.actions import AcquireStandby
 from trainmover.errors import TrainMoverError
 
 log = logging.getLogger("trainmover.policy")

@@ -21,16 +21,16 @@ from __future__ import annotations
 import logging
 
 from trainmover.config import Config
-from trainmover.protocol.messages import make
 from trainmover.controller.durable import codec
-from trainmover.controller.policy.actions import Finish, Record, ReleaseNode, Send
 from trainmover.controller.durable.journal import Replayed
 from trainmover.controller.durable.migration import Migration, Phase
+from trainmover.controller.durable.state import PolicyState
+from trainmover.controller.policy.actions import Finish, Record, ReleaseNode, Send
 from trainmover.controller.policy.planner import Planner
 from trainmover.controller.policy.progress import Progress
 from trainmover.controller.policy.recovery import RecoveryPolicy
 from trainmover.controller.policy.standby_pool import StandbyPool
-from trainmover.controller.durable.state import PolicyState
+from trainmover.protocol.messages import make
 
 log = logging.getLogger("trainmover.policy")
 

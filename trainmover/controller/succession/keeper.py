@@ -35,15 +35,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainmover.config import Config
+from trainmover.controller.durable import journal, records
+from trainmover.controller.steps import start_srun, step_environment
+from trainmover.controller.succession import rules as succession
+from trainmover.errors import ConfigError, ProtocolError, TrainMoverError
 from trainmover.protocol import channel, endpoint, files
 from trainmover.protocol.messages import make
-from trainmover.controller.durable import journal, records
-from trainmover.controller.succession import rules as succession
-from trainmover.controller.steps import start_srun, step_environment
-from trainmover.errors import ConfigError, ProtocolError, TrainMoverError
 from trainmover.protocol.worker_spec import ENV as SPEC_ENV
-from trainmover.slurm.job_env import JobEnv
 from trainmover.slurm import parse
+from trainmover.slurm.job_env import JobEnv
 from trainmover.slurm.model import KEEPER_FEATURE, TRAIN_FEATURE, JobInfo, NodeInfo
 
 log = logging.getLogger("trainmover.keeper")

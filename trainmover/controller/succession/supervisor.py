@@ -33,11 +33,11 @@ import time
 from pathlib import Path
 
 from trainmover.config import Config
-from trainmover.protocol import channel, files
 from trainmover.controller.durable import journal, records
 from trainmover.controller.exit_codes import FAILED, FINISHED, MOVED, REFUSED, SUPERSEDED
 from trainmover.errors import ConfigError, ProtocolError, TrainMoverError
 from trainmover.logs import setup_logging
+from trainmover.protocol import channel, files
 from trainmover.slurm.job_env import JobEnv
 
 log = logging.getLogger("trainmover.supervisor")
