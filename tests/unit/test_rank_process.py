@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from trainmover.config import Config
 from trainmover.protocol import checkpoint_layout
 from trainmover.protocol.messages import make
 from trainmover.protocol.worker_spec import WorkerSpec
@@ -127,11 +128,14 @@ def job(tmp_path):
                                      timeout=datetime.timedelta(seconds=DEADLINE_S)))
 
         def agent(role: str, node: str, ranks=(), **fields) -> tuple[Agent, FakeLink, list]:
-            spec = WorkerSpec(role=role, ranks=tuple(ranks), world_size=2, node=node, node_addr="127.0.0.1",
-                              controller=("127.0.0.1", 9), store=("127.0.0.1", port), secret_file=str(secret),
-                              workload=f"{__name__}:Tiny", steps=STEPS, group_timeout_s=30.0,
-                              switch_timeout_s=30.0, recovery_timeout_s=30.0, heartbeat_s=0, shadow_steps=6,
-                              record_iterations=0, device="cpu", backend="gloo", **fields)
+            # no beat within a test (the FakeLink is the controller): one an hour
+            job = Config(workload=f"{__name__}:Tiny", steps=STEPS, group_timeout_s=30.0, switch_timeout_s=30.0,
+                         recovery_timeout_s=30.0, heartbeat_s=3600.0, heartbeat_timeout_s=7200.0, shadow_steps=6,
+                         record_iterations=0, device="cpu", backend="gloo")
+            spec = WorkerSpec.from_config(job, inject=fields.pop("inject", ()), role=role, ranks=tuple(ranks),
+                                          world_size=2, node=node, node_addr="127.0.0.1",
+                                          controller=("127.0.0.1", 9), store=("127.0.0.1", port),
+                                          secret_file=str(secret), **fields)
             link = FakeLink()
             a = Agent(spec, 0, link=link)
             seen = [a.state.now]

@@ -1,16 +1,17 @@
 """What the controller tells a worker or standby agent at launch (env `TM_WORKER_SPEC`): part of
 the contract between controller and runtime (this package).
 
-Most fields are the job's configuration as a rank needs it: they have the name of a `Config`
-field, take its default from there (the one place a default lives) and are copied from the
-job's `Config` by `WorkerSpec.from_config`, which is how the controller builds every spec. The
-JSON (`to_env`/`from_env`) is `asdict` of the dataclass: a field missing from it gets the
-default, so a spec written by hand (tests) needs only the launch fields."""
+The spec holds the job's `Config` whole (`job`), as the controller decided it for this launch
+(`from_config`: e.g. snapshot_every 0 where no snapshot could be used, the layout's ranks per
+node), beside what only a launch has: the rank's place, the addresses, the files, the faults
+this process injects. The JSON (`to_env`/`from_env`) is `asdict` of the dataclass, and
+`Config` validates what it reads there as it validates the job's environment."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from trainmover import config
@@ -18,19 +19,7 @@ from trainmover.config import Config
 from trainmover.errors import ConfigError
 
 ENV = "TM_WORKER_SPEC"
-_CONFIG = {f.name: f for f in fields(Config)}
-
-
-def _default(name: str) -> Any:
-    """Config's default of its field `name`."""
-    f = _CONFIG[name]
-    assert f.default is not MISSING, f"Config.{name} has no plain default"
-    return f.default
-
-
-def _from_config(name: str) -> Any:
-    """A spec field that `from_config` copies from the job's Config field of the same name."""
-    return field(default=_default(name), metadata={"config": True})
+_CONFIG_FIELDS = frozenset(f.name for f in fields(Config))
 
 
 @dataclass(frozen=True)
@@ -43,46 +32,33 @@ class WorkerSpec:
     controller: tuple[str, int]
     store: tuple[str, int]
     secret_file: str
-    workload: str = _from_config("workload")
+    job: Config = field(default_factory=Config)  # the job's configuration, with the controller's values for this launch
     workload_options: dict[str, Any] = field(default_factory=dict)  # Config.workload_kwargs(): what the constructor gets
-    seed: int = _from_config("seed")
-    steps: int = _from_config("steps")
-    group_timeout_s: float = _from_config("group_timeout_s")        # deadline of every collective and rendezvous
-    switch_timeout_s: float = _from_config("switch_timeout_s")      # joiner: longest wait for the leaver's state
-    recovery_timeout_s: float = _from_config("recovery_timeout_s")  # a stalled rank's longest wait for the recovery plan
-    reconnect_timeout_s: float = _from_config("reconnect_timeout_s")  # controller lost: how long to try its successor
-    heartbeat_s: float = _from_config("heartbeat_s")  # a beat to the controller this often (runtime/heartbeat.py; 0: none)
+    # TM_INJECT as this process sees it (faults.for_launch: e.g. a plain `die-in-warmup` marks
+    # the standby the controller chose), not the job's own list, which `job.inject` keeps
+    inject: tuple[str, ...] = ()
     controller_file: str = ""       # controller.json on the run dir: where the controller is after a move
-    shadow_steps: int = _from_config("shadow_steps")  # most shadow steps to reach a steady collective sequence
-    inject: tuple[str, ...] = _default("inject")  # fault injection as this process sees it (faults.for_launch)
-    record_iterations: int = _from_config("record_iterations")  # iterations the role ranks record (0: none)
     recording_dir: str = ""         # the job's HDF5 recordings, on its shared directory (see Workload.standby_roles)
-    record_from_step: int = _from_config("record_from_step")  # first recorded step (0: from construction on)
-    record_versions: int = _from_config("record_versions")    # most recordings (new collective shapes: a new one)
-    standby_warmup: str = _from_config("standby_warmup")      # shadow, or cold (benchmark baseline)
-    standby_nice: int = _from_config("standby_nice")          # a standby's niceness while it warms up (runtime/standby.py)
-    standby_compile_threads: int = _from_config("standby_compile_threads")  # torch.compile workers (0: torch's default)
-    snapshot_every: int = _from_config("snapshot_every")      # steps between in-memory snapshots (0: off), runtime/snapshot.py
-    checkpoint_every: int = _from_config("checkpoint_every")  # steps between checkpoints (0: off), runtime/checkpoint.py
     checkpoint_dir: str = ""        # on the job's shared directory
-    ranks_per_node: int = _from_config("ranks_per_node")  # a snapshot's holder is the same local index on the next node
-    device: str = _from_config("device")    # cpu, cuda or auto: resolved on the node, which knows its GPUs
-    backend: str = _from_config("backend")  # gloo, nccl or auto
 
     @classmethod
     def from_config(cls, cfg: Config, *, inject: tuple[str, ...], **launch: Any) -> "WorkerSpec":
-        """The spec of one launch: every field marked `config` has `cfg`'s value unless `launch`
-        gives the controller's own (e.g. snapshot_every, 0 where no snapshot could be used),
-        workload_options is `cfg.workload_kwargs()`; `launch` gives the rest (role, ranks,
-        addresses, files) and `inject` this launch's fault injections (faults.for_launch)."""
-        copied = {f.name: getattr(cfg, f.name) for f in fields(cls) if f.metadata.get("config")}
-        return cls(**{**copied, "workload_options": cfg.workload_kwargs(), "inject": tuple(inject), **launch})
+        """The spec of one launch: `cfg` with the controller's own values among `launch` (those
+        named like a Config field, e.g. snapshot_every); workload_options is
+        `cfg.workload_kwargs()` unless `launch` gives it; `inject` this launch's fault injections (faults.for_launch); the
+        rest of `launch` (role, ranks, addresses, files) are the spec's own fields."""
+        own_names = {f.name for f in fields(cls)}  # workload_options: the spec's own (the kwargs), not Config's text
+        decided = {k: v for k, v in launch.items() if k in _CONFIG_FIELDS and k not in own_names}
+        own = {"workload_options": cfg.workload_kwargs(),
+               **{k: v for k, v in launch.items() if k not in decided}}
+        job = dataclasses.replace(cfg, **decided) if decided else cfg
+        return cls(job=job, inject=tuple(inject), **own)
 
     def resolved(self) -> tuple[str, str]:
         """(device, backend) on this node."""
         import torch
-        device = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        backend = self.backend if self.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
+        device = self.job.device if self.job.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        backend = self.job.backend if self.job.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
         return device, backend
 
     def to_env(self) -> str:
@@ -99,8 +75,11 @@ class WorkerSpec:
             d["controller"] = tuple(d["controller"])
             d["store"] = tuple(d["store"])
             d["inject"] = tuple(d.get("inject", ()))
+            job = dict(d.get("job", {}))
+            job["inject"] = tuple(job.get("inject", ()))
+            d["job"] = Config(**job)  # validated as the job's own environment is
             return cls(**d)
-        except (ValueError, TypeError, KeyError) as exc:
+        except (ConfigError, ValueError, TypeError, KeyError, AttributeError) as exc:
             raise ConfigError(f"{ENV} is malformed: {exc}") from exc
 
     def my_rank(self, local_index: int) -> int | None:

@@ -39,8 +39,8 @@ class Protection:
     def own_snapshots(self) -> snapshot.Snapshots:
         if self.snapshots is None or self.snapshots.rank != self.ctx.rank:
             spec = self.ctx.spec
-            self.snapshots = snapshot.Snapshots(self.ctx.rank, spec.world_size, spec.ranks_per_node,
-                                                spec.group_timeout_s, corrupt=self.ctx.faults.at("snapshot-send"),
+            self.snapshots = snapshot.Snapshots(self.ctx.rank, spec.world_size, spec.job.ranks_per_node,
+                                                spec.job.group_timeout_s, corrupt=self.ctx.faults.at("snapshot-send"),
                                                 device=self.ctx.device, key=self.ctx.key)
         return self.snapshots
 
@@ -49,9 +49,9 @@ class Protection:
         copy into host memory is issued here; exchanges and writes run in background threads."""
         self._report_snapshots()
         link = self.snapshots.standby if self.snapshots is not None else None
-        if link is not None and link.direct_due() and step < self.ctx.spec.steps:
+        if link is not None and link.direct_due() and step < self.ctx.spec.job.steps:
             self._send_direct(link, step)
-        every_s, every_c = self.ctx.spec.snapshot_every, self.ctx.spec.checkpoint_every
+        every_s, every_c = self.ctx.spec.job.snapshot_every, self.ctx.spec.job.checkpoint_every
         if every_s and self.ctx.device == "cuda":
             cap = self.own_snapshots().capture
             if not cap.slabs and cap.allocating is None:
@@ -64,7 +64,7 @@ class Protection:
             # the first version goes straight to the holder's GPU once its pair is built: a host
             # version now would wait for the holder's host buffers, pinned only after it
             due_s = False
-        if step >= self.ctx.spec.steps or not (due_s or due_c):
+        if step >= self.ctx.spec.job.steps or not (due_s or due_c):
             return
         if due_s:
             cap = self.own_snapshots().take(step, self.ctx.full_state(step), self.ctx.groups[SNAPSHOT].inner)
@@ -78,7 +78,7 @@ class Protection:
                                                      self._checkpointed)
             # a copy of its own: a snapshot's slab is reused by a later snapshot while a slow
             # filesystem may still be writing this one
-            self.checkpoints.submit(step, transfer.host_copy(self.ctx.full_state(step)), self.ctx.spec.group_timeout_s)
+            self.checkpoints.submit(step, transfer.host_copy(self.ctx.full_state(step)), self.ctx.spec.job.group_timeout_s)
 
     def _send_direct(self, link: holding.StandbyLink, step: int) -> None:
         """The first version straight to the standby holder's GPU (holding.py): this step
@@ -132,7 +132,7 @@ class Protection:
     def on_hold(self, msg: dict) -> None:
         """A worker of a one-node job: the controller names the standby that holds its snapshots
         (`holder` "": nobody, e.g. it took a rank)."""
-        if not self.ctx.spec.snapshot_every or self.ctx.rank is None:
+        if not self.ctx.spec.job.snapshot_every or self.ctx.rank is None:
             return
         snaps = self.own_snapshots()
         if not snaps.one_node:
@@ -141,7 +141,7 @@ class Protection:
         if msg["holder"] and self.ctx.rank in msg["wards"]:
             spec = self.ctx.spec
             snaps.standby = holding.StandbyLink(tuple(spec.store), msg["prefix"], self.ctx.rank, msg["holder"],
-                                                 spec.node_addr, spec.group_timeout_s, key=self.ctx.key,
+                                                 spec.node_addr, spec.job.group_timeout_s, key=self.ctx.key,
                                                  direct=self._pair_builder())
             log.info("snapshots of rank %d go to standby %s", self.ctx.rank, msg["holder"])
 
@@ -158,7 +158,7 @@ class Protection:
         # the worker's state has this standby's own layout (same rank, same model): slabs allocated now
         _, paths, tensors = capture.flatten(self.ctx.full_state(0))
         spec = self.ctx.spec
-        self.holding = holding.Holding(tuple(spec.store), msg["prefix"], ward, spec.node_addr, spec.group_timeout_s,
+        self.holding = holding.Holding(tuple(spec.store), msg["prefix"], ward, spec.node_addr, spec.job.group_timeout_s,
                                        report, key=self.ctx.key, verify_on=self.ctx.device,
                                        layout=capture.specs_of(paths, tensors), direct=self._pair_builder())
         log.info("holding the snapshots of rank %d", ward)

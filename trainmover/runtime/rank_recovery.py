@@ -139,7 +139,7 @@ def rebuild(rec: RankRecovery, msg: dict, role: str, builds: Builds | None = Non
     t0 = time.perf_counter()
     epoch, tier = msg["epoch"], msg["tier"]
     if tier == "replica" and rec.ctx.workload.replica_group() is None:
-        raise MigrationError(f"workload {rec.ctx.spec.workload!r} names no replica group: a vanished rank's "
+        raise MigrationError(f"workload {rec.ctx.spec.job.workload!r} names no replica group: a vanished rank's "
                              "state can only come from a snapshot or a checkpoint", phase="recover", rank=rec.ctx.rank)
     builds = start_builds(rec, msg, builds)
     early = t0 - builds.t0  # a joiner's builds started before: at its rebind's start
@@ -300,11 +300,11 @@ class RankRecovery:
         """The controller's `recover` plan, within the recovery deadline. The controller's
         deadline decides (its message names what it waited for); a rank gives up only
         RECOVERY_GRACE_S later, when that decision never came."""
-        deadline = time.monotonic() + self.ctx.spec.recovery_timeout_s + RECOVERY_GRACE_S
+        deadline = time.monotonic() + self.ctx.spec.job.recovery_timeout_s + RECOVERY_GRACE_S
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise MigrationError(f"no recovery plan within {self.ctx.spec.recovery_timeout_s:.0f}s after: {exc}",
+                raise MigrationError(f"no recovery plan within {self.ctx.spec.job.recovery_timeout_s:.0f}s after: {exc}",
                                      phase="recover", rank=self.ctx.rank, host=self.ctx.spec.node)
             try:
                 msg = self.ctx.inbox.get(timeout=left)
@@ -347,7 +347,7 @@ class RankRecovery:
         self.ctx.groups = self.ctx.make_groups(rank, sandbox=True)
         self.ctx.workload.rebind(self.ctx.build_context(rank))
         self.standby.rehearsed = rank
-        self.standby.shadow_until_steady(self.ctx.spec.shadow_steps)
+        self.standby.shadow_until_steady(self.ctx.spec.job.shadow_steps)
         return False
 
     def take_failed_rank(self, msg: dict, rebind: bool = True) -> int:

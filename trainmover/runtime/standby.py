@@ -54,9 +54,9 @@ class StandbyRole:
         """The first warm-up, then `ready`. Returns when it began (perf_counter), which later
         `ready` reports count their warm-up time from."""
         t0 = time.perf_counter()
-        limits = limit_warmup(self.ctx.spec.standby_compile_threads)
-        expected, shadow, steps, limits["nice"] = niced(self.ctx.spec.standby_nice, self._warm_up)
-        if expected is not None and self.ctx.spec.standby_warmup != "cold":
+        limits = limit_warmup(self.ctx.spec.job.standby_compile_threads)
+        expected, shadow, steps, limits["nice"] = niced(self.ctx.spec.job.standby_nice, self._warm_up)
+        if expected is not None and self.ctx.spec.job.standby_warmup != "cold":
             self.ahead = ahead.Ahead(self.ctx, expected)
         self.ctx.send("ready", enter=RankState.READY, node=self.ctx.spec.node, local=self.ctx.local,
                       warmup_s=time.perf_counter() - t0, shadow_steps=steps,
@@ -67,7 +67,7 @@ class StandbyRole:
 
     def rewarm_if_newer(self, t0: float) -> None:
         """Between the controller's messages: re-warm, niced, if a role recorded a new version."""
-        niced(self.ctx.spec.standby_nice, self._rewarm_if_newer, t0)
+        niced(self.ctx.spec.job.standby_nice, self._rewarm_if_newer, t0)
 
     def _warm_up(self) -> tuple:
         """The warm-up proper (run niced, in its own thread): replay the recordings, rehearse
@@ -75,7 +75,7 @@ class StandbyRole:
         report, shadow steps)."""
         self.ctx.faults.at("warmup")  # die-in-warmup: the controller gives it to the chosen launch only
         shadow = self._replay()
-        expected = ahead.anticipated_rank(self.ctx.spec.world_size, self.ctx.spec.ranks_per_node, self.ctx.local)
+        expected = ahead.anticipated_rank(self.ctx.spec.world_size, self.ctx.spec.job.ranks_per_node, self.ctx.local)
         if shadow["replay"] != "done":
             log.warning("shadow iterations without a recording: %s", shadow["replay"])
             if self.rehearsed is None:  # else: a role before the missing one was rehearsed and stays built
@@ -84,7 +84,7 @@ class StandbyRole:
         if expected is not None and self.rehearsed != expected:  # bound now to the rank it will take
             self.rehearse(expected, self.ctx.make_groups(expected, sandbox=True))
         with self.warm_stance():
-            steps = self.shadow_until_steady(self.ctx.spec.shadow_steps)
+            steps = self.shadow_until_steady(self.ctx.spec.job.shadow_steps)
         return expected, shadow, steps
 
     def ahead_builder(self, build):
@@ -108,7 +108,7 @@ class StandbyRole:
 
     def roles(self) -> dict[str, int]:
         """The roles a standby rehearses and the ranks that record them ({} if not recording)."""
-        if not self.ctx.spec.recording_dir or not self.ctx.spec.record_iterations:
+        if not self.ctx.spec.recording_dir or not self.ctx.spec.job.record_iterations:
             return {}
         return self.ctx.workload.standby_roles(self.ctx.spec.world_size)
 
@@ -118,7 +118,7 @@ class StandbyRole:
         very losses and sends its rank computed. Between roles it drops the previous role's
         model and optimizer, so that it never holds more than one rank's state; the last
         role stays built (a join rebinds it to the leaver's rank)."""
-        if self.ctx.spec.standby_warmup == "cold":
+        if self.ctx.spec.job.standby_warmup == "cold":
             return {"replay": "skipped: cold standby (TM_STANDBY_WARMUP=cold)"}
         roles = self.roles()
         if not roles:
@@ -127,9 +127,9 @@ class StandbyRole:
 
         # The live ranks may record later than the job start (TM_RECORD_FROM_STEP): wait longer.
         done, failed = shadow.replay_roles(
-            self.ctx.specs, Path(self.ctx.spec.recording_dir), roles, 3 * self.ctx.spec.group_timeout_s, CONTROL,
+            self.ctx.specs, Path(self.ctx.spec.recording_dir), roles, 3 * self.ctx.spec.job.group_timeout_s, CONTROL,
             self.rehearse,
-            self.ctx.workload.train_step, settle=lambda: self.shadow_until_steady(self.ctx.spec.shadow_steps),
+            self.ctx.workload.train_step, settle=lambda: self.shadow_until_steady(self.ctx.spec.job.shadow_steps),
             reset_peak=lambda: reset_peak_memory(self.ctx.device), peak=lambda: peak_memory(self.ctx.device))
         for report in done:
             self.replayed[report["rank"]], self.shadow_step = report["version"], report["last_step"]
@@ -161,14 +161,14 @@ class StandbyRole:
         hangs). So the layout comes from a compiled step, as the job's did, and only the
         compiled code is thrown away. (Every joiner's layout is checked: _layout_mismatch.)"""
         yield
-        if self.ctx.spec.standby_warmup == "cold":
+        if self.ctx.spec.job.standby_warmup == "cold":
             forget_compiled(self.ctx.spec.node)
 
     def _rewarm_if_newer(self, t0: float) -> None:
         """A warm standby re-warms when a role's live rank recorded a new version (its
         collectives changed shape): it rebinds to that role if it holds another, replays the
         version, then reports ready again with the new version's report."""
-        if self.ctx.spec.standby_warmup == "cold" or not self.replayed:
+        if self.ctx.spec.job.standby_warmup == "cold" or not self.replayed:
             return
         from trainmover.sandbox import recording, shadow
         found = {rank: shadow.newer(recording.base_of(self.ctx.spec.recording_dir, rank), version)
@@ -182,7 +182,7 @@ class StandbyRole:
         path = recording.version_path(recording.base_of(self.ctx.spec.recording_dir, rank), version)
         report = shadow.rewarm(self.ctx.groups, path, CONTROL, self.ctx.workload.train_step)
         self.replayed[rank], self.shadow_step = version, report["last_step"]
-        steps = self.shadow_until_steady(self.ctx.spec.shadow_steps)
+        steps = self.shadow_until_steady(self.ctx.spec.job.shadow_steps)
         self.ctx.send("ready", enter=RankState.READY, node=self.ctx.spec.node, local=self.ctx.local,
                       warmup_s=time.perf_counter() - t0, shadow_steps=steps, detail=report)
 

@@ -187,14 +187,14 @@ class Switch:
         self.ctx.groups = self.ctx.make_groups(rank, sandbox=True)
         self.ctx.workload.rebind(self.ctx.build_context(rank))
         with self.standby.warm_stance():
-            self.standby.shadow_until_steady(self.ctx.spec.shadow_steps)
+            self.standby.shadow_until_steady(self.ctx.spec.job.shadow_steps)
         prep = phase1.Prepared(epoch, delta(self.ctx.specs, msg["leavers"], epoch), "joiner", rank)
         phase1.start(prep, self.standby.ahead_builder(self.ctx.phase1_builder()))  # groups built ahead: one-node jobs
         self.ctx.faults.at("phase1", who="joiner", epoch=epoch)
         # Bounded, and abortable: a peer lost meanwhile leaves the builds waiting until the
         # group timeout, but the controller's abort frees this standby at once (the Phase 1
         # thread ends by its own deadline, on its own store client, and is discarded).
-        deadline = time.monotonic() + self.ctx.spec.group_timeout_s + 5
+        deadline = time.monotonic() + self.ctx.spec.job.group_timeout_s + 5
         while not prep.done.wait(0.05):
             if self._aborted(epoch):
                 log.info("epoch %d aborted during phase 1; back to standby", epoch)
@@ -217,7 +217,7 @@ class Switch:
                       detail={"role": "joiner"})
         # Wait for the leaver's verdict: it either starts sending (go) or cancels.
         verdict = await_go(lambda: self.ctx.store, epoch, leaver, lambda: self._aborted(epoch),
-                           time.monotonic() + self.ctx.spec.switch_timeout_s)
+                           time.monotonic() + self.ctx.spec.job.switch_timeout_s)
         if verdict == "cancelled":
             log.info("epoch %d cancelled; back to standby", epoch)
             return None
@@ -263,12 +263,12 @@ class Switch:
         """Why this joiner's collective layout cannot replace the leaver's ('' if it can; None
         if the controller aborted the epoch meanwhile). The leaver publishes its layout when it
         gets `prepare`; the wait is bounded and abortable."""
-        key, deadline = layout_key(epoch, leaver), time.monotonic() + self.ctx.spec.group_timeout_s
+        key, deadline = layout_key(epoch, leaver), time.monotonic() + self.ctx.spec.job.group_timeout_s
         while not self.ctx.store.check([key]):
             if self._aborted(epoch):
                 return None
             if time.monotonic() > deadline:
-                return f"the leaver never published its collective layout ({self.ctx.spec.group_timeout_s:g}s)"
+                return f"the leaver never published its collective layout ({self.ctx.spec.job.group_timeout_s:g}s)"
             time.sleep(0.05)
         ours, theirs = self.ctx.workload.collective_layout(), self.ctx.store.get(key).decode()
         if ours != theirs:

@@ -54,7 +54,7 @@ class TrainingLoop:
         self.pure_s = 0.0
         loss = 0.0
         trace("train loop entered")
-        while step < self.ctx.spec.steps:
+        while step < self.ctx.spec.job.steps:
             self.ctx.completed = step
             try:
                 loss, step = self._iteration(step)
@@ -135,5 +135,5 @@ class TrainingLoop:
         spec = self.ctx.spec
         rank = self.ctx.rank
         self.recorder = live.Recorder(self.ctx.groups, recording.base_of(spec.recording_dir, rank), rank,
-                                      spec.record_iterations, skip=CONTROL, from_step=spec.record_from_step,
-                                      max_versions=spec.record_versions)
+                                      spec.job.record_iterations, skip=CONTROL, from_step=spec.job.record_from_step,
+                                      max_versions=spec.job.record_versions)

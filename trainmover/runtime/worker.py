@@ -101,14 +101,14 @@ class Agent:
         self.spec, self.local = spec, local_index
         self.rank = spec.my_rank(local_index)
         self.role = spec.role
-        self.timeout = datetime.timedelta(seconds=spec.group_timeout_s)
+        self.timeout = datetime.timedelta(seconds=spec.job.group_timeout_s)
         self.device, self.backend = spec.resolved()
         if self.device == "cuda":
             torch.cuda.set_device(local_index % torch.cuda.device_count())
         self.key = channel.read_secret(spec.secret_file)  # once: kept for the process's life
         # moves with the controller (see _controller_address)
         self.store, self.store_addr, self.first_address = first_store(
-            tuple(spec.store), tuple(spec.controller), spec.group_timeout_s,
+            tuple(spec.store), tuple(spec.controller), spec.job.group_timeout_s,
             lambda host, port: self._store_client(host, port, connect_s=STORE_CONNECT_S),
             lambda: endpoint.read(spec.controller_file, self.key) if spec.controller_file else None)
         # what a restarted controller is told (see resync_messages)
@@ -125,27 +125,27 @@ class Agent:
         # From this node's address, as every connection of the node: a node is its address.
         self.link = link if link is not None else Link(
             self.first_address, self.key, self._hello, self.resync_messages, self._on_control,
-            connect_timeout=spec.group_timeout_s, reconnect_timeout=spec.reconnect_timeout_s,
+            connect_timeout=spec.job.group_timeout_s, reconnect_timeout=spec.job.reconnect_timeout_s,
             on_gone=self._controller_gone, source=spec.node_addr, where=self._controller_address,
             news=lambda: endpoint.mtime(spec.controller_file))
         # Beats from the moment the controller knows this process: building the workload
         # (imports, a model) may take longer than the silence that would judge it dead.
-        if spec.heartbeat_s > 0:
-            heartbeat.Heartbeat(self.link.send, self._beat, spec.heartbeat_s).start()
+        if spec.job.heartbeat_s > 0:
+            heartbeat.Heartbeat(self.link.send, self._beat, spec.job.heartbeat_s).start()
         self.inbox: queue.Queue = self.link.inbox
         self.faults = faults.Injector(spec.inject, spec.role)
         with usercode.user_code("construction"):  # importing and constructing it run the user's code
-            loaded = registry.load(spec.workload, spec.workload_options)
+            loaded = registry.load(spec.job.workload, spec.workload_options)
         self.workload = usercode.UserWorkload(loaded, self._inject_user_fault)
         if getattr(loaded, "owns_loop", False):  # a script: its own loop decides when training ends, not TM_STEPS
-            self.spec = spec = dataclasses.replace(spec, steps=OWN_LOOP_STEPS)
+            self.spec = spec = dataclasses.replace(spec, job=dataclasses.replace(spec.job, steps=OWN_LOOP_STEPS))
         self.specs = self.workload.group_specs(spec.world_size)
         names = {g.name for g in self.specs}
         if "world" not in names:
             self.specs.append(GroupSpec("world", tuple(range(spec.world_size))))
         # The per-step agreement runs on its own CPU group: 8 bytes over gloo cost no GPU sync.
         self.specs.append(GroupSpec(CONTROL, tuple(range(spec.world_size))))
-        if spec.snapshot_every:  # a group of its own: exchanges run beside the step's collectives
+        if spec.job.snapshot_every:  # a group of its own: exchanges run beside the step's collectives
             self.specs.append(GroupSpec(SNAPSHOT, tuple(range(spec.world_size))))
         self.retired: list = []  # old backends: released off the critical path (see retire)
         self.trace_steps = 0  # steps after a switch whose timings are logged (TM_TRACE_SWITCH)
@@ -291,7 +291,7 @@ class Agent:
         store = self.store if store is None else store
         if self.backend == "nccl" and name not in (CONTROL, SNAPSHOT):
             from trainmover.groups.nccl.backend import nccl_group
-            backend = nccl_group(store, prefix, grank, size, timeout_s=self.spec.group_timeout_s, name=name)
+            backend = nccl_group(store, prefix, grank, size, timeout_s=self.spec.job.group_timeout_s, name=name)
             backend.preconnect(p2p=name == "xfer")
             return backend
         return gloo_group(store, prefix, grank, size, host=self.spec.node_addr, timeout=self.timeout)
@@ -322,9 +322,9 @@ class Agent:
 
     def build_context(self, rank: int) -> workloads.BuildContext:
         return workloads.BuildContext(rank=rank, world_size=self.spec.world_size, groups=self.groups,
-                                      seed=self.spec.seed, options={**self.spec.workload_options, "device": self.device},
+                                      seed=self.spec.job.seed, options={**self.spec.workload_options, "device": self.device},
                                       before_update=self._before_update, local_rank=self.local,
-                                      local_world_size=self.spec.ranks_per_node, master=tuple(self.store_addr),
+                                      local_world_size=self.spec.job.ranks_per_node, master=tuple(self.store_addr),
                                       new_group=lambda name, ranks: self._workload_group(rank, name, ranks))
 
     def _workload_group(self, rank: int, name: str, ranks: tuple[int, ...]) -> SwappableGroup | None:
