@@ -52,13 +52,11 @@ class StubRank:
     """One rank's control connection."""
 
     def __init__(self, spec: WorkerSpec, key: bytes, local: int, rank: int | None, role: str):
-        self.spec, self.local, self.rank, self.role = spec, local, rank, role
-        self.step = 0
+        self.spec, self.local, self.rank, self.role, self.key = spec, local, rank, role, key
         self.on_prepare = lambda msg: None  # set by the node: Phase 1 on the reader thread, at once
         self.link = Link(tuple(spec.controller), key, self._hello, lambda: [], self._on_message,
                          connect_timeout=spec.group_timeout_s, reconnect_timeout=spec.reconnect_timeout_s,
                          source=spec.node_addr, where=self._where, news=lambda: endpoint.mtime(spec.controller_file))
-        self.key = key
 
     def _on_message(self, msg: dict) -> None:
         if msg["type"] == "prepare" and not msg["assign"] and self.rank is not None:
