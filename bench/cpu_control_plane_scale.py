@@ -131,7 +131,8 @@ def controller_node(job: int) -> str:
 
 
 def one_size(env, slurm: CliSlurm, n: int, args) -> dict:
-    out: dict = {"nodes": n, "ranks": n * RANKS_PER_NODE}
+    # the machine is shared: its load beside each phase (a 2-core host at load 20 stretches every time)
+    out: dict = {"nodes": n, "ranks": n * RANKS_PER_NODE, "loadavg": {"before": os.getloadavg()}}
     commands.run(["sdiag", "-r"], timeout=10, env=env)
     workdir = user_workdir(f"scale{n}-{time.strftime('%H%M%S')}")
     t_submit = time.time()
@@ -143,6 +144,7 @@ def one_size(env, slurm: CliSlurm, n: int, args) -> dict:
     try:
         first = wait("every rank's first step", lambda: read_jsonl(run / "metrics.jsonl")[:1], args.start_timeout, 0.5)
         out["start_s"] = round(first[0]["t"] - t_submit, 2)
+        out["loadavg"]["start"] = os.getloadavg()
         out["start_user_rpcs"] = user_rpcs(env)
         wait("a warm standby", lambda: warm(run), 300, 0.5)
         out["start_to_warm_standby_s"] = round(time.time() - t_submit, 2)
@@ -152,6 +154,7 @@ def one_size(env, slurm: CliSlurm, n: int, args) -> dict:
         time.sleep(args.window)
         c1, f1, s1, t1 = cpu_by_what(job), sizes(run), last_step(run), time.monotonic()
         minutes = (t1 - t0) / 60
+        out["loadavg"]["steady"] = os.getloadavg()
         seen = sdiag(env)
         out["steady"] = {
             "window_s": round(t1 - t0, 1), "steps": s1 - s0,
@@ -173,6 +176,7 @@ def one_size(env, slurm: CliSlurm, n: int, args) -> dict:
         wait("the migration", lambda: status(run).get("migrations") and status(run)["migrations"][0]["state"] == "done",
              180, 0.2)
         rpcs = user_rpcs(env)
+        out["loadavg"]["drain"] = os.getloadavg()
         ev = events(run, 1)
         out["drain"] = {"node": node, "drain_to_requested_s": round(ev["requested"] - t_drain, 3),
                         "drain_to_all_prepared_s": round(ev["prepared"] - t_drain, 3),
@@ -193,6 +197,7 @@ def one_size(env, slurm: CliSlurm, n: int, args) -> dict:
         wait("the recovery", lambda: len(status(run).get("migrations", [])) >= 2
              and status(run)["migrations"][1]["state"] in ("done", "failed"), 180, 0.2)
         m = status(run)["migrations"][1]
+        out["loadavg"]["sigkill"] = os.getloadavg()
         ev = events(run, 2)
         out["sigkill"] = {"node": node, "state": m["state"], "kill_to_detected_s": round(ev["detected"] - t_kill, 3),
                           "kill_to_resumed_s": round(ev["switched"] - t_kill, 3) if "switched" in ev else None,
