@@ -27,6 +27,7 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from trainmover.logs import setup_logging
@@ -53,8 +54,10 @@ class StubRank:
 
     def __init__(self, spec: WorkerSpec, key: bytes, local: int, rank: int | None, role: str):
         self.spec, self.local, self.rank, self.role, self.key = spec, local, rank, role, key
-        self.on_prepare = lambda msg: None  # set by the node: Phase 1 on the reader thread, at once
-        self.link = Link(tuple(spec.controller), key, self._hello, lambda: [], self._on_message,
+        # set by the node: Phase 1 on the reader thread, at once
+        self.on_prepare: Callable[[dict, StubRank], None] = lambda msg, rank: None
+        host, port = spec.controller
+        self.link = Link((str(host), int(port)), key, self._hello, lambda: [], self._on_message,
                          connect_timeout=spec.group_timeout_s, reconnect_timeout=spec.reconnect_timeout_s,
                          source=spec.node_addr, where=self._where, news=lambda: endpoint.mtime(spec.controller_file))
 
@@ -68,13 +71,16 @@ class StubRank:
 
     def _where(self) -> tuple[str, int]:
         ep = endpoint.read(self.spec.controller_file, self.key) if self.spec.controller_file else None
-        return tuple(ep.address) if ep is not None else self.link.address
+        if ep is None:
+            return self.link.address
+        host, port = ep.address
+        return str(host), int(port)
 
     def send(self, kind: str, **fields) -> None:
         self.link.send(make(kind, **fields))
 
     def messages(self) -> list[dict]:
-        out = []
+        out: list[dict] = []
         while True:
             try:
                 msg = self.link.inbox.get_nowait()
@@ -175,13 +181,14 @@ class StubNode:
                 r.send("step", rank=r.rank, step=self.step, loss=0.0, step_s=time.perf_counter() - t0,
                        compute_s=self.step_s, t=now)
             self._control()
-            ready = self._ready()
-            agreed = self.vote.agree(self.step, ready, leaving=bool(self.pending and self.pending["role"] == "leaver"))
+            prep = self.pending  # what this boundary votes on (a prepare may arrive meanwhile)
+            ready = self._ready(prep)
+            agreed = self.vote.agree(self.step, ready, leaving=bool(ready and prep and prep["role"] == "leaver"))
             if agreed == FAILED:
                 self._stall()
                 nxt = time.monotonic()
-            elif ready and agreed == ready:
-                if self._switch():
+            elif prep and ready and agreed == ready:
+                if self._switch(prep):
                     return 0  # a leaver: its ranks live on the joiner
         for r in self.ranks:
             r.send("finished", rank=r.rank, step=self.step, digest=DIGEST, loss=0.0)
@@ -205,16 +212,14 @@ class StubNode:
             if msg["type"] == "abort" and self.pending and self.pending["epoch"] == msg["epoch"]:
                 self.pending = None
 
-    def _ready(self) -> int:
+    def _ready(self, prep: dict | None) -> int:
         """runtime/switch.py's switch_ready: a leaver votes from the boundary after its prepare."""
-        if not self.pending:
+        if not prep or (prep["role"] == "leaver" and prep["at"] >= self.step):
             return 0
-        if self.pending["role"] == "leaver" and self.pending["at"] >= self.step:
-            return 0
-        return int(self.pending["epoch"])
+        return int(prep["epoch"])
 
-    def _switch(self) -> bool:
-        epoch, role = self.pending["epoch"], self.pending["role"]
+    def _switch(self, prep: dict) -> bool:
+        epoch, role = prep["epoch"], prep["role"]
         self.pending = None
         for r in self.ranks:
             r.send("switched", epoch=epoch, rank=r.rank, role=role, step=self.step, t=time.time(),
