@@ -218,6 +218,9 @@ def one_size(env, slurm: CliSlurm, n: int, args) -> dict:
                           "kill_to_resumed_s": round(ev["switched"] - t_kill, 3) if "switched" in ev else None,
                           "tier": (m.get("state_source") or {}).get("tier"), "user_rpcs": user_rpcs(env)}
         print(json.dumps(out["sigkill"]), flush=True)
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - what was measured so far is kept, with why it stopped
+        out["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        print(f"{n} nodes stopped: {out['error']}", flush=True)
     finally:
         # scancel signals every srun of the keeper's, and each asks slurmctld to cancel its step as
         # the job's user: 129 sruns drew 445 "rate limit exceeded" there (128-node run). Counted apart.
@@ -255,12 +258,8 @@ def main():
     results, error = [], ""
     for n in args.sizes:
         log_from = log.stat().st_size if log.exists() else 0
-        try:
-            r = one_size(env, slurm, n, args)
-        except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - what was measured is written
-            error = f"{n} nodes: {type(exc).__name__}: {exc}"[:2000]
-            print(error, flush=True)
-            break
+        r = one_size(env, slurm, n, args)
+        error = error or (f"{n} nodes: {r['error']}" if "error" in r else "")
         text = log.read_bytes()[log_from:].decode(errors="replace") if log.exists() else ""
         cut = r.get("log_at_cancel", log_from + len(text)) - log_from
         r["rate_limit_exceeded_lines"] = text[:cut].lower().count("rate limit exceeded")

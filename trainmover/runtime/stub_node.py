@@ -56,8 +56,9 @@ class StubRank:
         self.spec, self.local, self.rank, self.role, self.key = spec, local, rank, role, key
         # set by the node: Phase 1 on the reader thread, at once
         self.on_prepare: Callable[[dict, StubRank], None] = lambda msg, rank: None
+        self.resync: Callable[[StubRank], list[dict]] = lambda rank: []  # the node says where it is
         host, port = spec.controller
-        self.link = Link((str(host), int(port)), key, self._hello, lambda: [], self._on_message,
+        self.link = Link((str(host), int(port)), key, self._hello, lambda: self.resync(self), self._on_message,
                          connect_timeout=spec.group_timeout_s, reconnect_timeout=spec.reconnect_timeout_s,
                          source=spec.node_addr, where=self._where, news=lambda: endpoint.mtime(spec.controller_file))
 
@@ -107,8 +108,10 @@ class StubNode:
                       for i in range(n)]
         self.step = 0
         self.pending: dict | None = None  # the prepare this node holds: epoch, role, the step it came
+        self.state = "training" if spec.role == "worker" else "starting"  # runtime/rankstate.py's names
+        self.switched = 0  # the epoch of the last switch
         for r in self.ranks:
-            r.on_prepare = self._prepare
+            r.on_prepare, r.resync = self._prepare, self._resync
         threading.Thread(target=self._beat, name="tm-stub-beat", daemon=True).start()
 
     def _beat(self) -> None:
@@ -120,6 +123,16 @@ class StubNode:
                 r.send("beat", ranks=[] if r.rank is None else [r.rank], step=self.step, issued={}, waiting={},
                        cpu_s=cpu)
 
+    def _resync(self, rank: StubRank) -> list[dict]:
+        """What a restarted controller is told right after the hello (runtime/worker.py's
+        resync_messages, less the step reports it may have logged already)."""
+        pending = self.pending["epoch"] if self.pending else 0
+        out = [make("resync", node=self.spec.node, ranks=[] if rank.rank is None else [rank.rank], role=rank.role,
+                    step=self.step, pending=pending, switched=self.switched, state=self.state)]
+        if self.state == "ready":
+            out.append(make("ready", node=self.spec.node, local=rank.local, warmup_s=0.0, shadow_steps=0, detail={}))
+        return out
+
     def run(self) -> int:
         if self.spec.role == "standby" and not self._standby():
             return 0
@@ -130,6 +143,7 @@ class StubNode:
     def _standby(self) -> bool:
         """Ready at once (nothing to warm), then wait for a prepare (a planned join) or a
         recover that names this node. True once it took ranks; False when the job ended."""
+        self.state = "ready"
         for r in self.ranks:
             r.send("ready", node=self.spec.node, local=r.local, warmup_s=0.0, shadow_steps=0, detail={})
         while True:
@@ -141,8 +155,9 @@ class StubNode:
                     if self._join(msg):
                         return True
                 elif msg["type"] == "recover" and str(self.ranks[0].local) in msg["assign"]:
+                    self.state, self.switched = "training", msg["epoch"]
                     for r in self.ranks:
-                        r.rank = int(msg["assign"][str(r.local)])
+                        r.rank, r.role = int(msg["assign"][str(r.local)]), "worker"
                         r.send("switched", epoch=msg["epoch"], rank=r.rank, role="joiner", step=msg["step"],
                                t=time.time(), detail={"stub": True})
                     self.step = msg["step"]
@@ -151,6 +166,7 @@ class StubNode:
     def _join(self, msg: dict) -> bool:
         t0 = time.perf_counter()
         epoch = msg["epoch"]
+        self.state = "joining"
         for r in self.ranks:
             r.rank = int(msg["assign"][str(r.local)])
             r.send("prepared", epoch=epoch, rank=r.rank, groups=[], seconds=time.perf_counter() - t0,
@@ -158,11 +174,14 @@ class StubNode:
         step = self.vote.await_switch(epoch, aborted=lambda: any(
             m["type"] == "abort" and m["epoch"] == epoch for m in self.ranks[0].messages()))
         if step is None:  # aborted: ready again (runtime/worker.py's ready_again_after_abort)
+            self.state = "ready"
             for r in self.ranks:
                 r.rank = None
                 r.send("ready", node=self.spec.node, local=r.local, warmup_s=0.0, shadow_steps=0, detail={})
             return False
+        self.state, self.switched = "training", epoch
         for r in self.ranks:
+            r.role = "worker"
             r.send("switched", epoch=epoch, rank=r.rank, role="joiner", step=step, t=time.time(),
                    detail={"stub": True})
         self.step = step
@@ -220,7 +239,7 @@ class StubNode:
 
     def _switch(self, prep: dict) -> bool:
         epoch, role = prep["epoch"], prep["role"]
-        self.pending = None
+        self.pending, self.switched = None, epoch
         for r in self.ranks:
             r.send("switched", epoch=epoch, rank=r.rank, role=role, step=self.step, t=time.time(),
                    detail={"stub": True})
@@ -232,7 +251,7 @@ class StubNode:
 
     def _stall(self) -> None:
         """A peer vanished (the vote failed): stall, report, wait for the recovery plan."""
-        self.pending = None
+        self.pending, self.state = None, "stalled"
         for r in self.ranks:
             r.send("stalled", rank=r.rank, step=self.step, digest=DIGEST, error="stub: a peer of the vote vanished",
                    role="stayer", holds={"replicas": list(range(self.spec.world_size)), "own": [], "held": {}})
@@ -242,7 +261,7 @@ class StubNode:
                 for r in self.ranks[1:]:
                     r.messages()
                 if msg["type"] == "recover":
-                    self.step = msg["step"]
+                    self.step, self.state, self.switched = msg["step"], "training", msg["epoch"]
                     for r in self.ranks:
                         r.send("switched", epoch=msg["epoch"], rank=r.rank, role="stayer", step=msg["step"],
                                t=time.time(), detail={"stub": True})
