@@ -39,6 +39,7 @@ from bench.cpu_slurmctld_load import parse_sdiag, status, user_workdir  # noqa: 
 from bench.polling import read_jsonl, wait  # noqa: E402
 from trainmover.cluster.users import JOB_USER  # noqa: E402
 from trainmover.controller.keeper import sbatch_args  # noqa: E402
+from trainmover.errors import SlurmError  # noqa: E402
 from trainmover.slurm import commands  # noqa: E402
 from trainmover.slurm.client import CliSlurm  # noqa: E402
 
@@ -225,12 +226,15 @@ def one_size(env, slurm: CliSlurm, n: int, args) -> dict:
         # scancel signals every srun of the keeper's, and each asks slurmctld to cancel its step as
         # the job's user: 129 sruns drew 445 "rate limit exceeded" there (128-node run). Counted apart.
         out["log_at_cancel"] = LOG.stat().st_size if LOG.exists() else 0
-        commands.run(["scancel", str(job)], timeout=10, env=env, check=False)
-        wait("the job's end", lambda: not commands.run(["squeue", "-h", "-j", str(job)], timeout=10, env=env,
-                                                        check=False).stdout.strip(), 120, 1.0)
-        for name, info in slurm.nodes().items():
-            if "DRAIN" in info.flags or "FAIL" in info.state.upper() or "DOWN" in info.state.upper():
-                slurm.resume(name)
+        try:  # a slurmctld too slow to answer here (host load 80+) must not lose what was measured
+            commands.run(["scancel", str(job)], timeout=10, env=env, check=False)
+            wait("the job's end", lambda: not commands.run(["squeue", "-h", "-j", str(job)], timeout=10, env=env,
+                                                            check=False).stdout.strip(), 120, 1.0)
+            for name, info in slurm.nodes().items():
+                if "DRAIN" in info.flags or "FAIL" in info.state.upper() or "DOWN" in info.state.upper():
+                    slurm.resume(name)
+        except (SlurmError, TimeoutError) as exc:
+            out["teardown_error"] = str(exc)[:500]
     out["files_at_end"] = sizes(run)
     return out
 
