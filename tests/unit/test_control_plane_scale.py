@@ -1,11 +1,15 @@
-"""The scale harness's stub ranks (issue 38): the boundary agreement the stub nodes serve
+"""The control plane at scale (issue 38): the boundary agreement the stub nodes serve
 (runtime/stub_vote.py's Tally), the stub workload's options, and the launch of one stub process
-per node (controller/executor.py's rank_program)."""
+per node (controller/executor.py's rank_program), and the controller's open-files limit."""
 from __future__ import annotations
+
+import resource
+import threading
 
 import pytest
 
 from trainmover.controller.executor import rank_program
+from trainmover.controller.process import raise_open_files_limit
 from trainmover.errors import ConfigError
 from trainmover.runtime.stub_vote import Tally, VoteClient, VoteRoot
 from trainmover.workloads import registry
@@ -72,7 +76,6 @@ def test_root_and_clients_over_tcp():
     a, b = VoteClient(root.address), VoteClient(root.address)
     a.join_as_member()
     b.join_as_member()
-    import threading
     got = {}
     th = threading.Thread(target=lambda: got.setdefault("a", a.agree(1, 4, False)))
     th.start()
@@ -92,8 +95,6 @@ def test_stub_workload_and_its_launch():
 
 def test_the_controller_raises_its_open_files_limit_to_the_hard_limit():
     """1,024 ranks' connections passed the common soft limit of 1,024 (EMFILE in accept)."""
-    import resource
-    from trainmover.controller.process import raise_open_files_limit
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
