@@ -23,8 +23,8 @@ sys.path.insert(0, str(ROOT))
 from bench import results_io  # noqa: E402
 from bench.polling import wait  # noqa: E402
 from trainmover import cluster  # noqa: E402
-from trainmover.slurm import commands  # noqa: E402
 from trainmover.controller.succession.keeper import sbatch_args  # noqa: E402
+from trainmover.slurm import commands  # noqa: E402
 from trainmover.slurm.client import CliSlurm  # noqa: E402
 
 REASON = "trainmover-bench maintenance"

@@ -38,9 +38,9 @@ from bench import results_io  # noqa: E402
 from bench.cpu_planned_migration import last, setup, wait  # noqa: E402
 from trainmover.cluster import netfault  # noqa: E402
 from trainmover.cluster.procs import step_pid  # noqa: E402
-from trainmover.slurm.client import CliSlurm  # noqa: E402
-from trainmover.slurm import commands  # noqa: E402
 from trainmover.controller.succession.keeper import sbatch_args  # noqa: E402
+from trainmover.slurm import commands  # noqa: E402
+from trainmover.slurm.client import CliSlurm  # noqa: E402
 
 
 def events(run: Path) -> dict:

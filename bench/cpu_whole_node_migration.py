@@ -30,8 +30,8 @@ from bench.cpu_checkpoint_restart import machine  # noqa: E402
 from bench.cpu_planned_migration import gantt  # noqa: E402
 from bench.polling import read_jsonl, wait  # noqa: E402
 from trainmover import cluster  # noqa: E402
-from trainmover.slurm import commands  # noqa: E402
 from trainmover.controller.succession.keeper import sbatch_args  # noqa: E402
+from trainmover.slurm import commands  # noqa: E402
 from trainmover.slurm.client import CliSlurm  # noqa: E402
 
 REASON = "trainmover-bench whole node"

@@ -9,7 +9,7 @@ from trainmover.controller import resize
 from trainmover.controller.node_watch import PoolWatch
 from trainmover.errors import SlurmError
 from trainmover.slurm.model import JobInfo, NodeInfo, NoStandbyAvailable
-from trainmover.slurm.pacing import TokenBucket
+from trainmover.slurm.pacing import Paced, TokenBucket
 
 
 def test_bucket_allows_its_burst_then_its_rate_and_repays_debt_first():
@@ -141,3 +141,20 @@ def test_a_fruitless_ask_leaves_the_next_grow_its_tokens():
     pool.nodes()
     pool.saw({"spare1": NodeInfo("spare1", "10.0.0.5", "IDLE+RESERVED")})
     assert r.acquire() == ("acquired", "spare1", "10.0.0.5")
+
+
+def test_paced_launches_stay_within_the_bucket_in_order():
+    """129 sruns asked at once (a 128-node job's start, issue 38) go out as the bucket refills:
+    never more than its capacity at once, then `rate / cost` a second, in the order asked."""
+    p = Paced(TokenBucket(20, 1.6, now=0.0), cost=2)
+    for i in range(129):
+        p.add(i)
+    first = p.due(0.0)
+    assert first == list(range(10))
+    out, t = list(first), 0.0
+    while p.queued:
+        t += 0.1
+        out += p.due(t)
+    assert out == list(range(129))
+    assert t == pytest.approx((129 * 2 - 20) / 1.6, abs=0.2)
+    assert p.due(t + 100) == []

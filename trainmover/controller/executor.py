@@ -50,6 +50,14 @@ from trainmover.workloads.base import Workload
 log = logging.getLogger("trainmover.controller")
 
 
+def rank_program(workload: str, ranks_per_node: int) -> tuple[str, int]:
+    """(module, tasks) of a node's step: one rank process per task; the scale harness's stub
+    workload one process that plays all of the node's ranks (runtime/stub_node.py, issue 38)."""
+    if workload == "stub":
+        return "trainmover.runtime.stub_node", 1
+    return "trainmover.runtime.worker", ranks_per_node
+
+
 class Controller:
     def __init__(self, cfg: Config, job_id: int, slurm=None, environ=os.environ, *, listen: socket.socket | None = None,
                  store: tuple[str, int] | None = None, resume: bool = False, attempt: int = 0,
@@ -257,8 +265,9 @@ class Controller:
         if role == "standby":
             self.standby_launches += 1
         spec = self._spec(role, node, ranks)
-        argv = self.slurm.step_argv(self.job_id, node, [sys.executable, "-m", "trainmover.runtime.worker"],
-                                    ntasks=self.cfg.ranks_per_node, name=f"tm-{role}")
+        module, ntasks = rank_program(self.cfg.workload, self.cfg.ranks_per_node)
+        argv = self.slurm.step_argv(self.job_id, node, [sys.executable, "-m", module], ntasks=ntasks,
+                                    name=f"tm-{role}")
         env = step_environment(self.slurm.step_env(self.resizer.job, self.environ))  # the kept record: no RPC
         env[SPEC_ENV] = spec.to_env()
         log_path = self.files.root / f"{role}-{node}.log"

@@ -20,6 +20,22 @@ from trainmover.slurm.job_env import JobEnv
 from trainmover.workloads import registry
 
 log = logging.getLogger("trainmover.controller")
+OPEN_FILES_CAP = 1 << 20  # where the hard limit is unlimited: more than any job's ranks
+
+
+def raise_open_files_limit() -> int:
+    """The controller holds a connection per rank (and the store a client per rank): at 1,024
+    ranks the common soft limit of 1,024 open files made accept() fail with EMFILE and the
+    controller crash (issue 38's 128-node run). Raised to the hard limit, which an unprivileged
+    process may do; returns the soft limit now."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = OPEN_FILES_CAP if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        return want
+    return soft
+
 
 def main(argv=None) -> int:
     """One controller process, started by `controller.supervisor` (`trainmover controller`)."""
@@ -37,6 +53,7 @@ def main(argv=None) -> int:
                                      "hand-over record is there: controller/durable/handover.py)")
     args = p.parse_args(argv)
     setup_logging()
+    log.info("open files: up to %d (one connection per rank)", raise_open_files_limit())
     cfg = Config.from_env()
     # the Slurm client before a spare waits: with pyslurm its process starts now (an
     # interpreter and libslurm: seconds on a busy node), off the takeover's path

@@ -16,7 +16,9 @@ from trainmover.errors import ConfigError
 from trainmover.workloads.base import Workload
 
 REGISTRY = {"gpt_demo": "trainmover.workloads.gpt_demo:GPTDemo",
-            "megatron_gpt": "trainmover.workloads.megatron_gpt:MegatronGPT"}
+            "megatron_gpt": "trainmover.workloads.megatron_gpt:MegatronGPT",
+            # the scale harness's ranks without training (issue 38): see workloads/stub.py
+            "stub": "trainmover.workloads.stub:Stub"}
 
 # Where each constructor option a job hands a workload comes from (the rest: TM_WORKLOAD_OPTIONS).
 OPTION_SOURCES = {"preset": "TM_MODEL", "tp": "TM_TP", "pp": "TM_PP", "dp": "TM_DP",

@@ -45,6 +45,7 @@ from trainmover.protocol.worker_spec import ENV as SPEC_ENV
 from trainmover.slurm import parse
 from trainmover.slurm.job_env import JobEnv
 from trainmover.slurm.model import KEEPER_FEATURE, TRAIN_FEATURE, JobInfo, NodeInfo
+from trainmover.slurm.pacing import Paced, TokenBucket
 
 log = logging.getLogger("trainmover.keeper")
 
@@ -56,6 +57,13 @@ SUCCESSOR_RETRY_S = (60.0, 600.0)  # between tries to place a warm successor whe
                                    # queries each): doubling from the first to the second; a standby's
                                    # launch (a node joined the job) makes it try at once
 END_WAIT_S = 60.0    # a controller that ended the job (journal `end`) gets this long to exit
+# The sruns the keeper starts for the controller, paced to slurmctld's per-user bucket (rl_enable:
+# 30 tokens, 2 a second; slurm/pacing.py's Paced says what one costs) with room left in it for what
+# the job's start asks besides (sbatch, the controllers' own two sruns, the standby's allocation:
+# with a burst of 20 here a 16-node start still drew 7 "rate limit exceeded"): 10 tokens, 1.5 a
+# second, so a start of N nodes takes about (2 N - 10) / 1.5 s (128 nodes: about 165 s; docs/scale.md).
+LAUNCH_BUCKET = (10.0, 1.5)
+SRUN_RPCS = 2
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,7 @@ class Keeper:
         self.at = files.held_dir(self.root)  # read through: a `runs/` another user swaps in is never read
         self.key: bytes | None = None  # the job's secret: read once, when the controller has made it
         self.steps: dict[str, tuple[str, object]] = {}  # node -> (role, Popen)
+        self.launches = Paced(TokenBucket(*LAUNCH_BUCKET, time.monotonic()), SRUN_RPCS)  # asked, not yet started
         self.controller = None          # (node, Popen) of the primary controller's step
         self.primary: succession.Primary | None = None
         # (node, Popen) of each warm successor's step, oldest (the next promoted) first:
@@ -272,7 +281,9 @@ class Keeper:
         try:
             self.conn = channel.connect(ep.address, self.key, make("hello", role="keeper", node=self.node, ranks=[],
                                                              pid=os.getpid()), timeout=2.0, source=None)
-            self.conn.send(make("steps", running={n: role for n, (role, p) in self.steps.items()}))
+            # a launch still waiting for its tokens runs as far as a controller is concerned
+            self.conn.send(make("steps", running={**{n: role for n, (role, p) in self.steps.items()},
+                                                  **{m["node"]: m["role"] for m in self.launches.queued}}))
             for msg in self.unreported:  # ends while no controller ran: its successor must know
                 self.conn.send(msg)
             self.unreported = []
@@ -296,7 +307,7 @@ class Keeper:
                 return self.primary.channel_closed(time.monotonic())
             self.primary.heard(time.monotonic())
             if msg["type"] == "launch":
-                self._launch(msg)
+                self.launches.add(msg)
             elif msg["type"] == "moving":
                 self.conn = None
                 return self.primary.moving(time.monotonic(), msg["reason"])
@@ -368,6 +379,8 @@ class Keeper:
                     self.controller[1].kill()
             if verdict is not None and not self._promote(verdict):
                 return 1
+            for msg in self.launches.due(time.monotonic()):
+                self._launch(msg)
             self._watch_successor()
             self._report_exits()
             self.retired = [p for p in self.retired if p.poll() is None]
