@@ -59,7 +59,7 @@ class StubRank:
         self.resync: Callable[[StubRank], list[dict]] = lambda rank: []  # the node says where it is
         host, port = spec.controller
         self.link = Link((str(host), int(port)), key, self._hello, lambda: self.resync(self), self._on_message,
-                         connect_timeout=spec.group_timeout_s, reconnect_timeout=spec.reconnect_timeout_s,
+                         connect_timeout=spec.job.group_timeout_s, reconnect_timeout=spec.job.reconnect_timeout_s,
                          source=spec.node_addr, where=self._where, news=lambda: endpoint.mtime(spec.controller_file))
 
     def _on_message(self, msg: dict) -> None:
@@ -100,10 +100,10 @@ class StubNode:
         run_dir = Path(spec.controller_file).parent if spec.controller_file else Path(spec.secret_file).parent
         self.root = None
         if spec.role == "worker" and 0 in spec.ranks:  # the vote's root lives with rank 0
-            self.root = VoteRoot(spec.node_addr, spec.world_size // max(1, spec.ranks_per_node))
+            self.root = VoteRoot(spec.node_addr, spec.world_size // max(1, spec.job.ranks_per_node))
             write_root(run_dir, self.root.address)
-        self.vote = VoteClient(root_address(run_dir, spec.group_timeout_s))
-        n = len(spec.ranks) if spec.role == "worker" else spec.ranks_per_node
+        self.vote = VoteClient(root_address(run_dir, spec.job.group_timeout_s))
+        n = len(spec.ranks) if spec.role == "worker" else spec.job.ranks_per_node
         self.ranks = [StubRank(spec, key, i, spec.ranks[i] if spec.role == "worker" else None, spec.role)
                       for i in range(n)]
         self.step = 0
@@ -116,8 +116,8 @@ class StubNode:
 
     def _beat(self) -> None:
         """Beats as runtime/heartbeat.py sends them: every heartbeat_s, each rank's own."""
-        while self.spec.heartbeat_s > 0:
-            time.sleep(self.spec.heartbeat_s)
+        while self.spec.job.heartbeat_s > 0:
+            time.sleep(self.spec.job.heartbeat_s)
             cpu = time.process_time()
             for r in self.ranks:
                 r.send("beat", ranks=[] if r.rank is None else [r.rank], step=self.step, issued={}, waiting={},
@@ -190,7 +190,7 @@ class StubNode:
     # --- a worker --------------------------------------------------------------------------
     def _train(self) -> int:
         nxt = time.monotonic()
-        while self.step < self.spec.steps:
+        while self.step < self.spec.job.steps:
             t0 = time.perf_counter()
             nxt += self.step_s
             time.sleep(max(0.0, nxt - time.monotonic()))
@@ -255,7 +255,7 @@ class StubNode:
         for r in self.ranks:
             r.send("stalled", rank=r.rank, step=self.step, digest=DIGEST, error="stub: a peer of the vote vanished",
                    role="stayer", holds={"replicas": list(range(self.spec.world_size)), "own": [], "held": {}})
-        deadline = time.monotonic() + self.spec.recovery_timeout_s + 10.0
+        deadline = time.monotonic() + self.spec.job.recovery_timeout_s + 10.0
         while time.monotonic() < deadline:
             for msg in self.ranks[0].messages():
                 for r in self.ranks[1:]:
@@ -267,7 +267,7 @@ class StubNode:
                                t=time.time(), detail={"stub": True})
                     return
             time.sleep(0.005)
-        raise SystemExit(f"no recovery plan within {self.spec.recovery_timeout_s:.0f}s")
+        raise SystemExit(f"no recovery plan within {self.spec.job.recovery_timeout_s:.0f}s")
 
 
 def main() -> int:
