@@ -7,6 +7,7 @@ import pytest
 
 from trainmover.controller import resize
 from trainmover.controller.node_watch import PoolWatch
+from trainmover.controller.slurm_work import Acquired, Released, Unavailable
 from trainmover.errors import SlurmError
 from trainmover.slurm.model import JobInfo, NodeInfo, NoStandbyAvailable
 from trainmover.slurm.pacing import Paced, TokenBucket
@@ -79,9 +80,9 @@ def _resizer(slurm, clock):
 def test_resizes_keep_the_jobs_record_and_ask_slurm_nothing_more():
     slurm, clock = _Slurm(), [0.0]
     r, pool = _resizer(slurm, clock)
-    assert r.acquire() == ("acquired", "spare1", "10.0.0.5")  # its address from the node poll
+    assert r.acquire() == Acquired("spare1", "10.0.0.5")  # its address from the node poll
     assert r.job.nodes == ("keep1", "train1", "spare1") and r.job.nodelist == "keep1,train1,spare1"
-    assert r.release("train1") == ("released", "train1", True, "")
+    assert r.release("train1") == Released("train1", True, "")
     assert slurm.shrunk == [["keep1", "spare1"]] and r.job.nodes == ("keep1", "spare1")
     assert slurm.queries == []  # no job or node query: the record and the poll had it all
 
@@ -91,29 +92,29 @@ def test_a_failed_release_reads_the_job_again():
     r, _ = _resizer(slurm, clock)
     r.job = _job(("keep1", "train1", "gone"))  # a record gone wrong
     ok = r.release("train1")
-    assert ok[:3] == ("released", "train1", False) and "release failed" in ok[3]
+    assert (ok.node, ok.ok) == ("train1", False) and "release failed" in ok.message
     assert slurm.queries == ["job"] and r.job.nodes == ("keep1", "train1", "spare1")
 
 
 def test_standby_requests_are_paced_and_gated_by_the_poll():
     slurm, clock = _Slurm(), [0.0]
     r, pool = _resizer(slurm, clock)
-    assert r.acquire()[0] == "acquired"
+    assert isinstance(r.acquire(), Acquired)
     slurm.granted = []
     pool.nodes()
     pool.saw({"spare2": NodeInfo("spare2", "10.0.0.6", "IDLE+RESERVED")})
-    assert r.acquire()[0] == "unavailable"  # asked: none granted...
-    assert "no idle node" in r.acquire()[1]  # ...so not again before a poll sees one idle
+    assert isinstance(r.acquire(), Unavailable)  # asked: none granted...
+    assert "no idle node" in r.acquire().reason  # ...so not again before a poll sees one idle
     pool.nodes()
     pool.saw({"spare2": NodeInfo("spare2", "10.0.0.6", "IDLE+RESERVED")})
     # each asked once (2 s): a grow's retries never spend the next grow's tokens
     assert slurm.timeouts == [2.0, 2.0]
     got = r.acquire()  # two grows spent the burst: paced
-    assert got[0] == "unavailable" and "paced" in got[1], got
+    assert isinstance(got, Unavailable) and "paced" in got.reason, got
     clock[0] += (2 * resize.GROW_RPCS) / resize.ACQUIRE_RATE
     pool.nodes()
     pool.saw({"spare2": NodeInfo("spare2", "10.0.0.6", "IDLE+RESERVED")})
-    assert "paced" not in r.acquire()[1]
+    assert "paced" not in str(r.acquire())
 
 
 def test_the_pool_the_job_asked_for_is_taken_at_once_and_only_refills_are_paced():
@@ -136,11 +137,11 @@ def test_a_fruitless_ask_leaves_the_next_grow_its_tokens():
     slurm, clock = _Slurm(), [0.0]
     r, pool = _resizer(slurm, clock)
     slurm.granted = []
-    assert r.acquire()[0] == "unavailable" and slurm.timeouts == [2.0]
+    assert isinstance(r.acquire(), Unavailable) and slurm.timeouts == [2.0]
     slurm.granted = ["spare1"]
     pool.nodes()
     pool.saw({"spare1": NodeInfo("spare1", "10.0.0.5", "IDLE+RESERVED")})
-    assert r.acquire() == ("acquired", "spare1", "10.0.0.5")
+    assert r.acquire() == Acquired("spare1", "10.0.0.5")
 
 
 def test_paced_launches_stay_within_the_bucket_in_order():
