@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 WORKER = r'''
 import os, sys, time, json, datetime, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[3])
-from trainmover.nccl import lib
+from trainmover.groups.nccl import lib
 from trainmover.workloads.gpt_demo import GPT, PRESETS
 rank, port, order = int(sys.argv[1]), int(sys.argv[2]), sys.argv[4]
 torch.cuda.set_device(rank)

@@ -49,8 +49,8 @@ def state_of(preset: str, seed: int) -> dict:
 def worker(rank: int, port: int, preset: str) -> None:
     import torch
     import torch.distributed as dist
-    from trainmover.nccl import lib
-    from trainmover.nccl.backend import NcclBackend
+    from trainmover.groups.nccl import lib
+    from trainmover.groups.nccl.backend import NcclBackend
     from trainmover.runtime import transfer, xferplan
     torch.cuda.set_device(rank)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=120))

@@ -8,7 +8,7 @@
  *   tm_comm_*   communicators: non-blocking init with a deadline, revoke/abort/destroy
  *   tm_allreduce ... tm_group_end   collectives and grouped send/recv on them
  * Which groups a migration rebuilds is decided in Python (trainmover/runtime/plan.py); the
- * swap of a group's communicator is done by trainmover/nccl/backend.py.
+ * swap of a group's communicator is done by trainmover/groups/nccl/backend.py.
  *
  * This header includes neither nccl.h nor cuda_runtime.h: dtypes and reduction ops are the
  * integer values of ncclDataType_t / ncclRedOp_t, streams are cudaStream_t passed as void*.

@@ -6,7 +6,7 @@ import threading
 
 import torch.distributed as dist
 
-from trainmover.runtime.groups import gloo_group
+from trainmover.groups.swappable import gloo_group
 
 
 def serve_store(timeout: datetime.timedelta) -> tuple[dist.TCPStore, int]:

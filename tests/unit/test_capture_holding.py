@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from trainmover.runtime import capture, holding, transfer
-from trainmover.runtime.tensors import digest_tensors, tensors_of
+from trainmover.groups.tensors import digest_tensors, tensors_of
 from trainmover.runtime.snapshot import Snapshots
 
 KEY = b"k" * 32  # the job's key: the rendezvous values are tagged with it (protocol/store.py)
@@ -129,7 +129,7 @@ def test_the_standby_holds_the_two_newest_verified_versions_and_a_spoilt_copy_is
 
 
 def _gloo_pair(store, prefix, grank):
-    from trainmover.runtime.groups import gloo_group
+    from trainmover.groups.swappable import gloo_group
     return gloo_group(store, prefix, grank, 2, host="127.0.0.1", timeout=datetime.timedelta(seconds=TIMEOUT_S))
 
 
@@ -182,7 +182,7 @@ class OneRankCtx:
 
     def __init__(self, addr, every: int):
         from types import SimpleNamespace
-        from trainmover.runtime.groups import SNAPSHOT
+        from trainmover.groups.swappable import SNAPSHOT
         self.rank, self.device, self.key, self.sent = 0, "cpu", KEY, []
         self.spec = SimpleNamespace(snapshot_every=every, checkpoint_every=0, steps=10_000, world_size=1,
                                     ranks_per_node=1, group_timeout_s=TIMEOUT_S, store=addr, node_addr="127.0.0.1")

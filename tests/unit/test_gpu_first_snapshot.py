@@ -27,7 +27,7 @@ def _state(step: int, seed: int, device: str) -> dict:
 
 
 def _pair(store, prefix, grank):
-    from trainmover.nccl.backend import nccl_group
+    from trainmover.groups.nccl.backend import nccl_group
     backend = nccl_group(store, prefix, grank, 2, timeout_s=TIMEOUT_S, name="xfer")
     backend.preconnect(p2p=True)
     return backend
@@ -38,7 +38,7 @@ def _side(role: str, port: int, out) -> None:
     import time
     from tests.unit.test_capture_holding import _until
     from trainmover.runtime import capture, holding
-    from trainmover.runtime.tensors import digest_tensors, tensors_of
+    from trainmover.groups.tensors import digest_tensors, tensors_of
     try:
         torch.cuda.set_device(0 if role == "worker" else 1)
         torch.cuda.init()

@@ -48,6 +48,6 @@ def test_each_worker_position_migrates_bit_exactly(leaver, reference, tmp_path):
     assert m["comm_inits_per_stayer"] == [1, 1]        # only the world communicator is replaced
     # Phase 1 takes nothing from torch's allocator: no tensor of it stays alive on a stayer
     # (requested bytes, not memory_allocated: runtime/worker.py `memory` says why), and no
-    # segment is reserved for it (its pre-connect uses the process's one buffer, nccl/backend.py)
+    # segment is reserved for it (its pre-connect uses the process's one buffer, groups/nccl/backend.py)
     assert m["stayer_extra_alloc_bytes"] <= 0, m
     assert m["stayer_extra_reserved_bytes"] <= 0, m

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainmover.runtime.groups import SandboxBackend, SwappableGroup
+from trainmover.groups.swappable import SandboxBackend, SwappableGroup
 from tests.unit.gloo_world import gloo_groups, serve_store
 
 pytestmark = pytest.mark.gloo_threads  # see tests/unit/conftest.py

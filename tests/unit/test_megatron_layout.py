@@ -9,7 +9,7 @@ import pytest
 from trainmover.config import Config
 from trainmover.errors import ConfigError
 from trainmover.megatron.layout import Layout, group_specs
-from trainmover.runtime.group_plan import delta
+from trainmover.groups.specs import delta
 from trainmover.workloads import registry
 
 pytest.importorskip("megatron.core")

@@ -3,7 +3,7 @@
 Eight forked processes train on gloo groups (a TCPStore in the test process); for each
 planned migration a ninth process plays the standby: it builds the workload on sandboxed
 groups for another rank, rebinds to the leaver's rank, then, at the switch step, the
-changed groups are rebuilt (trainmover.runtime.group_plan.delta), the leaver's full state moves
+changed groups are rebuilt (trainmover.groups.specs.delta), the leaver's full state moves
 over trainmover.runtime.transfer, and the joiner trains on. Losses of every step and the
 final parameter/optimizer digests of every rank must equal an uninterrupted run's; with the
 optimizer state left out of the copy they must not (negative control).
@@ -25,11 +25,12 @@ import torch.distributed as dist  # noqa: E402
 
 import trainmover.megatron.stack  # noqa: E402,F401  - Megatron imported before the fork
 from tests.unit.late_store import LateStore  # noqa: E402
-from trainmover.runtime import rng, transfer  # noqa: E402
-from trainmover.runtime.tensors import digest_tensors, tensors_of  # noqa: E402
-from trainmover.runtime.groups import SandboxBackend, SwappableGroup, gloo_group  # noqa: E402
+from trainmover.groups import rng  # noqa: E402
+from trainmover.runtime import transfer  # noqa: E402
+from trainmover.groups.tensors import digest_tensors, tensors_of  # noqa: E402
+from trainmover.groups.swappable import SandboxBackend, SwappableGroup, gloo_group  # noqa: E402
 from trainmover.runtime.phase1 import xfer_prefix  # noqa: E402
-from trainmover.runtime.group_plan import delta  # noqa: E402
+from trainmover.groups.specs import delta  # noqa: E402
 from trainmover.workloads import base as workloads  # noqa: E402
 from trainmover.workloads import registry  # noqa: E402
 

@@ -1,6 +1,6 @@
 import pytest
 
-from trainmover.controller.migration import ALLOWED, IllegalTransition, Migration, Phase, TERMINAL
+from trainmover.controller.migration import ALLOWED, IllegalPhaseTransition, Migration, Phase, TERMINAL
 
 
 def test_happy_path_and_durations():
@@ -21,7 +21,7 @@ def test_happy_path_and_durations():
 def test_illegal_transitions_raise(start, target):
     m = Migration(1, "n", (0,), "manual", 0.0)
     m.phase = start
-    with pytest.raises(IllegalTransition, match=f"{start.value} -> {target.value}"):
+    with pytest.raises(IllegalPhaseTransition, match=f"{start.value} -> {target.value}"):
         m.to(target, 1.0)
 
 

@@ -1,4 +1,4 @@
-"""The communicator library (cuda/) and its binding (trainmover.nccl.lib).
+"""The communicator library (cuda/) and its binding (trainmover.groups.nccl.lib).
 
 CPU (a machine with a C++ compiler, a CUDA toolkit and NCCL; the tests skip without them): the
 build, the communicator state logic on the test build's fake handles (libtmdelta_test.so), the
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainmover.nccl import lib
+from trainmover.groups.nccl import lib
 
 REPO = Path(__file__).resolve().parents[2]
 BUILD = REPO / "scripts" / "build_cuda.sh"
@@ -225,7 +225,7 @@ def _migration_child(i: int, port: int, m: int, k: int):
     """Members 0..m-1 on GPUs 0..m-1 share `world`; process m (GPU m) is the spare. Member k
     leaves: the spare takes group rank k in a new `world`, receives k's state in one grouped
     transfer, stayers switch to the new comm (the old one revoked, then destroyed, as
-    trainmover/nccl/backend.py retires one) and the results agree."""
+    trainmover/groups/nccl/backend.py retires one) and the results agree."""
     store = _store(port)
     torch.cuda.set_device(i)
     role = "joiner" if i == m else ("leaver" if i == k else "stayer")

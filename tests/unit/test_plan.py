@@ -1,6 +1,6 @@
 import pytest
 
-from trainmover.runtime.group_plan import GroupSpec, delta
+from trainmover.groups.specs import GroupSpec, delta
 
 
 def megatron_like_groups():

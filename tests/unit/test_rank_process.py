@@ -22,7 +22,7 @@ import torch.distributed as dist
 from trainmover.protocol import checkpoint_layout
 from trainmover.protocol.messages import make
 from trainmover.protocol.worker_spec import WorkerSpec
-from trainmover.runtime.rankstate import TRANSITIONS, IllegalTransition, RankState, RankStateMachine
+from trainmover.runtime.rankstate import TRANSITIONS, IllegalRankTransition, RankState, RankStateMachine
 from trainmover.runtime.worker import Agent
 from trainmover.workloads.base import BuildContext, Workload
 
@@ -233,7 +233,7 @@ def test_a_standby_joins_the_leavers_slot_trains_on_and_the_run_ends_bit_exact(j
     resync = leaver.resync_messages()[0]
     assert resync["state"] == "left" and resync["switched"] == 1 and resync["step"] == left["step"]
     assert standby.resync_messages()[0]["state"] == "finished"
-    with pytest.raises(IllegalTransition, match="left -> training"):  # a leaver never trains again
+    with pytest.raises(IllegalRankTransition, match="left -> training"):  # a leaver never trains again
         leaver.state.to(S.TRAINING)
 
 
@@ -363,12 +363,12 @@ def test_every_state_is_reachable_and_an_illegal_transition_names_both_ends():
 
     m = RankStateMachine(S.STARTING, who="standby spare0/0")
     m.to(S.READY)
-    with pytest.raises(IllegalTransition, match=r"standby spare0/0: illegal state transition ready -> finished "
+    with pytest.raises(IllegalRankTransition, match=r"standby spare0/0: illegal state transition ready -> finished "
                                                 r"\(allowed from ready: joining, training, warming\)") as got:
         m.to(S.FINISHED)
     assert (got.value.src, got.value.dst) == (S.READY, S.FINISHED) and m.now is S.READY  # unchanged
     for terminal in (S.LEFT, S.FINISHED):
-        with pytest.raises(IllegalTransition, match="allowed from .*: none"):
+        with pytest.raises(IllegalRankTransition, match="allowed from .*: none"):
             RankStateMachine(terminal).to(S.TRAINING)
     # the values are the wire's: the controller reads them in a resync (controller/takeover.py)
     assert [s.value for s in RankState] == ["starting", "ready", "warming", "joining", "training", "stalled",

@@ -11,8 +11,8 @@ import torch.multiprocessing as mp
 
 from trainmover.config import Config, parse_options
 from trainmover.errors import ConfigError
-from trainmover.runtime.groups import SwappableGroup, gloo_group
-from trainmover.runtime.group_plan import GroupSpec
+from trainmover.groups.swappable import SwappableGroup, gloo_group
+from trainmover.groups.specs import GroupSpec
 from trainmover.sandbox import shadow
 from trainmover.sandbox.live import Recorder
 from trainmover.workloads.base import BuildContext
@@ -103,7 +103,7 @@ def test_cold_standby_keeps_the_compiled_bucket_layout_and_compiles_its_first_re
     backward orders gradients unlike a compiled one, so an eager-rehearsed joiner would reduce
     other parameters than the stayers at the same offsets. It compiles, then forgets the code."""
     from trainmover.runtime import standby
-    from trainmover.runtime.groups import SandboxBackend
+    from trainmover.groups.swappable import SandboxBackend
 
     def rehearsed(compile):
         group = SwappableGroup("world", 0, 2, [0, 1], SandboxBackend(0, 2))

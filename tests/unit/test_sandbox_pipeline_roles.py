@@ -27,7 +27,7 @@ import torch.distributed as dist  # noqa: E402
 
 import trainmover.megatron.stack  # noqa: E402,F401  - Megatron imported before the fork
 from tests.unit.late_store import LateStore  # noqa: E402
-from trainmover.runtime.groups import SandboxBackend, SwappableGroup, gloo_group  # noqa: E402
+from trainmover.groups.swappable import SandboxBackend, SwappableGroup, gloo_group  # noqa: E402
 from trainmover.sandbox import live, shadow  # noqa: E402
 from trainmover.workloads import base as workloads  # noqa: E402
 from trainmover.workloads import registry  # noqa: E402

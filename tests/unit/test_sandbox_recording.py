@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trainmover.errors import MigrationError
-from trainmover.runtime.groups import SandboxBackend, SwappableGroup, gloo_group
+from trainmover.groups.swappable import SandboxBackend, SwappableGroup, gloo_group
 from trainmover.sandbox.recording import RecordingBackend, RecordingWriter, Replay
 from trainmover.workloads.base import BuildContext
 from trainmover.workloads.gpt_demo import GPTDemo

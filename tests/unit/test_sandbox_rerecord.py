@@ -11,8 +11,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainmover.errors import MigrationError
-from trainmover.runtime.groups import SwappableGroup, gloo_group
-from trainmover.runtime.group_plan import GroupSpec
+from trainmover.groups.swappable import SwappableGroup, gloo_group
+from trainmover.groups.specs import GroupSpec
 from trainmover.sandbox import recording, shadow
 from trainmover.sandbox.live import Recorder, State
 from trainmover.workloads.base import BuildContext, Workload

@@ -112,7 +112,7 @@ def test_pool_reserves_ahead_in_the_background():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_recorder_pins_the_recording_buffers_before_the_first_recorded_step(tmp_path):
-    from trainmover.runtime.groups import SandboxBackend, SwappableGroup
+    from trainmover.groups.swappable import SandboxBackend, SwappableGroup
     from trainmover.sandbox.live import Recorder
     group = SwappableGroup("world", 0, 2, [0, 1], SandboxBackend(0, 2))
     rec = Recorder({"world": group}, tmp_path / "rank0.h5", 0, 2, skip="control", from_step=2, steady_steps=1)

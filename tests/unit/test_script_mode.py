@@ -24,8 +24,9 @@ import torch.distributed as dist
 
 from tests.unit.gloo_world import gloo_groups, serve_store
 from trainmover.errors import ConfigError
-from trainmover.runtime import rng, transfer
-from trainmover.runtime.groups import SwappableGroup
+from trainmover.groups import rng
+from trainmover.runtime import transfer
+from trainmover.groups.swappable import SwappableGroup
 from trainmover.script.workload import ScriptWorkload
 from trainmover.workloads.base import BuildContext
 
@@ -295,7 +296,7 @@ def test_the_scripts_own_error_comes_out_as_itself_with_its_traceback(tmp_path, 
     then reports it as the user's: runtime/usercode.py), with the script's line in its
     traceback; never a lost peer, since no collective failed."""
     import traceback
-    from trainmover.runtime.groups import first_failure
+    from trainmover.groups.swappable import first_failure
     path = script_at(tmp_path, '''
         import trainmover.script as tm
         tm.init()

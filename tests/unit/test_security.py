@@ -234,7 +234,7 @@ def test_compare_set_on_genuine_values_only(tcp_store):
 def _gloo_member(rank, port, out):
     inner = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10),
                           wait_for_workers=False)
-    from trainmover.runtime.groups import gloo_group
+    from trainmover.groups.swappable import gloo_group
     pg = gloo_group(AuthStore(inner, KEY), "tm/g/", rank, 2, host="127.0.0.1", timeout=datetime.timedelta(seconds=10))
     t = torch.tensor([float(rank + 1)])
     pg.allreduce([t]).wait()

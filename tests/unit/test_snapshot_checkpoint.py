@@ -9,7 +9,7 @@ import torch
 from trainmover.protocol import checkpoint_layout as layout
 from trainmover.errors import MigrationError
 from trainmover.runtime import checkpoint, transfer
-from trainmover.runtime.tensors import digest_tensors, tensors_of
+from trainmover.groups.tensors import digest_tensors, tensors_of
 from trainmover.runtime.snapshot import Snapshots, holder_of, ward_of
 from tests.unit.gloo_world import gloo_groups, serve_store
 

@@ -8,7 +8,7 @@ import pytest
 
 from trainmover.controller import journal
 from trainmover.controller.journal import Journal, Superseded, fold
-from trainmover.controller.succession import IllegalTransition, Primary, Promote, State, may_promote
+from trainmover.controller.succession import IllegalSuccessionTransition, Primary, Promote, State, may_promote
 
 KEY = b"k" * 32  # the job's key: the journal and the outcome are sealed with it
 
@@ -83,7 +83,7 @@ def test_illegal_transitions_raise():
     p = primary()
     p.heard(101.0)
     p.moving(101.0, "leaves")
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalSuccessionTransition):
         p._to(State.SERVING, 102.0, "back")
 
 

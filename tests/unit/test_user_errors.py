@@ -1,6 +1,6 @@
 """A user's error is the user's; only a failed collective or a silent rank is a lost node.
 
-Classified where it happens: the group wrapper marks a collective that fails (runtime/groups.py),
+Classified where it happens: the group wrapper marks a collective that fails (groups/swappable.py),
 the workload's own calls are guarded (runtime/usercode.py), the loop decides from the marks
 (runtime/training.py), and the controller's policy ends the job on a rank's own error, however
 the other ranks' failures that follow reach it (controller/policy.py). Pure parts with a fake
@@ -24,7 +24,7 @@ from trainmover.controller.actions import Fence, Finish, Send
 from trainmover.controller.migration import Phase
 from trainmover.controller.supervisor import restart_decision
 from trainmover.errors import ConfigError, MigrationError
-from trainmover.runtime.groups import SandboxBackend, SwappableGroup, gloo_group
+from trainmover.groups.swappable import SandboxBackend, SwappableGroup, gloo_group
 from trainmover.runtime.rankstate import RankState, RankStateMachine
 from trainmover.runtime.training import TrainingLoop, lost_peer
 from trainmover.runtime.usercode import MAX_TRACEBACK, UserCodeError, UserWorkload, user_code

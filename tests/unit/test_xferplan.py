@@ -8,7 +8,7 @@ import torch
 from tests.unit.test_transfer_groups import flat, pair, state, store  # noqa: F401 - the fixture
 from trainmover.errors import MigrationError
 from trainmover.runtime import transfer, xferplan
-from trainmover.runtime.tensors import digest_tensors, word_view
+from trainmover.groups.tensors import digest_tensors, word_view
 
 KEY = b"k" * 32  # the job's key: the manifest crosses the pair sealed with it
 

@@ -34,8 +34,8 @@ import torch.distributed as dist  # noqa: E402
 
 from trainmover.baseline import checkpoint  # noqa: E402
 from trainmover.errors import ConfigError, DeadlineExceeded  # noqa: E402
-from trainmover.runtime import rng  # noqa: E402
-from trainmover.runtime.tensors import digest_tensors, tensors_of  # noqa: E402
+from trainmover.groups import rng  # noqa: E402
+from trainmover.groups.tensors import digest_tensors, tensors_of  # noqa: E402
 from trainmover.slurm.job_env import JobEnv  # noqa: E402
 from trainmover.workloads import base as workloads  # noqa: E402
 from trainmover.workloads import registry  # noqa: E402

@@ -26,10 +26,11 @@ import torch.distributed as dist
 
 from trainmover.check.fingerprint import differences, fingerprint, unplain
 from trainmover.check.plan import shadow_total
-from trainmover.runtime import rng, transfer
-from trainmover.runtime.tensors import digest_tensors, tensors_of
-from trainmover.runtime.groups import SandboxBackend, SwappableGroup, gloo_group
-from trainmover.runtime.group_plan import GroupSpec
+from trainmover.groups import rng
+from trainmover.runtime import transfer
+from trainmover.groups.tensors import digest_tensors, tensors_of
+from trainmover.groups.swappable import SandboxBackend, SwappableGroup, gloo_group
+from trainmover.groups.specs import GroupSpec
 from trainmover.workloads import base as workloads
 from trainmover.workloads import registry
 

@@ -54,7 +54,7 @@ class Trigger(enum.StrEnum):
 TRIGGERS = {t.value for t in Trigger}
 
 
-class IllegalTransition(RuntimeError):
+class IllegalPhaseTransition(RuntimeError):
     pass
 
 
@@ -93,7 +93,7 @@ class Migration:
 
     def to(self, phase: Phase, now: float, note: str = "") -> None:
         if phase not in ALLOWED[self.phase]:
-            raise IllegalTransition(f"migration {self.id} ({self.leaver}): {self.phase.value} -> {phase.value} is not allowed")
+            raise IllegalPhaseTransition(f"migration {self.id} ({self.leaver}): {self.phase.value} -> {phase.value} is not allowed")
         log.info("migration %d %s: %s -> %s%s", self.id, self.leaver, self.phase.value, phase.value,
                  f" ({note})" if note else "")
         self.phase = phase

@@ -33,7 +33,7 @@ from trainmover.controller.liveness import Heard, Liveness
 from trainmover.controller.migration import Migration, Phase
 from trainmover.controller.planner import Planner
 from trainmover.controller.progress import Progress
-from trainmover.controller.recovery import Recovery
+from trainmover.controller.recovery import RecoveryPolicy
 from trainmover.controller.takeover import Takeover
 from trainmover.controller.standby_loss import StandbyLoss
 from trainmover.controller.standby_pool import StandbyPool
@@ -79,7 +79,7 @@ class Policy:
         self.planner = Planner(cfg, self.state, self.pool, self.progress,
                                held=lambda: self.takeover.resuming is not None, done=lambda: self.done)
         self.snapshots = SnapshotHolder(self.state, self.pool)
-        self.recovery_part = Recovery(cfg, self.state, self.pool, self.progress, self.planner, self.snapshots,
+        self.recovery_part = RecoveryPolicy(cfg, self.state, self.pool, self.progress, self.planner, self.snapshots,
                                       done=lambda: self.done)
         self.losses = StandbyLoss(self.state, self.pool, self.planner, self.recovery_part, done=lambda: self.done)
         self.liveness = Liveness(cfg, self.state, self.progress)

@@ -36,7 +36,7 @@ log = logging.getLogger("trainmover.policy")
 DETECT_WINDOW_S = 15.0  # ranks stalled but nobody found lost: how long before the job stops
 
 
-class Recovery:
+class RecoveryPolicy:
     """The policy's part for unexpected failures: detection, the recovery plan, checkpoints."""
 
     def __init__(self, cfg: Config, state: PolicyState, pool: StandbyPool, progress: Progress, planner: Planner,

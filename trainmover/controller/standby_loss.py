@@ -24,7 +24,7 @@ from typing import Callable
 from trainmover.controller.actions import Finish, ReleaseNode, Record
 from trainmover.controller.migration import Migration, Phase
 from trainmover.controller.planner import Planner
-from trainmover.controller.recovery import Recovery
+from trainmover.controller.recovery import RecoveryPolicy
 from trainmover.controller.standby_pool import StandbyPool
 from trainmover.controller.state import PolicyState
 from trainmover.controller.view import StandbyState
@@ -35,7 +35,7 @@ log = logging.getLogger("trainmover.policy")
 class StandbyLoss:
     """The policy's part for a standby that dies; the pool (standby_pool.py) keeps the count."""
 
-    def __init__(self, state: PolicyState, pool: StandbyPool, planner: Planner, recovery: Recovery,
+    def __init__(self, state: PolicyState, pool: StandbyPool, planner: Planner, recovery: RecoveryPolicy,
                  done: Callable[[], bool]):
         self.state, self.pool, self.planner, self.recovery, self.done = state, pool, planner, recovery, done
         # transient: drained standbys whose release is under way (Slurm's answer comes to this controller)

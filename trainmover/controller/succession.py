@@ -52,7 +52,7 @@ ALLOWED = {
 }
 
 
-class IllegalTransition(Exception):
+class IllegalSuccessionTransition(Exception):
     pass
 
 
@@ -76,7 +76,7 @@ class Primary:
 
     def _to(self, state: State, now: float, why: str) -> None:
         if state not in ALLOWED[self.state]:
-            raise IllegalTransition(f"controller on {self.node}: {self.state.value} -> {state.value} ({why})")
+            raise IllegalSuccessionTransition(f"controller on {self.node}: {self.state.value} -> {state.value} ({why})")
         log.info("controller on %s (attempt %d): %s -> %s at %.3f: %s", self.node, self.attempt, self.state.value,
                  state.value, now, why)
         self.state, self.why = state, why

@@ -28,7 +28,7 @@ from trainmover.controller.journal import Replayed
 from trainmover.controller.migration import Migration, Phase
 from trainmover.controller.planner import Planner
 from trainmover.controller.progress import Progress
-from trainmover.controller.recovery import Recovery
+from trainmover.controller.recovery import RecoveryPolicy
 from trainmover.controller.standby_pool import StandbyPool
 from trainmover.controller.state import PolicyState
 
@@ -39,7 +39,7 @@ class Takeover:
     """The policy's part for a controller that takes over from its journal."""
 
     def __init__(self, cfg: Config, state: PolicyState, pool: StandbyPool, progress: Progress, planner: Planner,
-                 recovery: Recovery):
+                 recovery: RecoveryPolicy):
         self.cfg, self.state, self.pool, self.progress = cfg, state, pool, progress
         self.planner, self.recovery = planner, recovery
         # Not journaled: `resuming` lives only while this controller waits for the ranks to

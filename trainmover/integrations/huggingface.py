@@ -43,7 +43,7 @@ import logging
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import TrainerState
 
-from trainmover.runtime import rng
+from trainmover.groups import rng
 from trainmover.script import owner as tm_owner
 from trainmover.script.run import EndRun, current
 

@@ -44,7 +44,7 @@ from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.trainer import call
 
 from trainmover.errors import ConfigError
-from trainmover.runtime import rng
+from trainmover.groups import rng
 from trainmover.script import owner as tm_owner
 from trainmover.script.loops import generators_of, skip
 from trainmover.script.run import EndRun, current

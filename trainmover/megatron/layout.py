@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainmover.errors import ConfigError
-from trainmover.runtime.group_plan import GroupSpec
+from trainmover.groups.specs import GroupSpec
 
 ORDER = "tp-cp-ep-dp-pp"  # Megatron's default rank order
 # Rank-set kinds initialize_model_parallel (0.16.1) builds with cp = ep = 1, in its own words.

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainmover.runtime import tensors as tensor_walk
+from trainmover.groups import tensors as tensor_walk
 
 log = logging.getLogger("trainmover.capture")
 

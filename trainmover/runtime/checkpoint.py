@@ -32,7 +32,7 @@ from trainmover.errors import MigrationError
 from trainmover.protocol import files
 from trainmover.protocol.checkpoint_layout import fsync_dir, rank_file, read_manifest
 from trainmover.runtime import transfer
-from trainmover.runtime.tensors import tensors_of
+from trainmover.groups.tensors import tensors_of
 
 log = logging.getLogger("trainmover.checkpoint")
 

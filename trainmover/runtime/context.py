@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from trainmover.protocol.worker_spec import WorkerSpec
     from trainmover.protocol.store import AuthStore
     from trainmover.runtime import phase1
-    from trainmover.runtime.groups import SwappableGroup
-    from trainmover.runtime.group_plan import GroupSpec
+    from trainmover.groups.swappable import SwappableGroup
+    from trainmover.groups.specs import GroupSpec
     from trainmover.runtime.rankstate import RankState, RankStateMachine
     from trainmover.runtime.usercode import UserWorkload
     from trainmover.workloads.base import BuildContext

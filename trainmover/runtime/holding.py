@@ -58,8 +58,8 @@ import torch.distributed as dist
 from trainmover.protocol.store import AuthStore
 from trainmover.errors import MigrationError
 from trainmover.runtime import capture, transfer
-from trainmover.runtime.tensors import dtype_of, numel, unflatten
-from trainmover.runtime.groups import gloo_group
+from trainmover.groups.tensors import dtype_of, numel, unflatten
+from trainmover.groups.swappable import gloo_group
 
 log = logging.getLogger("trainmover.holding")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from typing import Callable
 
-from trainmover.runtime.group_plan import Delta
+from trainmover.groups.specs import Delta
 
 log = logging.getLogger(__name__)
 

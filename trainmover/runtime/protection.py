@@ -14,7 +14,7 @@ from pathlib import Path
 
 from trainmover.runtime import capture, checkpoint, holding, snapshot, transfer
 from trainmover.runtime.context import RankContext
-from trainmover.runtime.groups import SNAPSHOT
+from trainmover.groups.swappable import SNAPSHOT
 
 log = logging.getLogger("trainmover.worker")
 

@@ -1,5 +1,5 @@
 """Recovery from an unexpected failure, on the ranks that survived and on the standby
-(`Recovery`, one of the rank process's roles, stalls and resumes; `rebuild` does the work).
+(`RankRecovery`, one of the rank process's roles, stalls and resumes; `rebuild` does the work).
 
 The controller revokes the groups of a vanished rank (every collective with it fails at once),
 collects each live rank's `stalled` report (steps complete, state digest, what it holds) and
@@ -31,10 +31,11 @@ from pathlib import Path
 from trainmover import config
 from trainmover.protocol.messages import JOINER
 from trainmover.errors import MigrationError
-from trainmover.runtime import capture, checkpoint, phase1, rng, stacks, transfer
+from trainmover.groups import rng
+from trainmover.runtime import capture, checkpoint, phase1, stacks, transfer
 from trainmover.runtime.context import RankContext
 from trainmover.runtime.epoch import abort
-from trainmover.runtime.group_plan import delta
+from trainmover.groups.specs import delta
 from trainmover.runtime.protection import Protection
 from trainmover.runtime.rankstate import RankState
 from trainmover.runtime.standby import StandbyRole
@@ -87,7 +88,7 @@ class Builds:
         return out[0]
 
 
-def start_builds(rec: Recovery, msg: dict, builds: Builds | None = None) -> Builds:
+def start_builds(rec: RankRecovery, msg: dict, builds: Builds | None = None) -> Builds:
     """Start building everything this rank's part of recovery `msg` needs: every group of the
     new epoch and the transfer pairs of the state copy. Needs only the epoch, the tier and who
     sends to whom, all in the plan."""
@@ -130,7 +131,7 @@ def pairs(msg: dict, rank: int) -> dict[str, tuple[int, int]]:
     return out
 
 
-def rebuild(rec: Recovery, msg: dict, role: str, builds: Builds | None = None) -> tuple[dict, dict]:
+def rebuild(rec: RankRecovery, msg: dict, role: str, builds: Builds | None = None) -> tuple[dict, dict]:
     """Build the replacement backends (or take those `builds` started earlier) and run this
     rank's part of the state copy. Returns (new backends by group name, report fields).
     Deadlines: every rendezvous and transfer is bounded by the group timeout the builder was
@@ -159,14 +160,14 @@ def rebuild(rec: Recovery, msg: dict, role: str, builds: Builds | None = None) -
     return backends, report
 
 
-def _pair(rec: Recovery, key: str, epoch: int, needer: int, grank: int):
+def _pair(rec: RankRecovery, key: str, epoch: int, needer: int, grank: int):
     builds = rec.builds
     if builds is not None and builds.has(key):
         return builds.get(key)
     return rec.ctx.build_backend("xfer", phase1.xfer_prefix(epoch, needer), grank, 2)
 
 
-def _send(rec: Recovery, state: dict, epoch: int, needer: int, step: int) -> dict:
+def _send(rec: RankRecovery, state: dict, epoch: int, needer: int, step: int) -> dict:
     """Send `state` to `needer` over a new verified transfer pair (this rank is its member 0)."""
     pair = _pair(rec, f"xfer-to-{needer}", epoch, needer, 0)
     stats = transfer.send_verified(state, pair, key=rec.ctx.key, context=phase1.xfer_prefix(epoch, needer), dst=1,
@@ -175,7 +176,7 @@ def _send(rec: Recovery, state: dict, epoch: int, needer: int, step: int) -> dic
     return {"to": needer, "bytes": stats.bytes, "seconds": stats.seconds, "attempts": stats.attempts}
 
 
-def _receive(rec: Recovery, epoch: int, step: int, like: dict | None) -> tuple[dict, dict]:
+def _receive(rec: RankRecovery, epoch: int, step: int, like: dict | None) -> tuple[dict, dict]:
     """This rank's state of `step` from member 0 of its verified transfer pair."""
     pair = _pair(rec, "xfer-in", epoch, rec.ctx.rank, 1)
     state, stats = transfer.recv_verified(pair, key=rec.ctx.key, context=phase1.xfer_prefix(epoch, rec.ctx.rank),
@@ -186,7 +187,7 @@ def _receive(rec: Recovery, epoch: int, step: int, like: dict | None) -> tuple[d
     return state, {"recv_bytes": stats.bytes, "recv_s": stats.seconds, "attempts": stats.attempts}
 
 
-def _from_replica(rec: Recovery, msg: dict, role: str) -> dict:
+def _from_replica(rec: RankRecovery, msg: dict, role: str) -> dict:
     epoch, step = msg["epoch"], msg["step"]
     if rec.ctx.rank == msg["source"]:
         return {"sent": [_send(rec, rec.ctx.replica_state(step), epoch, needer, step) for needer in msg["needers"]]}
@@ -197,7 +198,7 @@ def _from_replica(rec: Recovery, msg: dict, role: str) -> dict:
     return {}
 
 
-def _roll_back(rec: Recovery, role: str, load) -> dict:
+def _roll_back(rec: RankRecovery, role: str, load) -> dict:
     """A live rank loads its own state of the step rolled back to (`load()`), unless the
     negative control `no-rollback` keeps its state (it then redoes steps it already applied)."""
     if role == "stayer" and rec.ctx.faults.at("rollback"):
@@ -208,7 +209,7 @@ def _roll_back(rec: Recovery, role: str, load) -> dict:
     return {"rolled_back": True, "load_s": time.perf_counter() - t0}
 
 
-def _from_snapshot(rec: Recovery, msg: dict, role: str) -> dict:
+def _from_snapshot(rec: RankRecovery, msg: dict, role: str) -> dict:
     epoch, step = msg["epoch"], msg["step"]
     snaps = rec.protection.own_snapshots()
     report: dict = {}
@@ -226,7 +227,7 @@ def _from_snapshot(rec: Recovery, msg: dict, role: str) -> dict:
     return report
 
 
-def _from_own_holding(rec: Recovery, step: int) -> dict:
+def _from_own_holding(rec: RankRecovery, step: int) -> dict:
     """A one-node job's standby, which holds the lost rank's snapshots itself: the version of
     `step` goes from its (pinned) host slab into its own model and optimizer buffers in place
     (capture.restore_into), RNG and data position from the same version. Its slab then stands as
@@ -249,7 +250,7 @@ def _from_own_holding(rec: Recovery, step: int) -> dict:
             "restore_GBps": placed / max(time.perf_counter() - t0, 1e-9) / 1e9, "pinned": version.slab.pinned}
 
 
-def _from_checkpoint(rec: Recovery, msg: dict, role: str) -> dict:
+def _from_checkpoint(rec: RankRecovery, msg: dict, role: str) -> dict:
     step = msg["step"]
     if rec.protection.snapshots is not None:
         rec.protection.snapshots.rolled_back(step)
@@ -260,7 +261,7 @@ def _from_checkpoint(rec: Recovery, msg: dict, role: str) -> dict:
 STATE_FROM = {"replica": _from_replica, "snapshot": _from_snapshot, "checkpoint": _from_checkpoint}
 
 
-class Recovery:
+class RankRecovery:
     """A rank's part in recovering from an unexpected failure: a live rank stalls and resumes;
     a standby takes a vanished rank's slot."""
 

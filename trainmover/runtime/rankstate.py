@@ -8,7 +8,7 @@
               TRAINING ──> LEFT                                              (the leaver of a migration)
               TRAINING ──> FINISHED                                          (all steps done)
 
-Every allowed transition is in `TRANSITIONS`; any other raises `IllegalTransition` naming
+Every allowed transition is in `TRANSITIONS`; any other raises `IllegalRankTransition` naming
 both ends. The values are what the controller reads in a `resync` (protocol/messages.py):
 they are part of the wire protocol and must not change.
 """
@@ -47,7 +47,7 @@ TRANSITIONS: dict[RankState, frozenset[RankState]] = {
 }
 
 
-class IllegalTransition(TrainMoverError):
+class IllegalRankTransition(TrainMoverError):
     """A rank was asked to move to a state it cannot reach from where it is (a bug)."""
 
     def __init__(self, src: RankState, dst: RankState, who: str = ""):
@@ -67,7 +67,7 @@ class RankStateMachine:
     def to(self, dst: RankState) -> None:
         src = self.now
         if dst not in TRANSITIONS[src]:
-            raise IllegalTransition(src, dst, self.who)
+            raise IllegalRankTransition(src, dst, self.who)
         self.now = dst
         log.info("%s: %s -> %s", self.who or "rank", src.value, dst.value)
 

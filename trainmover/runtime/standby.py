@@ -29,7 +29,7 @@ import torch
 from trainmover.errors import MigrationError
 from trainmover.runtime import ahead
 from trainmover.runtime.context import RankContext
-from trainmover.runtime.groups import CONTROL, SwappableGroup
+from trainmover.groups.swappable import CONTROL, SwappableGroup
 from trainmover.runtime.protection import Protection
 from trainmover.runtime.rankstate import RankState
 

@@ -19,15 +19,16 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from trainmover.errors import MigrationError
-from trainmover.runtime import phase1, rng, transfer, xferplan
+from trainmover.groups import rng
+from trainmover.runtime import phase1, transfer, xferplan
 from trainmover.runtime.context import RankContext
 from trainmover.runtime.epoch import abort, cancel_key, go_key, layout_key
-from trainmover.runtime.group_plan import delta
+from trainmover.groups.specs import delta
 from trainmover.runtime.rankstate import RankState
 
 if TYPE_CHECKING:  # roles this one calls, handed to it by the process (worker.Agent)
     from trainmover.runtime.protection import Protection
-    from trainmover.runtime.rank_recovery import Recovery
+    from trainmover.runtime.rank_recovery import RankRecovery
     from trainmover.runtime.standby import StandbyRole
 
 log = logging.getLogger("trainmover.worker")
@@ -80,7 +81,7 @@ class Switch:
     """A rank's part in planned migrations: Phase 1 on `prepare`, the vote's readiness, and the
     switch itself as leaver, or (a standby) as joiner."""
 
-    def __init__(self, ctx: RankContext, protection: Protection, standby: StandbyRole, recovery: Recovery):
+    def __init__(self, ctx: RankContext, protection: Protection, standby: StandbyRole, recovery: RankRecovery):
         self.ctx, self.protection, self.standby, self.recovery = ctx, protection, standby, recovery
         self.reported: set[tuple[int, str]] = set()  # (epoch, prepared/failed) already reported
 

@@ -17,10 +17,10 @@ import time
 from trainmover import config
 from trainmover.runtime import boundary
 from trainmover.runtime.context import RankContext
-from trainmover.runtime.groups import CONTROL, CollectiveFailure, first_failure
+from trainmover.groups.swappable import CONTROL, CollectiveFailure, first_failure
 from trainmover.runtime.protection import Protection
 from trainmover.runtime.rankstate import RankState
-from trainmover.runtime.rank_recovery import Recovery
+from trainmover.runtime.rank_recovery import RankRecovery
 from trainmover.runtime.switch import Switch, switch_ready
 from trainmover.script.run import ScriptEnded
 
@@ -45,7 +45,7 @@ class TrainingLoop:
     """A worker's training loop: each step, its report, protection and the boundary's vote,
     handing the switch to `switch` and a failed collective to `recovery`."""
 
-    def __init__(self, ctx: RankContext, protection: Protection, switch: Switch, recovery: Recovery):
+    def __init__(self, ctx: RankContext, protection: Protection, switch: Switch, recovery: RankRecovery):
         self.ctx, self.protection, self.switch, self.recovery = ctx, protection, switch, recovery
         self.pure_s = 0.0  # the last step's own compute time (see _iteration)
         self.recorder = None  # the recording rank's recorder (trainmover.sandbox.live)

@@ -19,7 +19,7 @@ only, their bootstrap kept from others by the store's encryption (docs/security.
 
 Channels (one interface, two implementations):
   * `GlooChannel`: CPU tensors; one flat buffer per dtype, so a few large messages.
-  * `trainmover.nccl.backend.NcclChannel`: GPU tensors; one grouped NCCL send/recv of all
+  * `trainmover.groups.nccl.backend.NcclChannel`: GPU tensors; one grouped NCCL send/recv of all
     tensors straight into the joiner's buffers (no staging copy); manifest via the job store.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 
 from trainmover.errors import MigrationError
 from trainmover.runtime import xferplan
-from trainmover.runtime.tensors import by_dtype, digest_tensors, flatten, tensors_of, unflatten
+from trainmover.groups.tensors import by_dtype, digest_tensors, flatten, tensors_of, unflatten
 
 log = logging.getLogger(__name__)
 

@@ -44,15 +44,16 @@ from trainmover.protocol.messages import make
 from trainmover.protocol.worker_spec import WorkerSpec
 from trainmover.protocol.store import AuthStore
 from trainmover.slurm.job_env import JobEnv
-from trainmover.runtime import heartbeat, phase1, rng, transfer, usercode
-from trainmover.runtime.groups import CONTROL, SNAPSHOT, Revoked, SandboxBackend, SwappableGroup, gloo_group
+from trainmover.groups import rng
+from trainmover.runtime import heartbeat, phase1, transfer, usercode
+from trainmover.groups.swappable import CONTROL, SNAPSHOT, Revoked, SandboxBackend, SwappableGroup, gloo_group
 from trainmover.runtime.link import Link
-from trainmover.runtime.group_plan import GroupSpec
+from trainmover.groups.specs import GroupSpec
 from trainmover.runtime.protection import Protection
 from trainmover.runtime.rankstate import RankState, RankStateMachine
-from trainmover.runtime.rank_recovery import Recovery
+from trainmover.runtime.rank_recovery import RankRecovery
 from trainmover.runtime.standby import REWARM_POLL_S, StandbyRole
-from trainmover.runtime.tensors import digest_tensors, tensors_of
+from trainmover.groups.tensors import digest_tensors, tensors_of
 from trainmover.runtime.switch import Switch
 from trainmover.runtime.training import TRACE_STEPS, TrainingLoop
 from trainmover.workloads import base as workloads
@@ -151,7 +152,7 @@ class Agent:
         # The roles, each handed this process (as a RankContext) and the roles it calls.
         self.protection = Protection(self)
         self.standby = StandbyRole(self, self.protection)
-        self.recovery = Recovery(self, self.protection, self.standby)
+        self.recovery = RankRecovery(self, self.protection, self.standby)
         self.switch = Switch(self, self.protection, self.standby, self.recovery)
         self.training = TrainingLoop(self, self.protection, self.switch, self.recovery)
 
@@ -285,11 +286,11 @@ class Agent:
 
     def build_backend(self, name: str, prefix: str, grank: int, size: int, store=None):
         """A real backend for group `name`: gloo for the control group (and on CPU nodes),
-        NCCL through trainmover.nccl on GPU nodes. `store`: the rendezvous client to use
+        NCCL through trainmover.groups.nccl on GPU nodes. `store`: the rendezvous client to use
         (default: the agent's own)."""
         store = self.store if store is None else store
         if self.backend == "nccl" and name not in (CONTROL, SNAPSHOT):
-            from trainmover.nccl.backend import nccl_group
+            from trainmover.groups.nccl.backend import nccl_group
             backend = nccl_group(store, prefix, grank, size, timeout_s=self.spec.group_timeout_s, name=name)
             backend.preconnect(p2p=name == "xfer")
             return backend
@@ -378,7 +379,7 @@ class Agent:
     def comms_created(self) -> int:
         if self.backend != "nccl":
             return 0
-        from trainmover.nccl import lib
+        from trainmover.groups.nccl import lib
         return lib.created_count()
 
     def full_state(self, step: int) -> dict:

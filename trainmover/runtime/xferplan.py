@@ -35,7 +35,7 @@ import logging
 
 import torch
 
-from trainmover.runtime.tensors import dtype_of, flatten, word_view
+from trainmover.groups.tensors import dtype_of, flatten, word_view
 
 CHUNK_BYTES = 4 << 30          # wire tensors per NCCL group: verification overlaps the next chunk (15 groups
 #                                of 1 GiB moved 14.6 GB at 232 GB/s on H100s, one group at 329)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from trainmover.errors import MigrationError
-from trainmover.runtime.groups import SandboxBackend, SwappableGroup
+from trainmover.groups.swappable import SandboxBackend, SwappableGroup
 from trainmover.sandbox import recording
 
 log = logging.getLogger("trainmover.sandbox")

@@ -28,7 +28,7 @@ import sys
 import torch
 
 from trainmover.errors import ConfigError
-from trainmover.runtime import rng
+from trainmover.groups import rng
 
 _EXHAUSTED = object()
 

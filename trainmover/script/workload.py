@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from trainmover.errors import ConfigError, TrainMoverError
-from trainmover.runtime import rng
+from trainmover.groups import rng
 from trainmover.script import world as script_world
 from trainmover.script.loops import Nest, Reentry
 from trainmover.script.run import ScriptEnded, ScriptRun

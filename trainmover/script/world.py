@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from trainmover.errors import ConfigError
 from trainmover.megatron import c10d
-from trainmover.runtime.groups import SwappableGroup
+from trainmover.groups.swappable import SwappableGroup
 from trainmover.slurm.job_env import JobEnv
 
 _made: list = []  # the ranks of each group the script made, in order (the same on every rank and run)

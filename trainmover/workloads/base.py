@@ -11,10 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from trainmover.runtime.group_plan import GroupSpec
+from trainmover.groups.specs import GroupSpec
 
 if TYPE_CHECKING:  # a name only: this module loads no torch (the controller imports it)
-    from trainmover.runtime.groups import SwappableGroup
+    from trainmover.groups.swappable import SwappableGroup
 
 
 @dataclass
@@ -67,7 +67,7 @@ class Workload(abc.ABC):
     @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]:
         """Everything that decides future steps except the global RNGs and the step number,
-        which the runtime adds (runtime/rng.py: torch, CUDA, Python `random`, NumPy's global):
+        which the runtime adds (groups/rng.py: torch, CUDA, Python `random`, NumPy's global):
         model (buffers such as BatchNorm statistics included), optimizer, LR scheduler, data
         position and epoch order, the state of any generator object of the workload's own
         (`torch.Generator.get_state()`), counters. Key `model` is required, `optimizer`

@@ -24,7 +24,7 @@ import torch
 
 from trainmover.errors import ConfigError, MigrationError
 from trainmover.megatron.layout import Layout, group_specs
-from trainmover.runtime.group_plan import GroupSpec
+from trainmover.groups.specs import GroupSpec
 from trainmover.workloads.base import BuildContext, Workload, load_optimizer_in_place
 
 PRESETS = {

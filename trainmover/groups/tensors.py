@@ -1,6 +1,6 @@
 """The tensor helpers a rank's state is walked and checked with: pure functions over tensors,
 shared by the transfer (transfer.py, xferplan.py), the snapshot copy (capture.py, holding.py)
-and the NCCL channel (nccl/backend.py), so that none of them reaches into another's privates.
+and the NCCL channel (groups/nccl/backend.py), so that none of them reaches into another's privates.
 
 * `flatten`/`unflatten`: a state's tensors replaced by integer references and back, each
   tensor's key path recorded (receivers match buffers by path, never by position);

@@ -3,7 +3,7 @@
 Every collective is enqueued on the caller's current CUDA stream and returns an already
 completed `Work`: ordering with the surrounding kernels is the stream's, as with
 ProcessGroupNCCL's default synchronisation, so DDP's bucket hooks and optimizers see the
-results in order without host waits. Communicators are owned by `trainmover.nccl.lib`,
+results in order without host waits. Communicators are owned by `trainmover.groups.nccl.lib`,
 which builds replacements non-blocking (Phase 1) and revokes old ones (Phase 2).
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from trainmover.errors import MigrationError
-from trainmover.nccl import lib
-from trainmover.runtime.groups import completed_work
-from trainmover.runtime.tensors import by_dtype
+from trainmover.groups.nccl import lib
+from trainmover.groups.swappable import completed_work
+from trainmover.groups.tensors import by_dtype
 
 WARM_SIZES = (256, 1 << 16, 1 << 20, 1 << 23)  # float32 elements: LL, LL128 and Simple ranges
 

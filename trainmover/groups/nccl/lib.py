@@ -21,7 +21,7 @@ from trainmover import config
 from trainmover.errors import DeadlineExceeded, MigrationError
 
 UNIQUE_ID_BYTES = 128
-_REPO = Path(__file__).resolve().parents[2]
+_REPO = Path(__file__).resolve().parents[3]  # trainmover/groups/nccl/lib.py -> the repository
 
 
 class Status(enum.IntEnum):  # tm_status in cuda/include/tmdelta.h
