@@ -18,8 +18,8 @@ from tests.unit.gloo_world import gloo_groups
 from trainmover.errors import MigrationError
 from trainmover.protocol.store import AuthStore, ForgedValue, open_value, seal
 from trainmover.runtime import transfer, xferplan
-from trainmover.runtime.groups import gloo_group
-from trainmover.runtime.tensors import digest_tensors
+from trainmover.groups.swappable import gloo_group
+from trainmover.groups.tensors import digest_tensors
 
 KEY = b"k" * 32
 GLOO = pytest.mark.gloo_threads  # see tests/unit/conftest.py
