@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -210,7 +212,7 @@ def test_another_user_can_neither_read_change_nor_steer_a_job(env, slurm_client,
 XID_NAME = "NVRM: Xid (PCI:0000:3b:00.0): 79, x"  # a critical XID, were it the driver's
 
 
-def test_a_crashing_program_named_like_an_xid_line_is_no_xid(tmp_path):
+def test_a_crashing_program_named_like_an_xid_line_is_no_xid():
     """The other user's program, named like an XID line, crashes for real: the kernel prints its
     name (truncated) and its file name in its own segfault line on this host's kernel log. Root's
     XID reading of that log finds no XID in it (what the health check drains on: a GPU node would
@@ -220,9 +222,15 @@ def test_a_crashing_program_named_like_an_xid_line_is_no_xid(tmp_path):
     from trainmover.healthcheck import kmsg
     if not Path("/usr/bin/gcc").exists() or not os.access("/dev/kmsg", os.R_OK):
         pytest.skip("needs gcc and a readable /dev/kmsg")
-    d = tmp_path / "xid"
-    d.mkdir(mode=0o755)
-    tmp_path.chmod(0o755)
+    d = Path(tempfile.mkdtemp(prefix="tm-xid-", dir="/tmp"))  # pytest's tmp_path is root's 0700: not the other user's
+    d.chmod(0o755)
+    try:
+        _crash_and_read(d, kmsg)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _crash_and_read(d: Path, kmsg) -> None:
     (d / "c.c").write_text("int main(void) { *(volatile int *)0 = 1; return 0; }\n")
     prog = d / XID_NAME
     subprocess.run(["gcc", "-O0", "-o", str(prog), str(d / "c.c")], check=True, timeout=60)
