@@ -13,6 +13,8 @@
 #   TRAINMOVER_PYTHON=/opt/trainmover/.venv/bin/python   (trainmover installed in it)
 #   TRAINMOVER_HEALTHCHECK_ARGS="--state-dir /var/lib/trainmover/healthcheck --disk /var/spool/slurmd --min-free-gb 5"
 # Arguments given to the script are passed on (NHC: add --no-drain, NHC drains itself).
+# As the Epilog, add --fence-record (a wrapper: Epilog takes no arguments; docs/admin.md): a
+# node the ending job held after fencing it is drained (trainmover/healthcheck/fence_record.py).
 #
 # Because it runs as root:
 #   * it works from / and reads nothing relative to the directory it was started in;
@@ -146,5 +148,7 @@ left_ms=$((9000 - ($(date +%s%3N) - started_ms)))
 [ "$left_ms" -gt 0 ] || exit 124
 left=$((left_ms / 1000)).$(printf %03d $((left_ms % 1000)))
 # shellcheck disable=SC2086
+# As the Epilog (--fence-record), the ending job as slurmd names it; nothing else of its environment
 exec env -i PATH="$PATH" SLURM_CONF="$SLURM_CONF" SLURMD_NODENAME="$node" \
+    SLURM_JOB_ID="${SLURM_JOB_ID:-}" SLURM_JOB_UID="${SLURM_JOB_UID:-}" SLURM_JOB_WORK_DIR="${SLURM_JOB_WORK_DIR:-}" \
     timeout -k 1 "$left" "$python" -I -m trainmover.cli healthcheck --node "$node" $TRAINMOVER_HEALTHCHECK_ARGS "$@"

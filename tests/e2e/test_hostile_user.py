@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -205,3 +207,43 @@ def test_another_user_can_neither_read_change_nor_steer_a_job(env, slurm_client,
                      interval=1.0)
         if leaver is not None:
             slurm_client.resume(leaver)
+
+
+XID_NAME = "NVRM: Xid (PCI:0000:3b:00.0): 79, x"  # a critical XID, were it the driver's
+
+
+def test_a_crashing_program_named_like_an_xid_line_is_no_xid():
+    """The other user's program, named like an XID line, crashes for real: the kernel prints its
+    name (truncated) and its file name in its own segfault line on this host's kernel log. Root's
+    XID reading of that log finds no XID in it (what the health check drains on: a GPU node would
+    be drained for a critical one). Negative control: the line is there, and the match the health
+    check used before issue 37 (the pattern anywhere in the text) finds an XID 79 in it. No GPU
+    here: the XID parser runs on the real /dev/kmsg, not the whole GPU check."""
+    from trainmover.healthcheck import kmsg
+    if not Path("/usr/bin/gcc").exists() or not os.access("/dev/kmsg", os.R_OK):
+        pytest.skip("needs gcc and a readable /dev/kmsg")
+    d = Path(tempfile.mkdtemp(prefix="tm-xid-", dir="/tmp"))  # pytest's tmp_path is root's 0700: not the other user's
+    d.chmod(0o755)
+    try:
+        _crash_and_read(d, kmsg)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _crash_and_read(d: Path, kmsg) -> None:
+    (d / "c.c").write_text("int main(void) { *(volatile int *)0 = 1; return 0; }\n")
+    prog = d / XID_NAME
+    subprocess.run(["gcc", "-O0", "-o", str(prog), str(d / "c.c")], check=True, timeout=60)
+    chown_other(d, prog)
+    lines: list[str] = []
+    for _ in range(5):  # the kernel rate-limits its segfault lines: try again, bounded
+        crashed = as_other([str(prog)])
+        assert crashed.returncode in (-11, 139), crashed  # SIGSEGV
+        lines = [r for r in kmsg.read_kmsg("/dev/kmsg") if f"in {XID_NAME}[" in r]
+        if lines:
+            break
+    assert lines, "the kernel printed no segfault line (exception-trace off?)"
+    assert kmsg.XID_RE.search(lines[-1].partition(";")[2]), lines[-1]  # control: the old match
+    assert kmsg.parse_xids(lines) == [], lines[-1]
+    # nor in the whole log as root's check reads it (a real XID of this host would be another PCI address)
+    assert [x for x in kmsg.parse_xids(kmsg.read_kmsg("/dev/kmsg")) if "3b:00.0" in str(x)] == []

@@ -189,7 +189,7 @@ def test_the_disk_check_drains_only_for_file_systems_named_on_the_command_line(m
     import argparse
     from trainmover.healthcheck import cli as hc_cli
     seen = []
-    monkeypatch.setattr(hc_cli, "run", lambda opts: seen.append(opts) or SimpleNamespace(
+    monkeypatch.setattr(hc_cli, "run", lambda opts, **_: seen.append(opts) or SimpleNamespace(
         healthy=True, findings=[], notes=[], gpu_source="", drained=False,
         action=SimpleNamespace(reason="healthy"), seconds=0.0))
     p = argparse.ArgumentParser()

@@ -403,7 +403,7 @@ def test_as_root_the_straggler_verdicts_are_read_only_when_asked(monkeypatch):
     import argparse
     from trainmover.healthcheck import cli as hc_cli
     seen = {}
-    monkeypatch.setattr(hc_cli, "run", lambda opts: seen.setdefault("opts", opts) and
+    monkeypatch.setattr(hc_cli, "run", lambda opts, **_: seen.setdefault("opts", opts) and
                         type("R", (), {"healthy": True, "findings": [], "notes": [], "gpu_source": "",
                                        "drained": False, "action": type("A", (), {"reason": "healthy"})(),
                                        "seconds": 0.0})())

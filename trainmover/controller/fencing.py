@@ -4,7 +4,8 @@ node released from the job returns to Slurm's pool (or the standby reservation),
 job would get a node that hung. So a fenced node leaves the job only once drained; when the
 job's user may not drain (slurm/rights.py: not root, SlurmUser or an operator) or the drain
 fails, the node is held: it stays in the job, runs nothing, is never a standby, and goes back
-to Slurm only when the job ends, through the site's epilog and health check (docs/admin.md).
+to Slurm only when the job ends, drained there where the site runs the health check as its
+Epilog (--fence-record: healthcheck/fence_record.py, docs/admin.md).
 
 Pure: the executor reports each fence's drain result and passes its actions through
 `route()`, which holds back the release of a node whose drain is pending or refused.

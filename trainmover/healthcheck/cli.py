@@ -8,6 +8,7 @@ import socket
 import sys
 from pathlib import Path
 
+from trainmover.healthcheck import fence_record
 from trainmover.healthcheck.rates import DEFAULT_THRESHOLDS_PER_S, DEFAULT_WINDOW_S, RatePolicy
 from trainmover.healthcheck.readings import COUNTER_KINDS
 from trainmover.healthcheck.run import DEFAULT_STATE_DIR, Options, run
@@ -62,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-notices", metavar="DIR",
                    help="root-owned directory, seen by every node, where a drain is announced to the jobs on the "
                         "node at once (docs/admin.md, \"Load on slurmctld\"; default: none)")
+    p.add_argument("--fence-record", action="store_true",
+                   help="as the node's Epilog: drain it if the ending job held it after fencing it (its status.json, "
+                        "found through SLURM_JOB_ID, SLURM_JOB_UID and SLURM_JOB_WORK_DIR; healthcheck/fence_record.py)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -79,7 +83,15 @@ def main(args: argparse.Namespace) -> int:
                    straggler=args.straggler if args.straggler is not None else os.geteuid() != 0,
                    gpu_source=args.gpu_source, policy=Policy(rates=rates),
                    drain_notices=Path(args.drain_notices) if args.drain_notices else None)
-    report = run(opts)
+    extra = []
+    if args.fence_record:
+        try:
+            end = fence_record.JobEnd.from_env(os.environ)
+        except ValueError as exc:
+            print(f"trainmover healthcheck: {exc}", file=sys.stderr)
+            return 2
+        extra.append((fence_record.NAME, lambda: fence_record.findings(end, node)))
+    report = run(opts, extra=extra)
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     else:

@@ -121,7 +121,7 @@ def _straggler_checks(opts: Options) -> list[Finding]:
 
 # Checks that read what users write (their jobs' files): an error or a timeout there says
 # nothing about the node, so it is "skipped", never a fault (a FIFO, a hung mount, bad JSON).
-USER_DATA_CHECKS = frozenset({"straggler"})
+USER_DATA_CHECKS = frozenset({"straggler", "fenced"})
 
 
 def collect(opts: Options, extra: Sequence[tuple[str, Callable[[], list[Finding]]]] = (),

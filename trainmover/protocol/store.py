@@ -4,11 +4,18 @@ The store (a TCPStore on the controller's node) is reachable by anyone who can r
 and its address is no secret. Whoever could write to it could cancel a migration (the switch's
 `cancel` keys), forge a holder's verdict, overwrite the CPU tensors a joiner loads, or race
 gloo's and NCCL's address keys to receive the state stream. So every TrainMover process talks
-to it through `AuthStore`: `set` stores value || HMAC-SHA256(key, name || value) and every read
-(`get`, `check`, `wait`, `compare_set`) accepts a value only with a valid tag for that very
-name, under the full name the server sees (a PrefixStore above this one adds its prefix first,
-so gloo's own address keys, which go through `set`/`get`/`wait` of the store handed to
-ProcessGroupGloo, are covered too).
+to it through `AuthStore`: `set` stores nonce || ciphertext || tag, the value encrypted with a
+key stream drawn from the job's key and a fresh nonce (SHAKE-256: the standard library has no
+AES) and tagged with HMAC-SHA256 over (name, nonce, ciphertext) under another key drawn from the
+job's; every read (`get`, `check`, `wait`, `compare_set`) accepts a value only with a valid tag
+for that very name, under the full name the server sees (a PrefixStore above this one adds its
+prefix first, so gloo's own address keys, which go through `set`/`get`/`wait` of the store
+handed to ProcessGroupGloo, are covered too).
+
+Encrypted, not only tagged: who can read the store could otherwise learn where gloo's pairs
+listen and their sequence numbers, NCCL's unique id (whose bootstrap admits whoever holds it),
+and the host tensors a GPU transfer passes through the store (RNG states, counters). A co-user
+who connects to the store sees only lengths.
 
 A forged value is never used: a read waits (within its deadline) for a genuine one, and `check`
 says False. What the store cannot stop is someone deleting or overwriting the genuine value
@@ -23,6 +30,7 @@ import datetime
 import hashlib
 import hmac
 import logging
+import secrets
 import time
 
 import torch.distributed as dist
@@ -30,6 +38,7 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 _TAG = 32
+_NONCE = 16
 _POLL_S = 0.02  # between reads of a key that holds a forged value
 
 
@@ -37,19 +46,37 @@ class ForgedValue(RuntimeError):
     """A value in the store that the job's key did not tag."""
 
 
-def _tag(key: bytes, name: str, value: bytes) -> bytes:
-    return hmac.new(key, b"trainmover store\0" + name.encode() + b"\0" + value, hashlib.sha256).digest()
+def _subkey(key: bytes, purpose: bytes) -> bytes:
+    # one key for the stream, another for the tag: neither use can reveal the other's
+    return hmac.new(key, b"trainmover store " + purpose, hashlib.sha256).digest()
 
 
-def seal(key: bytes, name: str, value: bytes) -> bytes:
-    return value + _tag(key, name, value)
+def _stream(key: bytes, nonce: bytes, n: int) -> bytes:
+    return hashlib.shake_256(_subkey(key, b"stream") + nonce).digest(n) if n else b""
+
+
+def _tag(key: bytes, name: str, body: bytes) -> bytes:
+    return hmac.new(_subkey(key, b"tag"), name.encode() + b"\0" + body, hashlib.sha256).digest()
+
+
+def _xor(data: bytes, stream: bytes) -> bytes:
+    return (int.from_bytes(data, "little") ^ int.from_bytes(stream, "little")).to_bytes(len(data), "little")
+
+
+def seal(key: bytes, name: str, value: bytes, nonce: bytes | None = None) -> bytes:
+    """`value` encrypted and tagged for `name` (`nonce`: tests only; a fresh random one else)."""
+    nonce = secrets.token_bytes(_NONCE) if nonce is None else nonce
+    body = nonce + _xor(value, _stream(key, nonce, len(value)))
+    return body + _tag(key, name, body)
 
 
 def open_value(key: bytes, name: str, raw: bytes) -> bytes:
-    """The value `seal` made for `name`; ForgedValue otherwise."""
-    if len(raw) < _TAG or not hmac.compare_digest(raw[-_TAG:], _tag(key, name, raw[:-_TAG])):
+    """The value `seal` made for `name`; ForgedValue otherwise (the tag is checked first)."""
+    body = raw[:-_TAG]
+    if len(raw) < _NONCE + _TAG or not hmac.compare_digest(raw[-_TAG:], _tag(key, name, body)):
         raise ForgedValue(f"rendezvous key {name!r} holds a value not written by this job (ignored)")
-    return raw[:-_TAG]
+    nonce, ciphertext = body[:_NONCE], body[_NONCE:]
+    return _xor(ciphertext, _stream(key, nonce, len(ciphertext)))
 
 
 def _bytes(value: str | bytes) -> bytes:

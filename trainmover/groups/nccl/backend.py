@@ -171,6 +171,10 @@ class NcclChannel:
     tensors (RNG states, step counters) through the job's store, every GPU tensor in one
     grouped send/recv directly into the receiver's buffers (no staging copy)."""
 
+    # GPU wire tensors: word sums, no MAC (hashing them would copy the state to the host);
+    # the communicator admits only holders of its unique id, encrypted in the store
+    HOST_WIRE = False
+
     def __init__(self, backend: NcclBackend):
         self.b = backend
         self.group_s = 0.0
