@@ -153,6 +153,9 @@ def main() -> int:
                     help="which jobs to run (warm alone with --record-from 0: the shadow losses are compared "
                          "with the recorded ones, on this device)")
     ap.add_argument("--standby-nice", type=int, default=10, help="TM_STANDBY_NICE of the jobs (0: not niced)")
+    ap.add_argument("--side-by-side", action="store_true",
+                    help="run the warm and the cold job at once, on GPUs [0, gpus) and [gpus, 2*gpus) of the host "
+                         "(needs 2*gpus GPUs): half the wall time; each job still has its own GPUs")
     ap.add_argument("--standby-compile-threads", type=int, default=4,
                     help="TM_STANDBY_COMPILE_THREADS of the jobs (0: torch's default, one per CPU of its share)")
     args = jobs.parse_args(ap, run_job)
@@ -213,16 +216,42 @@ def main() -> int:
         result["errors"] += [f"refused: {why}" for why in taken]
         save()
         return 2
-    for name in [j for j in ("warm", "cold") if j in args.jobs]:  # the subject first: a hung cold job cannot starve it
+    names = [j for j in ("warm", "cold") if j in args.jobs]  # the subject first: a hung cold job cannot starve it
+    side = args.side_by_side and len(names) == 2
+    if side:
+        host = torch.cuda.device_count() if args.device == "cuda" else 2 * gpus
+        if host < 2 * gpus:
+            result["errors"].append(f"--side-by-side needs {2 * gpus} GPUs, the host has {host}")
+            save()
+            return 1
+        result["settings"]["side_by_side"] = True
+        specs["cold"].update(first_gpu=gpus, host_gpus=2 * gpus, leaver=f"gpu{2 * gpus - 2}")  # its nodes: gpu<gpus>...
+        specs["warm"].update(first_gpu=0, host_gpus=2 * gpus)
+        launched: dict = {}
+
+        def start(name: str) -> None:
+            spec = specs[name]
+            spec["deadline_s"] = args.deadline_s - (time.monotonic() - t_begin) - 5
+            launched[name] = jobs.launch(__file__, spec, spec["deadline_s"])
+
+        threads = [threading.Thread(target=start, args=(n,), daemon=True) for n in names]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    for name in names:
         spec = specs[name]
-        left = args.deadline_s - (time.monotonic() - t_begin) - 5
-        if name == "warm" and "cold" in args.jobs:
-            left = min(left, 0.6 * args.deadline_s)
-        if left < 30:
-            result["errors"].append(f"{name}: not run, {left:.0f}s of the deadline left")
-            continue
-        spec["deadline_s"] = left
-        raw, error = jobs.launch(__file__, spec, left)
+        if side:
+            raw, error = launched[name]
+        else:
+            left = args.deadline_s - (time.monotonic() - t_begin) - 5
+            if name == "warm" and "cold" in args.jobs:
+                left = min(left, 0.6 * args.deadline_s)
+            if left < 30:
+                result["errors"].append(f"{name}: not run, {left:.0f}s of the deadline left")
+                continue
+            spec["deadline_s"] = left
+            raw, error = jobs.launch(__file__, spec, left)
         jobs.keep_logs(Path(spec["workdir"]), out / f"{scenario}-logs" / name)
         if error:
             result["errors"].append(error)

@@ -36,6 +36,20 @@ def test_pipeline_of_three_has_its_own_embedding_groups():
     assert specs["pp.0"] == (0, 2, 4) and specs["embd.0"] == (0, 4) and specs["embd.1"] == (1, 5)
 
 
+def test_pipeline_groups_and_only_those_are_marked_p2p():
+    """A pipeline group pre-connects its neighbours (NcclBackend.preconnect): marked p2p
+    whatever its name; a group of one stage (PP=1) or of another kind is not."""
+    pp3 = {g.name: g for g in group_specs(Layout(1, 3, 1))}
+    assert pp3["world"].p2p and pp3["world"].ranks == (0, 1, 2)  # PP-only: the pipeline is the world group
+    assert [n for n, g in pp3.items() if g.p2p] == ["world"]
+    assert not pp3["embd.0"].p2p  # first + last stage: an all-reduce, no sends
+    dp3 = group_specs(Layout(1, 1, 3))
+    assert dp3 and not any(g.p2p for g in dp3)  # control: no pipeline, nothing marked
+    mixed = {g.name: g for g in group_specs(Layout(2, 2, 2))}
+    assert sorted(g.ranks for g in mixed.values() if g.p2p) == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert not mixed["world"].p2p
+
+
 def test_coords_follow_megatrons_order():
     layout = Layout(2, 2, 2)
     assert layout.coords(0) == {"tp": 0, "dp": 0, "pp": 0}

@@ -52,7 +52,7 @@ def test_outputs_are_written_in_the_background_and_read_back_exactly(tmp_path):
         assert torch.equal(got, want)
     with h5py.File(path, "r") as f:
         ds = f["it0/00000"]
-        assert ds.ndim == 1 and ds.chunks == (CHUNK_ELEMS,) and ds.compression == "lzf"
+        assert ds.ndim == 1 and ds.chunks == (CHUNK_ELEMS,) and ds.compression is None  # lzf: 94 MB/s for 15% less (recording.py)
 
 
 def test_a_write_error_is_reported_with_the_file_name(tmp_path):

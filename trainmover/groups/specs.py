@@ -13,6 +13,10 @@ from dataclasses import dataclass
 class GroupSpec:
     name: str
     ranks: tuple[int, ...]  # global ranks, in group-rank order
+    # Its members send to and receive from their neighbours in group-rank order (pipeline
+    # stages: Megatron's p2p). NCCL sets those connections up apart from the ring/tree ones, at
+    # their first send; a replacement group pre-connects them in Phase 1 (NcclBackend.preconnect).
+    p2p: bool = False
 
     def __post_init__(self):
         if len(set(self.ranks)) != len(self.ranks) or not self.ranks:

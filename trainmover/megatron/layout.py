@@ -55,11 +55,14 @@ class Layout:
 
 def group_specs(layout: Layout) -> list[GroupSpec]:
     """One GroupSpec per distinct rank set, named after the first kind that needs it
-    (`tp.0`, `pp.1`, `embd.0`; `world` for all ranks)."""
+    (`tp.0`, `pp.1`, `embd.0`; `world` for all ranks). A pipeline group of several stages is
+    marked `p2p` (its stages send to their neighbours), whatever name it took (`world` in a
+    PP-only layout)."""
     by_ranks: dict[tuple[int, ...], str] = {}
     sets = layout.rank_sets()
     by_ranks[sets.pop("world")[0]] = "world"
+    pipelines = {ranks for ranks in sets["pp"] if len(ranks) > 1}
     for token, rank_sets in sets.items():
         for i, ranks in enumerate(rank_sets):
             by_ranks.setdefault(ranks, f"{token}.{i}")
-    return [GroupSpec(name, ranks) for ranks, name in by_ranks.items()]
+    return [GroupSpec(name, ranks, p2p=ranks in pipelines) for ranks, name in by_ranks.items()]

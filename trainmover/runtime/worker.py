@@ -292,7 +292,7 @@ class Agent:
         if self.backend == "nccl" and name not in (CONTROL, SNAPSHOT):
             from trainmover.groups.nccl.backend import nccl_group
             backend = nccl_group(store, prefix, grank, size, timeout_s=self.spec.job.group_timeout_s, name=name)
-            backend.preconnect(p2p=name == "xfer")
+            backend.preconnect(p2p=name == "xfer", neighbours=any(g.p2p for g in self.specs if g.name == name))
             return backend
         return gloo_group(store, prefix, grank, size, host=self.spec.node_addr, timeout=self.timeout)
 

@@ -24,7 +24,7 @@ from trainmover.groups.tensors import by_dtype
 
 WARM_SIZES = (256, 1 << 16, 1 << 20, 1 << 23)  # float32 elements: LL, LL128 and Simple ranges
 
-# One float per device that every pre-connecting collective uses (`NcclBackend.preconnect`),
+# Two floats per device that every pre-connecting collective uses (`NcclBackend.preconnect`),
 # allocated at the process's first one (its world group, before training) and kept. A tensor
 # made in each Phase 1 instead, on its private stream, made the caching allocator reserve a new
 # 2 MiB segment for that stream on every stayer, at every migration (stayer_extra_reserved_bytes
@@ -42,7 +42,7 @@ def _scratch() -> tuple[torch.Tensor, bool]:
     with _SCRATCH_LOCK:
         t = _SCRATCH.get(dev)
         if t is None:
-            t = _SCRATCH[dev] = torch.ones(1, device=dev)
+            t = _SCRATCH[dev] = torch.ones(2, device=dev)  # [0]: reduced and sent, [1]: received into
             return t, True
     return t, False
 
@@ -133,10 +133,15 @@ class NcclBackend:
             self.comm.recv(t, src)
         return completed_work(tensors)
 
-    def preconnect(self, p2p: bool) -> None:
+    def preconnect(self, p2p: bool, neighbours: bool = False) -> None:
         """Make NCCL set up its connections now (Phase 1), not at the first real use (the
         pause): one tiny collective, or for a transfer pair one tiny send/recv, since p2p
-        connections are separate from ring/tree ones. Run by every member on a private
+        connections are separate from ring/tree ones. `neighbours` (a pipeline group, whose
+        stages send to the next and the previous one): also one tiny send and receive with
+        each neighbour in group-rank order, both ways, in one NCCL group. Without it the first
+        step after a switch set them up: Megatron 1B PP3 on 4x H200, the joiner's first step
+        2.9x a steady one and every stage waiting for it (a 0.43 s pause, the switch itself
+        0.033 s). Run by every member on a private
         stream, so it never queues behind (or ahead of) training kernels on other comms, on the
         process's one pre-connect buffer (`_scratch`): a stayer's Phase 1 takes nothing from
         torch's allocator, not even a segment for the private stream."""
@@ -147,7 +152,7 @@ class NcclBackend:
         with torch.cuda.stream(stream):
             if p2p:
                 with lib.group():
-                    (self.comm.send if self.rank_ == 0 else self.comm.recv)(t, 1 - self.rank_)
+                    (self.comm.send if self.rank_ == 0 else self.comm.recv)(t[:1], 1 - self.rank_)
                 # The pair (leaver, joiner) also runs all-reduces of the sizes DDP buckets use:
                 # the joiner has so far only met sandboxed collectives, and NCCL loads kernels
                 # and sets up protocols on first use. Stayers take no part (no memory of theirs).
@@ -156,8 +161,20 @@ class NcclBackend:
                     self.comm.allreduce(buf, buf, "sum")
                     del buf
             else:
-                self.comm.allreduce(t, t, "max")  # ones stay ones
+                self.comm.allreduce(t[:1], t[:1], "max")  # ones stay ones
+                if neighbours and self.size_ > 1:
+                    self._preconnect_neighbours(t)
         stream.synchronize()
+
+    def _preconnect_neighbours(self, t: torch.Tensor) -> None:
+        """One float to and from each neighbour (group ranks r-1 and r+1): every send has its
+        receive on the peer, in the same NCCL group. Sent from t[0], received into t[1] (both
+        hold 1.0 and keep it)."""
+        peers = [p for p in (self.rank_ - 1, self.rank_ + 1) if 0 <= p < self.size_]
+        with lib.group():
+            for p in peers:
+                self.comm.send(t[:1], p)
+                self.comm.recv(t[1:2], p)
 
     def channel(self) -> "NcclChannel":
         return NcclChannel(self)
