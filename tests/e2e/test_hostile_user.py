@@ -247,3 +247,50 @@ def _crash_and_read(d: Path, kmsg) -> None:
     assert kmsg.parse_xids(lines) == [], lines[-1]
     # nor in the whole log as root's check reads it (a real XID of this host would be another PCI address)
     assert [x for x in kmsg.parse_xids(kmsg.read_kmsg("/dev/kmsg")) if "3b:00.0" in str(x)] == []
+
+
+def _root_cluster_command(*argv: str) -> subprocess.CompletedProcess:
+    """Root's `trainmover cluster ...`, as an admin types it."""
+    return subprocess.run([sys.executable, "-m", "trainmover.cli", "cluster", *argv], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_a_state_directory_planted_in_var_tmp_is_refused_and_nothing_is_made_through_it():
+    """Before root's `cluster up`, the other user plants two state directories under /var/tmp
+    (sticky, world-writable, where the embedded cluster keeps its state): a symbolic link to a
+    directory of theirs, and a directory of theirs holding a `cluster.json` that names their own
+    root filesystem (the daemons would run chrooted in it: root code execution) and the database
+    password they would learn. Root's `cluster up`, `status` and `down --dir` refuse each with
+    the path, why, and the way out; nothing is created through the link, no `.lock` in the
+    planted directory, the planted file is never read as root's. Negative control: `status` on a
+    directory root may use (none yet) answers, not configured."""
+    acct = host_account(OTHER_USER)
+    if acct is None:
+        pytest.skip(f"{OTHER_USER} does not exist: the embedded cluster makes it (run with the e2e cluster)")
+    tag = f"trainmover-cluster-planted-{os.getpid()}"
+    target = Path(tempfile.mkdtemp(prefix="tm-planted-", dir="/tmp"))
+    chown_other(target)
+    link, own = Path("/var/tmp") / f"{tag}-link", Path("/var/tmp") / f"{tag}-dir"
+    free = Path("/var/tmp") / f"{tag}-free"
+    evil = {"state_dir": str(own), "nodes": 1, "standby": 0, "root": str(target), "db_password": "learnt"}
+    try:
+        assert as_other(["ln", "-s", str(target), str(link)]).returncode == 0
+        assert as_other(["mkdir", "-m", "0755", str(own)]).returncode == 0
+        assert as_other(["tee", str(own / "cluster.json")], input=json.dumps(evil)).returncode == 0
+        for planted, why in ((link, "is a symbolic link"), (own, f"belongs to uid {acct.uid}")):
+            for argv in (("up", "--nodes", "1", "--standby", "1"), ("status",), ("down",)):
+                got = _root_cluster_command(*argv, "--dir", str(planted))
+                said = got.stdout + got.stderr
+                assert got.returncode != 0 and str(planted) in said and why in said and "remove it" in said, \
+                    (argv, got.returncode, said[-2000:])
+        assert os.listdir(target) == []  # nothing made through the link
+        assert sorted(os.listdir(own)) == ["cluster.json"] and os.lstat(own / "cluster.json").st_uid == acct.uid
+        control = _root_cluster_command("status", "--dir", str(free))
+        assert '"configured": false' in control.stdout and not free.exists(), control
+    finally:
+        for p in (link, own, free):
+            if p.is_symlink() or p.is_file():
+                p.unlink()
+            elif p.exists():
+                shutil.rmtree(p, ignore_errors=True)
+        shutil.rmtree(target, ignore_errors=True)
