@@ -184,8 +184,9 @@ class OneRankCtx:
         from types import SimpleNamespace
         from trainmover.groups.swappable import SNAPSHOT
         self.rank, self.device, self.key, self.sent = 0, "cpu", KEY, []
-        self.spec = SimpleNamespace(snapshot_every=every, checkpoint_every=0, steps=10_000, world_size=1,
-                                    ranks_per_node=1, group_timeout_s=TIMEOUT_S, store=addr, node_addr="127.0.0.1")
+        job = SimpleNamespace(snapshot_every=every, checkpoint_every=0, steps=10_000, ranks_per_node=1,
+                              group_timeout_s=TIMEOUT_S)
+        self.spec = SimpleNamespace(job=job, world_size=1, store=addr, node_addr="127.0.0.1")
         self.faults = SimpleNamespace(at=lambda *a, **k: False)
         self.groups = {SNAPSHOT: SimpleNamespace(inner=None)}
         self.live = {}

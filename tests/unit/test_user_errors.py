@@ -159,7 +159,7 @@ class LoopAgent(TrainingLoop):
 
     def __init__(self, groups, raises):
         self.raises, self.stalls, self.sent = raises, [], []
-        ctx = types.SimpleNamespace(spec=types.SimpleNamespace(steps=4), rank=0, groups=groups, completed=0,
+        ctx = types.SimpleNamespace(spec=types.SimpleNamespace(job=types.SimpleNamespace(steps=4)), rank=0, groups=groups, completed=0,
                                     state=RankStateMachine(RankState.TRAINING), digest=lambda: "d",
                                     send=lambda kind, **fields: self.sent.append(kind))
         super().__init__(ctx, protection=None, switch=None, recovery=types.SimpleNamespace(stall=self.stall))
