@@ -274,7 +274,7 @@ def wait_until(what: str, check) -> None:
 @pytest.mark.gloo_threads
 @pytest.mark.own_process  # conftest: a fresh process, then the forked child
 @pytest.mark.parametrize("tier", ["replica", "snapshot", "checkpoint", "snapshot-no-rollback", "replica-anticipated",
-                                  "replica-anticipated-other-epoch"])
+                                  "replica-anticipated-other-epoch", "replica-foreseen"])
 def test_a_lost_rank_is_recovered_by_the_standby_bit_exact(job, tmp_path, tier):
     """rank 1's training thread hangs (TM_INJECT hang:1:5); the controller revokes rank 0's
     groups; rank 0 stalls, and on `recover` the standby takes rank 1 with its state from each
@@ -284,11 +284,17 @@ def test_a_lost_rank_is_recovered_by_the_standby_bit_exact(job, tmp_path, tier):
     replica-anticipated: the standby is told before rank 0 stalls (`anticipate`, as the
     controller does once it chose it): it binds itself to rank 1 then, not after the plan (its
     groups start at the plan: an early rendezvous could outwait its group timeout). Its control:
-    an anticipate of another epoch is not taken for this one, and the run is exact either way."""
+    an anticipate of another epoch is not taken for this one, and the run is exact either way.
+    replica-foreseen: before the fault every process got `foresee` (runtime/foresight.py) and
+    built each loss's groups and the transfer pair between its source and the standby; the
+    plan names the tag, and nobody builds a group or pair after the fault (`built_ahead` is all
+    of them). Its control: every other tier, where nothing was foreseen and everything is built
+    after the fault (`built_ahead` empty)."""
     want = uninterrupted(job)
+    foreseen = tier == "replica-foreseen"
     negative = tier == "snapshot-no-rollback"
     anticipate_epoch = {"replica-anticipated": 1, "replica-anticipated-other-epoch": 7}.get(tier)
-    tier = "snapshot" if negative else "replica" if anticipate_epoch else tier
+    tier = "snapshot" if negative else "replica" if anticipate_epoch or foreseen else tier
     protect = {"snapshot": {"snapshot_every": 2},
                "checkpoint": {"checkpoint_every": 2, "checkpoint_dir": str(tmp_path / "ckpt")}}.get(tier, {})
     standby, s_link, s_seen = job("standby", "spare0", **protect)
@@ -298,7 +304,15 @@ def test_a_lost_rank_is_recovered_by_the_standby_bit_exact(job, tmp_path, tier):
     (live, live_link, live_seen), (lost, lost_link, _) = workers = [
         job("worker", f"train{r}", ranks=(r,), inject=(f"hang:1:{lost_at}",) + ("no-rollback",) * negative,
             **protect) for r in (0, 1)]
+    if foreseen:  # as the controller sends it once the standby is ready (controller/policy/foresight.py)
+        foresee = make("foresee", tag="e0s1", standby="spare0", cases=[[0], [1]], sources=[1, 0])
+        for link in (s_link, live_link, lost_link):
+            link.inbox.put(foresee)
     live_thread, lost_thread = [run(a) for a, _, _ in workers]
+    if foreseen:  # built while the job trains, before the fault
+        built = [link.wait_for("foreseen", tag="e0s1") for link in (live_link, s_link)]
+        assert [b["cases"] for b in built] == [[[1]], [[0], [1]]] and [b["role"] for b in built] == ["worker", "standby"]
+        assert not live_link.of("stalled")
     lost_link.wait_for("step", step=lost_at)  # its last step: the next one hangs
     # The controller revokes once it has judged rank 1 lost (silent, or no progress), by which
     # time rank 0 has finished step 5 too (rank 1 finished it, and its boundary vote after it,
@@ -328,7 +342,7 @@ def test_a_lost_rank_is_recovered_by_the_standby_bit_exact(job, tmp_path, tier):
         checkpoint_layout.write_manifest(tmp_path / "ckpt", 4, written, live.key)
         resume_at, source, needers = 4, -1, []
     recover = make("recover", epoch=1, failed=[1], step=resume_at, source=source, needers=needers,
-                   assign={"0": 1}, tier=tier, holders=holders)
+                   assign={"0": 1}, tier=tier, holders=holders, foreseen="e0s1" if foreseen else "")
     live_link.inbox.put(recover)
     s_link.inbox.put(recover)
     finish(live_thread, s_thread)
@@ -346,6 +360,12 @@ def test_a_lost_rank_is_recovered_by_the_standby_bit_exact(job, tmp_path, tier):
     # (of any epoch: the binding is the rank's); only that of the plan's epoch counts as anticipated
     assert took["detail"]["prebound"] is (anticipate_epoch is not None)
     assert took["detail"]["anticipated"] is (anticipate_epoch == 1)
+    # foreseen: every group of the new epoch and the transfer pair were built before the fault
+    groups = took["detail"]["groups"]
+    assert groups and groups == resumed["detail"]["groups"]
+    assert took["detail"]["built_ahead"] == (sorted(groups + ["xfer-in"]) if foreseen else [])
+    assert resumed["detail"]["built_ahead"] == (sorted(groups + ["xfer-to-1"]) if tier == "replica" and foreseen
+                                                else [])
     assert trained_steps(s_link) == list(range(resume_at + 1, STEPS + 1))
     # rank 0 redoes the steps after the one it rolled back to
     assert trained_steps(live_link) == list(range(1, lost_at + 1)) + list(range(resume_at + 1, STEPS + 1))

@@ -25,6 +25,9 @@ SCHEMA: dict[str, dict[str, FieldType]] = {
                  "version": _INT, "detail": _DICT},
     "warming": {"node": _STR, "version": _INT, "rank": _INT},  # a ready standby re-warms on a newer recording of that rank
     "step": {"rank": _INT, "step": _INT, "loss": _FLOAT, "step_s": _FLOAT, "compute_s": _FLOAT, "t": _FLOAT},
+    # the cases of `foresee` `tag` whose groups this process built (`role` worker: rank `rank`;
+    # standby: its process `local`, `rank` unused)
+    "foreseen": {"tag": _STR, "role": _STR, "rank": _INT, "local": _INT, "cases": _LIST, "detail": _DICT},
     "prepared": {"epoch": _INT, "rank": _INT, "groups": _LIST, "seconds": _FLOAT, "detail": _DICT},
     "prepare_failed": {"epoch": _INT, "rank": _INT, "error": _STR},
     "switched": {"epoch": _INT, "rank": _INT, "role": _STR, "step": _INT, "t": _FLOAT, "detail": _DICT},
@@ -85,7 +88,13 @@ SCHEMA: dict[str, dict[str, FieldType]] = {
     # the standby taking it holds the copy itself) or checkpoint
     # (every rank loads its file of `step`)
     "recover": {"epoch": _INT, "failed": _LIST, "step": _INT, "source": _INT, "needers": _LIST, "assign": _DICT,
-                "tier": _STR, "holders": _DICT},
+                "tier": _STR, "holders": _DICT, "foreseen": _STR},
+    # (`foreseen`: the tag of groups built ahead for this very loss, by every member, to be taken
+    # instead of new ones: controller/policy/foresight.py; "": none)
+    # while a standby is ready: build ahead the groups each case's loss would need, the standby
+    # taking the case's ranks (its local i the i-th); `sources`: per case, the rank whose transfer
+    # pair to the standby is built too (a replica's likely source); empty `cases`: drop them all
+    "foresee": {"tag": _STR, "standby": _STR, "cases": _LIST, "sources": _LIST},
     # to the standby chosen to take `failed` ranks (`assign`: its local index -> rank, as the
     # `recover` to come will say), before the plan: it binds itself and builds its groups now
     "anticipate": {"epoch": _INT, "failed": _LIST, "assign": _DICT},

@@ -35,6 +35,7 @@ from trainmover.groups.specs import delta
 from trainmover.protocol.messages import JOINER
 from trainmover.runtime import capture, checkpoint, phase1, stacks, transfer
 from trainmover.runtime.context import RankContext
+from trainmover.runtime.foresight import Foreseen
 from trainmover.runtime.epoch import abort
 from trainmover.runtime.protection import Protection
 from trainmover.runtime.rankstate import RankState
@@ -99,8 +100,17 @@ def start_builds(rec: RankRecovery, msg: dict, builds: Builds | None = None) -> 
     # keeps waiting until the group timeout, which then closes that pair for good).
     plan = delta(rec.ctx.specs, sorted({r for g in rec.ctx.specs for r in g.ranks}), epoch)
     built_ahead = rec.standby.ahead  # a one-node job's standby built them already (ahead.py)
+    tag, case = msg["foreseen"], tuple(int(r) for r in msg["failed"])
     for g in plan.groups_to_build(rank):
         if builds.has(g.name):
+            continue
+        if tag:  # every member built this loss's groups before the fault (foresight.py): take them
+            got = rec.foreseen.take(tag, case, g.name)
+            if got is None:  # the others take theirs: a new one here would never meet its peers
+                raise MigrationError(f"the plan takes the groups foreseen under {tag} for ranks {list(case)}, but "
+                                     f"this process holds none for group {g.name}", phase="recover", rank=rank)
+            builds.ready[g.name] = got
+            builds.seconds[g.name] = 0.0
             continue
         backend = built_ahead.take(g.name, g.ranks, rank) if built_ahead is not None else None
         if backend is not None:
@@ -108,7 +118,15 @@ def start_builds(rec: RankRecovery, msg: dict, builds: Builds | None = None) -> 
             builds.seconds[g.name] = 0.0
             continue
         builds.start(g.name, g.name, plan.prefix(g), g.ranks.index(rank), len(g.ranks))
+    # a transfer pair foreseen is the one between the case's named source and the standby: taken
+    # when the plan's replica source is that rank (the same both ends: both read the same plan)
+    foreseen_pairs = bool(tag) and msg["tier"] == "replica" and rec.foreseen.source(case) == msg["source"]
     for key, (peer, grank) in pairs(msg, rank).items():
+        got = rec.foreseen.take(tag, case, key) if foreseen_pairs and peer in case else None
+        if got is not None:
+            builds.ready[key] = got
+            builds.seconds[key] = 0.0
+            continue
         builds.start(key, "xfer", phase1.xfer_prefix(epoch, peer), grank, 2)
     return builds
 
@@ -269,6 +287,7 @@ class RankRecovery:
         self.ctx, self.protection, self.standby = ctx, protection, standby
         self.builds: Builds | None = None  # during rebuild(): the backends being built (transfer pairs)
         self.early: tuple[int, int] | None = None  # a standby's anticipate: (epoch, rank) it bound itself to
+        self.foreseen = Foreseen(ctx)  # groups built ahead for losses that may come (foresight.py)
 
     def stall(self, completed: int, exc: Exception | str) -> int:
         """A collective failed: report how far this rank got and wait (bounded) for the
@@ -287,6 +306,7 @@ class RankRecovery:
         backends, report = rebuild(self, msg, "stayer")
         for name, backend in backends.items():
             self.ctx.retire(self.ctx.groups[name].swap(backend), msg["step"])
+        self.foreseen.drop(msg["step"])  # the other cases' groups: the membership they were for is gone
         # a rollback redoes the steps after msg["step"]: their old reports must not reach a restarted controller
         reports = self.ctx.step_reports
         self.ctx.step_reports = deque((r for r in reports if r["step"] <= msg["step"]), maxlen=reports.maxlen)
@@ -373,6 +393,7 @@ class RankRecovery:
         t1 = time.perf_counter()
         for name, backend in backends.items():
             self.ctx.retire(self.ctx.groups[name].swap(backend), msg["step"])
+        self.foreseen.drop(msg["step"])
         self.ctx.role = "worker"
         self.ctx.state.to(RankState.TRAINING)
         self.ctx.switched_epoch = msg["epoch"]

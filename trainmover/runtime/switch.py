@@ -99,6 +99,8 @@ class Switch:
                 self.on_abort(msg)
             elif msg["type"] == "hold":
                 self.protection.on_hold(msg)
+            elif msg["type"] == "foresee":
+                self.recovery.foreseen.on_foresee(msg, self.ctx.completed)
         prep = self.ctx.pending
         if prep and prep.done.is_set():
             what = "failed" if prep.error else "prepared"

@@ -442,6 +442,8 @@ class Agent:
                 return self.training.train(start)
             elif msg["type"] == "hold":
                 self.protection.hold_for(msg)
+            elif msg["type"] == "foresee":  # build the groups of each loss it may be asked to take, now
+                self.recovery.foreseen.on_foresee(msg, self.completed)
             elif msg["type"] == "abort":
                 self.ready_again_after_abort(msg, t0)
 

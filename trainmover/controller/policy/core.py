@@ -31,6 +31,7 @@ from trainmover.controller.durable.migration import Migration, Phase
 from trainmover.controller.durable.state import PolicyState
 from trainmover.controller.durable.view import JobView, StandbyState
 from trainmover.controller.policy.actions import Action, Fence, Finish, LaunchStandby, Record, ReleaseNode
+from trainmover.controller.policy.foresight import Foresight
 from trainmover.controller.policy.holder import SnapshotHolder
 from trainmover.controller.policy.liveness import Heard, Liveness
 from trainmover.controller.policy.planner import Planner
@@ -79,6 +80,7 @@ HANDLERS: dict[str, str] = {
     "snapshot_taken": "_on_snapshot_taken", "recorded": "_on_recorded", "warming": "_on_warming",
     "step": "_on_step_report", "finished": "_on_finished_report",
     "prepared": "_on_prepared", "prepare_failed": "_on_prepare_failed", "switched": "_on_switched",
+    "foreseen": "_on_foreseen",
 }
 
 class Policy:
@@ -90,8 +92,11 @@ class Policy:
         self.planner = Planner(cfg, self.state, self.pool, self.progress,
                                held=lambda: self.takeover.resuming is not None, done=lambda: self.done)
         self.snapshots = SnapshotHolder(self.state, self.pool)
+        self.foresight = Foresight(cfg.foresee_nodes, self.state, self.pool,
+                                   busy=lambda: self.done or self.planner.active() is not None,
+                                   order=self.snapshots.joiner_order)
         self.recovery_part = RecoveryPolicy(cfg, self.state, self.pool, self.progress, self.planner, self.snapshots,
-                                      done=lambda: self.done)
+                                      done=lambda: self.done, foresight=self.foresight)
         self.losses = StandbyLoss(self.state, self.pool, self.planner, self.recovery_part, done=lambda: self.done)
         self.liveness = Liveness(cfg, self.state, self.progress)
         self.stragglers = StragglerWatch(cfg, self.state)
@@ -226,7 +231,8 @@ class Policy:
         if len(s.warm) < self.view.ranks_per_node:
             return []
         self.pool.mark_ready(now, node, msg["warmup_s"], msg["shadow_steps"], msg["detail"])
-        return self.recovery_part.maybe_recover(now) + self.planner.dispatch(now) + self._holder_actions(now)
+        return (self.recovery_part.maybe_recover(now) + self.planner.dispatch(now) + self._holder_actions(now)
+                + self.foresight.actions(now))
 
     def _on_resync(self, now: float, node: str, msg: Message) -> list[Action]:
         return self.takeover.on_resync(now, node, msg)
@@ -383,7 +389,7 @@ class Policy:
         actions = [a for h, why in verdicts for a in self._judged_dead(now, h, why)]
         actions += self.recovery_part.tick(now) + self.planner.tick(now)
         return (actions + self.recovery_part.maybe_recover(now) + self.planner.maybe_acquire(now)
-                + self.planner.dispatch(now) + self._holder_actions(now))
+                + self.planner.dispatch(now) + self._holder_actions(now) + self.foresight.actions(now))
 
     def _judged_dead(self, now: float, h: Heard, why: str) -> list[Action]:
         if self.pool.get(h.node) is not None:
@@ -398,6 +404,9 @@ class Policy:
         log.error("%s judged dead: %s", what, why)
         self.liveness.fence(now, h, why)
         return [Fence(h.node, h.pid, f"{what}: {why}")] + actions
+
+    def _on_foreseen(self, now: float, node: str, msg: Message) -> list[Action]:
+        return self.foresight.on_foreseen(node, msg)
 
     def _holder_actions(self, now: float) -> list[Action]:
         return self.snapshots.actions(now, self.snapshot_every, set(self.progress.steps))

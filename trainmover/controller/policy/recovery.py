@@ -24,6 +24,7 @@ from trainmover.controller.durable.migration import Phase
 from trainmover.controller.durable.state import PolicyState
 from trainmover.controller.policy import tiers
 from trainmover.controller.policy.actions import CheckpointDone, Finish, Rewind, Send
+from trainmover.controller.policy.foresight import Foresight
 from trainmover.controller.policy.holder import SnapshotHolder
 from trainmover.controller.policy.planner import Planner
 from trainmover.controller.policy.progress import Progress
@@ -40,9 +41,9 @@ class RecoveryPolicy:
     """The policy's part for unexpected failures: detection, the recovery plan, checkpoints."""
 
     def __init__(self, cfg: Config, state: PolicyState, pool: StandbyPool, progress: Progress, planner: Planner,
-                 snapshots: SnapshotHolder, done: Callable[[], bool]):
+                 snapshots: SnapshotHolder, done: Callable[[], bool], foresight: Foresight | None = None):
         self.cfg, self.state, self.pool, self.progress = cfg, state, pool, progress
-        self.planner, self.snapshots, self.done = planner, snapshots, done
+        self.planner, self.snapshots, self.done, self.foresight = planner, snapshots, done, foresight
         # Not journaled: a recovery in flight is not resumed by a successor (the job stops,
         # controller/policy/takeover.py), so what the stalled ranks said dies with it; the complete
         # checkpoints are read from disk by the executor (executor.py sets checkpoint_steps).
@@ -143,7 +144,8 @@ class RecoveryPolicy:
         m.to(Phase.PREPARING, now, "")
         stayer_nodes = tuple(sorted({view.rank_node[r] for r in live}))
         common = dict(epoch=m.epoch, failed=list(m.leaver_ranks), step=step, source=choice.source, needers=needers,
-                      tier=choice.tier, holders={str(r): h for r, h in choice.holders.items()})
+                      tier=choice.tier, holders={str(r): h for r, h in choice.holders.items()},
+                      foreseen=self.foresight.usable(m.joiner, tuple(m.leaver_ranks)) if self.foresight else "")
         self.stalled = {}
         actions = self.progress.flush_rows(step)
         if choice.tier != "replica":  # every rank rolls back: later steps are redone and logged again
