@@ -309,7 +309,9 @@ def job_config(args, fault: str) -> dict:
             "record_iterations": 0,
             # one worker: no replica survives it, the standby's snapshots are the tier; the
             # reference and the planned job take none (they would only cost step time here)
-            "snapshot_every": every, "recovery_tiers": "snapshot" if every else "replica,snapshot,checkpoint"}
+            "snapshot_every": every, "recovery_tiers": "snapshot" if every else "replica,snapshot,checkpoint",
+            # groups foreseen (controller/policy/foresight.py): each loss's groups built before the fault
+            "foresee_nodes": args.foresee_nodes}
 
 
 def spec_of(args, name: str, fault: str, work: Path, deadline_s: float) -> dict:
@@ -335,6 +337,8 @@ def main() -> int:
                     help="migrate: planned; kill: SIGKILL of the leaver's worker; both: one reference for the two")
     ap.add_argument("--leaver", default=None, help="the GPU 'node' to move (default: gpu1, with 2 GPUs gpu0)")
     ap.add_argument("--snapshot-every", type=int, default=40, help="one worker, kill: TM_SNAPSHOT_EVERY")
+    ap.add_argument("--foresee-nodes", type=int, default=0,
+                    help="TM_FORESEE_NODES: build each worker's loss's groups ahead while the standby is ready (0: off)")
     ap.add_argument("--ref-only", action="store_true", help="only the reference job (on --first-gpu), written to "
                     "<work>/ref/raw.json")
     ap.add_argument("--first-gpu", type=int, default=0, help="--ref-only: the GPU it runs on")

@@ -493,7 +493,7 @@ def test_a_drained_standby_is_given_back_and_replaced_not_counted_as_lost():
 
 # Every message type of the protocol, by who decides on it. A new type must be placed here,
 # so none reaches the controller and is dropped unseen.
-TO_RANKS = {"abort", "anticipate", "bye", "fenced", "hold", "prepare", "recover", "revoke"}  # controller -> processes
+TO_RANKS = {"abort", "anticipate", "bye", "fenced", "foresee", "hold", "prepare", "recover", "revoke"}  # controller -> processes
 TO_KEEPER_OR_CLI = {"alive", "launch", "moving", "reply"}                                     # controller -> keeper, CLI
 EXECUTORS = {"hello", "beat", "migrate", "status", "steps", "step_exit"}  # heard or answered by the executor itself
 
