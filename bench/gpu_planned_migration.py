@@ -322,6 +322,7 @@ def spec_of(args, name: str, fault: str, work: Path, deadline_s: float) -> dict:
             # a reference needs no standby: its workers alone, possibly beside another benchmark's
             "gpus": args.gpus - 1 if ref else args.gpus, "train": args.gpus - 1,
             "first_gpu": args.first_gpu if ref else 0, "host_gpus": args.host_gpus, "share_gpu": args.share_gpu,
+            "standby_gpu": args.standby_gpu,
             "signal": args.signal, "kill_when": args.kill_when,
             "config": {**job_config(args, fault), **({"standbys": 0} if ref else {})}}
 
@@ -337,6 +338,9 @@ def main() -> int:
                     help="migrate: planned; kill: SIGKILL of the leaver's worker; both: one reference for the two")
     ap.add_argument("--leaver", default=None, help="the GPU 'node' to move (default: gpu1, with 2 GPUs gpu0)")
     ap.add_argument("--snapshot-every", type=int, default=40, help="one worker, kill: TM_SNAPSHOT_EVERY")
+    ap.add_argument("--standby-gpu", type=int, default=None,
+                    help="the physical GPU of the standby, beside that worker (2 GPUs: 2 workers + 1 standby; "
+                         "use with --host-gpus = --gpus so that CPUs are split 3 ways)")
     ap.add_argument("--foresee-nodes", type=int, default=0,
                     help="TM_FORESEE_NODES: build each worker's loss's groups ahead while the standby is ready (0: off)")
     ap.add_argument("--ref-only", action="store_true", help="only the reference job (on --first-gpu), written to "

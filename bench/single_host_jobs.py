@@ -52,7 +52,7 @@ def new_job(spec: dict, root: Path):
     # a reference job may run alone on one GPU beside another (train = gpus, no standby)
     alloc = SingleHostAllocation(gpus=spec["gpus"], train=spec.get("train", spec["gpus"] - 1), work_dir=str(workdir),
                                  first_gpu=spec.get("first_gpu", 0), host_gpus=spec.get("host_gpus"),
-                                 share_gpu=spec.get("share_gpu", False))
+                                 share_gpu=spec.get("share_gpu", False), standby_gpu=spec.get("standby_gpu"))
     env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     raw = {"name": spec["name"], "t_start": time.time(), "trigger": {}, "error": None}
     return Controller(cfg, job_id=1, slurm=alloc, environ=env), run, raw

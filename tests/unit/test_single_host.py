@@ -65,3 +65,17 @@ def test_the_single_host_allocation_keeps_the_slurm_client_contract(tmp_path):
     assert alloc.kill_steps(1, "gpu1") == [] and alloc.cancel_donors(1) == []
     caps = alloc.capabilities(1, "r")
     assert caps.grow and caps.shrink and caps.drain
+
+
+def test_a_standby_gpu_puts_every_standby_beside_that_worker(tmp_path):
+    """2 workers + 1 standby on a 2-GPU host (bench/gpu_planned_migration.py --standby-gpu 1):
+    the workers keep their own GPUs, the standby runs on GPU 1; without the option, its own."""
+    from trainmover.slurm.single_host import SingleHostAllocation
+
+    def gpu(alloc, node):
+        return next(a for a in alloc.step_argv(1, node, ["x"]) if a.startswith("CUDA_VISIBLE_DEVICES="))
+
+    beside = SingleHostAllocation(gpus=3, train=2, work_dir=str(tmp_path), host_gpus=3, standby_gpu=1)
+    assert [gpu(beside, n) for n in ("gpu0", "gpu1", "gpu2")] == [f"CUDA_VISIBLE_DEVICES={i}" for i in (0, 1, 1)]
+    own = SingleHostAllocation(gpus=3, train=2, work_dir=str(tmp_path))
+    assert gpu(own, "gpu2") == "CUDA_VISIBLE_DEVICES=2"

@@ -11,10 +11,10 @@ alone: nothing the live job or a migration uses is touched.
 
 Deadlock-free and deadline-bound: every process builds its cases in the message's order, and a
 case's groups in the job's group order (a subset of one global order: the first unfinished build
-always has every member at it); each rendezvous is bounded by the group timeout. A build that
-fails (a member lost meanwhile) ends this tag's builds on this process: the cases built before
-it were reported, the rest never are, and a recovery of them builds its groups after the fault
-as before. Builds run on a rendezvous client of their own (RankContext.phase1_builder).
+always has every member at it); each rendezvous is bounded by the group timeout, so every member
+leaves every build. A build that fails (a member lost meanwhile; NCCL refusing two members on
+one GPU) skips the rest of its case on this process, which is then not reported: a recovery of
+it builds its groups after the fault, as before. The other cases go on. Builds run on a rendezvous client of their own (RankContext.phase1_builder).
 """
 from __future__ import annotations
 
@@ -96,14 +96,16 @@ class Foreseen:
         def run():
             t0, before, comms = time.perf_counter(), self.ctx.memory(), self.ctx.comms_created()
             done: list[Case] = []
-            error = ""
+            error, failed = "", None
             for i, (case, key, name, pre, grank, size) in enumerate(todo):
+                if case == failed:
+                    continue
                 try:
                     backend = build(name, pre, grank, size)
-                except Exception as exc:  # noqa: BLE001 - this tag's later cases are not built; a recovery builds them
-                    error = f"{type(exc).__name__}: {exc}"
+                except Exception as exc:  # noqa: BLE001 - this case is not built; a recovery of it builds its groups
+                    error, failed = f"{type(exc).__name__}: {exc}", case
                     log.warning("foreseen groups of %s: %s of case %s not built: %s", tag, key, list(case), error)
-                    break
+                    continue
                 with self.lock:
                     if self.tag != tag:  # dropped meanwhile: a new tag came
                         self.ctx.retire(backend, step)

@@ -21,18 +21,23 @@ class SingleHostAllocation:
     (e.g. two one-GPU reference jobs) take different CPUs."""
 
     def __init__(self, gpus: int, train: int, work_dir: str, job_id: int = 1, first_gpu: int = 0,
-                 host_gpus: int | None = None, share_gpu: bool = False):
+                 host_gpus: int | None = None, share_gpu: bool = False, standby_gpu: int | None = None):
         """`share_gpu`: every 'node' runs on the one physical GPU `first_gpu` (a one-GPU machine:
         a worker and its standby side by side; nothing that puts two ranks of one NCCL
         communicator there, such as a planned migration's transfer pair, can run)."""
         if not 0 < train <= gpus:
             raise ValueError(f"need 0 < train ({train}) <= gpus ({gpus})")
         self.share_gpu = share_gpu
+        # `standby_gpu`: the physical GPU every standby 'node' runs on, beside a worker (a host
+        # with fewer GPUs than workers + standbys; a communicator of that worker and the standby
+        # cannot be built there: NCCL refuses two ranks of one comm on one GPU)
+        self.standby_gpu = standby_gpu
         self.host_gpus = host_gpus if host_gpus is not None else first_gpu + (1 if share_gpu else gpus)
         if first_gpu < 0 or first_gpu + (1 if share_gpu else gpus) > self.host_gpus:
             raise ValueError(f"GPUs {first_gpu}..{first_gpu + gpus - 1} are not on a host of {self.host_gpus}")
         self.all = [f"gpu{i}" for i in range(first_gpu, first_gpu + gpus)]
         self.in_job = self.all[:train]
+        self.train = train
         self.work_dir, self.job_id = work_dir, job_id
         self.drained: set[str] = set()
 
@@ -94,6 +99,8 @@ class SingleHostAllocation:
         if ntasks != 1:
             raise ValueError("single-host allocation: one rank per GPU node")
         gpu = (self.all[0] if self.share_gpu else node).removeprefix("gpu")
+        if self.standby_gpu is not None and node not in self.all[:self.train]:
+            gpu = str(self.standby_gpu)
         # Each "node" keeps its own compile caches, as a separate machine would: a joiner must
         # not find kernels that a worker compiled on the same host (warm-up would look free).
         caches = os.path.join(self.work_dir, "compile-cache", node)
