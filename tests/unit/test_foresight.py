@@ -24,6 +24,7 @@ def test_a_ready_standby_gets_every_nodes_loss_foreseen_once_and_the_recovery_ta
     (fore,) = sends(ready_standby(p), "foresee")
     assert set(fore.nodes) == {"train1", "train2", "train3", "spare1"}
     tag = fore.msg["tag"]
+    assert tag == "e0s1t2000"  # epoch, sequence, and the time it was made: never a predecessor's
     assert fore.msg["cases"] == [[0], [1], [2]] and fore.msg["sources"] == [1, 0, 0] and fore.msg["standby"] == "spare1"
     assert not sends(p.on_tick(2.5), "foresee")  # nothing changed: no new tag
     for rank, cases in ((0, [[1], [2]]), (2, [[0], [1]]), (1, [[0], [2]])):
@@ -31,7 +32,6 @@ def test_a_ready_standby_gets_every_nodes_loss_foreseen_once_and_the_recovery_ta
     foreseen(p, "spare1", tag, [[0], [1], [2]])
     recover = sends(lose_rank_1(p), "recover")
     assert [r.msg["foreseen"] for r in recover] == [tag, tag]
-    # after the recovery the membership changed: the next ready standby gets a new tag, the old one is dropped
 
 
 def test_a_case_not_built_by_every_member_is_not_taken():

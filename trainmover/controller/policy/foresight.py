@@ -44,8 +44,9 @@ class Foresight:
     def __init__(self, limit: int, state: PolicyState, pool: StandbyPool, busy: Callable[[], bool],
                  order: Callable[[list[str]], list[str]] = sorted):
         self.limit, self.state, self.pool, self.busy, self.order = limit, state, pool, busy, order
-        # Not journaled: a successor controller sends a new tag (its `seq` starts over with a
-        # salt of its own: the epoch), and the ranks drop the old sets.
+        # Not journaled: a successor controller sends a new tag (its `seq` starts over; the tag
+        # also holds the time it was made, so that it never repeats a predecessor's and its
+        # rendezvous never meets that one's store keys), and the ranks drop the old sets.
         self.seq = 0
         self.tag = ""
         self.standby = ""
@@ -78,7 +79,7 @@ class Foresight:
             self.tag, self.standby, self.cases = "", "", []
             return [Send(tuple(dict.fromkeys(old_nodes)), make("foresee", tag="", standby="", cases=[], sources=[]))]
         self.seq += 1
-        self.tag, self.standby = f"e{self.state.epoch}s{self.seq}", standby
+        self.tag, self.standby = f"e{self.state.epoch}s{self.seq}t{int(now * 1000)}", standby
         self.cases = [tuple(view.ranks_of(n)) for n in nodes]
         world = range(view.world_size)
         sources = [min(r for r in world if r not in case) for case in self.cases]
