@@ -142,4 +142,10 @@ class Foreseen:
             sets, self.sets, self.complete, self.tag, self.sources = self.sets, {}, set(), "", {}
         for backends in sets.values():
             for backend in backends.values():
-                self.ctx.retire(backend, step)
+                comm = getattr(backend, "comm", None)
+                if self.ctx.role != "worker" and comm is not None:
+                    # a standby trains no step whose boundary would release it (retire): its device
+                    # memory goes now (the device sync of the free delays at most its own warm-up)
+                    threading.Thread(target=comm.abort, name="tm-foresee-drop", daemon=True).start()
+                else:
+                    self.ctx.retire(backend, step)

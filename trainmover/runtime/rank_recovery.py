@@ -393,8 +393,8 @@ class RankRecovery:
         t1 = time.perf_counter()
         for name, backend in backends.items():
             self.ctx.retire(self.ctx.groups[name].swap(backend), msg["step"])
-        self.foreseen.drop(msg["step"])
         self.ctx.role = "worker"
+        self.foreseen.drop(msg["step"])  # as a worker's: retired after its first steps, off the critical path
         self.ctx.state.to(RankState.TRAINING)
         self.ctx.switched_epoch = msg["epoch"]
         report["after_rebuild_s"] = time.perf_counter() - t1
