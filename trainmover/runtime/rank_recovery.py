@@ -22,7 +22,6 @@ identical on the members of the workload's `replica_group`. No step is applied t
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -35,6 +34,7 @@ from trainmover.groups.specs import delta
 from trainmover.protocol.messages import JOINER
 from trainmover.runtime import capture, checkpoint, phase1, stacks, transfer
 from trainmover.runtime.context import RankContext
+from trainmover.runtime.dispatch import GONE, Plan
 from trainmover.runtime.epoch import abort
 from trainmover.runtime.protection import Protection
 from trainmover.runtime.rankstate import RankState
@@ -306,15 +306,11 @@ class RankRecovery:
             if left <= 0:
                 raise MigrationError(f"no recovery plan within {self.ctx.spec.job.recovery_timeout_s:.0f}s after: {exc}",
                                      phase="recover", rank=self.ctx.rank, host=self.ctx.spec.node)
-            try:
-                msg = self.ctx.inbox.get(timeout=left)
-            except queue.Empty:
-                continue
-            if msg is None:
+            out = self.ctx.inbox.wait(left)  # only the plan is routed now (dispatch.py): the rest is void
+            if out is GONE:
                 raise MigrationError(f"controller gone while stalled after: {exc}", phase="recover", rank=self.ctx.rank)
-            if msg["type"] == "recover":
-                return msg
-            # revoke (already applied), or a planned epoch's prepare/abort: void now
+            if isinstance(out, Plan):
+                return out.msg
 
     def anticipate(self, msg: dict) -> None:
         """A standby the controller chose to take a vanished rank, told before the plan (which

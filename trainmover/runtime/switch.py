@@ -12,7 +12,6 @@ late abort can never leave the joiner waiting for a state that will not come.
 from __future__ import annotations
 
 import logging
-import queue
 import time
 from typing import TYPE_CHECKING
 
@@ -23,6 +22,7 @@ from trainmover.groups import rng
 from trainmover.groups.specs import delta
 from trainmover.runtime import phase1, transfer, xferplan
 from trainmover.runtime.context import RankContext
+from trainmover.runtime.dispatch import Aborted
 from trainmover.runtime.epoch import abort, cancel_key, go_key, layout_key
 from trainmover.runtime.rankstate import RankState
 
@@ -86,19 +86,9 @@ class Switch:
         self.reported: set[tuple[int, str]] = set()  # (epoch, prepared/failed) already reported
 
     def poll_inbox(self):
-        while True:
-            try:
-                msg = self.ctx.inbox.get_nowait()
-            except queue.Empty:
-                break
-            if msg is None:
-                continue  # controller gone: keep training without migrations
-            if msg["type"] == "prepare":
-                self._on_prepare(msg)
-            elif msg["type"] == "abort":
-                self.on_abort(msg)
-            elif msg["type"] == "hold":
-                self.protection.on_hold(msg)
+        """At a step boundary: the controller's messages (a prepare, an abort, a hold: the
+        process's routes, dispatch.py), then this rank's Phase 1 outcome, reported once."""
+        self.ctx.inbox.poll()
         prep = self.ctx.pending
         if prep and prep.done.is_set():
             what = "failed" if prep.error else "prepared"
@@ -119,7 +109,7 @@ class Switch:
                                   seconds=prep.seconds, detail={"role": prep.role, "before": prep.memory_before,
                                                                 "after": self.ctx.memory()})
 
-    def _on_prepare(self, msg: dict):
+    def on_prepare(self, msg: dict) -> None:
         epoch = msg["epoch"]
         d = delta(self.ctx.specs, msg["leavers"], epoch)
         role = "leaver" if self.ctx.rank in d.leavers else "stayer"
@@ -134,8 +124,12 @@ class Switch:
         if self.ctx.role == "worker":
             self.ctx.faults.at("phase1", who=self.ctx.rank, epoch=epoch)
 
-    def on_abort(self, msg: dict):
+    def on_abort(self, msg: dict) -> None:
         abort(self.ctx, msg)
+
+    def on_join_abort(self, msg: dict) -> Aborted | None:
+        """An abort heard inside a join: it frees the joiner when it is of the epoch it joins."""
+        return Aborted(msg["epoch"]) if msg["epoch"] == self.ctx.joining else None
 
     def _plan_ahead(self, prep: phase1.Prepared, like: dict | None = None) -> None:
         """The transfer's plan (xferplan.py), made at a step boundary before the pause: the
@@ -277,11 +271,5 @@ class Switch:
         return ""
 
     def _aborted(self, epoch: int) -> bool:
-        """Whether the controller aborted `epoch` (other messages are not for a joining standby)."""
-        while True:
-            try:
-                msg = self.ctx.inbox.get_nowait()
-            except queue.Empty:
-                return False
-            if msg is not None and msg["type"] == "abort" and msg["epoch"] == epoch:
-                return True
+        """Whether the controller aborted `epoch` (what else a joiner hears is void: dispatch.py)."""
+        return self.ctx.inbox.poll() == Aborted(epoch)

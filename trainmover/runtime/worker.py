@@ -32,6 +32,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,7 @@ from trainmover.protocol.messages import make
 from trainmover.protocol.store import AuthStore
 from trainmover.protocol.worker_spec import WorkerSpec
 from trainmover.runtime import heartbeat, phase1, transfer, usercode
+from trainmover.runtime.dispatch import GONE, GONE_TYPE, Dispatcher, Plan, Started
 from trainmover.runtime.link import Link
 from trainmover.runtime.protection import Protection
 from trainmover.runtime.rank_recovery import RankRecovery
@@ -115,6 +117,7 @@ class Agent:
         self.state = RankStateMachine(RankState.TRAINING if self.role == "worker" else RankState.STARTING,
                                       who=f"{spec.role} {spec.node}/{local_index}")
         self.joining = 0        # a standby: the epoch it is joining
+        self.warm_t0 = time.perf_counter()  # a standby: when its warm-up began (its `ready` reports say since)
         self.switched_epoch = 0  # the epoch of this process's last switch
         self.last_sent: dict[str, dict] = {}
         self.step_reports: deque = deque(maxlen=RESEND_STEPS)
@@ -132,7 +135,6 @@ class Agent:
         # (imports, a model) may take longer than the silence that would judge it dead.
         if spec.job.heartbeat_s > 0:
             heartbeat.Heartbeat(self.link.send, self._beat, spec.job.heartbeat_s).start()
-        self.inbox: queue.Queue = self.link.inbox
         self.faults = faults.Injector(spec.inject, spec.role)
         with usercode.user_code("construction"):  # importing and constructing it run the user's code
             loaded = registry.load(spec.job.workload, spec.workload_options)
@@ -155,6 +157,33 @@ class Agent:
         self.recovery = RankRecovery(self, self.protection, self.standby)
         self.switch = Switch(self, self.protection, self.standby, self.recovery)
         self.training = TrainingLoop(self, self.protection, self.switch, self.recovery)
+        self.inbox = Dispatcher(self.link.inbox, self.state, self.routes())
+
+    def routes(self) -> dict[tuple[RankState, str], Callable[[dict], object]]:
+        """Where each controller message goes, by what this process is now (dispatch.py): the
+        one table of the process; a (state, type) not here is void."""
+        S = RankState
+        return {
+            # a worker, at a step boundary (training.py)
+            (S.TRAINING, "prepare"): self.switch.on_prepare,      # Phase 1 beside training
+            (S.TRAINING, "abort"): self.switch.on_abort,
+            (S.TRAINING, "hold"): self.protection.on_hold,        # where its snapshots go
+            # a warm standby, between messages re-warming (serve_as_standby)
+            (S.READY, "prepare"): self._join,
+            (S.READY, "anticipate"): self.recovery.anticipate,    # bind to a vanished rank before the plan
+            (S.READY, "recover"): self._take_failed_rank,
+            (S.READY, "hold"): self.protection.hold_for,          # the snapshots it holds
+            (S.READY, "abort"): self.ready_again_after_abort,
+            (S.READY, GONE_TYPE): lambda _: GONE,
+            # a joiner inside its join (switch.py): only its epoch's abort frees it; a joiner
+            # whose leaver died mid-copy waits for the recovery plan like a stalled rank
+            (S.JOINING, "abort"): self.switch.on_join_abort,
+            (S.JOINING, "recover"): Plan,
+            (S.JOINING, GONE_TYPE): lambda _: GONE,
+            # a stalled worker (rank_recovery.py): only the plan
+            (S.STALLED, "recover"): Plan,
+            (S.STALLED, GONE_TYPE): lambda _: GONE,
+        }
 
     def _inject_user_fault(self, what: str, args: tuple) -> None:
         """Called inside the guard of the workload's code (usercode.py): TM_INJECT raise."""
@@ -417,35 +446,32 @@ class Agent:
         makes it a joiner (switch.py), a `recover` takes a vanished rank (recovery.py), a `hold`
         names the snapshots it holds (protection.py); between messages it re-warms on a newer
         recording (standby.py). Once it has taken a rank it trains as a worker."""
-        t0 = self.standby.warm_up()
+        self.warm_t0 = t0 = self.standby.warm_up()
         while True:
-            try:
-                msg = self.inbox.get(timeout=REWARM_POLL_S)
-            except queue.Empty:
+            out = self.inbox.wait(REWARM_POLL_S)
+            if out is None:  # nothing that ended the wait: re-warm if a newer recording came
                 self.standby.rewarm_if_newer(t0)
-                continue
-            if msg is None:
+            elif out is GONE:
                 log.info("controller closed the channel; standby exits")
                 return 0
-            if msg["type"] == "prepare":
-                start = self.switch.join(msg)  # on this thread, at the job's priority: the job's critical path
-                if start is not None:
-                    self.standby.now_a_worker(start)
-                    return self.training.train(start)
-                self.send("ready", enter=RankState.READY, node=self.spec.node, local=self.local,
-                          warmup_s=time.perf_counter() - t0, shadow_steps=0, detail={})
-            elif msg["type"] == "anticipate":  # chosen to take a vanished rank: bind to it before the plan
-                self.recovery.anticipate(msg)
-            elif msg["type"] == "recover" and str(self.local) in msg["assign"]:
-                start = self.recovery.take_failed_rank(msg)
-                self.standby.now_a_worker(start)
-                return self.training.train(start)
-            elif msg["type"] == "hold":
-                self.protection.hold_for(msg)
-            elif msg["type"] == "abort":
-                self.ready_again_after_abort(msg, t0)
+            elif isinstance(out, Started):  # it took a rank: a worker from now on
+                self.standby.now_a_worker(out.step)
+                return self.training.train(out.step)
 
-    def ready_again_after_abort(self, msg: dict, t0: float) -> None:
+    def _join(self, msg: dict) -> Started | None:
+        start = self.switch.join(msg)  # on this thread, at the job's priority: the job's critical path
+        if start is not None:
+            return Started(start)
+        self.send("ready", enter=RankState.READY, node=self.spec.node, local=self.local,
+                  warmup_s=time.perf_counter() - self.warm_t0, shadow_steps=0, detail={})
+        return None
+
+    def _take_failed_rank(self, msg: dict) -> Started | None:
+        if str(self.local) not in msg["assign"]:
+            return None  # another standby's
+        return Started(self.recovery.take_failed_rank(msg))
+
+    def ready_again_after_abort(self, msg: dict) -> None:
         """An `abort` of an epoch this standby already gave up (its own Phase 1 failed, e.g. cut off
         from a moved controller's store): its `ready` then reached the controller while the join
         was still on there, and was ignored as a stale report; the abort makes the controller
@@ -453,7 +479,7 @@ class Agent:
         if self.state.now == RankState.READY:
             log.info("epoch %s aborted after this standby left it; ready again", msg.get("epoch"))
             # no `enter`: it is ready already (ready -> ready is no transition)
-            self.send("ready", node=self.spec.node, local=self.local, warmup_s=time.perf_counter() - t0,
+            self.send("ready", node=self.spec.node, local=self.local, warmup_s=time.perf_counter() - self.warm_t0,
                       shadow_steps=0, detail={})
 
 def main() -> int:
