@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from trainmover.groups.tensors import digest_tensors, tensors_of
+from trainmover.protocol.messages import HoldMsg
 from trainmover.runtime import capture, holding, transfer
 from trainmover.runtime.snapshot import Snapshots
 
@@ -214,7 +215,7 @@ def test_a_rank_sends_its_first_version_to_the_holders_gpu_then_host_versions_at
     holder = holding.Holding(addr, "tm/hold/p1/", 0, "127.0.0.1", TIMEOUT_S, lambda r, s, d: reports.append((s, d)),
                              key=KEY, layout=layout, direct=_gloo_pair)
     prot = Protection(ctx)
-    prot.on_hold({"holder": "spare1", "wards": [0], "prefix": "tm/hold/p1/"})
+    prot.on_hold(HoldMsg(holder="spare1", wards=[0], prefix="tm/hold/p1/"))
     link = prot.snapshots.standby
     prot.protect(0)  # a boundary before the pair is built: nothing sent, no host version either
     assert not link.direct_ok and link.version == 0

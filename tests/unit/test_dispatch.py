@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainmover.protocol.messages import make
+from trainmover.protocol.messages import make, typed
 from trainmover.runtime.dispatch import GONE, GONE_TYPE, ROUTABLE, Aborted, Dispatcher, Plan, Started
 from trainmover.runtime.rankstate import RankState, RankStateMachine
 
@@ -25,8 +25,8 @@ def test_a_message_goes_where_the_state_routes_it_and_elsewhere_is_void():
     q: queue.Queue = queue.Queue()
     seen: list[tuple[str, str]] = []
     state = machine(S.READY)
-    d = Dispatcher(q, state, {(S.READY, "hold"): lambda m: seen.append(("ready", m["type"])),
-                              (S.TRAINING, "hold"): lambda m: seen.append(("training", m["type"]))})
+    d = Dispatcher(q, state, {(S.READY, "hold"): lambda m: seen.append(("ready", m.TYPE)),
+                              (S.TRAINING, "hold"): lambda m: seen.append(("training", m.TYPE))})
     hold = make("hold", holder="", wards=[0], prefix="p")
     q.put(hold)
     q.put(make("prepare", epoch=1, leavers=[0], joiner_node="n", assign={}, options={}))
@@ -42,7 +42,7 @@ def test_a_message_goes_where_the_state_routes_it_and_elsewhere_is_void():
 def test_the_first_result_ends_a_poll_and_what_follows_stays_queued():
     q: queue.Queue = queue.Queue()
     state = machine(S.READY, S.JOINING)
-    d = Dispatcher(q, state, {(S.JOINING, "abort"): lambda m: Aborted(m["epoch"]) if m["epoch"] == 3 else None,
+    d = Dispatcher(q, state, {(S.JOINING, "abort"): lambda m: Aborted(m.epoch) if m.epoch == 3 else None,
                               (S.JOINING, "recover"): Plan})
     q.put(make("abort", epoch=2, reason="another epoch"))   # not the one it joins: nothing
     q.put(make("abort", epoch=3, reason="its epoch"))
@@ -50,7 +50,7 @@ def test_the_first_result_ends_a_poll_and_what_follows_stays_queued():
                    tier="replica", holders={})
     q.put(recover)
     assert d.poll() == Aborted(3)
-    assert d.poll() == Plan(recover)
+    assert d.poll() == Plan(typed(recover))  # handlers get the message's class (protocol/messages.py)
     assert d.poll() is None
 
 

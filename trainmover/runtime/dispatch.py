@@ -10,7 +10,8 @@ the current state has no route for is void (a stale `recover` after the rank res
 queue: `revoke` and `fenced` are acted on by the link's reader thread the moment they arrive
 (the training thread may be stuck in a collective); their queued copies are void.
 
-A handler returns None to go on, or a result that ends the wait it came in: `Started` (a
+Handlers get the message as its class (`PrepareMsg`, ...: protocol/messages.py). A handler
+returns None to go on, or a result that ends the wait it came in: `Started` (a
 standby now trains from that step), `Aborted` (the epoch a joiner is in was aborted), `Plan`
 (a recovery plan for a stalled rank or a joiner whose leaver died) or `GONE` (the controller is
 gone for good: the link queued None).
@@ -24,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from trainmover.protocol.messages import Message
+from trainmover.protocol.messages import Message, RecoverMsg, typed
 from trainmover.runtime.rankstate import RankState, RankStateMachine
 
 log = logging.getLogger("trainmover.worker")
@@ -47,7 +48,7 @@ class Aborted:
 @dataclass(frozen=True)
 class Plan:
     """A recovery plan (`recover`) for this process."""
-    msg: Message
+    msg: RecoverMsg
 
 
 class _Gone:
@@ -57,7 +58,7 @@ class _Gone:
 
 GONE = _Gone()  # the controller is gone for good
 
-Handler = Callable[[Message], Any]
+Handler = Callable[[Any], Any]  # takes the message's class (protocol/messages.py), a GONE route None
 Routes = Mapping[tuple[RankState, str], Handler]
 
 
@@ -107,7 +108,7 @@ class Dispatcher:
             self.void[(now.value, kind)] += 1
             log.debug("%s while %s: void", kind, now.value)
             return None
-        return handler(msg)  # type: ignore[arg-type]  # a GONE route's handler takes None
+        return handler(None if msg is None else typed(msg))  # a GONE route's handler takes None
 
 
 # what the controller may send a rank process (protocol/messages.py), and the controller's end;

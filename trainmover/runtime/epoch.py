@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from trainmover.protocol.messages import Message
+from trainmover.protocol.messages import AbortMsg
 from trainmover.runtime.context import RankContext
 from trainmover.runtime.phase1 import xfer_prefix
 
@@ -29,14 +29,14 @@ def layout_key(epoch: int, leaver: int) -> str:
     return xfer_prefix(epoch, leaver) + "layout"
 
 
-def abort(ctx: RankContext, msg: Message) -> None:
-    """The controller aborted epoch `msg["epoch"]` (or this rank voided it: an unexpected
+def abort(ctx: RankContext, msg: AbortMsg) -> None:
+    """The controller aborted epoch `msg.epoch` (or this rank voided it: an unexpected
     failure): the planned migration in flight, if it is that one, is dropped."""
     prep = ctx.pending
-    if prep and prep.epoch == msg["epoch"]:
+    if prep and prep.epoch == msg.epoch:
         ctx.pending = None
         if prep.role == "leaver":
             # Once the leaver stops offering this epoch the MIN can never equal it again:
             # tell the joiner, which waits on exactly this key.
             ctx.store.set(cancel_key(prep.epoch, prep.rank), "1")
-        log.info("epoch %d aborted: %s", prep.epoch, msg["reason"])
+        log.info("epoch %d aborted: %s", prep.epoch, msg.reason)

@@ -21,6 +21,7 @@ from trainmover.errors import MigrationError
 from trainmover.groups import rng
 from trainmover.groups.specs import delta
 from trainmover.runtime import phase1, transfer, xferplan
+from trainmover.protocol.messages import AbortMsg, PrepareMsg
 from trainmover.runtime.context import RankContext
 from trainmover.runtime.dispatch import Aborted
 from trainmover.runtime.epoch import abort, cancel_key, go_key, layout_key
@@ -109,9 +110,9 @@ class Switch:
                                   seconds=prep.seconds, detail={"role": prep.role, "before": prep.memory_before,
                                                                 "after": self.ctx.memory()})
 
-    def on_prepare(self, msg: dict) -> None:
-        epoch = msg["epoch"]
-        d = delta(self.ctx.specs, msg["leavers"], epoch)
+    def on_prepare(self, msg: PrepareMsg) -> None:
+        epoch = msg.epoch
+        d = delta(self.ctx.specs, msg.leavers, epoch)
         role = "leaver" if self.ctx.rank in d.leavers else "stayer"
         if role == "stayer" and not d.groups_to_build(self.ctx.rank):
             return  # no group of ours contains the leaver: nothing to do (never the case for world)
@@ -124,12 +125,12 @@ class Switch:
         if self.ctx.role == "worker":
             self.ctx.faults.at("phase1", who=self.ctx.rank, epoch=epoch)
 
-    def on_abort(self, msg: dict) -> None:
+    def on_abort(self, msg: AbortMsg) -> None:
         abort(self.ctx, msg)
 
-    def on_join_abort(self, msg: dict) -> Aborted | None:
+    def on_join_abort(self, msg: AbortMsg) -> Aborted | None:
         """An abort heard inside a join: it frees the joiner when it is of the epoch it joins."""
-        return Aborted(msg["epoch"]) if msg["epoch"] == self.ctx.joining else None
+        return Aborted(msg.epoch) if msg.epoch == self.ctx.joining else None
 
     def _plan_ahead(self, prep: phase1.Prepared, like: dict | None = None) -> None:
         """The transfer's plan (xferplan.py), made at a step boundary before the pause: the
@@ -162,10 +163,10 @@ class Switch:
                               "tensors": stats.tensors, "plan_s": prep.plan_s, "parts": stats.parts})
         log.info("left at step %d: sent %d bytes in %.3fs", step, stats.bytes, stats.seconds)
 
-    def join(self, msg: dict) -> int | None:
+    def join(self, msg: PrepareMsg) -> int | None:
         """Take a leaver's slot. Returns the step to continue from, or None if the
         migration was cancelled (the agent then stays a standby)."""
-        epoch = msg["epoch"]
+        epoch = msg.epoch
         self.ctx.joining = epoch
         self.ctx.state.to(RankState.JOINING)
         try:
@@ -173,8 +174,8 @@ class Switch:
         finally:
             self.ctx.joining = 0
 
-    def _join(self, msg: dict, epoch: int) -> int | None:
-        rank = int(msg["assign"][str(self.ctx.local)])
+    def _join(self, msg: PrepareMsg, epoch: int) -> int | None:
+        rank = int(msg.assign[str(self.ctx.local)])
         leaver = rank
         # Off the critical path: rebuild groups with the rank we now know, rebind the workload,
         # and run shadow steps so that the new wrappers' one-time work happens in the sandbox.
@@ -182,7 +183,7 @@ class Switch:
         self.ctx.workload.rebind(self.ctx.build_context(rank))
         with self.standby.warm_stance():
             self.standby.shadow_until_steady(self.ctx.spec.job.shadow_steps)
-        prep = phase1.Prepared(epoch, delta(self.ctx.specs, msg["leavers"], epoch), "joiner", rank)
+        prep = phase1.Prepared(epoch, delta(self.ctx.specs, msg.leavers, epoch), "joiner", rank)
         phase1.start(prep, self.standby.ahead_builder(self.ctx.phase1_builder()))  # groups built ahead: one-node jobs
         self.ctx.faults.at("phase1", who="joiner", epoch=epoch)
         # Bounded, and abortable: a peer lost meanwhile leaves the builds waiting until the

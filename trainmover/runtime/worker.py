@@ -45,7 +45,7 @@ from trainmover.groups.swappable import CONTROL, SNAPSHOT, Revoked, SandboxBacke
 from trainmover.groups.tensors import digest_tensors, tensors_of
 from trainmover.logs import setup_logging
 from trainmover.protocol import channel, endpoint, files
-from trainmover.protocol.messages import make
+from trainmover.protocol.messages import AbortMsg, Msg, PrepareMsg, RecoverMsg, make
 from trainmover.protocol.store import AuthStore
 from trainmover.protocol.worker_spec import WorkerSpec
 from trainmover.runtime import heartbeat, phase1, transfer, usercode
@@ -159,7 +159,7 @@ class Agent:
         self.training = TrainingLoop(self, self.protection, self.switch, self.recovery)
         self.inbox = Dispatcher(self.link.inbox, self.state, self.routes())
 
-    def routes(self) -> dict[tuple[RankState, str], Callable[[dict], object]]:
+    def routes(self) -> dict[tuple[RankState, str], Callable[[Msg], object]]:
         """Where each controller message goes, by what this process is now (dispatch.py): the
         one table of the process; a (state, type) not here is void."""
         S = RankState
@@ -458,7 +458,7 @@ class Agent:
                 self.standby.now_a_worker(out.step)
                 return self.training.train(out.step)
 
-    def _join(self, msg: dict) -> Started | None:
+    def _join(self, msg: PrepareMsg) -> Started | None:
         start = self.switch.join(msg)  # on this thread, at the job's priority: the job's critical path
         if start is not None:
             return Started(start)
@@ -466,18 +466,18 @@ class Agent:
                   warmup_s=time.perf_counter() - self.warm_t0, shadow_steps=0, detail={})
         return None
 
-    def _take_failed_rank(self, msg: dict) -> Started | None:
-        if str(self.local) not in msg["assign"]:
+    def _take_failed_rank(self, msg: RecoverMsg) -> Started | None:
+        if str(self.local) not in msg.assign:
             return None  # another standby's
         return Started(self.recovery.take_failed_rank(msg))
 
-    def ready_again_after_abort(self, msg: dict) -> None:
+    def ready_again_after_abort(self, msg: AbortMsg) -> None:
         """An `abort` of an epoch this standby already gave up (its own Phase 1 failed, e.g. cut off
         from a moved controller's store): its `ready` then reached the controller while the join
         was still on there, and was ignored as a stale report; the abort makes the controller
         wait for a new one (seen: a migration waiting for a standby until the job ended)."""
         if self.state.now == RankState.READY:
-            log.info("epoch %s aborted after this standby left it; ready again", msg.get("epoch"))
+            log.info("epoch %s aborted after this standby left it; ready again", msg.epoch)
             # no `enter`: it is ready already (ready -> ready is no transition)
             self.send("ready", node=self.spec.node, local=self.local, warmup_s=time.perf_counter() - self.warm_t0,
                       shadow_steps=0, detail={})
