@@ -7,6 +7,7 @@ clear text, never a half-understood command.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeAlias
@@ -341,6 +342,14 @@ def _wire_types(cls: type) -> dict[str, FieldType]:
 
 # type -> {field: expected python type(s)}, what `validate` checks: derived from the classes above
 SCHEMA: dict[str, dict[str, FieldType]] = {kind: _wire_types(cls) for kind, cls in TYPES.items()}
+
+class MoveRole(enum.StrEnum):
+    """A rank's part in a migration (planned or a recovery): the `role` of `switched` and
+    `stalled`, a Phase 1's role. A StrEnum: equal to, and written as, its wire string."""
+    STAYER = "stayer"
+    LEAVER = "leaver"
+    JOINER = "joiner"
+
 
 MAX_RANKS_IN_MESSAGE = 1 << 16
 JOINER = -1  # `recover.holders`: the lost rank's copy is held by the standby taking its slot (no transfer)

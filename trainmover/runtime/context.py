@@ -36,7 +36,8 @@ class RankContext(Protocol):
     specs: list[GroupSpec]            # every group of the job, the control and snapshot groups included
     # what changes as it moves through its roles
     rank: int | None                  # None: a standby that has not taken a rank
-    role: str                         # "worker" or "standby"
+    @property
+    def role(self) -> str: ...       # "worker" or "standby": derived from `state` (rankstate.role_of)
     state: RankStateMachine
     store: AuthStore                  # the job's rendezvous store (moves with the controller)
     store_addr: tuple[str, int]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from trainmover.protocol.messages import AbortMsg
+from trainmover.protocol.messages import AbortMsg, MoveRole
 from trainmover.runtime.context import RankContext
 from trainmover.runtime.phase1 import xfer_prefix
 
@@ -35,7 +35,7 @@ def abort(ctx: RankContext, msg: AbortMsg) -> None:
     prep = ctx.pending
     if prep and prep.epoch == msg.epoch:
         ctx.pending = None
-        if prep.role == "leaver":
+        if prep.role == MoveRole.LEAVER:
             # Once the leaver stops offering this epoch the MIN can never equal it again:
             # tell the joiner, which waits on exactly this key.
             ctx.store.set(cancel_key(prep.epoch, prep.rank), "1")

@@ -31,7 +31,7 @@ from trainmover import config
 from trainmover.errors import MigrationError
 from trainmover.groups import rng
 from trainmover.groups.specs import delta
-from trainmover.protocol.messages import JOINER, AbortMsg, AnticipateMsg, RecoverMsg
+from trainmover.protocol.messages import JOINER, AbortMsg, AnticipateMsg, MoveRole, RecoverMsg
 from trainmover.runtime import capture, checkpoint, phase1, stacks, transfer
 from trainmover.runtime.context import RankContext
 from trainmover.runtime.dispatch import GONE, Plan
@@ -201,7 +201,7 @@ def _from_replica(rec: RankRecovery, msg: RecoverMsg, role: str) -> dict:
 def _roll_back(rec: RankRecovery, role: str, load) -> dict:
     """A live rank loads its own state of the step rolled back to (`load()`), unless the
     negative control `no-rollback` keeps its state (it then redoes steps it already applied)."""
-    if role == "stayer" and rec.ctx.faults.at("rollback"):
+    if role == MoveRole.STAYER and rec.ctx.faults.at("rollback"):
         log.warning("injected: no-rollback: rank %d keeps its state", rec.ctx.rank)
         return {"rolled_back": False}
     t0 = time.perf_counter()
@@ -278,20 +278,20 @@ class RankRecovery:
             abort(self.ctx, AbortMsg(epoch=self.ctx.pending.epoch, reason="unexpected failure"))
         self.ctx.state.to(RankState.STALLED)
         self.ctx.send("stalled", rank=self.ctx.rank, step=completed, digest=self.ctx.digest(), error=str(exc)[:500],
-                      role="stayer", holds=self.protection.holds())
+                      role=MoveRole.STAYER, holds=self.protection.holds())
         msg = self.wait_recover(exc)
         self.ctx.state.to(RankState.TRAINING)
         if completed < msg.step and self.ctx.rank not in msg.needers:
             raise MigrationError(f"recovery plan resumes at step {msg.step} but this rank has completed "
                                  f"{completed} and gets no state", phase="recover", rank=self.ctx.rank)
-        backends, report = rebuild(self, msg, "stayer")
+        backends, report = rebuild(self, msg, MoveRole.STAYER)
         for name, backend in backends.items():
             self.ctx.retire(self.ctx.groups[name].swap(backend), msg.step)
         # a rollback redoes the steps after msg.step: their old reports must not reach a restarted controller
         reports = self.ctx.step_reports
         self.ctx.step_reports = deque((r for r in reports if r["step"] <= msg.step), maxlen=reports.maxlen)
         self.ctx.switched_epoch = msg.epoch
-        self.ctx.send("switched", epoch=msg.epoch, rank=self.ctx.rank, role="stayer", step=msg.step,
+        self.ctx.send("switched", epoch=msg.epoch, rank=self.ctx.rank, role=MoveRole.STAYER, step=msg.step,
                       t=time.time(), detail={**report, "redo_from": completed})
         self.ctx.trace_next_steps()
         return int(msg.step)
@@ -365,15 +365,14 @@ class RankRecovery:
         builds = start_builds(self, msg)  # the groups and the transfer pair, at once
         prebound = self._bind(rank) if rebind else False
         rebind_s = time.perf_counter() - t0
-        backends, report = rebuild(self, msg, "joiner", builds)
+        backends, report = rebuild(self, msg, MoveRole.JOINER, builds)
         t1 = time.perf_counter()
         for name, backend in backends.items():
             self.ctx.retire(self.ctx.groups[name].swap(backend), msg.step)
-        self.ctx.role = "worker"
-        self.ctx.state.to(RankState.TRAINING)
+        self.ctx.state.to(RankState.TRAINING)  # a worker now (its role follows its state)
         self.ctx.switched_epoch = msg.epoch
         report["after_rebuild_s"] = time.perf_counter() - t1
-        self.ctx.send("switched", epoch=msg.epoch, rank=rank, role="joiner", step=msg.step, t=time.time(),
+        self.ctx.send("switched", epoch=msg.epoch, rank=rank, role=MoveRole.JOINER, step=msg.step, t=time.time(),
                       detail={**report, "rebind_s": rebind_s, "prebound": prebound, "anticipated": anticipated,
                               "seconds": time.perf_counter() - t0, **self.ctx.memory()})
         log.info("took failed rank %d at step %d in %.3fs", rank, msg.step, time.perf_counter() - t0)

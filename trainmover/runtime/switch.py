@@ -21,7 +21,7 @@ from trainmover.errors import MigrationError
 from trainmover.groups import rng
 from trainmover.groups.specs import delta
 from trainmover.runtime import phase1, transfer, xferplan
-from trainmover.protocol.messages import AbortMsg, PrepareMsg
+from trainmover.protocol.messages import AbortMsg, MoveRole, PrepareMsg
 from trainmover.runtime.context import RankContext
 from trainmover.runtime.dispatch import Aborted
 from trainmover.runtime.epoch import abort, cancel_key, go_key, layout_key
@@ -40,7 +40,7 @@ def switch_ready(prep: phase1.Prepared | None, step: int) -> int:
     leaver's transfer plan made at an earlier boundary."""
     if not prep or not prep.done.is_set() or prep.error:
         return 0
-    if prep.role == "leaver" and (prep.plan_at is None or prep.plan_at >= step):
+    if prep.role == MoveRole.LEAVER and (prep.plan_at is None or prep.plan_at >= step):
         return 0
     return prep.epoch
 
@@ -93,7 +93,7 @@ class Switch:
         prep = self.ctx.pending
         if prep and prep.done.is_set():
             what = "failed" if prep.error else "prepared"
-            if what == "prepared" and prep.role == "leaver" and prep.plan_at is None:
+            if what == "prepared" and prep.role == MoveRole.LEAVER and prep.plan_at is None:
                 # The transfer's plan is made at this boundary; the leaver is ready to switch
                 # from the next one on (`switch_ready`): with no stayer to wait for, the switch
                 # could follow at this very boundary, and making the plan put ~0.1 s into the
@@ -113,10 +113,10 @@ class Switch:
     def on_prepare(self, msg: PrepareMsg) -> None:
         epoch = msg.epoch
         d = delta(self.ctx.specs, msg.leavers, epoch)
-        role = "leaver" if self.ctx.rank in d.leavers else "stayer"
-        if role == "stayer" and not d.groups_to_build(self.ctx.rank):
+        role = MoveRole.LEAVER if self.ctx.rank in d.leavers else MoveRole.STAYER
+        if role == MoveRole.STAYER and not d.groups_to_build(self.ctx.rank):
             return  # no group of ours contains the leaver: nothing to do (never the case for world)
-        if role == "leaver":  # for the joiner to check its own against (Workload.collective_layout)
+        if role == MoveRole.LEAVER:  # for the joiner to check its own against (Workload.collective_layout)
             self.ctx.store.set(layout_key(epoch, self.ctx.rank), self.ctx.workload.collective_layout())
         self.ctx.pending = phase1.Prepared(epoch, d, role, self.ctx.rank)
         self.ctx.pending.memory_before, self.ctx.pending.comms_before = self.ctx.memory(), self.ctx.comms_created()
@@ -158,7 +158,7 @@ class Switch:
         self.ctx.pending = None
         self.ctx.state.to(RankState.LEFT)
         self.ctx.switched_epoch = prep.epoch
-        self.ctx.send("switched", epoch=prep.epoch, rank=self.ctx.rank, role="leaver", step=step, t=time.time(),
+        self.ctx.send("switched", epoch=prep.epoch, rank=self.ctx.rank, role=MoveRole.LEAVER, step=step, t=time.time(),
                       detail={"send_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
                               "tensors": stats.tensors, "plan_s": prep.plan_s, "parts": stats.parts})
         log.info("left at step %d: sent %d bytes in %.3fs", step, stats.bytes, stats.seconds)
@@ -183,7 +183,7 @@ class Switch:
         self.ctx.workload.rebind(self.ctx.build_context(rank))
         with self.standby.warm_stance():
             self.standby.shadow_until_steady(self.ctx.spec.job.shadow_steps)
-        prep = phase1.Prepared(epoch, delta(self.ctx.specs, msg.leavers, epoch), "joiner", rank)
+        prep = phase1.Prepared(epoch, delta(self.ctx.specs, msg.leavers, epoch), MoveRole.JOINER, rank)
         phase1.start(prep, self.standby.ahead_builder(self.ctx.phase1_builder()))  # groups built ahead: one-node jobs
         self.ctx.faults.at("phase1", who="joiner", epoch=epoch)
         # Bounded, and abortable: a peer lost meanwhile leaves the builds waiting until the
@@ -225,7 +225,7 @@ class Switch:
                                                   context=phase1.xfer_prefix(prep.epoch, prep.rank))
         except (MigrationError, RuntimeError) as exc:  # the leaver died mid-copy: a replica will send it
             self.ctx.rank = rank
-            self.ctx.send("stalled", rank=rank, step=0, digest="", error=str(exc)[:500], role="joiner",
+            self.ctx.send("stalled", rank=rank, step=0, digest="", error=str(exc)[:500], role=MoveRole.JOINER,
                           holds={"replicas": [], "own": [], "held": {}})
             return self.recovery.take_failed_rank(self.recovery.wait_recover(exc), rebind=False)
         t_received = time.perf_counter()
@@ -237,10 +237,10 @@ class Switch:
         # The transfer pair is done too; dropping its last reference here would abort the
         # communicator synchronously, inside the pause (measured: 0.5 s on an H200).
         self.ctx.retire(prep.xfer, int(state["step"]))
-        self.ctx.rank, self.ctx.role = rank, "worker"
+        self.ctx.rank = rank
         self.ctx.state.to(RankState.TRAINING)
         self.ctx.switched_epoch = epoch
-        self.ctx.send("switched", epoch=epoch, rank=rank, role="joiner", step=int(state["step"]), t=time.time(),
+        self.ctx.send("switched", epoch=epoch, rank=rank, role=MoveRole.JOINER, step=int(state["step"]), t=time.time(),
                       detail={"recv_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
                               "apply_s": time.perf_counter() - t_switch, "prepare_s": prep.seconds,
                               "attempts": stats.attempts, "plan_s": prep.plan_s,

@@ -53,7 +53,7 @@ from trainmover.runtime.dispatch import GONE, GONE_TYPE, Dispatcher, Plan, Start
 from trainmover.runtime.link import Link
 from trainmover.runtime.protection import Protection
 from trainmover.runtime.rank_recovery import RankRecovery
-from trainmover.runtime.rankstate import RankState, RankStateMachine
+from trainmover.runtime.rankstate import RankState, RankStateMachine, role_of
 from trainmover.runtime.standby import REWARM_POLL_S, StandbyRole
 from trainmover.runtime.switch import Switch
 from trainmover.runtime.training import TRACE_STEPS, TrainingLoop
@@ -102,7 +102,6 @@ class Agent:
     def __init__(self, spec: WorkerSpec, local_index: int, link: Link | None = None):
         self.spec, self.local = spec, local_index
         self.rank = spec.my_rank(local_index)
-        self.role = spec.role
         self.timeout = datetime.timedelta(seconds=spec.job.group_timeout_s)
         self.device, self.backend = spec.resolved()
         if self.device == "cuda":
@@ -114,7 +113,7 @@ class Agent:
             lambda host, port: self._store_client(host, port, connect_s=STORE_CONNECT_S),
             lambda: endpoint.read(spec.controller_file, self.key) if spec.controller_file else None)
         # what a restarted controller is told (see resync_messages)
-        self.state = RankStateMachine(RankState.TRAINING if self.role == "worker" else RankState.STARTING,
+        self.state = RankStateMachine(RankState.TRAINING if spec.role == "worker" else RankState.STARTING,
                                       who=f"{spec.role} {spec.node}/{local_index}")
         self.joining = 0        # a standby: the epoch it is joining
         self.warm_t0 = time.perf_counter()  # a standby: when its warm-up began (its `ready` reports say since)
@@ -184,6 +183,11 @@ class Agent:
             (S.STALLED, "recover"): Plan,
             (S.STALLED, GONE_TYPE): lambda _: GONE,
         }
+
+    @property
+    def role(self) -> str:
+        """"worker" or "standby", from the state (rankstate.py): a standby that took a rank is a worker."""
+        return role_of(self.state.now)
 
     def _inject_user_fault(self, what: str, args: tuple) -> None:
         """Called inside the guard of the workload's code (usercode.py): TM_INJECT raise."""

@@ -29,7 +29,7 @@ from trainmover.controller.policy.planner import Planner
 from trainmover.controller.policy.progress import Progress
 from trainmover.controller.policy.standby_pool import StandbyPool
 from trainmover.protocol.checkpoint_layout import KEEP as KEEP_CHECKPOINTS  # complete checkpoints kept
-from trainmover.protocol.messages import make
+from trainmover.protocol.messages import MoveRole, make
 
 log = logging.getLogger("trainmover.policy")
 
@@ -61,7 +61,7 @@ class RecoveryPolicy:
         if all(r in self.progress.finished for r in ranks):
             return False
         # a leaver that handed its state over is expected to go
-        return not any(m.leaver == node and any(role == "leaver" for _, role in m.switched)
+        return not any(m.leaver == node and any(role == MoveRole.LEAVER for _, role in m.switched)
                        for m in self.state.migrations)
 
     def fault(self, now: float, node: str, evidence: str) -> list:
@@ -125,7 +125,7 @@ class RecoveryPolicy:
             # the joiner binds itself and starts its groups while the live ranks stall (runtime/rank_recovery.py)
             early = [Send((joiner,), make("anticipate", epoch=m.epoch, failed=list(m.leaver_ranks), assign=assign))]
         stayers = [self.stalled.get(r) for r in live]
-        if any(s is None or s["role"] != "stayer" for s in stayers):
+        if any(s is None or s["role"] != MoveRole.STAYER for s in stayers):
             return early  # not every live rank has stopped yet
         joiner = self.pool.get(m.joiner)
         choice = tiers.choose(parse_tiers(self.cfg.recovery_tiers), m.leaver_ranks, {s["rank"]: s for s in stayers},
@@ -139,7 +139,7 @@ class RecoveryPolicy:
         needers = sorted(list(m.leaver_ranks) + list(choice.laggers))
         m.switch_step = step
         m.source = choice.to_json()
-        m.expected = {(r, "stayer") for r in live} | {(r, "joiner") for r in m.leaver_ranks}
+        m.expected = {(r, MoveRole.STAYER) for r in live} | {(r, MoveRole.JOINER) for r in m.leaver_ranks}
         m.to(Phase.PREPARING, now, "")
         stayer_nodes = tuple(sorted({view.rank_node[r] for r in live}))
         common = dict(epoch=m.epoch, failed=list(m.leaver_ranks), step=step, source=choice.source, needers=needers,
