@@ -150,7 +150,7 @@ class StalledMsg(Msg, kind="stalled"):
 
 @dataclass(frozen=True)
 class SnapshotHeldMsg(Msg, kind="snapshot_held"):
-    """A one-node job's standby holds these complete, verified snapshot steps of `rank` (runtime/holding.py)."""
+    """A one-node job's standby holds these complete, verified snapshot steps of `rank` (runtime/protection/holding.py)."""
     node: str
     rank: int
     steps: list[int]
@@ -159,7 +159,7 @@ class SnapshotHeldMsg(Msg, kind="snapshot_held"):
 
 @dataclass(frozen=True)
 class SnapshotTakenMsg(Msg, kind="snapshot_taken"):
-    """A rank's snapshot of `step` is complete (copy times, bytes, where it went): runtime/protection.py."""
+    """A rank's snapshot of `step` is complete (copy times, bytes, where it went): runtime/protection/role.py."""
     rank: int
     step: int
     detail: dict[str, Any_]
@@ -167,7 +167,7 @@ class SnapshotTakenMsg(Msg, kind="snapshot_taken"):
 
 @dataclass(frozen=True)
 class CheckpointedMsg(Msg, kind="checkpointed"):
-    """A rank's checkpoint file of `step` is in place (runtime/checkpoint.py)."""
+    """A rank's checkpoint file of `step` is in place (runtime/protection/checkpoint.py)."""
     rank: int
     step: int
     digest: str

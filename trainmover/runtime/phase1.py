@@ -35,7 +35,7 @@ class Prepared:
     error: str = ""
     memory_before: dict = field(default_factory=dict)   # at the boundary where Phase 1 began
     comms_before: int = 0
-    plan: object | None = None         # leaver/joiner: the transfer's plan (xferplan.py), made ahead
+    plan: object | None = None         # leaver/joiner: the transfer's plan (transfer/plan.py), made ahead
     plan_s: float = 0.0                # the time making it took (outside the pause)
     plan_at: int | None = None         # leaver: the step boundary it was made at (it switches at a later one)
     done: threading.Event = field(default_factory=threading.Event)

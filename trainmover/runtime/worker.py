@@ -48,15 +48,17 @@ from trainmover.protocol import channel, endpoint, files
 from trainmover.protocol.messages import AbortMsg, Msg, PrepareMsg, RecoverMsg, make
 from trainmover.protocol.store import AuthStore
 from trainmover.protocol.worker_spec import WorkerSpec
-from trainmover.runtime import heartbeat, phase1, transfer, usercode
+from trainmover.runtime import heartbeat, usercode
+from trainmover.runtime import phase1
+from trainmover.runtime.transfer import state as transfer
 from trainmover.runtime.dispatch import GONE, GONE_TYPE, Dispatcher, Plan, Started
 from trainmover.runtime.link import Link
-from trainmover.runtime.protection import Protection
-from trainmover.runtime.rank_recovery import RankRecovery
+from trainmover.runtime.protection.role import Protection
+from trainmover.runtime.roles.recovery import RankRecovery
 from trainmover.runtime.rankstate import RankState, RankStateMachine, role_of
-from trainmover.runtime.standby import REWARM_POLL_S, StandbyRole
-from trainmover.runtime.switch import Switch
-from trainmover.runtime.training import TRACE_STEPS, TrainingLoop
+from trainmover.runtime.roles.standby import REWARM_POLL_S, StandbyRole
+from trainmover.runtime.roles.switch import Switch
+from trainmover.runtime.roles.training import TRACE_STEPS, TrainingLoop
 from trainmover.slurm.job_env import JobEnv
 from trainmover.workloads import base as workloads
 from trainmover.workloads import registry
@@ -179,7 +181,7 @@ class Agent:
             (S.JOINING, "abort"): self.switch.on_join_abort,
             (S.JOINING, "recover"): Plan,
             (S.JOINING, GONE_TYPE): lambda _: GONE,
-            # a stalled worker (rank_recovery.py): only the plan
+            # a stalled worker (roles/recovery.py): only the plan
             (S.STALLED, "recover"): Plan,
             (S.STALLED, GONE_TYPE): lambda _: GONE,
         }

@@ -1,8 +1,8 @@
 """Who holds a one-node job's snapshots, and what the holders and the ranks report (pure).
 
 With two or more training nodes each rank's snapshot goes to the same local index on the next
-node (runtime/snapshot.py). A job with one training node has no other node: its warm standby
-holds them (runtime/holding.py says why). This part of the policy decides which standby: the first ready
+node (runtime/protection/snapshot.py). A job with one training node has no other node: its warm standby
+holds them (runtime/protection/holding.py says why). This part of the policy decides which standby: the first ready
 one, while the job has one training node and takes snapshots; a holder that is no longer a
 standby (lost, or it took the node's ranks) is replaced by the next ready one. Both sides are
 told with one `hold` message (holder node, the node's ranks, a store prefix new for each

@@ -122,7 +122,7 @@ class RecoveryPolicy:
                     return [planner.timeline(m, now, "waiting_standby")] + planner.maybe_acquire(now)
                 return planner.maybe_acquire(now)
             m.joiner = joiner
-            # the joiner binds itself and starts its groups while the live ranks stall (runtime/rank_recovery.py)
+            # the joiner binds itself and starts its groups while the live ranks stall (runtime/roles/recovery.py)
             early = [Send((joiner,), make("anticipate", epoch=m.epoch, failed=list(m.leaver_ranks), assign=assign))]
         stayers = [self.stalled.get(r) for r in live]
         if any(s is None or s["role"] != MoveRole.STAYER for s in stayers):

@@ -13,7 +13,8 @@ import logging
 from pathlib import Path
 
 from trainmover.groups.swappable import SNAPSHOT
-from trainmover.runtime import capture, checkpoint, holding, snapshot, transfer
+from trainmover.runtime.protection import capture, checkpoint, holding, snapshot
+from trainmover.runtime.transfer import state as transfer
 from trainmover.protocol.messages import HoldMsg
 from trainmover.runtime.context import RankContext
 

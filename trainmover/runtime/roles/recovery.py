@@ -32,13 +32,16 @@ from trainmover.errors import MigrationError
 from trainmover.groups import rng
 from trainmover.groups.specs import delta
 from trainmover.protocol.messages import JOINER, AbortMsg, AnticipateMsg, MoveRole, RecoverMsg
-from trainmover.runtime import capture, checkpoint, phase1, stacks, transfer
+from trainmover.runtime import stacks
+from trainmover.runtime.protection import capture, checkpoint
+from trainmover.runtime import phase1
+from trainmover.runtime.transfer import state as transfer
 from trainmover.runtime.context import RankContext
 from trainmover.runtime.dispatch import GONE, Plan
-from trainmover.runtime.epoch import abort
-from trainmover.runtime.protection import Protection
+from trainmover.runtime.roles.epoch import abort
+from trainmover.runtime.protection.role import Protection
 from trainmover.runtime.rankstate import RankState
-from trainmover.runtime.standby import StandbyRole
+from trainmover.runtime.roles.standby import StandbyRole
 
 log = logging.getLogger("trainmover.recovery")
 

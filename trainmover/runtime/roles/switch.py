@@ -20,17 +20,18 @@ import torch.distributed as dist
 from trainmover.errors import MigrationError
 from trainmover.groups import rng
 from trainmover.groups.specs import delta
-from trainmover.runtime import phase1, transfer, xferplan
+from trainmover.runtime import phase1
+from trainmover.runtime.transfer import plan as xferplan, state as transfer
 from trainmover.protocol.messages import AbortMsg, MoveRole, PrepareMsg
 from trainmover.runtime.context import RankContext
 from trainmover.runtime.dispatch import Aborted
-from trainmover.runtime.epoch import abort, cancel_key, go_key, layout_key
+from trainmover.runtime.roles.epoch import abort, cancel_key, go_key, layout_key
 from trainmover.runtime.rankstate import RankState
 
 if TYPE_CHECKING:  # roles this one calls, handed to it by the process (worker.Agent)
-    from trainmover.runtime.protection import Protection
-    from trainmover.runtime.rank_recovery import RankRecovery
-    from trainmover.runtime.standby import StandbyRole
+    from trainmover.runtime.protection.role import Protection
+    from trainmover.runtime.roles.recovery import RankRecovery
+    from trainmover.runtime.roles.standby import StandbyRole
 
 log = logging.getLogger("trainmover.worker")
 
@@ -133,7 +134,7 @@ class Switch:
         return Aborted(msg.epoch) if msg.epoch == self.ctx.joining else None
 
     def _plan_ahead(self, prep: phase1.Prepared, like: dict | None = None) -> None:
-        """The transfer's plan (xferplan.py), made at a step boundary before the pause: the
+        """The transfer's plan (transfer/plan.py), made at a step boundary before the pause: the
         leaver's from the state it will send, the joiner's from the buffers it will fill."""
         t0 = time.perf_counter()
         try:

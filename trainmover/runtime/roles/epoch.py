@@ -3,7 +3,7 @@ by its joiner (`go`: the state is on its way; `cancel`: it never will be; `layou
 leaver's collective layout), and the abort that drops the epoch on a rank.
 
 Both roles that may drop a planned migration use it: the switch (switch.py) on the
-controller's `abort`, and the recovery (rank_recovery.py), which voids the epoch in flight on an
+controller's `abort`, and the recovery (roles/recovery.py), which voids the epoch in flight on an
 unexpected failure. It lives apart from both so that neither imports the other.
 """
 from __future__ import annotations

@@ -17,12 +17,12 @@ import time
 from trainmover.protocol.messages import MoveRole
 from trainmover import config
 from trainmover.groups.swappable import CONTROL, CollectiveFailure, first_failure
-from trainmover.runtime import boundary
+from trainmover.runtime.roles import boundary
 from trainmover.runtime.context import RankContext
-from trainmover.runtime.protection import Protection
-from trainmover.runtime.rank_recovery import RankRecovery
+from trainmover.runtime.protection.role import Protection
+from trainmover.runtime.roles.recovery import RankRecovery
 from trainmover.runtime.rankstate import RankState
-from trainmover.runtime.switch import Switch, switch_ready
+from trainmover.runtime.roles.switch import Switch, switch_ready
 from trainmover.script.run import ScriptEnded
 
 log = logging.getLogger("trainmover.worker")
