@@ -101,3 +101,17 @@ def test_the_agents_table_routes_what_each_waiting_state_must_hear():
     assert routes[(S.TRAINING, "prepare")](None) == "on_prepare" and routes[(S.READY, "prepare")](None) == "_join"
     recover = {"type": "recover"}
     assert routes[(S.STALLED, "recover")](recover) == Plan(recover) == routes[(S.JOINING, "recover")](recover)
+
+
+def test_no_role_reads_the_inbox_queue_itself():
+    """Only the dispatcher takes from the queue the link fills (the link puts, the stub ranks of
+    the scale harness are a program of their own): a role that read it would bypass the table."""
+    from pathlib import Path
+
+    runtime = Path(__file__).resolve().parents[2] / "trainmover" / "runtime"
+    readers = [str(p.relative_to(runtime)) for p in sorted(runtime.rglob("*.py"))
+               if p.name not in ("dispatch.py", "link.py", "stub_node.py")
+               and any(s in p.read_text().replace("Dispatcher(self.link.inbox", "") for s in
+                       ("inbox.get(", "inbox.get_nowait(", "link.inbox"))]
+    assert readers == [], readers
+    assert "self.inbox.wait(" in (runtime / "worker.py").read_text()  # the control: the standby's wait goes through it
