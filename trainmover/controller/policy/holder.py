@@ -20,7 +20,7 @@ import logging
 from trainmover.controller.durable.state import PolicyState
 from trainmover.controller.policy.actions import Send
 from trainmover.controller.policy.standby_pool import StandbyPool
-from trainmover.protocol.messages import make
+from trainmover.protocol.messages import SnapshotHeldMsg, SnapshotTakenMsg, make
 
 log = logging.getLogger("trainmover.policy")
 
@@ -62,16 +62,16 @@ class SnapshotHolder:
         log.info("snapshots of %s (ranks %s) held by standby %s", nodes[0], msg["wards"], self.holder)
         return actions + [Send(nodes + (self.holder,), msg)]
 
-    def on_held(self, node: str, msg: dict) -> list:
+    def on_held(self, node: str, msg: SnapshotHeldMsg) -> list:
         s = self.pool.get(node)
         if s is not None:
-            s.held[int(msg["rank"])] = sorted(int(x) for x in msg["steps"])
-            s.held_detail = dict(msg["detail"])
+            s.held[int(msg.rank)] = sorted(int(x) for x in msg.steps)
+            s.held_detail = dict(msg.detail)
         return []
 
-    def on_taken(self, msg: dict) -> list:
-        kept = self.taken.setdefault(str(msg["rank"]), [])
-        kept.append({"step": msg["step"], **msg["detail"]})
+    def on_taken(self, msg: SnapshotTakenMsg) -> list:
+        kept = self.taken.setdefault(str(msg.rank), [])
+        kept.append({"step": msg.step, **msg.detail})
         del kept[:-TAKEN_KEPT]
         return []
 

@@ -29,7 +29,7 @@ from trainmover.controller.policy.planner import Planner
 from trainmover.controller.policy.progress import Progress
 from trainmover.controller.policy.standby_pool import StandbyPool
 from trainmover.protocol.checkpoint_layout import KEEP as KEEP_CHECKPOINTS  # complete checkpoints kept
-from trainmover.protocol.messages import MoveRole, make
+from trainmover.protocol.messages import CheckpointedMsg, MoveRole, StalledMsg, make, wire
 
 log = logging.getLogger("trainmover.policy")
 
@@ -101,8 +101,8 @@ class RecoveryPolicy:
         return actions + self.maybe_recover(now)
 
     # --- the plan ----------------------------------------------------------------------
-    def on_stalled(self, now: float, node: str, msg: dict) -> list:
-        self.stalled[msg["rank"]] = {**msg, "node": node, "t": now}
+    def on_stalled(self, now: float, node: str, msg: StalledMsg) -> list:
+        self.stalled[msg.rank] = {**wire(msg), "node": node, "t": now}
         return self.maybe_recover(now)
 
     def maybe_recover(self, now: float) -> list:
@@ -154,17 +154,17 @@ class RecoveryPolicy:
                 Send((m.joiner,), make("recover", assign=assign, **common))]
 
     # --- checkpoints -------------------------------------------------------------------------
-    def on_checkpointed(self, msg: dict) -> list:
+    def on_checkpointed(self, msg: CheckpointedMsg) -> list:
         """A rank's checkpoint file is in place; once every rank's is, the checkpoint is
         complete: its manifest is written and older ones pruned (KEEP_CHECKPOINTS kept)."""
-        got = self.checkpoints.setdefault(msg["step"], {})
-        got[msg["rank"]] = msg["digest"]
+        got = self.checkpoints.setdefault(msg.step, {})
+        got[msg.rank] = msg.digest
         if len(got) < self.state.view.world_size:
             return []
-        del self.checkpoints[msg["step"]]
-        self.checkpoint_steps = sorted({*self.checkpoint_steps, msg["step"]})[-KEEP_CHECKPOINTS:]
-        self.checkpoints = {s: v for s, v in self.checkpoints.items() if s > msg["step"]}
-        return [CheckpointDone(msg["step"], dict(got), tuple(self.checkpoint_steps))]
+        del self.checkpoints[msg.step]
+        self.checkpoint_steps = sorted({*self.checkpoint_steps, msg.step})[-KEEP_CHECKPOINTS:]
+        self.checkpoints = {s: v for s, v in self.checkpoints.items() if s > msg.step}
+        return [CheckpointDone(msg.step, dict(got), tuple(self.checkpoint_steps))]
 
     def tick(self, now: float) -> list:
         m = self.planner.recovery()

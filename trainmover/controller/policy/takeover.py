@@ -30,7 +30,7 @@ from trainmover.controller.policy.planner import Planner
 from trainmover.controller.policy.progress import Progress
 from trainmover.controller.policy.recovery import RecoveryPolicy
 from trainmover.controller.policy.standby_pool import StandbyPool
-from trainmover.protocol.messages import MoveRole, make
+from trainmover.protocol.messages import MoveRole, ResyncMsg, make, wire
 
 log = logging.getLogger("trainmover.policy")
 
@@ -79,24 +79,24 @@ class Takeover:
                                             f"(migration {r.id}); a recovery in flight is not resumed: the job stops")]
         return actions
 
-    def on_resync(self, now: float, node: str, msg: dict) -> list:
+    def on_resync(self, now: float, node: str, msg: ResyncMsg) -> list:
         stale = self._stale_epoch(node, msg)
         if self.resuming is None:
             return stale
-        if msg["state"] == "left":  # a leaver that handed its ranks over: it speaks for none
+        if msg.state == "left":  # a leaver that handed its ranks over: it speaks for none
             return stale
-        for r in msg["ranks"]:
-            self.resuming["seen"][r] = {**msg, "node": node}
-        if msg["role"] == "standby":
-            self.resuming["nodes"][node] = msg
+        for r in msg.ranks:
+            self.resuming["seen"][r] = {**wire(msg), "node": node}
+        if msg.role == "standby":
+            self.resuming["nodes"][node] = wire(msg)
         return stale + self._maybe_resolve(now)
 
-    def _stale_epoch(self, node: str, msg: dict) -> list:
+    def _stale_epoch(self, node: str, msg: ResyncMsg) -> list:
         """A process that reconnects still holding an epoch that was aborted while it was cut off
         (the abort went out before it reached the new controller) is told again: a joiner would
         otherwise wait for a leaver that never comes, up to the group timeout, and a standby
         stays out of the pool meanwhile (seen: a migration asked again found no ready standby)."""
-        pending = msg.get("pending") or 0
+        pending = msg.pending
         m = next((m for m in self.state.migrations if m.epoch == pending), None) if pending else None
         if m is None or m.phase is not Phase.ABORTED:
             return []
