@@ -13,7 +13,7 @@ Jobs, each a child process with a deadline (what it wrote is kept when it has to
 * migrate: once the standby is warm and `--migrate-at` steps are done, `migrate` of the leaver;
 * kill: the leaver's worker gets SIGKILL. With stayers its state comes from a replica (plain
   DDP); with one worker there is no replica and no other training node: the standby holds the
-  worker's snapshots (runtime/holding.py), so the kill waits until the standby holds one and
+  worker's snapshots (runtime/protection/holding.py), so the kill waits until the standby holds one and
   half a snapshot interval has passed, and the job rolls back to that snapshot.
 
 With one worker there is no stayer: the migration's pause is measured on the joiner's side
@@ -193,7 +193,7 @@ def summarize(mig: dict, p2p: float | None) -> dict:
         "state_copy_GBps": joined["bytes"] / copy_s / 1e9 if copy_s else None,
         "leaver_send_s": leaver.get("send_s"), "joiner_recv_s": joined["recv_s"], "joiner_apply_s": joined["apply_s"],
         "joiner_prepare_s": joined.get("prepare_s"),
-        # the pause on the joiner's side, in parts (runtime/xferplan.py): manifest, copy (device
+        # the pause on the joiner's side, in parts (runtime/transfer/plan.py): manifest, copy (device
         # time, CUDA events), the checks' tail after the copy, the verdict's read back, loading
         # into the workload, swapping the groups; then the first step against a steady one
         "pause_parts": joined.get("pause_parts"), "leaver_parts": leaver.get("parts"),

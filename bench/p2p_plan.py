@@ -1,4 +1,4 @@
-"""The planned state transfer alone (runtime/xferplan.py through NcclChannel), GPU 0 to GPU 1, on a
+"""The planned state transfer alone (runtime/transfer/plan.py through NcclChannel), GPU 0 to GPU 1, on a
 model's state layout: how long the receiver's part of the pause takes, and what the chunk size
 and the checks (captured as CUDA graphs, or launched kernel by kernel) cost.
 
@@ -51,7 +51,7 @@ def worker(rank: int, port: int, preset: str) -> None:
     import torch.distributed as dist
     from trainmover.groups.nccl import lib
     from trainmover.groups.nccl.backend import NcclBackend
-    from trainmover.runtime import transfer, xferplan
+    from trainmover.runtime.transfer import plan as xferplan, state as transfer
     torch.cuda.set_device(rank)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=120))
     if rank == 0:

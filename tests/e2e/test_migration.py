@@ -215,7 +215,7 @@ def test_drain_moves_the_rank_to_a_standby_bit_exactly(demo, reference, slurm_cl
     joiner = run.metrics()[-1]["nodes"][1]
     assert joiner.startswith("spare")
     # The joiner trains at the job's priority: only its warm-up thread was niced (TM_STANDBY_NICE),
-    # which its user could not have undone (runtime/standby.py).
+    # which its user could not have undone (runtime/roles/standby.py).
     trainer = step_pid(run.job_id, joiner)
     assert os.getpriority(os.PRIO_PROCESS, trainer) == 0, "the joiner's training thread runs niced"
     assert standby["shadow"]["limits"]["nice"] == 10 and job_process_uids(run.job_id)[trainer][0] != 0

@@ -13,8 +13,10 @@ import torch
 import torch.distributed as dist
 
 from trainmover.groups.tensors import digest_tensors, tensors_of
-from trainmover.runtime import capture, holding, transfer
-from trainmover.runtime.snapshot import Snapshots
+from trainmover.protocol.messages import HoldMsg
+from trainmover.runtime.protection import capture, holding
+from trainmover.runtime.transfer import state as transfer
+from trainmover.runtime.protection.snapshot import Snapshots
 
 KEY = b"k" * 32  # the job's key: the rendezvous values are tagged with it (protocol/store.py)
 TIMEOUT_S = 20
@@ -204,7 +206,7 @@ def test_a_rank_sends_its_first_version_to_the_holders_gpu_then_host_versions_at
     """protection.py's sequencing with the first-version pair (gloo standing in for NCCL): no
     host version while that pair is being built, the first version at the first boundary after
     it, host versions at the multiples of the interval after that."""
-    from trainmover.runtime.protection import Protection
+    from trainmover.runtime.protection.role import Protection
     _master, addr = _store()
     monkeypatch.setattr(holding.Holding, "_room", lambda self: "")
     monkeypatch.setattr(Protection, "_pair_builder", lambda self: _gloo_pair)
@@ -214,7 +216,7 @@ def test_a_rank_sends_its_first_version_to_the_holders_gpu_then_host_versions_at
     holder = holding.Holding(addr, "tm/hold/p1/", 0, "127.0.0.1", TIMEOUT_S, lambda r, s, d: reports.append((s, d)),
                              key=KEY, layout=layout, direct=_gloo_pair)
     prot = Protection(ctx)
-    prot.on_hold({"holder": "spare1", "wards": [0], "prefix": "tm/hold/p1/"})
+    prot.on_hold(HoldMsg(holder="spare1", wards=[0], prefix="tm/hold/p1/"))
     link = prot.snapshots.standby
     prot.protect(0)  # a boundary before the pair is built: nothing sent, no host version either
     assert not link.direct_ok and link.version == 0

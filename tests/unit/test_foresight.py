@@ -1,9 +1,9 @@
-"""Groups foreseen (controller/policy/foresight.py, runtime/foresight.py): what the policy asks
+"""Groups foreseen (controller/policy/foresight.py, runtime/roles/foresight.py): what the policy asks
 for, when a recovery may take them, and what each process builds (pure; the processes' part,
 built before the fault and taken bit-exactly, is test_rank_process.py's replica-foreseen)."""
 from trainmover.groups.specs import GroupSpec
-from trainmover.protocol.messages import make
-from trainmover.runtime import foresight
+from trainmover.protocol.messages import make, typed
+from trainmover.runtime.roles import foresight
 
 from test_policy import new_policy, ready_standby, sends, stalled
 
@@ -59,7 +59,7 @@ def test_off_by_default_and_beyond_the_node_limit():
 
 def test_each_process_builds_its_groups_of_each_case_in_one_global_order():
     specs = [GroupSpec("world", (0, 1, 2, 3)), GroupSpec("dp0", (0, 2)), GroupSpec("dp1", (1, 3))]
-    msg = make("foresee", tag="e0s1", standby="spare", cases=[[0, 1], [2, 3]], sources=[2, 0])
+    msg = typed(make("foresee", tag="e0s1", standby="spare", cases=[[0, 1], [2, 3]], sources=[2, 0]))
     # rank 2 (node 2's first) builds only the case it survives, and is that case's source
     assert [(c, k, g) for c, k, _, _, g, _ in foresight.plan(specs, msg, 2, 0)] == [
         ((0, 1), "world", 2), ((0, 1), "dp0", 1), ((0, 1), "xfer-to-0", 0), ((0, 1), "xfer-to-1", 0)]

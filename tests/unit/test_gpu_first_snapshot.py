@@ -1,5 +1,5 @@
 """GPU: a one-node job's first snapshot goes straight from the worker's GPU to the standby
-holder's (runtime/holding.py, "The first version"): NCCL through cuda/libtmdelta, no host
+holder's (runtime/protection/holding.py, "The first version"): NCCL through cuda/libtmdelta, no host
 memory pinned on either side; held, verified (a spoilt copy sent again), and restorable into
 the standby's own buffers bit for bit. Skipped without 2 GPUs (run with `pytest -m gpu`)."""
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _side(role: str, port: int, out) -> None:
     os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     import time
     from tests.unit.test_capture_holding import _until
-    from trainmover.runtime import capture, holding
+    from trainmover.runtime.protection import capture, holding
     from trainmover.groups.tensors import digest_tensors, tensors_of
     try:
         torch.cuda.set_device(0 if role == "worker" else 1)

@@ -365,12 +365,12 @@ def test_negative_control_the_real_table_flags_the_arrows_issue_39_removed(tree)
     table = layers(ARCHITECTURE.read_text())
     rel = {m.name: m.rel for m in mods.values()}
     back = [Arrow("trainmover.workloads.base", "trainmover.script.workload", 0, "function"),
-            Arrow("trainmover.groups.nccl.backend", "trainmover.runtime.transfer", 0, "module"),
+            Arrow("trainmover.groups.nccl.backend", "trainmover.runtime.transfer.state", 0, "module"),
             Arrow("trainmover.standbys.history", "trainmover.controller.executor", 0, "module")]
     assert len(upward(back, rel, table)) == 3
-    again = found.arrows + [Arrow("trainmover.runtime.rank_recovery", "trainmover.runtime.switch", 0, "module"),
+    again = found.arrows + [Arrow("trainmover.runtime.roles.recovery", "trainmover.runtime.roles.switch", 0, "module"),
                             Arrow("trainmover.slurm.client", "trainmover.slurm.pyslurm_backend", 0, "function")]
-    assert cycles(graph(again)) == [["trainmover.runtime.rank_recovery", "trainmover.runtime.switch"],
+    assert cycles(graph(again)) == [["trainmover.runtime.roles.recovery", "trainmover.runtime.roles.switch"],
                                     ["trainmover.slurm.client", "trainmover.slurm.pyslurm_backend"]]
 
 

@@ -334,7 +334,7 @@ def test_the_standby_history_reads_the_journal_this_controller_writes():
         w(p.on_message(12.0, node, {"type": "switched", "epoch": 1, "rank": rank, "role": role, "step": 50,
                                     "t": 12.0, "detail": {}}))
     w(p.on_standby_acquired(13.0, "spare2"))
-    w(p.on_message(14.0, "spare2", {"type": "ready", "local": 0, "warmup_s": 1.0, "shadow_steps": 3, "detail": {}}))
+    w(p.on_message(14.0, "spare2", {"type": "ready", "node": "spare2", "local": 0, "warmup_s": 1.0, "shadow_steps": 3, "detail": {}}))
     lines = [json.dumps({**json.loads(line), "t": 60.0 * n}) + "\n" for n, line in enumerate(w.lines)]
     assert any(json.loads(line)["kind"] == "state" for line in lines)
     hours, planned, unplanned, refills = history.journal_exposure(lines)

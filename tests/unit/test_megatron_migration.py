@@ -4,7 +4,7 @@ Eight forked processes train on gloo groups (a TCPStore in the test process); fo
 planned migration a ninth process plays the standby: it builds the workload on sandboxed
 groups for another rank, rebinds to the leaver's rank, then, at the switch step, the
 changed groups are rebuilt (trainmover.groups.specs.delta), the leaver's full state moves
-over trainmover.runtime.transfer, and the joiner trains on. Losses of every step and the
+over trainmover.runtime.transfer.state, and the joiner trains on. Losses of every step and the
 final parameter/optimizer digests of every rank must equal an uninterrupted run's; with the
 optimizer state left out of the copy they must not (negative control).
 
@@ -29,7 +29,7 @@ from trainmover.groups import rng  # noqa: E402
 from trainmover.groups.specs import delta  # noqa: E402
 from trainmover.groups.swappable import SandboxBackend, SwappableGroup, gloo_group  # noqa: E402
 from trainmover.groups.tensors import digest_tensors, tensors_of  # noqa: E402
-from trainmover.runtime import transfer  # noqa: E402
+from trainmover.runtime.transfer import state as transfer  # noqa: E402
 from trainmover.runtime.phase1 import xfer_prefix  # noqa: E402
 from trainmover.workloads import base as workloads  # noqa: E402
 from trainmover.workloads import registry  # noqa: E402

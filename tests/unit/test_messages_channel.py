@@ -152,3 +152,23 @@ def test_secret_file_is_private(tmp_path):
     assert channel.read_secret(str(path)) == key
     with pytest.raises(FileExistsError):
         channel.write_secret(str(path))  # never overwrite another job's secret
+
+
+def test_every_message_type_is_a_class_and_crosses_the_wire_unchanged():
+    """The schema is the classes (protocol/messages.py): SCHEMA is derived from them, and a
+    message read as its class and written back is the same JSON object; a wrong field is refused
+    at construction of the wire form."""
+    import dataclasses
+
+    from trainmover.errors import ProtocolError
+    from trainmover.protocol.messages import SCHEMA, TYPES, AbortMsg, make, typed, wire
+    sample = {int: 3, float: 1.5, str: "x", bool: True, list: [], dict: {}}
+    assert set(TYPES) == set(SCHEMA) and all(cls.__name__.endswith("Msg") for cls in TYPES.values())
+    for kind, fields in SCHEMA.items():
+        msg = make(kind, **{name: sample[typ if isinstance(typ, type) else float] for name, typ in fields.items()})
+        obj = typed(msg)
+        assert type(obj) is TYPES[kind] and dataclasses.is_dataclass(obj)
+        assert wire(obj) == msg
+    assert typed(make("abort", epoch=2, reason="r")) == AbortMsg(epoch=2, reason="r")
+    with pytest.raises(ProtocolError, match="abort.epoch: must be >= 0"):
+        wire(AbortMsg(epoch=-1, reason="r"))  # the wire form is validated as a received one is

@@ -437,6 +437,7 @@ def test_a_standbys_ready_that_crossed_the_abort_of_its_join_is_said_again_and_t
 
 def test_a_ready_standby_says_ready_again_on_an_abort_and_a_joining_one_does_not():
     from trainmover.runtime.rankstate import RankState, RankStateMachine
+    from trainmover.protocol.messages import AbortMsg
     from trainmover.runtime.worker import Agent
 
     class Stub:  # Agent.send's part that matters here: a state entered with the message
@@ -444,7 +445,7 @@ def test_a_ready_standby_says_ready_again_on_an_abort_and_a_joining_one_does_not
             self.state = RankStateMachine(RankState.STARTING, who="standby spare1/0")
             for st in path:
                 self.state.to(st)
-            self.spec, self.local, self.sent = type("P", (), {"node": "spare1"})(), 0, []
+            self.spec, self.local, self.sent, self.warm_t0 = type("P", (), {"node": "spare1"})(), 0, [], 0.0
 
         def send(self, kind, *, enter=None, **fields):
             if enter is not None:
@@ -452,8 +453,8 @@ def test_a_ready_standby_says_ready_again_on_an_abort_and_a_joining_one_does_not
             self.sent.append((kind, fields))
 
     ready, joining = Stub(RankState.READY), Stub(RankState.READY, RankState.JOINING)
-    Agent.ready_again_after_abort(ready, {"type": "abort", "epoch": 1}, 0.0)  # ready -> ready would raise
-    Agent.ready_again_after_abort(joining, {"type": "abort", "epoch": 1}, 0.0)
+    Agent.ready_again_after_abort(ready, AbortMsg(epoch=1, reason="r"))  # ready -> ready would raise
+    Agent.ready_again_after_abort(joining, AbortMsg(epoch=1, reason="r"))
     assert [k for k, _ in ready.sent] == ["ready"] and ready.state.now is RankState.READY
     assert joining.sent == []
 

@@ -285,7 +285,7 @@ def test_a_lost_rank_is_recovered_by_the_standby_bit_exact(job, tmp_path, tier):
     controller does once it chose it): it binds itself to rank 1 then, not after the plan (its
     groups start at the plan: an early rendezvous could outwait its group timeout). Its control:
     an anticipate of another epoch is not taken for this one, and the run is exact either way.
-    replica-foreseen: before the fault every process got `foresee` (runtime/foresight.py) and
+    replica-foreseen: before the fault every process got `foresee` (runtime/roles/foresight.py) and
     built each loss's groups and the transfer pair between its source and the standby; the
     plan names the tag, and nobody builds a group or pair after the fault (`built_ahead` is all
     of them). Its control: every other tier, where nothing was foreseen and everything is built
@@ -409,8 +409,8 @@ def test_the_joiners_wait_for_go_outlives_its_store_host_and_follows_the_success
     store's errors are "no verdict yet" (seen: they killed the joiner and stopped the job); once
     the link moves the client to the successor's store, its go is seen."""
     from trainmover.protocol.store import AuthStore
-    from trainmover.runtime.epoch import go_key
-    from trainmover.runtime.switch import await_go
+    from trainmover.runtime.roles.epoch import go_key
+    from trainmover.runtime.roles.switch import await_go
 
     key = b"k" * 32
     first = _store()
@@ -431,8 +431,8 @@ def test_the_joiners_wait_for_go_outlives_its_store_host_and_follows_the_success
 
 def test_the_joiners_wait_for_go_ends_on_cancel_abort_or_its_deadline():
     from trainmover.protocol.store import AuthStore
-    from trainmover.runtime.epoch import cancel_key
-    from trainmover.runtime.switch import await_go
+    from trainmover.runtime.roles.epoch import cancel_key
+    from trainmover.runtime.roles.switch import await_go
 
     key = b"k" * 32
     server = _store()
@@ -450,8 +450,8 @@ def test_the_joiners_wait_for_go_sees_it_at_once_and_logs_nothing_while_it_waits
     timed store wait that times out: one line every 50 ms filled a standby's log, issue 36), and
     sees the go within a few ms. Control: one timed wait of 50 ms on the same store does log."""
     from trainmover.protocol.store import AuthStore
-    from trainmover.runtime.epoch import go_key
-    from trainmover.runtime.switch import await_go
+    from trainmover.runtime.roles.epoch import go_key
+    from trainmover.runtime.roles.switch import await_go
 
     key = b"k" * 32
     server = _store()

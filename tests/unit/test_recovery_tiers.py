@@ -162,7 +162,7 @@ def test_snapshots_are_taken_only_where_they_could_be_used():
 def test_the_chosen_standby_is_told_its_rank_at_the_fault_before_the_plan():
     """`anticipate` goes to the standby once, when the controller chooses it (the live ranks have
     not stalled yet), naming the rank the plan will assign it: it binds itself and starts its
-    groups while the others stall (runtime/rank_recovery.py). Control: the plan itself only
+    groups while the others stall (runtime/roles/recovery.py). Control: the plan itself only
     comes once every live rank stalled, and it sends no second anticipate."""
     p = new_policy()
     ready_standby(p)

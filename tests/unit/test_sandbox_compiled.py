@@ -102,7 +102,7 @@ def test_cold_standby_keeps_the_compiled_bucket_layout_and_compiles_its_first_re
     eagerly: DDP fixes its bucket layout from its first step's gradient order, and an eager
     backward orders gradients unlike a compiled one, so an eager-rehearsed joiner would reduce
     other parameters than the stayers at the same offsets. It compiles, then forgets the code."""
-    from trainmover.runtime import standby
+    from trainmover.runtime.roles import standby
     from trainmover.groups.swappable import SandboxBackend
 
     def rehearsed(compile):

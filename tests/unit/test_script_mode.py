@@ -26,7 +26,7 @@ from tests.unit.gloo_world import gloo_groups, serve_store
 from trainmover.errors import ConfigError
 from trainmover.groups import rng
 from trainmover.groups.swappable import SwappableGroup
-from trainmover.runtime import transfer
+from trainmover.runtime.transfer import state as transfer
 from trainmover.script.workload import ScriptWorkload
 from trainmover.workloads.base import BuildContext
 

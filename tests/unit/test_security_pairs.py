@@ -17,7 +17,7 @@ from tests.unit.test_xferplan import big_state, zeroed
 from tests.unit.gloo_world import gloo_groups
 from trainmover.errors import MigrationError
 from trainmover.protocol.store import AuthStore, ForgedValue, open_value, seal
-from trainmover.runtime import transfer, xferplan
+from trainmover.runtime.transfer import plan as xferplan, state as transfer
 from trainmover.groups.swappable import gloo_group
 from trainmover.groups.tensors import digest_tensors
 

@@ -9,8 +9,9 @@ import torch
 from trainmover.errors import MigrationError
 from trainmover.groups.tensors import digest_tensors, tensors_of
 from trainmover.protocol import checkpoint_layout as layout
-from trainmover.runtime import checkpoint, transfer
-from trainmover.runtime.snapshot import Snapshots, holder_of, ward_of
+from trainmover.runtime.protection import checkpoint
+from trainmover.runtime.transfer import state as transfer
+from trainmover.runtime.protection.snapshot import Snapshots, holder_of, ward_of
 from tests.unit.gloo_world import gloo_groups, serve_store
 
 KEY = b"k" * 32  # the job's key (protocol/files.py seals the manifest with it)

@@ -1,4 +1,4 @@
-"""Only a standby's warm-up is niced, in a thread of its own (runtime/standby.py): the thread
+"""Only a standby's warm-up is niced, in a thread of its own (runtime/roles/standby.py): the thread
 that joins and trains keeps the job's priority, which an unprivileged process could not take
 back (lowering niceness needs CAP_SYS_NICE)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from trainmover.runtime.standby import niced, thread_nice
+from trainmover.runtime.roles.standby import niced, thread_nice
 
 
 def test_the_work_runs_niced_in_its_own_thread_and_the_caller_keeps_its_priority():

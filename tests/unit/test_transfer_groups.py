@@ -9,7 +9,8 @@ import torch
 from trainmover.errors import MigrationError
 from trainmover.groups.swappable import SandboxBackend, SwappableGroup
 from trainmover.groups.tensors import digest_tensors, flatten
-from trainmover.runtime import heartbeat, transfer
+from trainmover.runtime import heartbeat
+from trainmover.runtime.transfer import state as transfer
 from tests.unit.gloo_world import gloo_groups, serve_store
 
 KEY = b"k" * 32  # the job's key: the manifest crosses the pair sealed with it

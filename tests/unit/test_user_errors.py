@@ -2,7 +2,7 @@
 
 Classified where it happens: the group wrapper marks a collective that fails (groups/swappable.py),
 the workload's own calls are guarded (runtime/usercode.py), the loop decides from the marks
-(runtime/training.py), and the controller's policy ends the job on a rank's own error, however
+(runtime/roles/training.py), and the controller's policy ends the job on a rank's own error, however
 the other ranks' failures that follow reach it (controller/policy/core.py). Pure parts with a fake
 clock; the wrapper over real gloo groups (threads of one process) and a fake failing backend."""
 from __future__ import annotations
@@ -26,7 +26,7 @@ from trainmover.errors import ConfigError, MigrationError
 from trainmover.groups.swappable import SandboxBackend, SwappableGroup, gloo_group
 from trainmover.protocol.messages import make
 from trainmover.runtime.rankstate import RankState, RankStateMachine
-from trainmover.runtime.training import TrainingLoop, lost_peer
+from trainmover.runtime.roles.training import TrainingLoop, lost_peer
 from trainmover.runtime.usercode import MAX_TRACEBACK, UserCodeError, UserWorkload, user_code
 
 from test_policy import new_policy, ready_standby, sends, stalled

@@ -1,4 +1,4 @@
-"""The planned state transfer (runtime/xferplan.py) over real gloo groups (threads of one process),
+"""The planned state transfer (runtime/transfer/plan.py) over real gloo groups (threads of one process),
 and its GPU checks on one GPU (marked gpu)."""
 import threading
 
@@ -8,7 +8,7 @@ import torch
 from tests.unit.test_transfer_groups import flat, pair, state, store  # noqa: F401 - the fixture
 from trainmover.errors import MigrationError
 from trainmover.groups.tensors import digest_tensors, word_view
-from trainmover.runtime import transfer, xferplan
+from trainmover.runtime.transfer import plan as xferplan, state as transfer
 
 KEY = b"k" * 32  # the job's key: the manifest crosses the pair sealed with it
 
@@ -209,7 +209,7 @@ def test_a_leaver_votes_for_the_switch_only_a_boundary_after_its_plan():
     """The leaver's plan (~0.1 s for a 1B model) is made at a boundary of its own: with no stayer
     the switch could otherwise follow at that very boundary, and the plan would fall into the pause."""
     from trainmover.runtime.phase1 import Prepared
-    from trainmover.runtime.switch import switch_ready
+    from trainmover.runtime.roles.switch import switch_ready
     leaver = Prepared(3, None, "leaver", 0)  # the delta plays no part in the vote
     assert switch_ready(leaver, 10) == 0          # Phase 1 still running
     leaver.done.set()

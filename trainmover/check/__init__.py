@@ -4,7 +4,7 @@ On one machine, over gloo, it does what the runtime does to a rank and compares:
   * reference ranks train without interruption (`proc.py`, role "reference");
   * joiner ranks, each a fresh process, build the workload on sandboxed groups and warm up with
     shadow steps as a standby does, receive a reference rank's state through the runtime's
-    own transfer (`runtime/transfer.py`: encoding, checksum, in-place receive) with the
+    own transfer (`runtime/transfer/state.py`: encoding, checksum, in-place receive) with the
     runtime's RNG capture (`groups/rng.py`), load it and train on;
   * every step's losses and a fingerprint of the whole state are compared (`compare.py`); the
     first difference is named with the state key that differed (`fingerprint.py`).

@@ -30,7 +30,7 @@ from trainmover.groups import rng
 from trainmover.groups.specs import GroupSpec
 from trainmover.groups.swappable import SandboxBackend, SwappableGroup, gloo_group
 from trainmover.groups.tensors import digest_tensors, tensors_of
-from trainmover.runtime import transfer
+from trainmover.runtime.transfer import state as transfer
 from trainmover.workloads import base as workloads
 from trainmover.workloads import registry
 
@@ -107,7 +107,7 @@ def make_groups(specs, rank: int, backend) -> dict[str, SwappableGroup]:
 
 def shadow_until_steady(wl: workloads.Workload, groups: dict[str, SwappableGroup], max_steps: int) -> int:
     """Shadow steps until one issues the same collectives as the one before (as the standby's
-    shadow_until_steady, runtime/standby.py): a joiner's wrappers do their one-time collectives here."""
+    shadow_until_steady, runtime/roles/standby.py): a joiner's wrappers do their one-time collectives here."""
     sandboxes = [g.inner for g in groups.values()]
     previous, steps = None, 0
     while steps < max_steps:
@@ -195,7 +195,7 @@ def reference(spec: ProcSpec, store, out: Emitter, timeout: datetime.timedelta) 
     def ref_backend(name: str, grank: int, size: int):
         return gloo_group(store, f"ref/{name}/", grank, size, host=HOST, timeout=timeout)
     wl.build(_context(spec, groups, ref_backend))
-    # Host copies, as a snapshot keeps them (runtime/snapshot.py): unaffected by later steps.
+    # Host copies, as a snapshot keeps them (runtime/protection/snapshot.py): unaffected by later steps.
     keep = sorted({spec.rollback, *spec.restarts})
     saved: dict[int, dict] = {}
     first = min(keep)

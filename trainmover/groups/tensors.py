@@ -1,5 +1,5 @@
 """The tensor helpers a rank's state is walked and checked with: pure functions over tensors,
-shared by the transfer (transfer.py, xferplan.py), the snapshot copy (capture.py, holding.py)
+shared by the transfer (transfer/state.py, transfer/plan.py), the snapshot copy (capture.py, holding.py)
 and the NCCL channel (groups/nccl/backend.py), so that none of them reaches into another's privates.
 
 * `flatten`/`unflatten`: a state's tensors replaced by integer references and back, each

@@ -1,5 +1,5 @@
 """The on-disk layout of checkpoints and their manifest: what the runtime writes and the
-controller completes, in one place both import (runtime/checkpoint.py writes and reads the
+controller completes, in one place both import (runtime/protection/checkpoint.py writes and reads the
 rank files; the controller writes the manifest once every rank reported its file).
 
     <run dir>/checkpoints/step-000000200/rank-00001.h5    one per rank (temp file + rename)

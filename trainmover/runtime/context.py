@@ -7,7 +7,6 @@ state to itself. `RankContext` is everything a role may use of the process: noth
 """
 from __future__ import annotations
 
-import queue
 from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -19,6 +18,7 @@ if TYPE_CHECKING:
     from trainmover.runtime import phase1
     from trainmover.groups.swappable import SwappableGroup
     from trainmover.groups.specs import GroupSpec
+    from trainmover.runtime.dispatch import Dispatcher
     from trainmover.runtime.rankstate import RankState, RankStateMachine
     from trainmover.runtime.usercode import UserWorkload
     from trainmover.workloads.base import BuildContext
@@ -31,12 +31,13 @@ class RankContext(Protocol):
     key: bytes                        # the job's secret
     device: str                       # cpu or cuda
     faults: Injector                  # the one fault-injection hook (trainmover/faults.py)
-    inbox: queue.Queue[Message | None]  # the controller's messages (None: it is gone for good)
+    inbox: Dispatcher                 # the controller's messages, routed by state (dispatch.py)
     workload: UserWorkload
     specs: list[GroupSpec]            # every group of the job, the control and snapshot groups included
     # what changes as it moves through its roles
     rank: int | None                  # None: a standby that has not taken a rank
-    role: str                         # "worker" or "standby"
+    @property
+    def role(self) -> str: ...       # "worker" or "standby": derived from `state` (rankstate.role_of)
     state: RankStateMachine
     store: AuthStore                  # the job's rendezvous store (moves with the controller)
     store_addr: tuple[str, int]

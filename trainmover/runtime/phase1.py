@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from typing import Callable
 
+from trainmover.protocol.messages import MoveRole
 from trainmover.groups.specs import Delta
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ def xfer_prefix(epoch: int, leaver: int) -> str:
 class Prepared:
     epoch: int
     delta: Delta
-    role: str                          # "stayer", "leaver" or "joiner"
+    role: MoveRole
     rank: int
     backends: dict = field(default_factory=dict)   # group name -> new backend
     xfer: object | None = None         # leaver/joiner: 2-member transfer group
@@ -34,7 +35,7 @@ class Prepared:
     error: str = ""
     memory_before: dict = field(default_factory=dict)   # at the boundary where Phase 1 began
     comms_before: int = 0
-    plan: object | None = None         # leaver/joiner: the transfer's plan (xferplan.py), made ahead
+    plan: object | None = None         # leaver/joiner: the transfer's plan (transfer/plan.py), made ahead
     plan_s: float = 0.0                # the time making it took (outside the pause)
     plan_at: int | None = None         # leaver: the step boundary it was made at (it switches at a later one)
     done: threading.Event = field(default_factory=threading.Event)
@@ -51,12 +52,12 @@ def start(prep: Prepared, build: Builder) -> threading.Thread:
     def run():
         t0 = time.perf_counter()
         try:
-            if prep.role in ("stayer", "joiner"):
+            if prep.role in (MoveRole.STAYER, MoveRole.JOINER):
                 for g in prep.delta.groups_to_build(prep.rank):
                     prep.backends[g.name] = build(g.name, prep.delta.prefix(g), g.ranks.index(prep.rank), len(g.ranks))
-            if prep.role in ("leaver", "joiner"):
+            if prep.role in (MoveRole.LEAVER, MoveRole.JOINER):
                 # Leaver is group rank 0, joiner group rank 1, in a group of their own.
-                prep.xfer = build("xfer", xfer_prefix(prep.epoch, prep.rank), 0 if prep.role == "leaver" else 1, 2)
+                prep.xfer = build("xfer", xfer_prefix(prep.epoch, prep.rank), 0 if prep.role == MoveRole.LEAVER else 1, 2)
         except Exception as exc:  # noqa: BLE001 - reported to the controller, which aborts
             prep.error = f"{type(exc).__name__}: {exc}"
             log.error("phase1 epoch %d rank %d failed: %s", prep.epoch, prep.rank, prep.error)

@@ -34,6 +34,16 @@ class RankState(str, enum.Enum):
 
 
 S = RankState
+# A process whose state is one of these is a worker (it holds a rank of the job); in any other, a
+# standby: the process's role is derived from its state, never kept beside it.
+WORKER_STATES = frozenset({RankState.TRAINING, RankState.STALLED, RankState.LEFT, RankState.FINISHED})
+
+
+def role_of(state: RankState) -> str:
+    """"worker" or "standby": what `hello` and `resync` call the process (protocol/messages.py)."""
+    return "worker" if state in WORKER_STATES else "standby"
+
+
 TRANSITIONS: dict[RankState, frozenset[RankState]] = {
     S.STARTING: frozenset({S.READY}),
     S.READY: frozenset({S.WARMING, S.JOINING, S.TRAINING}),

@@ -12,7 +12,7 @@ its `pid` in the hello is this process's pid x 64 + its local index, so that the
 tells the node's eight ranks apart as it tells eight processes apart (liveness, fencing).
 
 What the stub does not speak: the rendezvous store and the gloo groups (they need torch). The
-boundary agreement (runtime/boundary.py, a MIN all-reduce over the world) is `stub_vote.py`'s
+boundary agreement (runtime/roles/boundary.py, a MIN all-reduce over the world) is `stub_vote.py`'s
 over plain TCP, served by the process that plays rank 0, with the same outcome: every rank
 switches at the same step or none does, a vanished peer fails the step everywhere (the ranks
 stall), and a joiner learns the switch step from it (where a real joiner waits for the
@@ -232,7 +232,7 @@ class StubNode:
                 self.pending = None
 
     def _ready(self, prep: dict | None) -> int:
-        """runtime/switch.py's switch_ready: a leaver votes from the boundary after its prepare."""
+        """runtime/roles/switch.py's switch_ready: a leaver votes from the boundary after its prepare."""
         if not prep or (prep["role"] == "leaver" and prep["at"] >= self.step):
             return 0
         return int(prep["epoch"])

@@ -1,7 +1,7 @@
 """The boundary agreement of the scale harness's stub nodes (runtime/stub_node.py), over TCP.
 
 A real rank votes after every step in a MIN all-reduce of 8 bytes over its CONTROL gloo group
-(runtime/boundary.py): every rank switches at the same step or none does, and a peer that
+(runtime/roles/boundary.py): every rank switches at the same step or none does, and a peer that
 vanished fails the collective everywhere, so every rank stalls. The stub nodes load no torch,
 so the process playing rank 0 serves the same agreement (`VoteRoot`) and every stub node's
 process is a member (`VoteClient`), one vote per node per step (its ranks step together):

@@ -32,6 +32,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -44,17 +45,20 @@ from trainmover.groups.swappable import CONTROL, SNAPSHOT, Revoked, SandboxBacke
 from trainmover.groups.tensors import digest_tensors, tensors_of
 from trainmover.logs import setup_logging
 from trainmover.protocol import channel, endpoint, files
-from trainmover.protocol.messages import make
+from trainmover.protocol.messages import AbortMsg, Msg, PrepareMsg, RecoverMsg, make
 from trainmover.protocol.store import AuthStore
 from trainmover.protocol.worker_spec import WorkerSpec
-from trainmover.runtime import heartbeat, phase1, transfer, usercode
+from trainmover.runtime import heartbeat, usercode
+from trainmover.runtime import phase1
+from trainmover.runtime.transfer import state as transfer
+from trainmover.runtime.dispatch import GONE, GONE_TYPE, Dispatcher, Plan, Started
 from trainmover.runtime.link import Link
-from trainmover.runtime.protection import Protection
-from trainmover.runtime.rank_recovery import RankRecovery
-from trainmover.runtime.rankstate import RankState, RankStateMachine
-from trainmover.runtime.standby import REWARM_POLL_S, StandbyRole
-from trainmover.runtime.switch import Switch
-from trainmover.runtime.training import TRACE_STEPS, TrainingLoop
+from trainmover.runtime.protection.role import Protection
+from trainmover.runtime.roles.recovery import RankRecovery
+from trainmover.runtime.rankstate import RankState, RankStateMachine, role_of
+from trainmover.runtime.roles.standby import REWARM_POLL_S, StandbyRole
+from trainmover.runtime.roles.switch import Switch
+from trainmover.runtime.roles.training import TRACE_STEPS, TrainingLoop
 from trainmover.slurm.job_env import JobEnv
 from trainmover.workloads import base as workloads
 from trainmover.workloads import registry
@@ -100,7 +104,6 @@ class Agent:
     def __init__(self, spec: WorkerSpec, local_index: int, link: Link | None = None):
         self.spec, self.local = spec, local_index
         self.rank = spec.my_rank(local_index)
-        self.role = spec.role
         self.timeout = datetime.timedelta(seconds=spec.job.group_timeout_s)
         self.device, self.backend = spec.resolved()
         if self.device == "cuda":
@@ -112,9 +115,10 @@ class Agent:
             lambda host, port: self._store_client(host, port, connect_s=STORE_CONNECT_S),
             lambda: endpoint.read(spec.controller_file, self.key) if spec.controller_file else None)
         # what a restarted controller is told (see resync_messages)
-        self.state = RankStateMachine(RankState.TRAINING if self.role == "worker" else RankState.STARTING,
+        self.state = RankStateMachine(RankState.TRAINING if spec.role == "worker" else RankState.STARTING,
                                       who=f"{spec.role} {spec.node}/{local_index}")
         self.joining = 0        # a standby: the epoch it is joining
+        self.warm_t0 = time.perf_counter()  # a standby: when its warm-up began (its `ready` reports say since)
         self.switched_epoch = 0  # the epoch of this process's last switch
         self.last_sent: dict[str, dict] = {}
         self.step_reports: deque = deque(maxlen=RESEND_STEPS)
@@ -132,7 +136,6 @@ class Agent:
         # (imports, a model) may take longer than the silence that would judge it dead.
         if spec.job.heartbeat_s > 0:
             heartbeat.Heartbeat(self.link.send, self._beat, spec.job.heartbeat_s).start()
-        self.inbox: queue.Queue = self.link.inbox
         self.faults = faults.Injector(spec.inject, spec.role)
         with usercode.user_code("construction"):  # importing and constructing it run the user's code
             loaded = registry.load(spec.job.workload, spec.workload_options)
@@ -155,6 +158,40 @@ class Agent:
         self.recovery = RankRecovery(self, self.protection, self.standby)
         self.switch = Switch(self, self.protection, self.standby, self.recovery)
         self.training = TrainingLoop(self, self.protection, self.switch, self.recovery)
+        self.inbox = Dispatcher(self.link.inbox, self.state, self.routes())
+
+    def routes(self) -> dict[tuple[RankState, str], Callable[[Msg], object]]:
+        """Where each controller message goes, by what this process is now (dispatch.py): the
+        one table of the process; a (state, type) not here is void."""
+        S = RankState
+        return {
+            # a worker, at a step boundary (training.py)
+            (S.TRAINING, "prepare"): self.switch.on_prepare,      # Phase 1 beside training
+            (S.TRAINING, "abort"): self.switch.on_abort,
+            (S.TRAINING, "hold"): self.protection.on_hold,        # where its snapshots go
+            (S.TRAINING, "foresee"): self.recovery.foresee,       # build each loss's groups ahead
+            # a warm standby, between messages re-warming (serve_as_standby)
+            (S.READY, "prepare"): self._join,
+            (S.READY, "anticipate"): self.recovery.anticipate,    # bind to a vanished rank before the plan
+            (S.READY, "recover"): self._take_failed_rank,
+            (S.READY, "hold"): self.protection.hold_for,          # the snapshots it holds
+            (S.READY, "foresee"): self.recovery.foresee,          # each loss's groups it may take, ahead
+            (S.READY, "abort"): self.ready_again_after_abort,
+            (S.READY, GONE_TYPE): lambda _: GONE,
+            # a joiner inside its join (switch.py): only its epoch's abort frees it; a joiner
+            # whose leaver died mid-copy waits for the recovery plan like a stalled rank
+            (S.JOINING, "abort"): self.switch.on_join_abort,
+            (S.JOINING, "recover"): Plan,
+            (S.JOINING, GONE_TYPE): lambda _: GONE,
+            # a stalled worker (roles/recovery.py): only the plan
+            (S.STALLED, "recover"): Plan,
+            (S.STALLED, GONE_TYPE): lambda _: GONE,
+        }
+
+    @property
+    def role(self) -> str:
+        """"worker" or "standby", from the state (rankstate.py): a standby that took a rank is a worker."""
+        return role_of(self.state.now)
 
     def _inject_user_fault(self, what: str, args: tuple) -> None:
         """Called inside the guard of the workload's code (usercode.py): TM_INJECT raise."""
@@ -417,45 +454,40 @@ class Agent:
         makes it a joiner (switch.py), a `recover` takes a vanished rank (recovery.py), a `hold`
         names the snapshots it holds (protection.py); between messages it re-warms on a newer
         recording (standby.py). Once it has taken a rank it trains as a worker."""
-        t0 = self.standby.warm_up()
+        self.warm_t0 = t0 = self.standby.warm_up()
         while True:
-            try:
-                msg = self.inbox.get(timeout=REWARM_POLL_S)
-            except queue.Empty:
+            out = self.inbox.wait(REWARM_POLL_S)
+            if out is None:  # nothing that ended the wait: re-warm if a newer recording came
                 self.standby.rewarm_if_newer(t0)
-                continue
-            if msg is None:
+            elif out is GONE:
                 log.info("controller closed the channel; standby exits")
                 return 0
-            if msg["type"] == "prepare":
-                start = self.switch.join(msg)  # on this thread, at the job's priority: the job's critical path
-                if start is not None:
-                    self.standby.now_a_worker(start)
-                    return self.training.train(start)
-                self.send("ready", enter=RankState.READY, node=self.spec.node, local=self.local,
-                          warmup_s=time.perf_counter() - t0, shadow_steps=0, detail={})
-            elif msg["type"] == "anticipate":  # chosen to take a vanished rank: bind to it before the plan
-                self.recovery.anticipate(msg)
-            elif msg["type"] == "recover" and str(self.local) in msg["assign"]:
-                start = self.recovery.take_failed_rank(msg)
-                self.standby.now_a_worker(start)
-                return self.training.train(start)
-            elif msg["type"] == "hold":
-                self.protection.hold_for(msg)
-            elif msg["type"] == "foresee":  # build the groups of each loss it may be asked to take, now
-                self.recovery.foreseen.on_foresee(msg, self.completed)
-            elif msg["type"] == "abort":
-                self.ready_again_after_abort(msg, t0)
+            elif isinstance(out, Started):  # it took a rank: a worker from now on
+                self.standby.now_a_worker(out.step)
+                return self.training.train(out.step)
 
-    def ready_again_after_abort(self, msg: dict, t0: float) -> None:
+    def _join(self, msg: PrepareMsg) -> Started | None:
+        start = self.switch.join(msg)  # on this thread, at the job's priority: the job's critical path
+        if start is not None:
+            return Started(start)
+        self.send("ready", enter=RankState.READY, node=self.spec.node, local=self.local,
+                  warmup_s=time.perf_counter() - self.warm_t0, shadow_steps=0, detail={})
+        return None
+
+    def _take_failed_rank(self, msg: RecoverMsg) -> Started | None:
+        if str(self.local) not in msg.assign:
+            return None  # another standby's
+        return Started(self.recovery.take_failed_rank(msg))
+
+    def ready_again_after_abort(self, msg: AbortMsg) -> None:
         """An `abort` of an epoch this standby already gave up (its own Phase 1 failed, e.g. cut off
         from a moved controller's store): its `ready` then reached the controller while the join
         was still on there, and was ignored as a stale report; the abort makes the controller
         wait for a new one (seen: a migration waiting for a standby until the job ended)."""
         if self.state.now == RankState.READY:
-            log.info("epoch %s aborted after this standby left it; ready again", msg.get("epoch"))
+            log.info("epoch %s aborted after this standby left it; ready again", msg.epoch)
             # no `enter`: it is ready already (ready -> ready is no transition)
-            self.send("ready", node=self.spec.node, local=self.local, warmup_s=time.perf_counter() - t0,
+            self.send("ready", node=self.spec.node, local=self.local, warmup_s=time.perf_counter() - self.warm_t0,
                       shadow_steps=0, detail={})
 
 def main() -> int:

@@ -41,7 +41,9 @@ from trainmover.controller.policy.standby_loss import StandbyLoss
 from trainmover.controller.policy.standby_pool import StandbyPool
 from trainmover.controller.policy.straggler_watch import StragglerWatch
 from trainmover.controller.policy.takeover import Takeover
-from trainmover.protocol.messages import Message
+from trainmover.protocol.messages import (CheckpointedMsg, FailedMsg, FinishedMsg, ForeseenMsg, Message, PreparedMsg,
+                                          PrepareFailedMsg, ReadyMsg, RecordedMsg, ResyncMsg, SnapshotHeldMsg,
+                                          SnapshotTakenMsg, StalledMsg, StepMsg, SwitchedMsg, WarmingMsg, typed, wire)
 
 log = logging.getLogger("trainmover.policy")
 
@@ -166,7 +168,7 @@ class Policy:
         return self.takeover.resume(now, j, metrics_through)
 
     def heard(self, now: float, node: str, pid: int, msg: Message) -> None:
-        self.liveness.heard(now, node, pid, msg)
+        self.liveness.heard(now, node, pid, typed(msg))
 
     def forget(self, node: str, pid: int) -> None:
         self.liveness.forget(node, pid)
@@ -219,109 +221,108 @@ class Policy:
         vocabulary). A type without a handler is not the policy's to decide on: `hello` and
         `beat` are heard (`heard`), the CLI's and the keeper's requests are the executor's."""
         name = HANDLERS.get(msg["type"])
-        return getattr(self, name)(now, node, msg) if name is not None else []
+        return getattr(self, name)(now, node, typed(msg)) if name is not None else []  # as its class
 
-    def _on_ready(self, now: float, node: str, msg: Message) -> list[Action]:
+    def _on_ready(self, now: float, node: str, msg: ReadyMsg) -> list[Action]:
         s = self.pool.get(node)
         if s is None or s.state is StandbyState.JOINING:  # a re-warm's report that crossed a prepare: the join decides
             return []
         # A node runs ranks_per_node standby processes; it takes a whole node's ranks, so it
         # is ready once every one of them is warm.
-        s.warm.add(msg["local"])
+        s.warm.add(msg.local)
         if len(s.warm) < self.view.ranks_per_node:
             return []
-        self.pool.mark_ready(now, node, msg["warmup_s"], msg["shadow_steps"], msg["detail"])
+        self.pool.mark_ready(now, node, msg.warmup_s, msg.shadow_steps, msg.detail)
         return (self.recovery_part.maybe_recover(now) + self.planner.dispatch(now) + self._holder_actions(now)
                 + self.foresight.actions(now))
 
-    def _on_resync(self, now: float, node: str, msg: Message) -> list[Action]:
+    def _on_resync(self, now: float, node: str, msg: ResyncMsg) -> list[Action]:
         return self.takeover.on_resync(now, node, msg)
 
-    def _on_stalled(self, now: float, node: str, msg: Message) -> list[Action]:
+    def _on_stalled(self, now: float, node: str, msg: StalledMsg) -> list[Action]:
         return self.recovery_part.on_stalled(now, node, msg)
 
-    def _on_checkpointed(self, now: float, node: str, msg: Message) -> list[Action]:
+    def _on_checkpointed(self, now: float, node: str, msg: CheckpointedMsg) -> list[Action]:
         return self.recovery_part.on_checkpointed(msg)
 
-    def _on_snapshot_held(self, now: float, node: str, msg: Message) -> list[Action]:
+    def _on_snapshot_held(self, now: float, node: str, msg: SnapshotHeldMsg) -> list[Action]:
         return self.snapshots.on_held(node, msg)
 
-    def _on_snapshot_taken(self, now: float, node: str, msg: Message) -> list[Action]:
+    def _on_snapshot_taken(self, now: float, node: str, msg: SnapshotTakenMsg) -> list[Action]:
         return self.snapshots.on_taken(msg)
 
-    def _on_recorded(self, now: float, node: str, msg: Message) -> list[Action]:
-        self.recordings[str(msg["rank"])] = {k: msg[k] for k in ("rank", "iterations", "bytes", "overhead_s",
-                                                                 "step_s", "version", "detail")}
+    def _on_recorded(self, now: float, node: str, msg: RecordedMsg) -> list[Action]:
+        self.recordings[str(msg.rank)] = {k: v for k, v in wire(msg).items() if k != "type"}
         return []
 
-    def _on_warming(self, now: float, node: str, msg: Message) -> list[Action]:
+    def _on_warming(self, now: float, node: str, msg: WarmingMsg) -> list[Action]:
         self.pool.mark_warming(now, node)  # not offered to a migration until it is ready again
         return []
 
-    def _of_a_rank(self, node: str, msg: Message) -> bool:
+    def _of_a_rank(self, node: str, msg: StepMsg | FinishedMsg) -> bool:
         """Whether a rank's report names a rank of this job (else it is logged and ignored)."""
-        if msg["rank"] in self.view.rank_node:
+        if msg.rank in self.view.rank_node:
             return True
-        log.warning("ignoring %s from %s for rank %d, which job %d does not have", msg["type"], node, msg["rank"],
+        log.warning("ignoring %s from %s for rank %d, which job %d does not have", msg.TYPE, node, msg.rank,
                     self.view.job_id)
         return False
 
-    def _on_step_report(self, now: float, node: str, msg: Message) -> list[Action]:
-        if not self._of_a_rank(node, msg) or msg["step"] <= self.progress.metrics_through:
+    def _on_step_report(self, now: float, node: str, msg: StepMsg) -> list[Action]:
+        if not self._of_a_rank(node, msg) or msg.step <= self.progress.metrics_through:
             return []  # (the latter: re-sent after a controller restart, logged already)
         return self._on_step(now, node, msg)
 
-    def _on_finished_report(self, now: float, node: str, msg: Message) -> list[Action]:
+    def _on_finished_report(self, now: float, node: str, msg: FinishedMsg) -> list[Action]:
         return self._on_finished(msg) if self._of_a_rank(node, msg) else []
 
-    def _migration_of(self, msg: Message) -> Migration | None:
+    def _migration_of(self, msg: PreparedMsg | PrepareFailedMsg | SwitchedMsg) -> Migration | None:
         """The active migration of a report's epoch (None: a report of an epoch no longer acted on)."""
-        return next((x for x in self.migrations if x.active and x.epoch and x.epoch == msg.get("epoch")), None)
+        return next((x for x in self.migrations if x.active and x.epoch and x.epoch == msg.epoch), None)
 
-    def _on_prepared(self, now: float, node: str, msg: Message) -> list[Action]:
+    def _on_prepared(self, now: float, node: str, msg: PreparedMsg) -> list[Action]:
         m = self._migration_of(msg)
         return self.planner.on_prepared(now, m, node, msg) if m is not None else []
 
-    def _on_prepare_failed(self, now: float, node: str, msg: Message) -> list[Action]:
+    def _on_prepare_failed(self, now: float, node: str, msg: PrepareFailedMsg) -> list[Action]:
         m = self._migration_of(msg)
-        return self.planner.abort(now, m, f"rank {msg['rank']} on {node}: {msg['error']}") if m is not None else []
+        return self.planner.abort(now, m, f"rank {msg.rank} on {node}: {msg.error}") if m is not None else []
 
-    def _on_switched(self, now: float, node: str, msg: Message) -> list[Action]:
+    def _on_switched(self, now: float, node: str, msg: SwitchedMsg) -> list[Action]:
         m = self._migration_of(msg)
         return self.planner.on_switched(now, m, msg) if m is not None else []
 
-    def _on_finished(self, msg: Message) -> list[Action]:
+    def _on_finished(self, msg: FinishedMsg) -> list[Action]:
         finished = self.progress.finished
-        finished[msg["rank"]] = msg
+        finished[msg.rank] = wire(msg)  # kept as sent
         if len(finished) < self.view.world_size or self.done:
             return []
         self.done = True
         digests = [finished[r]["digest"] for r in range(self.view.world_size)]
         combined = hashlib.sha256("".join(digests).encode()).hexdigest()
-        return [Record("final", {"job_id": self.view.job_id, "steps": msg["step"], "digest": combined,
-                                 "rank_digests": digests, "final_loss": msg["loss"],
+        return [Record("final", {"job_id": self.view.job_id, "steps": msg.step, "digest": combined,
+                                 "rank_digests": digests, "final_loss": msg.loss,
                                  "migrations": sum(1 for m in self.migrations if m.phase is Phase.DONE)}),
                 Finish(True, "training finished")]
 
-    def _on_failed(self, now: float, node: str, msg: Message) -> list[Action]:
+    def _on_failed(self, now: float, node: str, msg: FailedMsg) -> list[Action]:
         """A process said why it ends. From a rank (not a standby: its loss is handled as such),
         this is the job's root cause and ends it now: the workload's own error (`user`) would
         follow the rank to any node, so it is never taken for a lost node. Authoritative over
         what its consequences look like: the other ranks' collectives with it fail next, and a
         recovery started for it (its connection dropped, its step ended, in whatever order the
         controller heard of them) is void."""
-        self.failed_reports[node] = msg
+        self.failed_reports[node] = wire(msg)
         if self.done or node not in self.view.rank_node.values():
             return []
         self.done = True
-        user, step, phase = bool(msg.get("user")), msg.get("step", 0), msg["phase"]
+        user, step, phase = msg.user, msg.step, msg.phase
         if user:
             when = f"at step {step}" if phase == "train_step" else f"in {phase}" + (f" after step {step}" if step else "")
-            message = f"user code raised on rank {msg['rank']} ({node}) {when}: {msg['error']}"
+            message = f"user code raised on rank {msg.rank} ({node}) {when}: {msg.error}"
         else:
-            message = f"rank {msg['rank']} on {node} failed in {phase}: {msg['error']}"
-        self.failure = {"rank": msg["rank"], "node": node, "step": step, "phase": phase, "user": user,
-                        "error": msg["error"], "traceback": msg.get("traceback", ""), "t": now}
+            message = f"rank {msg.rank} on {node} failed in {phase}: {msg.error}"
+        self.failure = {"rank": msg.rank, "node": node, "step": step, "phase": phase, "user": user,
+                        "error": msg.error, "traceback": msg.traceback, "t": now}
         actions: list[Action] = []
         for m in self.migrations:
             if m.active and m.recovery:
@@ -330,14 +331,14 @@ class Policy:
         log.error("the job ends: %s", message)
         return actions + [Finish(False, message)]
 
-    def _on_step(self, now: float, node: str, msg: Message) -> list[Action]:
+    def _on_step(self, now: float, node: str, msg: StepMsg) -> list[Action]:
         self.liveness.progressed(now)
         evicted: list[Action] = []
         if self.active() is None:  # a migration changes the layout: no verdict across it
-            target = self.stragglers.on_compute(now, msg["rank"], msg["compute_s"])
+            target = self.stragglers.on_compute(now, msg.rank, msg.compute_s)
             evicted = self.request(now, target, "straggler")[2] if target else []
         row = self.progress.record(node, msg)
-        step = msg["step"]
+        step = msg.step
         actions: list[Action] = []
         if row is not None:
             actions += self.planner.rebalance(now, step)
@@ -405,7 +406,7 @@ class Policy:
         self.liveness.fence(now, h, why)
         return [Fence(h.node, h.pid, f"{what}: {why}")] + actions
 
-    def _on_foreseen(self, now: float, node: str, msg: Message) -> list[Action]:
+    def _on_foreseen(self, now: float, node: str, msg: ForeseenMsg) -> list[Action]:
         return self.foresight.on_foreseen(node, msg)
 
     def _holder_actions(self, now: float) -> list[Action]:

@@ -33,7 +33,7 @@ from trainmover.controller.durable.state import PolicyState
 from trainmover.controller.durable.view import StandbyState
 from trainmover.controller.policy.actions import Send
 from trainmover.controller.policy.standby_pool import StandbyPool
-from trainmover.protocol.messages import make
+from trainmover.protocol.messages import ForeseenMsg, make
 
 log = logging.getLogger("trainmover.policy")
 
@@ -88,12 +88,12 @@ class Foresight:
         return [Send(to, make("foresee", tag=self.tag, standby=standby, cases=[list(c) for c in self.cases],
                               sources=sources))]
 
-    def on_foreseen(self, node: str, msg: dict) -> list:
-        if msg["tag"] != self.tag or not self.tag:
+    def on_foreseen(self, node: str, msg: ForeseenMsg) -> list:
+        if msg.tag != self.tag or not self.tag:
             return []  # a dropped tag's late report
-        rank = int(msg["rank"]) if msg["role"] == "worker" else -1
-        for case in msg["cases"]:
-            self.built.setdefault(tuple(int(r) for r in case), set()).add((node, int(msg["local"]), rank))
+        rank = msg.rank if msg.role == "worker" else -1
+        for case in msg.cases:
+            self.built.setdefault(tuple(int(r) for r in case), set()).add((node, msg.local, rank))
         return []
 
     def usable(self, joiner: str, lost: tuple[int, ...]) -> str:

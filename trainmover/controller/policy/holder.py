@@ -1,8 +1,8 @@
 """Who holds a one-node job's snapshots, and what the holders and the ranks report (pure).
 
 With two or more training nodes each rank's snapshot goes to the same local index on the next
-node (runtime/snapshot.py). A job with one training node has no other node: its warm standby
-holds them (runtime/holding.py says why). This part of the policy decides which standby: the first ready
+node (runtime/protection/snapshot.py). A job with one training node has no other node: its warm standby
+holds them (runtime/protection/holding.py says why). This part of the policy decides which standby: the first ready
 one, while the job has one training node and takes snapshots; a holder that is no longer a
 standby (lost, or it took the node's ranks) is replaced by the next ready one. Both sides are
 told with one `hold` message (holder node, the node's ranks, a store prefix new for each
@@ -20,7 +20,7 @@ import logging
 from trainmover.controller.durable.state import PolicyState
 from trainmover.controller.policy.actions import Send
 from trainmover.controller.policy.standby_pool import StandbyPool
-from trainmover.protocol.messages import make
+from trainmover.protocol.messages import SnapshotHeldMsg, SnapshotTakenMsg, make
 
 log = logging.getLogger("trainmover.policy")
 
@@ -62,16 +62,16 @@ class SnapshotHolder:
         log.info("snapshots of %s (ranks %s) held by standby %s", nodes[0], msg["wards"], self.holder)
         return actions + [Send(nodes + (self.holder,), msg)]
 
-    def on_held(self, node: str, msg: dict) -> list:
+    def on_held(self, node: str, msg: SnapshotHeldMsg) -> list:
         s = self.pool.get(node)
         if s is not None:
-            s.held[int(msg["rank"])] = sorted(int(x) for x in msg["steps"])
-            s.held_detail = dict(msg["detail"])
+            s.held[int(msg.rank)] = sorted(int(x) for x in msg.steps)
+            s.held_detail = dict(msg.detail)
         return []
 
-    def on_taken(self, msg: dict) -> list:
-        kept = self.taken.setdefault(str(msg["rank"]), [])
-        kept.append({"step": msg["step"], **msg["detail"]})
+    def on_taken(self, msg: SnapshotTakenMsg) -> list:
+        kept = self.taken.setdefault(str(msg.rank), [])
+        kept.append({"step": msg.step, **msg.detail})
         del kept[:-TAKEN_KEPT]
         return []
 

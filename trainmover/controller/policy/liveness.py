@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from trainmover.config import Config
 from trainmover.controller.durable.state import PolicyState
 from trainmover.controller.policy.progress import Progress
+from trainmover.protocol.messages import BeatMsg, Msg, ReadyMsg, StalledMsg, StepMsg, SwitchedMsg
 
 
 @dataclass
@@ -57,7 +58,7 @@ class Liveness:
         self._stuck_rule_on = True  # whether the stuck rule applied at the last verdicts (see verdicts)
         self.last_tick: float | None = None
 
-    def heard(self, now: float, node: str, pid: int, msg: dict) -> None:
+    def heard(self, now: float, node: str, pid: int, msg: Msg) -> None:
         """Any message from the process `pid` on `node` proves it alive; a beat says more."""
         key = (node, pid)
         if key in self.state.fenced_pids:
@@ -66,11 +67,11 @@ class Liveness:
         if h is None:
             h = self.processes[key] = Heard(node, pid, now)
         h.max_gap, h.t = max(h.max_gap, now - h.t), now
-        if msg["type"] in ("step", "ready", "switched", "stalled"):
+        if isinstance(msg, (StepMsg, ReadyMsg, SwitchedMsg, StalledMsg)):
             h.started = True
-        if msg["type"] == "beat":
-            h.ranks, h.step, h.issued, h.waiting = tuple(msg["ranks"]), msg["step"], msg["issued"], msg["waiting"]
-            h.cpu.append((now, msg["cpu_s"]))
+        if isinstance(msg, BeatMsg):
+            h.ranks, h.step, h.issued, h.waiting = tuple(msg.ranks), msg.step, msg.issued, msg.waiting
+            h.cpu.append((now, msg.cpu_s))
             keep = max(8, int(self.stuck_deadline() / max(self.cfg.heartbeat_s, 1e-3)) + 4)
             del h.cpu[:-keep]
 

@@ -14,7 +14,7 @@ from trainmover.controller.durable.state import PolicyState
 from trainmover.controller.policy.actions import Record, ReleaseNode, Send
 from trainmover.controller.policy.progress import Progress
 from trainmover.controller.policy.standby_pool import StandbyPool
-from trainmover.protocol.messages import make
+from trainmover.protocol.messages import MoveRole, PreparedMsg, SwitchedMsg, make, wire
 
 log = logging.getLogger("trainmover.policy")
 
@@ -97,8 +97,8 @@ class Planner:
         view = self.state.view
         m.epoch, m.joiner = self.next_epoch(), joiner
         stayers = [n for n in view.train_nodes() if n != m.leaver]
-        m.expected = ({(r, "stayer") for n in stayers for r in view.ranks_of(n)}
-                      | {(r, "leaver") for r in m.leaver_ranks} | {(r, "joiner") for r in m.leaver_ranks})
+        m.expected = ({(r, MoveRole.STAYER) for n in stayers for r in view.ranks_of(n)}
+                      | {(r, MoveRole.LEAVER) for r in m.leaver_ranks} | {(r, MoveRole.JOINER) for r in m.leaver_ranks})
         m.to(Phase.PREPARING, now, "")
         common = dict(epoch=m.epoch, leavers=list(m.leaver_ranks), joiner_node=m.joiner, options={})
         return [
@@ -107,32 +107,32 @@ class Planner:
             Send((m.joiner,), make("prepare", assign={str(i): r for i, r in enumerate(m.leaver_ranks)}, **common)),
         ]
 
-    def on_prepared(self, now: float, m: Migration, node: str, msg: dict) -> list:
-        role = "joiner" if node == m.joiner else ("leaver" if msg["rank"] in m.leaver_ranks else "stayer")
-        if (msg["rank"], role) in m.prepared:  # re-sent after a controller restart
+    def on_prepared(self, now: float, m: Migration, node: str, msg: PreparedMsg) -> list:
+        role = MoveRole.JOINER if node == m.joiner else (MoveRole.LEAVER if msg.rank in m.leaver_ranks else MoveRole.STAYER)
+        if (msg.rank, role) in m.prepared:  # re-sent after a controller restart
             return []
-        m.prepared.add((msg["rank"], role))
-        actions = [self.timeline(m, now, "rank_prepared", rank=msg["rank"], role=role, seconds=msg["seconds"],
-                                 groups=msg["groups"], detail=msg["detail"])]
+        m.prepared.add((msg.rank, role))
+        actions = [self.timeline(m, now, "rank_prepared", rank=msg.rank, role=role, seconds=msg.seconds,
+                                 groups=msg.groups, detail=msg.detail)]
         if m.prepared >= m.expected and m.phase is Phase.PREPARING:
             m.to(Phase.SWITCHING, now)
             actions.append(self.timeline(m, now, "prepared"))
         return actions
 
-    def on_switched(self, now: float, m: Migration, msg: dict) -> list:
-        if (msg["rank"], msg["role"]) in m.switched:  # re-sent after a controller restart
+    def on_switched(self, now: float, m: Migration, msg: SwitchedMsg) -> list:
+        if (msg.rank, msg.role) in m.switched:  # re-sent after a controller restart
             return []
         if m.phase is Phase.PREPARING:  # ranks can switch before every 'prepared' has arrived
             m.to(Phase.SWITCHING, now)
-        m.switched[(msg["rank"], msg["role"])] = msg
-        m.switch_step = msg["step"]
+        m.switched[(msg.rank, msg.role)] = wire(msg)  # kept as sent (durable/migration.py reads it)
+        m.switch_step = msg.step
         actions = []
-        if msg["role"] != "joiner":
-            actions.append(self.timeline(m, now, f"{msg['role']}_switched", rank=msg["rank"], detail=msg["detail"]))
-        if msg["role"] == "joiner":
-            self.state.view.rank_node[msg["rank"]] = m.joiner
+        if msg.role != MoveRole.JOINER:
+            actions.append(self.timeline(m, now, f"{msg.role}_switched", rank=msg.rank, detail=msg.detail))
+        if msg.role == MoveRole.JOINER:
+            self.state.view.rank_node[msg.rank] = m.joiner
             self.pool.remove(m.joiner)
-            actions.append(self.timeline(m, now, "joined", rank=msg["rank"], step=msg["step"], detail=msg["detail"]))
+            actions.append(self.timeline(m, now, "joined", rank=msg.rank, step=msg.step, detail=msg.detail))
         return actions + self.maybe_released(now, m)
 
     def abort(self, now: float, m: Migration, reason: str, retry: bool = True) -> list:

@@ -7,6 +7,7 @@ import statistics
 from trainmover.controller.durable.migration import Migration
 from trainmover.controller.durable.state import PolicyState
 from trainmover.controller.policy.actions import Record
+from trainmover.protocol.messages import StepMsg
 
 
 class Progress:
@@ -19,14 +20,14 @@ class Progress:
         self.finished: dict[int, dict] = {}                     # rank -> its 'finished' report
         self.metrics_through = 0     # last step in metrics.jsonl
 
-    def record(self, node: str, msg: dict) -> dict | None:
+    def record(self, node: str, msg: StepMsg) -> dict | None:
         """A rank's step report; the row of its step once every rank reported it."""
-        rank, step = msg["rank"], msg["step"]
+        rank, step = msg.rank, msg.step
         hist = self.steps.setdefault(rank, [])
-        hist.append((step, msg["t"], float(msg.get("step_s") or 0.0)))
+        hist.append((step, msg.t, float(msg.step_s or 0.0)))
         del hist[:-64]
         row = self.rows.setdefault(step, {})
-        row[rank] = {"loss": msg["loss"], "step_s": msg["step_s"], "node": node, "t": msg["t"]}
+        row[rank] = {"loss": msg.loss, "step_s": msg.step_s, "node": node, "t": msg.t}
         if len(row) < self.state.view.world_size:
             return None
         return self.rows.pop(step)

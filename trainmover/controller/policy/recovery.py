@@ -30,7 +30,7 @@ from trainmover.controller.policy.planner import Planner
 from trainmover.controller.policy.progress import Progress
 from trainmover.controller.policy.standby_pool import StandbyPool
 from trainmover.protocol.checkpoint_layout import KEEP as KEEP_CHECKPOINTS  # complete checkpoints kept
-from trainmover.protocol.messages import make
+from trainmover.protocol.messages import CheckpointedMsg, MoveRole, StalledMsg, make, wire
 
 log = logging.getLogger("trainmover.policy")
 
@@ -62,7 +62,7 @@ class RecoveryPolicy:
         if all(r in self.progress.finished for r in ranks):
             return False
         # a leaver that handed its state over is expected to go
-        return not any(m.leaver == node and any(role == "leaver" for _, role in m.switched)
+        return not any(m.leaver == node and any(role == MoveRole.LEAVER for _, role in m.switched)
                        for m in self.state.migrations)
 
     def fault(self, now: float, node: str, evidence: str) -> list:
@@ -102,8 +102,8 @@ class RecoveryPolicy:
         return actions + self.maybe_recover(now)
 
     # --- the plan ----------------------------------------------------------------------
-    def on_stalled(self, now: float, node: str, msg: dict) -> list:
-        self.stalled[msg["rank"]] = {**msg, "node": node, "t": now}
+    def on_stalled(self, now: float, node: str, msg: StalledMsg) -> list:
+        self.stalled[msg.rank] = {**wire(msg), "node": node, "t": now}
         return self.maybe_recover(now)
 
     def maybe_recover(self, now: float) -> list:
@@ -123,10 +123,10 @@ class RecoveryPolicy:
                     return [planner.timeline(m, now, "waiting_standby")] + planner.maybe_acquire(now)
                 return planner.maybe_acquire(now)
             m.joiner = joiner
-            # the joiner binds itself and starts its groups while the live ranks stall (runtime/rank_recovery.py)
+            # the joiner binds itself and starts its groups while the live ranks stall (runtime/roles/recovery.py)
             early = [Send((joiner,), make("anticipate", epoch=m.epoch, failed=list(m.leaver_ranks), assign=assign))]
         stayers = [self.stalled.get(r) for r in live]
-        if any(s is None or s["role"] != "stayer" for s in stayers):
+        if any(s is None or s["role"] != MoveRole.STAYER for s in stayers):
             return early  # not every live rank has stopped yet
         joiner = self.pool.get(m.joiner)
         choice = tiers.choose(parse_tiers(self.cfg.recovery_tiers), m.leaver_ranks, {s["rank"]: s for s in stayers},
@@ -140,7 +140,7 @@ class RecoveryPolicy:
         needers = sorted(list(m.leaver_ranks) + list(choice.laggers))
         m.switch_step = step
         m.source = choice.to_json()
-        m.expected = {(r, "stayer") for r in live} | {(r, "joiner") for r in m.leaver_ranks}
+        m.expected = {(r, MoveRole.STAYER) for r in live} | {(r, MoveRole.JOINER) for r in m.leaver_ranks}
         m.to(Phase.PREPARING, now, "")
         stayer_nodes = tuple(sorted({view.rank_node[r] for r in live}))
         common = dict(epoch=m.epoch, failed=list(m.leaver_ranks), step=step, source=choice.source, needers=needers,
@@ -156,17 +156,17 @@ class RecoveryPolicy:
                 Send((m.joiner,), make("recover", assign=assign, **common))]
 
     # --- checkpoints -------------------------------------------------------------------------
-    def on_checkpointed(self, msg: dict) -> list:
+    def on_checkpointed(self, msg: CheckpointedMsg) -> list:
         """A rank's checkpoint file is in place; once every rank's is, the checkpoint is
         complete: its manifest is written and older ones pruned (KEEP_CHECKPOINTS kept)."""
-        got = self.checkpoints.setdefault(msg["step"], {})
-        got[msg["rank"]] = msg["digest"]
+        got = self.checkpoints.setdefault(msg.step, {})
+        got[msg.rank] = msg.digest
         if len(got) < self.state.view.world_size:
             return []
-        del self.checkpoints[msg["step"]]
-        self.checkpoint_steps = sorted({*self.checkpoint_steps, msg["step"]})[-KEEP_CHECKPOINTS:]
-        self.checkpoints = {s: v for s, v in self.checkpoints.items() if s > msg["step"]}
-        return [CheckpointDone(msg["step"], dict(got), tuple(self.checkpoint_steps))]
+        del self.checkpoints[msg.step]
+        self.checkpoint_steps = sorted({*self.checkpoint_steps, msg.step})[-KEEP_CHECKPOINTS:]
+        self.checkpoints = {s: v for s, v in self.checkpoints.items() if s > msg.step}
+        return [CheckpointDone(msg.step, dict(got), tuple(self.checkpoint_steps))]
 
     def tick(self, now: float) -> list:
         m = self.planner.recovery()

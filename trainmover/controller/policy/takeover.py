@@ -30,7 +30,7 @@ from trainmover.controller.policy.planner import Planner
 from trainmover.controller.policy.progress import Progress
 from trainmover.controller.policy.recovery import RecoveryPolicy
 from trainmover.controller.policy.standby_pool import StandbyPool
-from trainmover.protocol.messages import make
+from trainmover.protocol.messages import MoveRole, ResyncMsg, make, wire
 
 log = logging.getLogger("trainmover.policy")
 
@@ -62,8 +62,8 @@ class Takeover:
         migrations = self.state.migrations
         flight = self.planner.in_flight()
         if flight is not None and not flight.recovery:  # who must report: recomputed as Planner.dispatch did
-            flight.expected = ({(r, "stayer") for r in range(v.world_size) if r not in flight.leaver_ranks}
-                               | {(r, role) for r in flight.leaver_ranks for role in ("leaver", "joiner")})
+            flight.expected = ({(r, MoveRole.STAYER) for r in range(v.world_size) if r not in flight.leaver_ranks}
+                               | {(r, role) for r in flight.leaver_ranks for role in (MoveRole.LEAVER, MoveRole.JOINER)})
         log.info("resuming job %d from its journal (%d records): %d migrations, in flight: %s", v.job_id, j.records,
                  len(migrations), f"migration {flight.id} epoch {flight.epoch} ({flight.phase.value})"
                  if flight else "none")
@@ -79,24 +79,24 @@ class Takeover:
                                             f"(migration {r.id}); a recovery in flight is not resumed: the job stops")]
         return actions
 
-    def on_resync(self, now: float, node: str, msg: dict) -> list:
+    def on_resync(self, now: float, node: str, msg: ResyncMsg) -> list:
         stale = self._stale_epoch(node, msg)
         if self.resuming is None:
             return stale
-        if msg["state"] == "left":  # a leaver that handed its ranks over: it speaks for none
+        if msg.state == "left":  # a leaver that handed its ranks over: it speaks for none
             return stale
-        for r in msg["ranks"]:
-            self.resuming["seen"][r] = {**msg, "node": node}
-        if msg["role"] == "standby":
-            self.resuming["nodes"][node] = msg
+        for r in msg.ranks:
+            self.resuming["seen"][r] = {**wire(msg), "node": node}
+        if msg.role == "standby":
+            self.resuming["nodes"][node] = wire(msg)
         return stale + self._maybe_resolve(now)
 
-    def _stale_epoch(self, node: str, msg: dict) -> list:
+    def _stale_epoch(self, node: str, msg: ResyncMsg) -> list:
         """A process that reconnects still holding an epoch that was aborted while it was cut off
         (the abort went out before it reached the new controller) is told again: a joiner would
         otherwise wait for a leaver that never comes, up to the group timeout, and a standby
         stays out of the pool meanwhile (seen: a migration asked again found no ready standby)."""
-        pending = msg.get("pending") or 0
+        pending = msg.pending
         m = next((m for m in self.state.migrations if m.epoch == pending), None) if pending else None
         if m is None or m.phase is not Phase.ABORTED:
             return []
@@ -169,7 +169,7 @@ class Takeover:
         if m.phase is Phase.PREPARING:
             m.to(Phase.SWITCHING, now, "switched while the controller was down")
         for r in m.leaver_ranks:  # the leaver handed its state over and left
-            m.switched.setdefault((r, "leaver"), {"rank": r, "role": "leaver", "step": m.switch_step or 0,
+            m.switched.setdefault((r, MoveRole.LEAVER), {"rank": r, "role": MoveRole.LEAVER, "step": m.switch_step or 0,
                                                   "detail": {"implied": "controller restart"}})
         actions = [self.planner.timeline(m, now, "resumed", resolution="completed", waited_s=waited)]
         return actions + self.planner.maybe_released(now, m)

@@ -257,7 +257,7 @@ class NcclChannel:
         torch.cuda.current_stream().synchronize()
 
 
-    # --- the planned protocol (runtime/xferplan.py) ------------------------------------------
+    # --- the planned protocol (runtime/transfer/plan.py) ------------------------------------------
     def _side(self) -> torch.cuda.Stream:
         side = getattr(self, "_side_stream", None)
         if side is None:

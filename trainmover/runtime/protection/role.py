@@ -13,7 +13,9 @@ import logging
 from pathlib import Path
 
 from trainmover.groups.swappable import SNAPSHOT
-from trainmover.runtime import capture, checkpoint, holding, snapshot, transfer
+from trainmover.runtime.protection import capture, checkpoint, holding, snapshot
+from trainmover.runtime.transfer import state as transfer
+from trainmover.protocol.messages import HoldMsg
 from trainmover.runtime.context import RankContext
 
 log = logging.getLogger("trainmover.worker")
@@ -129,7 +131,7 @@ class Protection:
                 and not link.direct_ok
                 and bool(snaps.capture.slabs) and snaps.capture.ready() and not any(t.is_alive() for t in snaps.threads))
 
-    def on_hold(self, msg: dict) -> None:
+    def on_hold(self, msg: HoldMsg) -> None:
         """A worker of a one-node job: the controller names the standby that holds its snapshots
         (`holder` "": nobody, e.g. it took a rank)."""
         if not self.ctx.spec.job.snapshot_every or self.ctx.rank is None:
@@ -138,27 +140,27 @@ class Protection:
         if not snaps.one_node:
             return
         snaps.standby = None
-        if msg["holder"] and self.ctx.rank in msg["wards"]:
+        if msg.holder and self.ctx.rank in msg.wards:
             spec = self.ctx.spec
-            snaps.standby = holding.StandbyLink(tuple(spec.store), msg["prefix"], self.ctx.rank, msg["holder"],
+            snaps.standby = holding.StandbyLink(tuple(spec.store), msg.prefix, self.ctx.rank, msg.holder,
                                                  spec.node_addr, spec.job.group_timeout_s, key=self.ctx.key,
                                                  direct=self._pair_builder())
-            log.info("snapshots of rank %d go to standby %s", self.ctx.rank, msg["holder"])
+            log.info("snapshots of rank %d go to standby %s", self.ctx.rank, msg.holder)
 
-    def hold_for(self, msg: dict) -> None:
+    def hold_for(self, msg: HoldMsg) -> None:
         """A standby: hold the snapshots of the rank it would take (`wards`[its local index]) if
         it is the holder named; stop holding if another one is."""
         self.stop_holding()
-        if msg["holder"] != self.ctx.spec.node or self.ctx.local >= len(msg["wards"]):
+        if msg.holder != self.ctx.spec.node or self.ctx.local >= len(msg.wards):
             return
-        ward = int(msg["wards"][self.ctx.local])
+        ward = int(msg.wards[self.ctx.local])
 
         def report(rank: int, steps: list[int], detail: dict) -> None:
             self.ctx.send("snapshot_held", node=self.ctx.spec.node, rank=rank, steps=steps, detail=detail)
         # the worker's state has this standby's own layout (same rank, same model): slabs allocated now
         _, paths, tensors = capture.flatten(self.ctx.full_state(0))
         spec = self.ctx.spec
-        self.holding = holding.Holding(tuple(spec.store), msg["prefix"], ward, spec.node_addr, spec.job.group_timeout_s,
+        self.holding = holding.Holding(tuple(spec.store), msg.prefix, ward, spec.node_addr, spec.job.group_timeout_s,
                                        report, key=self.ctx.key, verify_on=self.ctx.device,
                                        layout=capture.specs_of(paths, tensors), direct=self._pair_builder())
         log.info("holding the snapshots of rank %d", ward)

@@ -24,6 +24,7 @@ import time
 from typing import TYPE_CHECKING
 
 from trainmover.groups.specs import GroupSpec
+from trainmover.protocol.messages import ForeseeMsg
 
 if TYPE_CHECKING:
     from trainmover.runtime.context import RankContext
@@ -41,13 +42,13 @@ def pair_prefix(tag: str, case: Case, needer: int) -> str:
     return prefix(tag, case, f"xfer/r{needer}")
 
 
-def plan(specs: list[GroupSpec], msg: dict, rank: int | None, local: int) -> list[tuple[Case, str, str, str, int, int]]:
+def plan(specs: list[GroupSpec], msg: ForeseeMsg, rank: int | None, local: int) -> list[tuple[Case, str, str, str, int, int]]:
     """What this process builds for `foresee` `msg`, in build order: (case, key, group name,
     store prefix, group rank, size). `rank`: a live rank's own; None for a standby's process
     `local`. Keys are those a recovery asks for (rank_recovery.start_builds): the group's name,
     `xfer-to-<needer>` on the source, `xfer-in` on the standby."""
     out = []
-    for case_, source in zip(msg["cases"], msg["sources"]):
+    for case_, source in zip(msg.cases, msg.sources):
         case = tuple(int(r) for r in case_)
         if rank is None:
             if local >= len(case):
@@ -59,11 +60,11 @@ def plan(specs: list[GroupSpec], msg: dict, rank: int | None, local: int) -> lis
             me = rank
         for g in specs:
             if me in g.ranks:
-                out.append((case, g.name, g.name, prefix(msg["tag"], case, g.name), g.ranks.index(me), len(g.ranks)))
+                out.append((case, g.name, g.name, prefix(msg.tag, case, g.name), g.ranks.index(me), len(g.ranks)))
         if rank is None:
-            out.append((case, "xfer-in", "xfer", pair_prefix(msg["tag"], case, me), 1, 2))
+            out.append((case, "xfer-in", "xfer", pair_prefix(msg.tag, case, me), 1, 2))
         elif rank == int(source):
-            out += [(case, f"xfer-to-{n}", "xfer", pair_prefix(msg["tag"], case, n), 0, 2) for n in case]
+            out += [(case, f"xfer-to-{n}", "xfer", pair_prefix(msg.tag, case, n), 0, 2) for n in case]
     return out
 
 
@@ -78,20 +79,20 @@ class Foreseen:
         self.sources: dict[Case, int] = {}  # case -> the rank whose transfer pairs to the standby are built
         self.lock = threading.Lock()
 
-    def on_foresee(self, msg: dict, step: int) -> None:
+    def on_foresee(self, msg: ForeseeMsg, step: int) -> None:
         """Drop the old tag's backends (retired at `step`: none is in use) and start the new tag's."""
         self.drop(step)
         with self.lock:
-            self.tag = msg["tag"]
-            self.sources = {tuple(int(r) for r in c): int(s) for c, s in zip(msg["cases"], msg["sources"])}
-        if not msg["tag"]:
+            self.tag = msg.tag
+            self.sources = {tuple(int(r) for r in c): int(s) for c, s in zip(msg.cases, msg.sources)}
+        if not msg.tag:
             return
         rank = self.ctx.rank if self.ctx.role == "worker" else None
         todo = plan(self.ctx.specs, msg, rank, self.ctx.local)
         if not todo:
             return
         build = self.ctx.phase1_builder()
-        tag = msg["tag"]
+        tag = msg.tag
 
         def run():
             t0, before, comms = time.perf_counter(), self.ctx.memory(), self.ctx.comms_created()

@@ -34,7 +34,8 @@ import logging
 import threading
 import time
 
-from trainmover.runtime import capture, transfer
+from trainmover.runtime.protection import capture
+from trainmover.runtime.transfer import state as transfer
 
 log = logging.getLogger("trainmover.snapshot")
 

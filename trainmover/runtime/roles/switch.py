@@ -12,7 +12,6 @@ late abort can never leave the joiner waiting for a state that will not come.
 from __future__ import annotations
 
 import logging
-import queue
 import time
 from typing import TYPE_CHECKING
 
@@ -21,15 +20,18 @@ import torch.distributed as dist
 from trainmover.errors import MigrationError
 from trainmover.groups import rng
 from trainmover.groups.specs import delta
-from trainmover.runtime import phase1, transfer, xferplan
+from trainmover.runtime import phase1
+from trainmover.runtime.transfer import plan as xferplan, state as transfer
+from trainmover.protocol.messages import AbortMsg, MoveRole, PrepareMsg
 from trainmover.runtime.context import RankContext
-from trainmover.runtime.epoch import abort, cancel_key, go_key, layout_key
+from trainmover.runtime.dispatch import Aborted
+from trainmover.runtime.roles.epoch import abort, cancel_key, go_key, layout_key
 from trainmover.runtime.rankstate import RankState
 
 if TYPE_CHECKING:  # roles this one calls, handed to it by the process (worker.Agent)
-    from trainmover.runtime.protection import Protection
-    from trainmover.runtime.rank_recovery import RankRecovery
-    from trainmover.runtime.standby import StandbyRole
+    from trainmover.runtime.protection.role import Protection
+    from trainmover.runtime.roles.recovery import RankRecovery
+    from trainmover.runtime.roles.standby import StandbyRole
 
 log = logging.getLogger("trainmover.worker")
 
@@ -39,7 +41,7 @@ def switch_ready(prep: phase1.Prepared | None, step: int) -> int:
     leaver's transfer plan made at an earlier boundary."""
     if not prep or not prep.done.is_set() or prep.error:
         return 0
-    if prep.role == "leaver" and (prep.plan_at is None or prep.plan_at >= step):
+    if prep.role == MoveRole.LEAVER and (prep.plan_at is None or prep.plan_at >= step):
         return 0
     return prep.epoch
 
@@ -86,25 +88,13 @@ class Switch:
         self.reported: set[tuple[int, str]] = set()  # (epoch, prepared/failed) already reported
 
     def poll_inbox(self):
-        while True:
-            try:
-                msg = self.ctx.inbox.get_nowait()
-            except queue.Empty:
-                break
-            if msg is None:
-                continue  # controller gone: keep training without migrations
-            if msg["type"] == "prepare":
-                self._on_prepare(msg)
-            elif msg["type"] == "abort":
-                self.on_abort(msg)
-            elif msg["type"] == "hold":
-                self.protection.on_hold(msg)
-            elif msg["type"] == "foresee":
-                self.recovery.foreseen.on_foresee(msg, self.ctx.completed)
+        """At a step boundary: the controller's messages (a prepare, an abort, a hold: the
+        process's routes, dispatch.py), then this rank's Phase 1 outcome, reported once."""
+        self.ctx.inbox.poll()
         prep = self.ctx.pending
         if prep and prep.done.is_set():
             what = "failed" if prep.error else "prepared"
-            if what == "prepared" and prep.role == "leaver" and prep.plan_at is None:
+            if what == "prepared" and prep.role == MoveRole.LEAVER and prep.plan_at is None:
                 # The transfer's plan is made at this boundary; the leaver is ready to switch
                 # from the next one on (`switch_ready`): with no stayer to wait for, the switch
                 # could follow at this very boundary, and making the plan put ~0.1 s into the
@@ -121,13 +111,13 @@ class Switch:
                                   seconds=prep.seconds, detail={"role": prep.role, "before": prep.memory_before,
                                                                 "after": self.ctx.memory()})
 
-    def _on_prepare(self, msg: dict):
-        epoch = msg["epoch"]
-        d = delta(self.ctx.specs, msg["leavers"], epoch)
-        role = "leaver" if self.ctx.rank in d.leavers else "stayer"
-        if role == "stayer" and not d.groups_to_build(self.ctx.rank):
+    def on_prepare(self, msg: PrepareMsg) -> None:
+        epoch = msg.epoch
+        d = delta(self.ctx.specs, msg.leavers, epoch)
+        role = MoveRole.LEAVER if self.ctx.rank in d.leavers else MoveRole.STAYER
+        if role == MoveRole.STAYER and not d.groups_to_build(self.ctx.rank):
             return  # no group of ours contains the leaver: nothing to do (never the case for world)
-        if role == "leaver":  # for the joiner to check its own against (Workload.collective_layout)
+        if role == MoveRole.LEAVER:  # for the joiner to check its own against (Workload.collective_layout)
             self.ctx.store.set(layout_key(epoch, self.ctx.rank), self.ctx.workload.collective_layout())
         self.ctx.pending = phase1.Prepared(epoch, d, role, self.ctx.rank)
         self.ctx.pending.memory_before, self.ctx.pending.comms_before = self.ctx.memory(), self.ctx.comms_created()
@@ -136,11 +126,15 @@ class Switch:
         if self.ctx.role == "worker":
             self.ctx.faults.at("phase1", who=self.ctx.rank, epoch=epoch)
 
-    def on_abort(self, msg: dict):
+    def on_abort(self, msg: AbortMsg) -> None:
         abort(self.ctx, msg)
 
+    def on_join_abort(self, msg: AbortMsg) -> Aborted | None:
+        """An abort heard inside a join: it frees the joiner when it is of the epoch it joins."""
+        return Aborted(msg.epoch) if msg.epoch == self.ctx.joining else None
+
     def _plan_ahead(self, prep: phase1.Prepared, like: dict | None = None) -> None:
-        """The transfer's plan (xferplan.py), made at a step boundary before the pause: the
+        """The transfer's plan (transfer/plan.py), made at a step boundary before the pause: the
         leaver's from the state it will send, the joiner's from the buffers it will fill."""
         t0 = time.perf_counter()
         try:
@@ -165,15 +159,15 @@ class Switch:
         self.ctx.pending = None
         self.ctx.state.to(RankState.LEFT)
         self.ctx.switched_epoch = prep.epoch
-        self.ctx.send("switched", epoch=prep.epoch, rank=self.ctx.rank, role="leaver", step=step, t=time.time(),
+        self.ctx.send("switched", epoch=prep.epoch, rank=self.ctx.rank, role=MoveRole.LEAVER, step=step, t=time.time(),
                       detail={"send_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
                               "tensors": stats.tensors, "plan_s": prep.plan_s, "parts": stats.parts})
         log.info("left at step %d: sent %d bytes in %.3fs", step, stats.bytes, stats.seconds)
 
-    def join(self, msg: dict) -> int | None:
+    def join(self, msg: PrepareMsg) -> int | None:
         """Take a leaver's slot. Returns the step to continue from, or None if the
         migration was cancelled (the agent then stays a standby)."""
-        epoch = msg["epoch"]
+        epoch = msg.epoch
         self.ctx.joining = epoch
         self.ctx.state.to(RankState.JOINING)
         try:
@@ -181,8 +175,8 @@ class Switch:
         finally:
             self.ctx.joining = 0
 
-    def _join(self, msg: dict, epoch: int) -> int | None:
-        rank = int(msg["assign"][str(self.ctx.local)])
+    def _join(self, msg: PrepareMsg, epoch: int) -> int | None:
+        rank = int(msg.assign[str(self.ctx.local)])
         leaver = rank
         # Off the critical path: rebuild groups with the rank we now know, rebind the workload,
         # and run shadow steps so that the new wrappers' one-time work happens in the sandbox.
@@ -190,7 +184,7 @@ class Switch:
         self.ctx.workload.rebind(self.ctx.build_context(rank))
         with self.standby.warm_stance():
             self.standby.shadow_until_steady(self.ctx.spec.job.shadow_steps)
-        prep = phase1.Prepared(epoch, delta(self.ctx.specs, msg["leavers"], epoch), "joiner", rank)
+        prep = phase1.Prepared(epoch, delta(self.ctx.specs, msg.leavers, epoch), MoveRole.JOINER, rank)
         phase1.start(prep, self.standby.ahead_builder(self.ctx.phase1_builder()))  # groups built ahead: one-node jobs
         self.ctx.faults.at("phase1", who="joiner", epoch=epoch)
         # Bounded, and abortable: a peer lost meanwhile leaves the builds waiting until the
@@ -232,7 +226,7 @@ class Switch:
                                                   context=phase1.xfer_prefix(prep.epoch, prep.rank))
         except (MigrationError, RuntimeError) as exc:  # the leaver died mid-copy: a replica will send it
             self.ctx.rank = rank
-            self.ctx.send("stalled", rank=rank, step=0, digest="", error=str(exc)[:500], role="joiner",
+            self.ctx.send("stalled", rank=rank, step=0, digest="", error=str(exc)[:500], role=MoveRole.JOINER,
                           holds={"replicas": [], "own": [], "held": {}})
             return self.recovery.take_failed_rank(self.recovery.wait_recover(exc), rebind=False)
         t_received = time.perf_counter()
@@ -244,10 +238,10 @@ class Switch:
         # The transfer pair is done too; dropping its last reference here would abort the
         # communicator synchronously, inside the pause (measured: 0.5 s on an H200).
         self.ctx.retire(prep.xfer, int(state["step"]))
-        self.ctx.rank, self.ctx.role = rank, "worker"
+        self.ctx.rank = rank
         self.ctx.state.to(RankState.TRAINING)
         self.ctx.switched_epoch = epoch
-        self.ctx.send("switched", epoch=epoch, rank=rank, role="joiner", step=int(state["step"]), t=time.time(),
+        self.ctx.send("switched", epoch=epoch, rank=rank, role=MoveRole.JOINER, step=int(state["step"]), t=time.time(),
                       detail={"recv_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
                               "apply_s": time.perf_counter() - t_switch, "prepare_s": prep.seconds,
                               "attempts": stats.attempts, "plan_s": prep.plan_s,
@@ -279,11 +273,5 @@ class Switch:
         return ""
 
     def _aborted(self, epoch: int) -> bool:
-        """Whether the controller aborted `epoch` (other messages are not for a joining standby)."""
-        while True:
-            try:
-                msg = self.ctx.inbox.get_nowait()
-            except queue.Empty:
-                return False
-            if msg is not None and msg["type"] == "abort" and msg["epoch"] == epoch:
-                return True
+        """Whether the controller aborted `epoch` (what else a joiner hears is void: dispatch.py)."""
+        return self.ctx.inbox.poll() == Aborted(epoch)

@@ -22,7 +22,6 @@ identical on the members of the workload's `replica_group`. No step is applied t
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -32,14 +31,18 @@ from trainmover import config
 from trainmover.errors import MigrationError
 from trainmover.groups import rng
 from trainmover.groups.specs import delta
-from trainmover.protocol.messages import JOINER
-from trainmover.runtime import capture, checkpoint, phase1, stacks, transfer
+from trainmover.protocol.messages import JOINER, AbortMsg, AnticipateMsg, ForeseeMsg, MoveRole, RecoverMsg
+from trainmover.runtime import stacks
+from trainmover.runtime.protection import capture, checkpoint
+from trainmover.runtime import phase1
+from trainmover.runtime.transfer import state as transfer
 from trainmover.runtime.context import RankContext
-from trainmover.runtime.foresight import Foreseen
-from trainmover.runtime.epoch import abort
-from trainmover.runtime.protection import Protection
+from trainmover.runtime.dispatch import GONE, Plan
+from trainmover.runtime.roles.foresight import Foreseen
+from trainmover.runtime.roles.epoch import abort
+from trainmover.runtime.protection.role import Protection
 from trainmover.runtime.rankstate import RankState
-from trainmover.runtime.standby import StandbyRole
+from trainmover.runtime.roles.standby import StandbyRole
 
 log = logging.getLogger("trainmover.recovery")
 
@@ -89,18 +92,18 @@ class Builds:
         return out[0]
 
 
-def start_builds(rec: RankRecovery, msg: dict, builds: Builds | None = None) -> Builds:
+def start_builds(rec: RankRecovery, msg: RecoverMsg, builds: Builds | None = None) -> Builds:
     """Start building everything this rank's part of recovery `msg` needs: every group of the
     new epoch and the transfer pairs of the state copy. Needs only the epoch, the tier and who
     sends to whom, all in the plan."""
     builds = Builds(rec.ctx) if builds is None else builds
-    rank, epoch = rec.ctx.rank, msg["epoch"]
+    rank, epoch = rec.ctx.rank, msg.epoch
     # Every group is replaced, not only those holding a failed rank: a step cut short leaves
     # operations unmatched in the others too (a pipeline peer waiting for a rank that stalled
     # keeps waiting until the group timeout, which then closes that pair for good).
     plan = delta(rec.ctx.specs, sorted({r for g in rec.ctx.specs for r in g.ranks}), epoch)
     built_ahead = rec.standby.ahead  # a one-node job's standby built them already (ahead.py)
-    tag, case = msg["foreseen"], tuple(int(r) for r in msg["failed"])
+    tag, case = msg.foreseen, tuple(int(r) for r in msg.failed)
     for g in plan.groups_to_build(rank):
         if builds.has(g.name):
             continue
@@ -120,7 +123,7 @@ def start_builds(rec: RankRecovery, msg: dict, builds: Builds | None = None) -> 
         builds.start(g.name, g.name, plan.prefix(g), g.ranks.index(rank), len(g.ranks))
     # a transfer pair foreseen is the one between the case's named source and the standby: taken
     # when the plan's replica source is that rank (the same both ends: both read the same plan)
-    foreseen_pairs = bool(tag) and msg["tier"] == "replica" and rec.foreseen.source(case) == msg["source"]
+    foreseen_pairs = bool(tag) and msg.tier == "replica" and rec.foreseen.source(case) == msg.source
     for key, (peer, grank) in pairs(msg, rank).items():
         got = rec.foreseen.take(tag, case, key) if foreseen_pairs and peer in case else None
         if got is not None:
@@ -131,31 +134,31 @@ def start_builds(rec: RankRecovery, msg: dict, builds: Builds | None = None) -> 
     return builds
 
 
-def pairs(msg: dict, rank: int) -> dict[str, tuple[int, int]]:
+def pairs(msg: RecoverMsg, rank: int) -> dict[str, tuple[int, int]]:
     """This rank's transfer pairs in plan `msg`: key -> (the needer the pair is named for, this
     rank's place in it: 0 sends, 1 receives)."""
     out: dict[str, tuple[int, int]] = {}
-    if msg["tier"] == "replica":
-        if rank == msg["source"]:
-            out.update({f"xfer-to-{n}": (n, 0) for n in msg["needers"]})
-        elif rank in msg["needers"]:
+    if msg.tier == "replica":
+        if rank == msg.source:
+            out.update({f"xfer-to-{n}": (n, 0) for n in msg.needers})
+        elif rank in msg.needers:
             out["xfer-in"] = (rank, 1)
-    elif msg["tier"] == "snapshot":
-        for lost, holder in sorted(msg["holders"].items()):
+    elif msg.tier == "snapshot":
+        for lost, holder in sorted(msg.holders.items()):
             if rank == holder:
                 out[f"xfer-to-{int(lost)}"] = (int(lost), 0)
-        if rank in msg["failed"] and msg["holders"].get(str(rank)) != JOINER:
+        if rank in msg.failed and msg.holders.get(str(rank)) != JOINER:
             out["xfer-in"] = (rank, 1)
     return out
 
 
-def rebuild(rec: RankRecovery, msg: dict, role: str, builds: Builds | None = None) -> tuple[dict, dict]:
+def rebuild(rec: RankRecovery, msg: RecoverMsg, role: str, builds: Builds | None = None) -> tuple[dict, dict]:
     """Build the replacement backends (or take those `builds` started earlier) and run this
     rank's part of the state copy. Returns (new backends by group name, report fields).
     Deadlines: every rendezvous and transfer is bounded by the group timeout the builder was
     configured with."""
     t0 = time.perf_counter()
-    epoch, tier = msg["epoch"], msg["tier"]
+    epoch, tier = msg.epoch, msg.tier
     if tier == "replica" and rec.ctx.workload.replica_group() is None:
         raise MigrationError(f"workload {rec.ctx.spec.job.workload!r} names no replica group: a vanished rank's "
                              "state can only come from a snapshot or a checkpoint", phase="recover", rank=rec.ctx.rank)
@@ -165,7 +168,7 @@ def rebuild(rec: RankRecovery, msg: dict, role: str, builds: Builds | None = Non
     plan = delta(rec.ctx.specs, sorted({r for g in rec.ctx.specs for r in g.ranks}), epoch)
     backends = {g.name: builds.get(g.name) for g in plan.groups_to_build(rec.ctx.rank)}
     report = {"role": role, "build_s": time.perf_counter() - t0, "groups": sorted(backends), "tier": tier,
-              "source": msg["source"], "built_ahead": ahead, "builds_started_early_s": round(early, 4),
+              "source": msg.source, "built_ahead": ahead, "builds_started_early_s": round(early, 4),
               "group_build_s": {k: round(v, 4) for k, v in builds.seconds.items()}}
     rec.builds = builds  # the transfer pairs, for _send and _receive
     try:
@@ -174,7 +177,7 @@ def rebuild(rec: RankRecovery, msg: dict, role: str, builds: Builds | None = Non
         rec.builds = None
     report["seconds"] = time.perf_counter() - t0
     log.info("recovery epoch %d: rank %d (%s) ready to resume at step %d in %.3fs", epoch, rec.ctx.rank, role,
-             msg["step"], report["seconds"])
+             msg.step, report["seconds"])
     return backends, report
 
 
@@ -205,11 +208,11 @@ def _receive(rec: RankRecovery, epoch: int, step: int, like: dict | None) -> tup
     return state, {"recv_bytes": stats.bytes, "recv_s": stats.seconds, "attempts": stats.attempts}
 
 
-def _from_replica(rec: RankRecovery, msg: dict, role: str) -> dict:
-    epoch, step = msg["epoch"], msg["step"]
-    if rec.ctx.rank == msg["source"]:
-        return {"sent": [_send(rec, rec.ctx.replica_state(step), epoch, needer, step) for needer in msg["needers"]]}
-    if rec.ctx.rank in msg["needers"]:
+def _from_replica(rec: RankRecovery, msg: RecoverMsg, role: str) -> dict:
+    epoch, step = msg.epoch, msg.step
+    if rec.ctx.rank == msg.source:
+        return {"sent": [_send(rec, rec.ctx.replica_state(step), epoch, needer, step) for needer in msg.needers]}
+    if rec.ctx.rank in msg.needers:
         state, report = _receive(rec, epoch, step, like=rec.ctx.replica_state(step))
         rec.ctx.workload.load_state_dict(state["workload"])
         return report
@@ -219,7 +222,7 @@ def _from_replica(rec: RankRecovery, msg: dict, role: str) -> dict:
 def _roll_back(rec: RankRecovery, role: str, load) -> dict:
     """A live rank loads its own state of the step rolled back to (`load()`), unless the
     negative control `no-rollback` keeps its state (it then redoes steps it already applied)."""
-    if role == "stayer" and rec.ctx.faults.at("rollback"):
+    if role == MoveRole.STAYER and rec.ctx.faults.at("rollback"):
         log.warning("injected: no-rollback: rank %d keeps its state", rec.ctx.rank)
         return {"rolled_back": False}
     t0 = time.perf_counter()
@@ -227,16 +230,16 @@ def _roll_back(rec: RankRecovery, role: str, load) -> dict:
     return {"rolled_back": True, "load_s": time.perf_counter() - t0}
 
 
-def _from_snapshot(rec: RankRecovery, msg: dict, role: str) -> dict:
-    epoch, step = msg["epoch"], msg["step"]
+def _from_snapshot(rec: RankRecovery, msg: RecoverMsg, role: str) -> dict:
+    epoch, step = msg.epoch, msg.step
     snaps = rec.protection.own_snapshots()
     report: dict = {}
-    for lost, holder in sorted(msg["holders"].items()):
+    for lost, holder in sorted(msg.holders.items()):
         if rec.ctx.rank == holder:
             report.setdefault("sent", []).append(_send(rec, snaps.held_state(int(lost), step), epoch, int(lost), step))
-    if rec.ctx.rank in msg["failed"] and msg["holders"].get(str(rec.ctx.rank)) == JOINER:
+    if rec.ctx.rank in msg.failed and msg.holders.get(str(rec.ctx.rank)) == JOINER:
         return {**report, **_from_own_holding(rec, step)}
-    if rec.ctx.rank in msg["failed"]:
+    if rec.ctx.rank in msg.failed:
         state, received = _receive(rec, epoch, step, like=None)
         snaps.rolled_back(step, mine=state)
         return {**report, **received, **_roll_back(rec, role, lambda: state)}
@@ -268,8 +271,8 @@ def _from_own_holding(rec: RankRecovery, step: int) -> dict:
             "restore_GBps": placed / max(time.perf_counter() - t0, 1e-9) / 1e9, "pinned": version.slab.pinned}
 
 
-def _from_checkpoint(rec: RankRecovery, msg: dict, role: str) -> dict:
-    step = msg["step"]
+def _from_checkpoint(rec: RankRecovery, msg: RecoverMsg, role: str) -> dict:
+    step = msg.step
     if rec.protection.snapshots is not None:
         rec.protection.snapshots.rolled_back(step)
     ctx = rec.ctx
@@ -294,29 +297,29 @@ class RankRecovery:
         controller's recovery plan. Returns the step to resume from."""
         log.warning("rank %d stalled after %d steps: %s", self.ctx.rank, completed, str(exc)[:300])
         if self.ctx.pending is not None:  # a planned migration in flight is void: its groups hold the lost rank
-            abort(self.ctx, {"epoch": self.ctx.pending.epoch, "reason": "unexpected failure"})
+            abort(self.ctx, AbortMsg(epoch=self.ctx.pending.epoch, reason="unexpected failure"))
         self.ctx.state.to(RankState.STALLED)
         self.ctx.send("stalled", rank=self.ctx.rank, step=completed, digest=self.ctx.digest(), error=str(exc)[:500],
-                      role="stayer", holds=self.protection.holds())
+                      role=MoveRole.STAYER, holds=self.protection.holds())
         msg = self.wait_recover(exc)
         self.ctx.state.to(RankState.TRAINING)
-        if completed < msg["step"] and self.ctx.rank not in msg["needers"]:
-            raise MigrationError(f"recovery plan resumes at step {msg['step']} but this rank has completed "
+        if completed < msg.step and self.ctx.rank not in msg.needers:
+            raise MigrationError(f"recovery plan resumes at step {msg.step} but this rank has completed "
                                  f"{completed} and gets no state", phase="recover", rank=self.ctx.rank)
-        backends, report = rebuild(self, msg, "stayer")
+        backends, report = rebuild(self, msg, MoveRole.STAYER)
         for name, backend in backends.items():
-            self.ctx.retire(self.ctx.groups[name].swap(backend), msg["step"])
-        self.foreseen.drop(msg["step"])  # the other cases' groups: the membership they were for is gone
-        # a rollback redoes the steps after msg["step"]: their old reports must not reach a restarted controller
+            self.ctx.retire(self.ctx.groups[name].swap(backend), msg.step)
+        self.foreseen.drop(msg.step)  # the other cases' groups: the membership they were for is gone
+        # a rollback redoes the steps after msg.step: their old reports must not reach a restarted controller
         reports = self.ctx.step_reports
-        self.ctx.step_reports = deque((r for r in reports if r["step"] <= msg["step"]), maxlen=reports.maxlen)
-        self.ctx.switched_epoch = msg["epoch"]
-        self.ctx.send("switched", epoch=msg["epoch"], rank=self.ctx.rank, role="stayer", step=msg["step"],
+        self.ctx.step_reports = deque((r for r in reports if r["step"] <= msg.step), maxlen=reports.maxlen)
+        self.ctx.switched_epoch = msg.epoch
+        self.ctx.send("switched", epoch=msg.epoch, rank=self.ctx.rank, role=MoveRole.STAYER, step=msg.step,
                       t=time.time(), detail={**report, "redo_from": completed})
         self.ctx.trace_next_steps()
-        return int(msg["step"])
+        return int(msg.step)
 
-    def wait_recover(self, exc: Exception | str) -> dict:
+    def wait_recover(self, exc: Exception | str) -> RecoverMsg:
         """The controller's `recover` plan, within the recovery deadline. The controller's
         deadline decides (its message names what it waited for); a rank gives up only
         RECOVERY_GRACE_S later, when that decision never came."""
@@ -326,17 +329,18 @@ class RankRecovery:
             if left <= 0:
                 raise MigrationError(f"no recovery plan within {self.ctx.spec.job.recovery_timeout_s:.0f}s after: {exc}",
                                      phase="recover", rank=self.ctx.rank, host=self.ctx.spec.node)
-            try:
-                msg = self.ctx.inbox.get(timeout=left)
-            except queue.Empty:
-                continue
-            if msg is None:
+            out = self.ctx.inbox.wait(left)  # only the plan is routed now (dispatch.py): the rest is void
+            if out is GONE:
                 raise MigrationError(f"controller gone while stalled after: {exc}", phase="recover", rank=self.ctx.rank)
-            if msg["type"] == "recover":
-                return msg
-            # revoke (already applied), or a planned epoch's prepare/abort: void now
+            if isinstance(out, Plan):
+                return out.msg
 
-    def anticipate(self, msg: dict) -> None:
+    def foresee(self, msg: ForeseeMsg) -> None:
+        """Build, in the background, the groups of each loss this process may be part of
+        recovering from (roles/foresight.py); the old tag's are dropped."""
+        self.foreseen.on_foresee(msg, self.ctx.completed)
+
+    def anticipate(self, msg: AnticipateMsg) -> None:
         """A standby the controller chose to take a vanished rank, told before the plan (which
         waits for every live rank to stall): it binds itself to that rank now (new wrappers,
         shadow steps in the sandbox), which was on the recovery's critical path after the plan
@@ -348,15 +352,15 @@ class RankRecovery:
         in a gloo receive until the group timeout: the Megatron TP2xPP2 e2e test, TM_GROUP_TIMEOUT_S
         20 s, saw the joiner's early world group time out and the job stop). They start at the
         plan, all at once (Builds)."""
-        mine = msg["assign"].get(str(self.ctx.local))
+        mine = msg.assign.get(str(self.ctx.local))
         if mine is None:
             return
         rank = int(mine)
         t0 = time.perf_counter()
         self.ctx.rank = rank
-        self.early = (int(msg["epoch"]), rank)
+        self.early = (int(msg.epoch), rank)
         self._bind(rank)
-        log.info("anticipating rank %d (epoch %d): bound in %.3fs", rank, msg["epoch"], time.perf_counter() - t0)
+        log.info("anticipating rank %d (epoch %d): bound in %.3fs", rank, msg.epoch, time.perf_counter() - t0)
 
     def _bind(self, rank: int) -> bool:
         """Bind the workload to `rank` unless it is already (a one-node job's standby binds
@@ -370,7 +374,7 @@ class RankRecovery:
         self.standby.shadow_until_steady(self.ctx.spec.job.shadow_steps)
         return False
 
-    def take_failed_rank(self, msg: dict, rebind: bool = True) -> int:
+    def take_failed_rank(self, msg: RecoverMsg, rebind: bool = True) -> int:
         """Unexpected failure: take a vanished rank's slot. Unlike a planned join, the job is
         paused while this runs, so only what must happen is done: rebind to the rank (its new
         wrappers' one-time collectives in the sandbox), build the groups, receive a replica's
@@ -379,28 +383,27 @@ class RankRecovery:
         t0 = time.perf_counter()
         if config.setting("TM_TRACE_SWITCH"):
             stacks.sample()
-        rank = int(msg["assign"][str(self.ctx.local)])
+        rank = int(msg.assign[str(self.ctx.local)])
         self.ctx.rank = rank
         early, self.early = self.early, None
-        anticipated = early == (int(msg["epoch"]), rank)
+        anticipated = early == (int(msg.epoch), rank)
         if early is not None and not anticipated:
             log.warning("anticipated rank %d (epoch %d), the plan assigns rank %d (epoch %d)", early[1], early[0],
-                        rank, msg["epoch"])
+                        rank, msg.epoch)
         builds = start_builds(self, msg)  # the groups and the transfer pair, at once
         prebound = self._bind(rank) if rebind else False
         rebind_s = time.perf_counter() - t0
-        backends, report = rebuild(self, msg, "joiner", builds)
+        backends, report = rebuild(self, msg, MoveRole.JOINER, builds)
         t1 = time.perf_counter()
         for name, backend in backends.items():
-            self.ctx.retire(self.ctx.groups[name].swap(backend), msg["step"])
-        self.ctx.role = "worker"
-        self.foreseen.drop(msg["step"])  # as a worker's: retired after its first steps, off the critical path
-        self.ctx.state.to(RankState.TRAINING)
-        self.ctx.switched_epoch = msg["epoch"]
+            self.ctx.retire(self.ctx.groups[name].swap(backend), msg.step)
+        self.ctx.state.to(RankState.TRAINING)  # a worker now (its role follows its state)
+        self.foreseen.drop(msg.step)  # as a worker's: retired after its first steps, off the critical path
+        self.ctx.switched_epoch = msg.epoch
         report["after_rebuild_s"] = time.perf_counter() - t1
-        self.ctx.send("switched", epoch=msg["epoch"], rank=rank, role="joiner", step=msg["step"], t=time.time(),
+        self.ctx.send("switched", epoch=msg.epoch, rank=rank, role=MoveRole.JOINER, step=msg.step, t=time.time(),
                       detail={**report, "rebind_s": rebind_s, "prebound": prebound, "anticipated": anticipated,
                               "seconds": time.perf_counter() - t0, **self.ctx.memory()})
-        log.info("took failed rank %d at step %d in %.3fs", rank, msg["step"], time.perf_counter() - t0)
+        log.info("took failed rank %d at step %d in %.3fs", rank, msg.step, time.perf_counter() - t0)
         self.ctx.trace_next_steps()
-        return int(msg["step"])
+        return int(msg.step)

@@ -36,7 +36,7 @@ import torch
 
 from trainmover.errors import MigrationError
 from trainmover.groups.tensors import by_dtype, digest_tensors, flatten, tensors_of, unflatten
-from trainmover.runtime import xferplan
+from trainmover.runtime.transfer import plan as xferplan
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class GlooChannel:
                     t.copy_(part.view_as(t))
 
 
-    # --- the planned protocol (runtime/xferplan.py): wire tensors in chunks, checked as they land
+    # --- the planned protocol (runtime/transfer/plan.py): wire tensors in chunks, checked as they land
     def send_planned(self, plan, dst: int, corrupt: bool = False, manifest=None) -> None:
         """`manifest()`: its bytes, sent first (gloo matches messages in order)."""
         self.send_bytes(manifest(), dst)
@@ -297,7 +297,7 @@ def recv_state(xfer, *, key: bytes | None, context: str = "", src: int = 0, like
     return state, TransferStats(nbytes, time.perf_counter() - t0, len(into), got, copy_s)
 
 
-# --- the planned protocol: layout worked out in Phase 1 (xferplan.py) ----------------------
+# --- the planned protocol: layout worked out in Phase 1 (transfer/plan.py) ----------------------
 def send_planned(state: dict, chan, plan, *, key: bytes | None, context: str = "", dst: int = 1,
                  corrupt: bool = False):
     """Send `state` by `plan` (made ahead from this very state's tensors; rebuilt here if they

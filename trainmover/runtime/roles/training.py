@@ -14,14 +14,15 @@ from __future__ import annotations
 import logging
 import time
 
+from trainmover.protocol.messages import MoveRole
 from trainmover import config
 from trainmover.groups.swappable import CONTROL, CollectiveFailure, first_failure
-from trainmover.runtime import boundary
+from trainmover.runtime.roles import boundary
 from trainmover.runtime.context import RankContext
-from trainmover.runtime.protection import Protection
-from trainmover.runtime.rank_recovery import RankRecovery
+from trainmover.runtime.protection.role import Protection
+from trainmover.runtime.roles.recovery import RankRecovery
 from trainmover.runtime.rankstate import RankState
-from trainmover.runtime.switch import Switch, switch_ready
+from trainmover.runtime.roles.switch import Switch, switch_ready
 from trainmover.script.run import ScriptEnded
 
 log = logging.getLogger("trainmover.worker")
@@ -112,7 +113,7 @@ class TrainingLoop:
         prep = self.ctx.pending
         ready = switch_ready(prep, step)
         if boundary.agree(control, ready) == ready and ready:
-            if prep.role == "leaver":
+            if prep.role == MoveRole.LEAVER:
                 self.switch.leave(prep, step)
                 return loss, -1
             for name, backend in prep.backends.items():
@@ -121,7 +122,7 @@ class TrainingLoop:
             self.ctx.switched_epoch = prep.epoch
             self.ctx.trace_next_steps()
             trace("stayer swapped")
-            self.ctx.send("switched", epoch=prep.epoch, rank=self.ctx.rank, role="stayer", step=step, t=time.time(),
+            self.ctx.send("switched", epoch=prep.epoch, rank=self.ctx.rank, role=MoveRole.STAYER, step=step, t=time.time(),
                           detail={"prepare_s": prep.seconds, "comms_created": self.ctx.comms_created(),
                                   "comms_created_before": prep.comms_before})
         return loss, step

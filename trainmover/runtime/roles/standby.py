@@ -28,9 +28,9 @@ import torch
 
 from trainmover.errors import MigrationError
 from trainmover.groups.swappable import CONTROL, SwappableGroup
-from trainmover.runtime import ahead
+from trainmover.runtime.roles import ahead
 from trainmover.runtime.context import RankContext
-from trainmover.runtime.protection import Protection
+from trainmover.runtime.protection.role import Protection
 from trainmover.runtime.rankstate import RankState
 
 log = logging.getLogger("trainmover.worker")

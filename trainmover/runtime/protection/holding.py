@@ -59,7 +59,8 @@ from trainmover.errors import MigrationError
 from trainmover.groups.swappable import gloo_group
 from trainmover.groups.tensors import dtype_of, numel, unflatten
 from trainmover.protocol.store import AuthStore
-from trainmover.runtime import capture, transfer
+from trainmover.runtime.protection import capture
+from trainmover.runtime.transfer import state as transfer
 
 log = logging.getLogger("trainmover.holding")
 

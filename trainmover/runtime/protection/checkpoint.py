@@ -32,7 +32,7 @@ from trainmover.errors import MigrationError
 from trainmover.groups.tensors import tensors_of
 from trainmover.protocol import files
 from trainmover.protocol.checkpoint_layout import fsync_dir, rank_file, read_manifest
-from trainmover.runtime import transfer
+from trainmover.runtime.transfer import state as transfer
 
 log = logging.getLogger("trainmover.checkpoint")
 
