@@ -25,7 +25,7 @@ from trainmover.controller.durable import handover, journal, records
 from trainmover.controller.exit_codes import MOVED, SUPERSEDED
 from trainmover.controller.fencing import FencedNodes, kill_and_drain
 from trainmover.controller.policy import tiers
-from trainmover.protocol import channel, endpoint
+from trainmover.protocol import channel, endpoint, files
 from trainmover.protocol import checkpoint_layout
 from trainmover.protocol.messages import make
 from trainmover.slurm.model import TRAIN_FEATURE
@@ -258,6 +258,7 @@ class Controller:
             controller_file=str(self.files.root / endpoint.NAME),
             recording_dir=str(self.files.root / "recordings") if self.cfg.record_iterations else "",
             snapshot_every=self.snapshot_every, checkpoint_dir=str(self.checkpoint_root),
+            run_dir_id=files.dir_identity(self.files.at),  # the rank holds this directory, no other
             ranks_per_node=self.view.ranks_per_node,
             inject=faults.for_launch(self.cfg.inject, role, self.standby_launches, first_controller=self.attempt == 0))
 
