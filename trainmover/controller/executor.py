@@ -141,7 +141,6 @@ class Controller:
         self.policy = Policy(cfg, self.view)
         self.policy.pool_choice = pool_choice
         self.policy.snapshot_every = self.snapshot_every
-        self.checkpoint_root = root / "checkpoints"
         if not resume:
             self.files = records.RunFiles(root)
             try:
@@ -150,6 +149,8 @@ class Controller:
                 raise ConfigError(f"{self.files.root} already holds a job secret: a controller of job {job_id} ran "
                                   "there before (a requeued job?). Move that directory away, or set TM_RUN_DIR "
                                   "to a new one; TrainMover never reuses another controller's secret.") from None
+        # the manifests are read and written through the held directory; the ranks get the path
+        self.checkpoint_root = self.files.at / "checkpoints"
         self.policy.checkpoint_steps = checkpoint_layout.complete(self.checkpoint_root, self.key)[-checkpoint_layout.KEEP:]
         self.capabilities: dict = {}
         # Why this job takes no standby by job expansion ("": it may; None: not known yet). Set
@@ -257,7 +258,7 @@ class Controller:
             store=(self.store_host, self.store_port), secret_file=str(self.files.secret),
             controller_file=str(self.files.root / endpoint.NAME),
             recording_dir=str(self.files.root / "recordings") if self.cfg.record_iterations else "",
-            snapshot_every=self.snapshot_every, checkpoint_dir=str(self.checkpoint_root),
+            snapshot_every=self.snapshot_every, checkpoint_dir=str(self.files.root / "checkpoints"),
             run_dir_id=files.dir_identity(self.files.at),  # the rank holds this directory, no other
             ranks_per_node=self.view.ranks_per_node,
             inject=faults.for_launch(self.cfg.inject, role, self.standby_launches, first_controller=self.attempt == 0))
@@ -271,7 +272,9 @@ class Controller:
                                     name=f"tm-{role}")
         env = step_environment(self.slurm.step_env(self.resizer.job, self.environ))  # the kept record: no RPC
         env[SPEC_ENV] = spec.to_env()
-        log_path = self.files.root / f"{role}-{node}.log"
+        # a keeper opens the log through its own held directory (it checks the path); our own srun's
+        # log is opened through ours: a `runs/` swapped since gets none of the step's output
+        log_path = (self.files.root if self.launcher.remote else self.files.at) / f"{role}-{node}.log"
         pid = self.launcher.launch(node, role, argv, env, log_path)
         self.journal.write(time.time(), [{"kind": "launch", "node": node, "role": role, "ranks": list(ranks),
                                           "pid": pid}])
