@@ -11,7 +11,8 @@ files, bounded in count and time.
   them, never cancel or be misdirected.
 
 * `--pairs-uid UID`: pose as a transfer pair's peer. Every TCP listener of the job's user (uid
-  UID; /proc/net/tcp shows anyone every socket's owner) that appears after the attack starts (a
+  UID; /proc/net/tcp shows anyone every socket's owner) on a node's address (srun's listeners on
+  0.0.0.0 left out) that appears after the attack starts (a
   migration's pair and the joiner's groups, gloo's listeners) is connected to at once, many
   times, each time with a guessed gloo sequence number (8 bytes, as gloo's connecting side
   sends) followed by a forged state (an RNG state and a step counter, as a manifest would
@@ -65,7 +66,8 @@ def listeners(uid: int) -> set[tuple[str, int]]:
             continue
         hexip, hexport = f[1].split(":")
         ip = socket.inet_ntoa(struct.pack("<I", int(hexip, 16)))
-        out.add((ip, int(hexport, 16)))
+        if ip != "0.0.0.0":  # srun's own I/O listeners: not a pair (gloo listens on the node's address)
+            out.add((ip, int(hexport, 16)))
     return out
 
 
