@@ -441,12 +441,13 @@ def test_a_rogue_pair_peer_feeds_the_joiner_nothing(env, slurm_client, reference
         else:  # the other user took over a pair first: a denial of service, clearly said
             said = run.slurm_out()
             assert state == "FAILED", (state, said[-3000:])
-            found = re.search(r"group (\S+) failed: .*Connection closed by peer \[([0-9.]+)\]:\d+", said)
+            found = re.search(rf"trainmover: job {run.job_id} FAILED: (.*)Connection closed by peer "
+                              r"\[([0-9.]+)\]:\d+", said)
             assert found, said[-3000:]
             assert found.group(2) not in node_addrs, (found.group(0), node_addrs)  # none of the job's
             assert not run.dir.joinpath("final.json").exists()
-            outcome = (f"the job failed clearly at step {max(got)}: a pair of group {found.group(1)} was taken over "
-                       f"from {found.group(2)} (a denial of service)")
+            outcome = (f"the job failed clearly at step {max(got)}: a pair was taken over from {found.group(2)} "
+                       f"({found.group(1).strip()[:120]}...; a denial of service)")
         print(f"\nrogue pair peer: {len(did['pair_targets'])} listeners of the job's user attacked, "
               f"{did['pair_connects']} connections accepted, {did['pair_bytes_sent']} forged bytes sent; "
               f"{len(did['store_values_read'])} store values read, no address in them; states refused by MAC: "
