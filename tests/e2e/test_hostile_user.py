@@ -387,8 +387,9 @@ def test_a_rogue_pair_peer_feeds_the_joiner_nothing(env, slurm_client, reference
     admits whoever sends a pending pair's sequence number first, so the outcome depends on the
     race: either the job's own peers connect first and the migration is done and the job
     completes bit-exactly, or the other user takes over a pair (seen: a pair of the new `world`
-    group) and the job fails clearly, the collective's error naming the peer, an address that
-    is none of the job's nodes (a denial of service: docs/security.md, "Known limits"); a
+    group, or the transfer pair) and the job fails clearly, its message naming the peer and
+    saying that it is none of the job's nodes (a denial of service: docs/security.md, "Known
+    limits"); a
     hijacked transfer pair would be refused by the manifest's MAC or gloo's framing, never
     loaded. Controls: the attack code reached listeners of the job's user (its connections were
     accepted), it read the migration's values, and its search finds an address where one is in
@@ -445,6 +446,8 @@ def test_a_rogue_pair_peer_feeds_the_joiner_nothing(env, slurm_client, reference
                               r"\[([0-9.]+)\]:\d+", said)
             assert found, said[-3000:]
             assert found.group(2) not in node_addrs, (found.group(0), node_addrs)  # none of the job's
+            # and the job's own failure says what that means (controller/foreign_peer.py)
+            assert f"peer {found.group(2)} is none of the job's nodes" in said, said[-3000:]
             assert not run.dir.joinpath("final.json").exists()
             outcome = (f"the job failed clearly at step {max(got)}: a pair was taken over from {found.group(2)} "
                        f"({found.group(1).strip()[:120]}...; a denial of service)")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from trainmover import faults
 from trainmover.config import Config, parse_tiers
-from trainmover.controller import user_rights
+from trainmover.controller import foreign_peer, user_rights
 from trainmover.controller.durable import handover, journal, records
 from trainmover.controller.exit_codes import MOVED, SUPERSEDED
 from trainmover.controller.fencing import FencedNodes, kill_and_drain
@@ -332,8 +332,8 @@ class Controller:
                 log.info("checkpoint of step %d complete; pruned %s", a.step, [d.name for d in gone])
             elif isinstance(a, Fence):
                 self._fence(a)
-            elif isinstance(a, Finish):
-                self.outcome = (a.ok, a.message)
+            elif isinstance(a, Finish):  # a failure naming a peer outside the job says so
+                self.outcome = (a.ok, a.message if a.ok else foreign_peer.note(a.message, self.addr.values()))
 
     # --- fencing (controller/policy/liveness.py) ------------------------------------------------
     def _refuse(self, conn, reason: str) -> None:
