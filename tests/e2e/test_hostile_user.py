@@ -442,8 +442,8 @@ def test_a_rogue_pair_peer_feeds_the_joiner_nothing(env, slurm_client, reference
         else:  # the other user took over a pair first: a denial of service, clearly said
             said = run.slurm_out()
             assert state == "FAILED", (state, said[-3000:])
-            found = re.search(rf"trainmover: job {run.job_id} FAILED: (.*)Connection closed by peer "
-                              r"\[([0-9.]+)\]:\d+", said)
+            found = re.search(rf"trainmover: job {run.job_id} FAILED: (.*?)\[((?:\d{{1,3}}\.){{3}}\d{{1,3}})\]:\d+",
+                              said)  # gloo's [address]:port of the pair's peer
             assert found, said[-3000:]
             assert found.group(2) not in node_addrs, (found.group(0), node_addrs)  # none of the job's
             # and the job's own failure says what that means (controller/foreign_peer.py)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-PEER_RE = re.compile(r"(?:Connection closed by peer|Connection reset by peer|peer) \[([0-9a-fA-F.:]+)\]:\d+")
+# gloo names a pair's peer as [<address>]:<port> ("Connection closed by peer [a]:p", "Read error
+# [a]:p: Connection reset by peer"); its source location is [<path>:<line>], which this never matches
+PEER_RE = re.compile(r"\[((?:\d{1,3}\.){3}\d{1,3}|[0-9a-fA-F]*:[0-9a-fA-F:]*)\]:\d+")
 
 
 def note(message: str, node_addresses: Iterable[str]) -> str:
