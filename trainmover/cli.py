@@ -69,8 +69,25 @@ def _say(line: str) -> None:
     print("".join(c if c.isprintable() else repr(c)[1:-1] for c in line))
 
 
+def _held_run_dir(job: str, run_dir: str | None) -> Path:
+    """The job's run directory held open (files.held_dir: no link followed), only if it is the
+    job's user's and nobody else can write it: a `runs/` another user renamed and replaced in a
+    shared submit directory is refused, not read (docs/security.md). The job's user is the one
+    running this, or, for root, Slurm's `UserId=` (the directory's owner where Slurm has
+    forgotten the job)."""
+    from trainmover.protocol import files
+    path = _run_dir(job, run_dir)
+    owner = None
+    if os.geteuid() == 0:
+        try:
+            owner = _job_uid(job)
+        except TrainMoverError:
+            owner = os.lstat(path).st_uid
+    return files.held_dir(path, owner=owner)
+
+
 def _status(args) -> int:
-    status = _read_run_file(_run_dir(args.job, args.run_dir) / "status.json", args.job, "status")
+    status = _read_run_file(_held_run_dir(args.job, args.run_dir) / "status.json", args.job, "status")
     if args.json:
         print(json.dumps(status, indent=1))  # JSON escapes control characters itself
         return 0

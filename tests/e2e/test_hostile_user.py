@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -294,3 +295,174 @@ def test_a_state_directory_planted_in_var_tmp_is_refused_and_nothing_is_made_thr
             elif p.exists():
                 shutil.rmtree(p, ignore_errors=True)
         shutil.rmtree(target, ignore_errors=True)
+
+
+def _as_job_user_cli(env: dict, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """`trainmover ...` as the job's user types it in their submit directory."""
+    from tests.e2e.conftest import JOB_USER
+    return subprocess.run(["runuser", "-u", JOB_USER, "--", sys.executable, "-m", "trainmover.cli", *args],
+                          capture_output=True, text=True, timeout=60, env=env, cwd=str(cwd))
+
+
+def test_runs_renamed_and_replaced_mid_job_is_never_believed(env, slurm_client, reference):
+    """A project directory opened to others (writable, not sticky: the case where another user
+    can rename what is in it; docs/security.md) is the job's submit directory. Once the job
+    trains and its standby is warm, the other user renames `runs/` and puts their own
+    `runs/<job>` in its place: a status.json whose outcome says "done", a final.json with a
+    forged digest, a journal whose `end` says ok. The job notices none of it and is unaffected:
+    the keeper ends it on its own sealed outcome after every step, bit-exactly equal to the
+    uninterrupted run; the ranks' checkpoints written after the swap (steps 200 and 250) are in
+    the job's own directory, where it was moved, and nothing of the job's reaches the other
+    user's; `trainmover status` refuses the other user's directory (naming it and its owner)
+    and reads the job's own when pointed at it. Negative control: the forged files are there at
+    the path, readable, and say "done"."""
+    other_uid = host_account(OTHER_USER).uid
+    project = user_dir("project")  # JOB_USER's own project directory ...
+    project.chmod(0o777)           # ... opened to everyone, not sticky
+    run = submit(env, project, "swapped", TM_INJECT="pace:0.05", TM_CHECKPOINT_EVERY=50)
+    jid = run.job_id
+    forged_dir = project / "runs" / str(jid)
+    moved = Run(jid, project, run.env)
+    moved.dir = project / "runs.moved" / str(jid)
+    forged = {
+        "status.json": json.dumps({"job_id": jid, "world_size": 3, "batch_host": "evil", "nodes": [], "standbys": [],
+                                   "standby_pool": {"note": ""}, "migrations": [],
+                                   "outcome": {"ok": True, "message": "forged: training finished"}}),
+        "final.json": json.dumps({"job_id": jid, "steps": STEPS, "digest": "0" * 64}),
+        "journal.jsonl": json.dumps({"v": 2, "seq": 1, "t": 0.0, "kind": "end", "ok": True, "message": "forged"}) + "\n",
+    }
+    try:
+        start_training(run, slurm_client)
+        wait_for("a warm standby", lambda: any(s["state"] == "ready" for s in run.status()["standbys"]),
+                 timeout=120, explain=run.explain)
+        # --- the other user's swap ---------------------------------------------------------------
+        swap = as_other(["mv", "runs", "runs.moved"], cwd=str(project))
+        assert swap.returncode == 0, swap
+        step_at_swap = moved.last_step()
+        assert as_other(["mkdir", "-m", "0755", "-p", str(forged_dir)]).returncode == 0
+        for name, text in forged.items():
+            assert as_other(["sh", "-c", f"umask 022; cat > {forged_dir / name}"], input=text).returncode == 0
+        # control: at the path the job's files had, a "done" outcome anyone can read
+        assert json.loads((forged_dir / "status.json").read_text())["outcome"]["ok"] is True
+        assert step_at_swap < 200, f"the swap came at step {step_at_swap}: after the checkpoints it should precede"
+
+        assert run.wait_done(slurm_client, timeout=180) == "COMPLETED", run.slurm_out()[-3000:]
+        assert_same_training(moved, reference)  # every step once, losses and final digest equal: unaffected
+        assert moved.status()["outcome"]["ok"] is True and "forged" not in json.dumps(moved.status())
+        kept = sorted(d.name for d in (moved.dir / "checkpoints").glob("step-*"))
+        assert kept == ["step-000000200", "step-000000250"], kept  # the ranks' writes after the swap: the job's
+        assert sorted((moved.dir / "checkpoints" / "step-000000250").iterdir()) == sorted(
+            moved.dir / "checkpoints" / "step-000000250" / n for n in
+            ("manifest.json", "rank-00000.h5", "rank-00001.h5", "rank-00002.h5"))
+        assert sorted(os.listdir(forged_dir)) == sorted(forged), "nothing of the job's went to the other user's"
+        assert all((forged_dir / n).read_text() == t for n, t in forged.items())
+        assert "forged" not in run.slurm_out()
+        assert private_tree(moved.dir) == []
+
+        # `trainmover status`, as the job's user types it: the other user's directory is refused
+        refused = _as_job_user_cli(run.env, project, "status", "--job", str(jid))
+        assert refused.returncode == 2 and "forged" not in refused.stdout, refused
+        assert f"{forged_dir} is not the job's user's own directory (uid {other_uid}" in refused.stderr, refused
+        own = _as_job_user_cli(run.env, project, "status", "--job", str(jid), "--run-dir", str(moved.dir), "--json")
+        assert own.returncode == 0 and json.loads(own.stdout)["outcome"]["ok"] is True, own
+        assert "forged" not in own.stdout
+        print(f"\nswap at step {step_at_swap}; job {jid} completed bit-exactly in its own directory; "
+              f"checkpoints {kept}; status refused uid {other_uid}'s directory")
+    finally:
+        commands.run(["scancel", str(jid)], timeout=10, env=env, check=False)
+        wait_for("the test's job to end", lambda: job_ended(slurm_client, jid), timeout=90, interval=1.0)
+
+
+def test_a_rogue_pair_peer_feeds_the_joiner_nothing(env, slurm_client, reference):
+    """During a drain migration the other user poses as the leaver's transfer pair: every TCP
+    listener of the job's user on a node's address that appears (the migration's gloo pair and
+    the new groups' listeners of the joiner and the stayers: /proc/net/tcp shows anyone each
+    socket's owner) is connected to at once, 64 times, each with a guessed gloo sequence number
+    and a forged state (RNG state, step counter); and every value the migration's store keys
+    hold is read, looking for those listeners' addresses in it.
+
+    What it shows: the store gives only ciphertext (no address in any value), and nothing of the
+    forged state is loaded: every step the job logged has the uninterrupted run's losses (a
+    poisoned RNG state or step counter would change them, or the step numbers). gloo itself
+    admits whoever sends a pending pair's sequence number first, so the outcome depends on the
+    race: either the job's own peers connect first and the migration is done and the job
+    completes bit-exactly, or the other user takes over a pair (seen: a pair of the new `world`
+    group, or the transfer pair) and the job fails clearly, its message naming the peer and
+    saying that it is none of the job's nodes (a denial of service: docs/security.md, "Known
+    limits"); a
+    hijacked transfer pair would be refused by the manifest's MAC or gloo's framing, never
+    loaded. Controls: the attack code reached listeners of the job's user (its connections were
+    accepted), it read the migration's values, and its search finds an address where one is in
+    clear."""
+    from tests.e2e.conftest import JOB_USER
+    home = user_dir("rogue-pair")
+    run = submit(env, home, "rogue-pair", TM_POLL_S=1, TM_INJECT="pace:0.05")
+    leaver = None
+    attacker = None
+    theirs = user_dir("rogue-theirs", user=OTHER_USER)
+    report, stop = theirs / "attack.json", theirs / "stop"
+    try:
+        start_training(run, slurm_client)
+        wait_for("a warm standby", lambda: any(s["state"] == "ready" for s in run.status()["standbys"]),
+                 timeout=120, explain=run.explain)
+        ep = json.loads((run.dir / "controller.json").read_text())  # the store's port: what a port scan finds
+        attacker = subprocess.Popen(
+            ["runuser", "-u", OTHER_USER, "--", "env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "tests.e2e.hostile",
+             "--store", f"{ep['store_host']}:{ep['store_port']}", "--no-store-claims",
+             "--pairs-uid", str(host_account(JOB_USER).uid), "--ranks", "3", "--seconds", "150",
+             "--stop", str(stop), "--out", str(report)],
+            cwd=str(theirs), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wait_for("the attack to be on", lambda: Path(f"{report}.started").exists() or attacker.poll() is not None,
+                 timeout=60)
+        assert attacker.poll() is None, attacker.communicate()[0][-2000:]
+        leaver = leaver_of(run)
+        node_addrs = {i.addr for i in slurm_client.nodes().values()}
+        commands.run(["scontrol", "update", f"nodename={leaver}", "state=drain", f"reason={DRAIN_REASON}"],
+                     timeout=10, env=run.env)
+        state = run.wait_done(slurm_client, timeout=180)
+        stop.touch()
+        out = attacker.communicate(timeout=60)[0]
+        did = json.loads(report.read_text())
+        assert did["pair_targets"] and did["pair_connects"] > 0, (did, out[-2000:])  # control: it reached them
+        assert did["store_values_read"], did  # control: it read the migration's values
+        assert did["search_control"] and did["addresses_in_clear"] == [], did
+        # nothing forged loaded: every logged step once, each with the uninterrupted run's losses
+        ref = {m["step"]: m["losses"] for m in reference.metrics()}
+        got = {m["step"]: m["losses"] for m in run.metrics()}
+        assert sorted(got) == list(range(1, max(got) + 1)), "steps logged in order, each once"
+        assert all(got[s] == ref[s] for s in got), [s for s in got if got[s] != ref[s]][:5]
+        logs = "".join(p.read_text(errors="replace") for p in run.dir.glob("*.log"))
+        refused = logs.count("is not sealed with the job's key") + logs.count("not the ones a rank holding")
+        migrations = run.status()["migrations"]
+        if state == "COMPLETED":
+            (m,) = migrations
+            assert (m["leaver"], m["trigger"], m["state"]) == (leaver, "drain", "done"), m
+            assert_same_training(run, reference)
+            outcome = f"the job completed bit-exactly, migration downtime {m['downtime_s']:.3f}s"
+        else:  # the other user took over a pair first: a denial of service, clearly said
+            said = run.slurm_out()
+            assert state == "FAILED", (state, said[-3000:])
+            found = re.search(rf"trainmover: job {run.job_id} FAILED: (.*?)\[((?:\d{{1,3}}\.){{3}}\d{{1,3}})\]:\d+",
+                              said)  # gloo's [address]:port of the pair's peer
+            assert found, said[-3000:]
+            assert found.group(2) not in node_addrs, (found.group(0), node_addrs)  # none of the job's
+            # and the job's own failure says what that means (controller/foreign_peer.py)
+            assert f"peer {found.group(2)} is none of the job's nodes" in said, said[-3000:]
+            assert not run.dir.joinpath("final.json").exists()
+            outcome = (f"the job failed clearly at step {max(got)}: a pair was taken over from {found.group(2)} "
+                       f"({found.group(1).strip()[:120]}...; a denial of service)")
+        print(f"\nrogue pair peer: {len(did['pair_targets'])} listeners of the job's user attacked, "
+              f"{did['pair_connects']} connections accepted, {did['pair_bytes_sent']} forged bytes sent; "
+              f"{len(did['store_values_read'])} store values read, no address in them; states refused by MAC: "
+              f"{refused}; {outcome}")
+    finally:
+        if attacker is not None and attacker.poll() is None:
+            stop.touch()
+            try:
+                attacker.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                attacker.kill()
+        commands.run(["scancel", str(run.job_id)], timeout=10, env=env, check=False)
+        wait_for("the test's job to end", lambda: job_ended(slurm_client, run.job_id), timeout=90, interval=1.0)
+        if leaver is not None:
+            slurm_client.resume(leaver)

@@ -61,7 +61,8 @@ def test_the_jobs_uid_is_read_from_slurm():
     assert parse.parse_job_text(line.replace("tmuser(1001)", "tmuser", 1)).user_id == -1
 
 
-def test_status_prints_a_users_strings_with_control_characters_escaped(tmp_path, capsys):
+def test_status_prints_a_users_strings_with_control_characters_escaped(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_job_uid", lambda job: os.geteuid())  # the directory's owner: no Slurm here
     evil = "\x1b]0;owned\x07\x1b[2J"
     run = tmp_path / "run"
     run.mkdir()
@@ -142,3 +143,27 @@ def test_demo_and_plan_read_no_users_file_through_a_link_or_a_fifo(tmp_path):
     assert stat.S_ISFIFO(os.lstat(run / "journal.jsonl").st_mode)
     with pytest.raises(ConfigError, match="no journal.jsonl found|not a readable journal"):
         history.from_journals([str(run)])
+
+
+@as_root
+def test_status_reads_only_the_jobs_users_run_directory(tmp_path, monkeypatch, capsys):
+    """`trainmover status` after another user renamed `runs/` and put theirs in its place: their
+    directory (with a status.json whose outcome says "done") is refused, naming the path and the
+    owner; the job's user's own is read. Negative control: the file read by its path alone, as
+    status did before, gives the forged outcome."""
+    monkeypatch.setattr(cli, "_job_uid", lambda job: USER)
+    forged = {"job_id": 7, "world_size": 2, "batch_host": "a", "nodes": [], "standbys": [],
+              "standby_pool": {"note": ""}, "migrations": [], "outcome": {"ok": True, "message": "forged: done"}}
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    (theirs / "status.json").write_text(json.dumps(forged))
+    for p in (theirs, theirs / "status.json"):
+        os.chown(p, OTHER, OTHER)
+    assert json.loads(files.read_limited(theirs / "status.json", 1 << 20))["outcome"]["ok"] is True  # control
+    with pytest.raises(files.UnsafePath, match=f"{theirs} is not the job's user's own directory \\(uid {OTHER}"):
+        cli._status(argparse.Namespace(job="7", run_dir=str(theirs), json=False))
+    assert "forged" not in capsys.readouterr().out
+    own, _ = _users_run_dir(tmp_path, USER)
+    (own / "status.json").write_text(json.dumps({**forged, "outcome": {"ok": True, "message": "the job's own"}}))
+    assert cli._status(argparse.Namespace(job="7", run_dir=str(own), json=False)) == 0
+    assert "finished: the job's own" in capsys.readouterr().out

@@ -4,6 +4,7 @@ makes the swap for real and shows the job reading its own directory, with a nega
 showing what the path alone would have given."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -115,3 +116,58 @@ def test_a_directory_changed_between_the_check_and_the_hold_is_refused(tmp_path)
     root.symlink_to(tmp_path)
     with pytest.raises(OSError):
         files.held_dir(root)
+
+
+def _rank_spec(root: Path, at: Path):
+    """What the controller hands a rank: the plain paths of the job's files and the identity of
+    the directory it made and holds (executor._spec)."""
+    from trainmover.protocol.worker_spec import WorkerSpec
+    return WorkerSpec(role="worker", ranks=(1,), world_size=2, node="b", node_addr="127.0.0.2",
+                      controller=("127.0.0.1", 1), store=("127.0.0.1", 2), secret_file=str(root / "secret"),
+                      controller_file=str(root / "controller.json"), recording_dir=str(root / "recordings"),
+                      checkpoint_dir=str(root / "checkpoints"), run_dir_id=files.dir_identity(at))
+
+
+def test_a_rank_writes_its_checkpoints_into_the_held_directory_after_runs_is_swapped(tmp_path):
+    """A rank that started before the swap holds the controller's directory: its checkpoints and
+    recordings, and the controller.json and key it reads, stay the job's. Negative control: the
+    plain path the rank is handed leads into the other user's directory after the swap."""
+    root, at = _job(tmp_path)
+    (at / "secret").write_bytes(KEY)
+    spec = _rank_spec(root, at).held()
+    assert spec.secret_file != str(root / "secret") and spec.checkpoint_dir.endswith("/checkpoints")
+    _swap(root)
+    (root / "secret").write_bytes(b"x" * 32)  # theirs
+    Path(spec.checkpoint_dir).mkdir()
+    (Path(spec.checkpoint_dir) / "step-10.pt").write_bytes(b"state")
+    assert Path(spec.secret_file).read_bytes() == KEY
+    moved = tmp_path / "project" / "runs.moved" / "7"
+    assert (moved / "checkpoints" / "step-10.pt").read_bytes() == b"state"  # in the job's own directory
+    assert not (root / "checkpoints").exists()
+    # negative control: the plain path the rank was handed is the other user's directory now
+    assert Path(_rank_spec(root, at).checkpoint_dir).parent == root and (root / "status.json").exists()
+    assert files.dir_identity(root) != files.dir_identity(at)
+
+
+def test_a_rank_started_after_runs_is_swapped_refuses_the_directory(tmp_path):
+    """A rank launched after the swap (a standby, a joiner) finds another directory at the path:
+    refused, naming the path and why, before it reads a key or writes a file. Negative control:
+    without the identity (an older launch) the same spec is taken as it is."""
+    root, at = _job(tmp_path)
+    spec = _rank_spec(root, at)
+    _swap(root)
+    os.chmod(root, 0o700)  # an owner check alone would pass: the other "user" is us in a unit test
+    with pytest.raises(files.UnsafePath, match="not the run directory this job's controller made.*renamed and "
+                                                "replaced"):
+        spec.held()
+    assert sorted(os.listdir(root)) == ["status.json"]  # nothing written there
+    unchecked = dataclasses.replace(spec, run_dir_id=())
+    assert unchecked.held() == unchecked and Path(unchecked.secret_file).parent == root
+
+
+def test_a_rank_spec_carries_the_run_directorys_identity_through_its_json(tmp_path):
+    from trainmover.protocol.worker_spec import WorkerSpec
+    root, at = _job(tmp_path)
+    spec = _rank_spec(root, at)
+    back = WorkerSpec.from_env({"TM_WORKER_SPEC": spec.to_env()})
+    assert back.run_dir_id == files.dir_identity(root) and back == spec

@@ -20,12 +20,12 @@ from pathlib import Path
 
 from trainmover import faults
 from trainmover.config import Config, parse_tiers
-from trainmover.controller import user_rights
+from trainmover.controller import foreign_peer, user_rights
 from trainmover.controller.durable import handover, journal, records
 from trainmover.controller.exit_codes import MOVED, SUPERSEDED
 from trainmover.controller.fencing import FencedNodes, kill_and_drain
 from trainmover.controller.policy import tiers
-from trainmover.protocol import channel, endpoint
+from trainmover.protocol import channel, endpoint, files
 from trainmover.protocol import checkpoint_layout
 from trainmover.protocol.messages import make
 from trainmover.slurm.model import TRAIN_FEATURE
@@ -141,7 +141,6 @@ class Controller:
         self.policy = Policy(cfg, self.view)
         self.policy.pool_choice = pool_choice
         self.policy.snapshot_every = self.snapshot_every
-        self.checkpoint_root = root / "checkpoints"
         if not resume:
             self.files = records.RunFiles(root)
             try:
@@ -150,6 +149,8 @@ class Controller:
                 raise ConfigError(f"{self.files.root} already holds a job secret: a controller of job {job_id} ran "
                                   "there before (a requeued job?). Move that directory away, or set TM_RUN_DIR "
                                   "to a new one; TrainMover never reuses another controller's secret.") from None
+        # the manifests are read and written through the held directory; the ranks get the path
+        self.checkpoint_root = self.files.at / "checkpoints"
         self.policy.checkpoint_steps = checkpoint_layout.complete(self.checkpoint_root, self.key)[-checkpoint_layout.KEEP:]
         self.capabilities: dict = {}
         # Why this job takes no standby by job expansion ("": it may; None: not known yet). Set
@@ -257,7 +258,8 @@ class Controller:
             store=(self.store_host, self.store_port), secret_file=str(self.files.secret),
             controller_file=str(self.files.root / endpoint.NAME),
             recording_dir=str(self.files.root / "recordings") if self.cfg.record_iterations else "",
-            snapshot_every=self.snapshot_every, checkpoint_dir=str(self.checkpoint_root),
+            snapshot_every=self.snapshot_every, checkpoint_dir=str(self.files.root / "checkpoints"),
+            run_dir_id=files.dir_identity(self.files.at),  # the rank holds this directory, no other
             ranks_per_node=self.view.ranks_per_node,
             inject=faults.for_launch(self.cfg.inject, role, self.standby_launches, first_controller=self.attempt == 0))
 
@@ -270,7 +272,9 @@ class Controller:
                                     name=f"tm-{role}")
         env = step_environment(self.slurm.step_env(self.resizer.job, self.environ))  # the kept record: no RPC
         env[SPEC_ENV] = spec.to_env()
-        log_path = self.files.root / f"{role}-{node}.log"
+        # a keeper opens the log through its own held directory (it checks the path); our own srun's
+        # log is opened through ours: a `runs/` swapped since gets none of the step's output
+        log_path = (self.files.root if self.launcher.remote else self.files.at) / f"{role}-{node}.log"
         pid = self.launcher.launch(node, role, argv, env, log_path)
         self.journal.write(time.time(), [{"kind": "launch", "node": node, "role": role, "ranks": list(ranks),
                                           "pid": pid}])
@@ -328,8 +332,8 @@ class Controller:
                 log.info("checkpoint of step %d complete; pruned %s", a.step, [d.name for d in gone])
             elif isinstance(a, Fence):
                 self._fence(a)
-            elif isinstance(a, Finish):
-                self.outcome = (a.ok, a.message)
+            elif isinstance(a, Finish):  # a failure naming a peer outside the job says so
+                self.outcome = (a.ok, a.message if a.ok else foreign_peer.note(a.message, self.addr.values()))
 
     # --- fencing (controller/policy/liveness.py) ------------------------------------------------
     def _refuse(self, conn, reason: str) -> None:

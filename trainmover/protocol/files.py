@@ -14,7 +14,9 @@ replace nor plant them (docs/security.md).
 * `read_limited`: a bounded read of a file someone else may control (a FIFO, a huge file or a
   link is refused at once, without blocking).
 * `held_dir`: the run directory held by a descriptor for the process's life, so that a `runs/`
-  renamed and replaced by another user mid-job is never read or written in its place.
+  renamed and replaced by another user mid-job is never read or written in its place; a process
+  handed the plain path (a rank) holds it only if it is still the directory its controller made
+  (`dir_identity`: device and inode, in the rank's authenticated launch).
 * `trim_torn_tail`: cut a last line a writer died inside of, in place, never through a link.
 
 The module has no policy beyond "refuse": callers decide what a refusal means.
@@ -92,21 +94,35 @@ def private_dir(path: Path, *, parents: bool = True) -> Path:
     return path
 
 
-def held_dir(path: Path, *, owner: int | None = None) -> Path:
+def held_dir(path: Path, *, owner: int | None = None, identity: tuple[int, ...] | None = None) -> Path:
     """`path` (a run directory `private_dir` accepted) held open for the process's life: the path
     returned resolves through that descriptor (/proc/self/fd/N), so renaming `runs/` or any
     directory above it (a shared submit directory others can write) cannot put another directory
     in its place for this process's later reads and writes. It is checked again on the
     descriptor (a directory, ours, writable by nobody else). Valid in this process only: hand
-    other processes (steps, ranks) the plain path. `owner`: the uid it must belong to (root's
-    `migrate` on a user's job), else ours."""
+    other processes (steps, ranks) the plain path and its `dir_identity`. `owner`: the uid it
+    must belong to (root's `migrate` on a user's job), else ours. `identity`: the (device, inode)
+    the directory must be (a rank: the one its controller made and holds), else any."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     st = os.fstat(fd)
     if st.st_uid != (os.geteuid() if owner is None else owner) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         os.close(fd)
         raise UnsafePath(f"{path} is not the job's user's own directory (uid {st.st_uid}, mode "
                          f"{stat.S_IMODE(st.st_mode):o}): changed since it was checked, or someone else's")
+    if identity is not None and (st.st_dev, st.st_ino) != tuple(identity):
+        os.close(fd)
+        raise UnsafePath(f"{path} is not the run directory this job's controller made (device:inode "
+                         f"{st.st_dev}:{st.st_ino}, not {identity[0]}:{identity[1]}): `runs/` or a directory "
+                         "above it was renamed and replaced since the job started. Refusing to read or write "
+                         "there")
     return Path(f"/proc/self/fd/{fd}")
+
+
+def dir_identity(path: Path) -> tuple[int, int]:
+    """(device, inode) of the directory at `path` (a held one: the directory itself, wherever it
+    was moved): what a process handed the plain path checks with `held_dir(identity=...)`."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
 
 
 def trim_torn_tail(path: Path) -> bytes:

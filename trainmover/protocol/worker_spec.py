@@ -12,11 +12,13 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from trainmover import config
 from trainmover.config import Config
 from trainmover.errors import ConfigError
+from trainmover.protocol import files
 
 ENV = "TM_WORKER_SPEC"
 _CONFIG_FIELDS = frozenset(f.name for f in fields(Config))
@@ -40,6 +42,9 @@ class WorkerSpec:
     controller_file: str = ""       # controller.json on the run dir: where the controller is after a move
     recording_dir: str = ""         # the job's HDF5 recordings, on its shared directory (see Workload.standby_roles)
     checkpoint_dir: str = ""        # on the job's shared directory
+    # (device, inode) of the run directory the controller made and holds (files.dir_identity); ()
+    # for launches without one. The files above lie in it: `held()` reaches them through it.
+    run_dir_id: tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, cfg: Config, *, inject: tuple[str, ...], **launch: Any) -> "WorkerSpec":
@@ -75,12 +80,34 @@ class WorkerSpec:
             d["controller"] = tuple(d["controller"])
             d["store"] = tuple(d["store"])
             d["inject"] = tuple(d.get("inject", ()))
+            d["run_dir_id"] = tuple(d.get("run_dir_id", ()))
             job = dict(d.get("job", {}))
             job["inject"] = tuple(job.get("inject", ()))
             d["job"] = Config(**job)  # validated as the job's own environment is
             return cls(**d)
         except (ConfigError, ValueError, TypeError, KeyError, AttributeError) as exc:
             raise ConfigError(f"{ENV} is malformed: {exc}") from exc
+
+    def held(self) -> "WorkerSpec":
+        """This spec with its files (key, controller.json, recordings, checkpoints) reached through
+        the run directory held open (files.held_dir), after checking that it is still the one the
+        controller made (`run_dir_id`): a `runs/` another user renamed and replaced since then is
+        refused here (files.UnsafePath), before a byte is read or written there; one renamed
+        later changes nothing this process reads or writes. Without `run_dir_id`: unchanged."""
+        if not self.run_dir_id:
+            return self
+        root = Path(self.secret_file).parent
+        at = files.held_dir(root, identity=self.run_dir_id)
+
+        def through(path: str) -> str:
+            if not path or not Path(path).is_relative_to(root):
+                return path
+            return str(at / Path(path).relative_to(root))
+
+        return dataclasses.replace(self, secret_file=through(self.secret_file),
+                                   controller_file=through(self.controller_file),
+                                   recording_dir=through(self.recording_dir),
+                                   checkpoint_dir=through(self.checkpoint_dir))
 
     def my_rank(self, local_index: int) -> int | None:
         return self.ranks[local_index] if self.ranks else None

@@ -274,7 +274,11 @@ def main() -> int:
     files.private_umask()
     here = JobEnv.read()
     setup_logging(node=here.node or "?")
-    spec = WorkerSpec.from_env()
+    try:
+        spec = WorkerSpec.from_env().held()  # as a worker's (worker.main)
+    except files.UnsafePath as exc:
+        log.error("stub node %s refused its run directory: %s", here.node or "?", exc)
+        return 1
     node = StubNode(spec)
     try:
         return node.run()

@@ -495,7 +495,12 @@ def main() -> int:
     here = JobEnv.read()
     setup_logging(node=here.node or "?")
     torch.set_num_threads(1)  # determinism and fair sharing of the node's cores
-    spec = WorkerSpec.from_env()
+    try:
+        # the run directory held, if still the controller's: a `runs/` swapped in is never used
+        spec = WorkerSpec.from_env().held()
+    except files.UnsafePath as exc:  # nothing to report it through: the key lies in that directory
+        log.error("rank process on %s refused its run directory: %s", here.node or "?", exc)
+        return FAILED
     local = here.local_id
     # Bound before its __init__ runs: constructing the workload (the user's code) happens there,
     # and its error is reported through the link that __init__ opened first.
