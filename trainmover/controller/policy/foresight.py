@@ -1,7 +1,7 @@
 """Groups foreseen: the replacement groups of a loss that has not happened, built ahead (pure).
 
 After an unexpected failure every group is rebuilt with the standby in the lost ranks' places
-(runtime/rank_recovery.py). Built after the fault, the new world communicator was most of the
+(runtime/roles/recovery.py). Built after the fault, the new world communicator was most of the
 pause: 1.1 s of 2.15 s on 4x H200 (bench/results/issue36, GPT 1.2B 3 DP workers + 1 standby).
 Those groups depend only on which node is lost and which standby takes its ranks, and both sets
 are small while the job is: so, while a standby is ready and the job has at most
