@@ -470,7 +470,7 @@ class Server:
         except OSError:
             pass
         p.sock.close()
-        if known:
+        if known and conn is not None:
             self._out.append((conn, None))  # None: this peer is gone
 
     def _rejected(self, p: _Peer, conn: Connection | None, known: bool, exc: BaseException) -> None:
