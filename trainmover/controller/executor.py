@@ -555,6 +555,9 @@ class Controller:
     def _arrivals(self) -> dict:
         """(node, pid) -> when its connection's reader last received a frame: a message still
         queued for the policy proves its sender alive (controller/policy/liveness.py)."""
+        late = time.monotonic() - self.server.turned_at
+        if late > 2 * TICK_S:  # it turns at least every second: its frames' times are stale
+            log.warning("the control channel's reader has not turned for %.1fs", late)
         return {(node, (c.identity or {}).get("pid", 0)): c.last_frame_at
                 for node, conns in self.conns.items() for c in conns}
 

@@ -290,6 +290,7 @@ class Server:
         self._pending: dict[socket.socket, float] = {}  # in the handshake, oldest first
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.turned_at = time.monotonic()  # the selector's last turn (it turns at least every second)
         self._arrived: queue.Queue[_Peer] = queue.Queue()  # accepted, challenged: for the selector
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -369,6 +370,7 @@ class Server:
         """One wait on every connection and what it brought. A connection its owner closed
         (Connection.close shuts it down) reads as ended here."""
         now = time.monotonic()
+        self.turned_at = now
         timeout = min([1.0] + [max(0.0, p.deadline - now) for p in handshaking.values()])
         events = self._selector.select(timeout)
         arrived = time.time()
