@@ -201,7 +201,11 @@ class StubNode:
         nxt = time.monotonic()
         while self.step < self.spec.job.steps:
             t0 = time.perf_counter()
-            nxt += self.step_s
+            # On a grid of step_s, but never catching up: after a long wait in the vote (the start,
+            # while the last nodes launch) a real rank's next step still computes; a stub that ran
+            # the missed steps back to back sent 1,024 step reports per vote round, as fast as the
+            # vote turned, at the 128-node start (and its controller fell seconds behind reading).
+            nxt = max(nxt + self.step_s, time.monotonic())
             time.sleep(max(0.0, nxt - time.monotonic()))
             self.step += 1
             now = time.time()
