@@ -106,6 +106,8 @@ def memory(job: int) -> dict:
             st = dict(x.split(":", 1) for x in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in x)
         except OSError:
             continue
+        if "VmRSS" not in st:  # exiting (a zombie has no memory): seen as a fenced node's stub ended
+            continue
         out["rss_mb"][what] = round(out["rss_mb"].get(what, 0) + int(st["VmRSS"].split()[0]) / 1024, 1)
         if what == "controller":
             out["controller_threads"] = max(out["controller_threads"], int(st["Threads"]))

@@ -274,3 +274,62 @@ def test_after_a_pause_of_the_stuck_rule_the_ranks_get_a_whole_deadline():
     t, n = train(q, 4.0)
     ((when, node),) = stuck_nodes(q, t, n, t + 80, rule_from=t)
     assert node == "train3" and when <= t + 7
+
+
+def train_reporting_steps_only(p, until, every=0.1, ranks=(0, 1, 2)):
+    """All ranks report steps and send no beats (runtime/heartbeat.py skips a beat that a step
+    report within TM_HEARTBEAT_S makes redundant). Returns the last step's time and number."""
+    t, n, last = 1.0, 0, 1.0
+    while t < until:
+        n += 1
+        for r in ranks:
+            step(p, t, r, n)
+        last = t
+        t += every
+        if int(round(t * 10)) % 10 == 0:
+            assert not [a for a in p.on_tick(t) if isinstance(a, Fence)]
+    return last, n
+
+
+def test_without_beats_while_steps_flow_a_frozen_or_stuck_rank_is_found_as_soon_as_with_them():
+    """Issue 38: ranks that report a step within the beat interval send no beat. A frozen rank
+    (no frame at all) is judged at the same silence as in the test above (3.5 s after its last
+    frame, the beats of the others resumed once their steps stopped), and named by the ranks its
+    step reports gave; a stuck one by the beats that resume when steps stop, within the same bound
+    as with beats all along (the deadline plus the CPU window)."""
+    from trainmover.runtime.heartbeat import beat_due_in
+    assert beat_due_in(0.5, 10.0, None) == 0.0          # no step yet: every beat goes
+    assert beat_due_in(0.5, 10.0, 9.8) == pytest.approx(0.3)  # a step 0.2 s ago: the beat waits 0.3 s
+    assert beat_due_in(0.5, 10.0, 9.5) == 0.0           # a whole interval since the last step: due
+    # frozen: rank 1's last frame is the step at t
+    p = new_policy()
+    ready_standby(p)
+    t, n = train_reporting_steps_only(p, 5.0)
+    fence = None
+    for k in range(1, 8):
+        for r in (0, 2):
+            beat(p, t + k * 0.5, r, n, {"world": 3 * n + 1}, t, waiting={"world": k * 0.5})
+        fences = [a for a in p.on_tick(t + k * 0.5) if isinstance(a, Fence)]
+        if k * 0.5 <= 3.0:
+            assert not fences, f"judged before the timeout at {k * 0.5}s"
+            continue
+        (fence,) = fences
+        break
+    assert fence is not None and (fence.node, fence.pid) == ("train2", 101)
+    assert "no heartbeat for 3.5s" in fence.reason and "[1]" in fence.reason, fence.reason
+    # stuck: rank 2's training thread hangs; every rank's beats resume 0.5 s after its last step
+    p = new_policy(progress_timeout_s=5.0)
+    ready_standby(p)
+    t, n = train_reporting_steps_only(p, 4.0)
+    fences = []
+    for k in range(1, 30):
+        now = t + k * 0.5
+        beat(p, now, 0, n, {"world": 3 * n + 2}, t, waiting={"world": k * 0.5})
+        beat(p, now, 1, n, {"world": 3 * n + 2}, t, waiting={"world": k * 0.5})
+        beat(p, now, 2, n, {"world": 3 * n}, t)
+        fences = [a for a in p.on_tick(now) if isinstance(a, Fence)]
+        if fences:
+            break
+    (fence,) = fences
+    assert fence.node == "train3" and "stuck" in fence.reason
+    assert 5.0 < k * 0.5 <= 7.0

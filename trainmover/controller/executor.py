@@ -493,6 +493,7 @@ class Controller:
         # second, apart from the node poll, which slurmctld's load keeps to TM_POLL_S (10 s).
         tick_s = min(self.cfg.poll_s, TICK_S)
         last_status = None
+        status_at = 0.0
         while self.outcome is None:
             now = time.time()
             self.loop_at = time.monotonic()
@@ -516,28 +517,51 @@ class Controller:
             self.apply(actions)
             try:
                 conn, msg = self.server.inbox.get(timeout=min(0.2, max(0.01, next_tick - time.time())))
-                # then what queued up, without waiting, but bounded: step reports of many ranks
-                # arrive faster than one loop turn, and node polls and step exits must still run
-                budget = time.monotonic() + 0.1
-                while True:
-                    self.apply(self.handle_peer(conn, msg, time.time()) if msg is not None
-                               else self.handle_gone(conn, time.time()))
-                    if time.monotonic() > budget or self.outcome is not None:  # ended: nothing more is acted on
-                        break
-                    conn, msg = self.server.inbox.get_nowait()
+                self._messages(conn, msg)
             except queue.Empty:
                 pass
+            # At most every STATUS_EVERY_S: at 1,024 ranks status.json is ~40 KB, and a loop turn
+            # that rebuilt it each time was much of the controller's CPU (docs/scale.md).
             # Compared as text: status() shares nested dicts with the policy (its straggler
             # verdict is updated in place), so a kept dict would always compare equal.
-            status = json.dumps(self.status(), indent=1, sort_keys=True)
-            if status != last_status and self.journal.held():
-                self.files.write_text("status", status)
-                last_status = status
+            if time.monotonic() - status_at >= STATUS_EVERY_S:
+                status_at = time.monotonic()
+                status = json.dumps(self.status(), indent=1, sort_keys=True)
+                if status != last_status and self.journal.held():
+                    self.files.write_text("status", status)
+                    last_status = status
         return self.shutdown()
+
+    def _messages(self, conn, msg) -> None:
+        """`msg` (None: `conn` is gone), then what else arrives for TURN_S: one loop turn's
+        messages (step reports of many ranks come faster than turns; node polls and step exits
+        must still run). Each message's effects are applied before the next is handled; what a
+        decision without effects changed of the durable state is journaled once, at the turn's
+        end (before any later effect: a change not yet journaled is as a message not yet
+        received, which the ranks' resync gives a successor)."""
+        budget = time.monotonic() + TURN_S
+        try:
+            while True:
+                actions = (self.handle_peer(conn, msg, time.time()) if msg is not None
+                           else self.handle_gone(conn, time.time()))
+                if actions:
+                    self.apply(actions)
+                if self.outcome is not None:  # ended: nothing more is acted on
+                    break
+                left = budget - time.monotonic()
+                if left <= 0:
+                    break
+                conn, msg = self.server.inbox.get(timeout=left)
+        except queue.Empty:
+            pass
+        self.apply([])
 
     def _arrivals(self) -> dict:
         """(node, pid) -> when its connection's reader last received a frame: a message still
         queued for the policy proves its sender alive (controller/policy/liveness.py)."""
+        late = time.monotonic() - self.server.turned_at
+        if late > 2 * TICK_S:  # it turns at least every second: its frames' times are stale
+            log.warning("the control channel's reader has not turned for %.1fs", late)
         return {(node, (c.identity or {}).get("pid", 0)): c.last_frame_at
                 for node, conns in self.conns.items() for c in conns}
 
@@ -633,5 +657,7 @@ class Controller:
 
 
 TICK_S = 1.0  # the policy's tick at most this far apart (the node poll may be further)
+TURN_S = 0.05  # a loop turn handles messages for this long before its node poll, step exits, work events
+STATUS_EVERY_S = 0.5  # status.json rewritten at most this often (when it changed)
 KEEPER_BEAT_S = 0.25  # the controller's beat to the keeper (controller/succession/keeper.py)
 LOOP_STALL_S = 30.0   # a main loop that has not turned for this long is hung: no more beats

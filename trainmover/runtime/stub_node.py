@@ -34,6 +34,7 @@ from trainmover.logs import setup_logging
 from trainmover.protocol import channel, endpoint, files
 from trainmover.protocol.messages import make
 from trainmover.protocol.worker_spec import WorkerSpec
+from trainmover.runtime import heartbeat
 from trainmover.runtime.link import Link
 from trainmover.runtime.stub_vote import FAILED, VoteClient, VoteRoot, root_address, write_root
 from trainmover.slurm.job_env import JobEnv
@@ -112,12 +113,20 @@ class StubNode:
         self.switched = 0  # the epoch of the last switch
         for r in self.ranks:
             r.on_prepare, r.resync = self._prepare, self._resync
+        self.stepped_at: float | None = None  # the last step reports (monotonic): beats wait (heartbeat.beat_due_in)
         threading.Thread(target=self._beat, name="tm-stub-beat", daemon=True).start()
 
     def _beat(self) -> None:
-        """Beats as runtime/heartbeat.py sends them: every heartbeat_s, each rank's own."""
-        while self.spec.job.heartbeat_s > 0:
-            time.sleep(self.spec.job.heartbeat_s)
+        """Beats as runtime/heartbeat.py sends them: every heartbeat_s, each rank's own, less
+        those its step reports make redundant (heartbeat.beat_due_in)."""
+        every = self.spec.job.heartbeat_s
+        wait = every
+        while every > 0:
+            time.sleep(wait)
+            wait = heartbeat.beat_due_in(every, time.monotonic(), self.stepped_at)
+            if wait > 0:
+                continue
+            wait = every
             cpu = time.process_time()
             for r in self.ranks:
                 r.send("beat", ranks=[] if r.rank is None else [r.rank], step=self.step, issued={}, waiting={},
@@ -192,13 +201,18 @@ class StubNode:
         nxt = time.monotonic()
         while self.step < self.spec.job.steps:
             t0 = time.perf_counter()
-            nxt += self.step_s
+            # On a grid of step_s, but never catching up: after a long wait in the vote (the start,
+            # while the last nodes launch) a real rank's next step still computes; a stub that ran
+            # the missed steps back to back sent 1,024 step reports per vote round, as fast as the
+            # vote turned, at the 128-node start (and its controller fell seconds behind reading).
+            nxt = max(nxt + self.step_s, time.monotonic())
             time.sleep(max(0.0, nxt - time.monotonic()))
             self.step += 1
             now = time.time()
             for r in self.ranks:
                 r.send("step", rank=r.rank, step=self.step, loss=0.0, step_s=time.perf_counter() - t0,
                        compute_s=self.step_s, t=now)
+            self.stepped_at = time.monotonic()
             self._control()
             prep = self.pending  # what this boundary votes on (a prepare may arrive meanwhile)
             ready = self._ready(prep)

@@ -134,8 +134,8 @@ class Agent:
             news=lambda: endpoint.mtime(spec.controller_file))
         # Beats from the moment the controller knows this process: building the workload
         # (imports, a model) may take longer than the silence that would judge it dead.
-        if spec.job.heartbeat_s > 0:
-            heartbeat.Heartbeat(self.link.send, self._beat, spec.job.heartbeat_s).start()
+        self.heartbeat = (heartbeat.Heartbeat(self.link.send, self._beat, spec.job.heartbeat_s).start()
+                          if spec.job.heartbeat_s > 0 else None)
         self.faults = faults.Injector(spec.inject, spec.role)
         with usercode.user_code("construction"):  # importing and constructing it run the user's code
             loaded = registry.load(spec.job.workload, spec.workload_options)
@@ -300,7 +300,8 @@ class Agent:
             self.last_sent[kind] = msg
         if enter is not None:
             self.state.to(enter)
-        self.link.send(msg)
+        if self.link.send(msg) and kind == "step" and self.heartbeat is not None:
+            self.heartbeat.stepped(time.monotonic())  # a beat is redundant for a while (heartbeat.beat_due_in)
 
     def trace_next_steps(self) -> None:
         """After a switch: log the timings of the next TRACE_STEPS steps (TM_TRACE_SWITCH)."""

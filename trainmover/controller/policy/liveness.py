@@ -4,7 +4,8 @@ A crash is found at once, by its closed connection. A frozen process (SIGSTOP, a
 cut-off node (a partition, power loss without a reset) or a rank whose training thread is stuck
 (a hung kernel or collective) keeps its sockets open; its peers would wait for the whole group
 timeout, and then nobody could say who is to blame. Every process sends `beat` every
-TM_HEARTBEAT_S from a thread of its own (runtime/heartbeat.py); two rules name the culprit:
+TM_HEARTBEAT_S from a thread of its own (runtime/heartbeat.py), except while its step reports
+come as often (any frame proves its sender alive); two rules name the culprit:
 
     silent  nothing heard from a process for TM_HEARTBEAT_TIMEOUT_S: frozen, cut off or dead.
     stuck   no rank completed a step for max(TM_PROGRESS_TIMEOUT_S, TM_PROGRESS_STEPS x the
@@ -69,6 +70,8 @@ class Liveness:
         h.max_gap, h.t = max(h.max_gap, now - h.t), now
         if isinstance(msg, (StepMsg, ReadyMsg, SwitchedMsg, StalledMsg)):
             h.started = True
+        if isinstance(msg, StepMsg) and not h.ranks:  # ranks report steps instead of beating (runtime/heartbeat.py)
+            h.ranks = (msg.rank,)
         if isinstance(msg, BeatMsg):
             h.ranks, h.step, h.issued, h.waiting = tuple(msg.ranks), msg.step, msg.issued, msg.waiting
             h.cpu.append((now, msg.cpu_s))
