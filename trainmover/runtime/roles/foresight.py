@@ -45,7 +45,7 @@ def pair_prefix(tag: str, case: Case, needer: int) -> str:
 def plan(specs: list[GroupSpec], msg: ForeseeMsg, rank: int | None, local: int) -> list[tuple[Case, str, str, str, int, int]]:
     """What this process builds for `foresee` `msg`, in build order: (case, key, group name,
     store prefix, group rank, size). `rank`: a live rank's own; None for a standby's process
-    `local`. Keys are those a recovery asks for (rank_recovery.start_builds): the group's name,
+    `local`. Keys are those a recovery asks for (roles/recovery.py `start_builds`): the group's name,
     `xfer-to-<needer>` on the source, `xfer-in` on the standby."""
     out = []
     for case_, source in zip(msg.cases, msg.sources):
