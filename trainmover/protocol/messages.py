@@ -22,8 +22,8 @@ FieldType: TypeAlias = "type | tuple[type, ...]"
 # checks a JSON object against) is derived from these classes, and `typed` turns a validated
 # message into its class, so that the code that reads a message is checked by mypy.
 # Annotations: int, float (an int is accepted), str, bool, list[...] and dict[...] (checked as
-# list / dict here; the element checks are below, in `validate`).
-Any_ = Any  # a field's free-form part (detail, options): JSON values
+# list / dict here; the element checks are below, in `validate`). `dict[str, Any]`: a free-form
+# part (detail, options) of JSON values.
 
 
 class Msg:
@@ -55,7 +55,7 @@ class ReadyMsg(Msg, kind="ready"):
     local: int
     warmup_s: float
     shadow_steps: int
-    detail: dict[str, Any_]
+    detail: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class RecordedMsg(Msg, kind="recorded"):
     overhead_s: float
     step_s: list[float]
     version: int
-    detail: dict[str, Any_]
+    detail: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class ForeseenMsg(Msg, kind="foreseen"):
     rank: int
     local: int
     cases: list[list[int]]
-    detail: dict[str, Any_]
+    detail: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class PreparedMsg(Msg, kind="prepared"):
     rank: int
     groups: list[str]
     seconds: float
-    detail: dict[str, Any_]
+    detail: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class SwitchedMsg(Msg, kind="switched"):
     role: str
     step: int
     t: float
-    detail: dict[str, Any_]
+    detail: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ class StalledMsg(Msg, kind="stalled"):
     digest: str
     error: str
     role: str
-    holds: dict[str, Any_]
+    holds: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,7 @@ class SnapshotHeldMsg(Msg, kind="snapshot_held"):
     node: str
     rank: int
     steps: list[int]
-    detail: dict[str, Any_]
+    detail: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -174,7 +174,7 @@ class SnapshotTakenMsg(Msg, kind="snapshot_taken"):
     """A rank's snapshot of `step` is complete (copy times, bytes, where it went): runtime/protection/role.py."""
     rank: int
     step: int
-    detail: dict[str, Any_]
+    detail: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -269,7 +269,7 @@ class PrepareMsg(Msg, kind="prepare"):
     leavers: list[int]
     joiner_node: str
     assign: dict[str, int]
-    options: dict[str, Any_]
+    options: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -353,7 +353,7 @@ class StatusMsg(Msg, kind="status"):
 class ReplyMsg(Msg, kind="reply"):
     ok: bool
     message: str
-    data: dict[str, Any_]
+    data: dict[str, Any]
 
 
 _INT, _FLOAT, _STR, _LIST, _DICT, _BOOL = int, (int, float), str, list, dict, bool
@@ -361,12 +361,13 @@ _WIRE: dict[object, FieldType] = {int: _INT, float: _FLOAT, str: _STR, bool: _BO
 
 
 def _wire_types(cls: type) -> dict[str, FieldType]:
-    hints = typing.get_type_hints(cls, globalns={**globals(), "Any_": Any})
+    hints = typing.get_type_hints(cls)
     return {f.name: _WIRE[typing.get_origin(hints[f.name]) or hints[f.name]] for f in dataclasses.fields(cls)}
 
 
 # type -> {field: expected python type(s)}, what `validate` checks: derived from the classes above
 SCHEMA: dict[str, dict[str, FieldType]] = {kind: _wire_types(cls) for kind, cls in TYPES.items()}
+
 
 class MoveRole(enum.StrEnum):
     """A rank's part in a migration (planned or a recovery): the `role` of `switched` and

@@ -48,8 +48,7 @@ from trainmover.protocol import channel, endpoint, files
 from trainmover.protocol.messages import AbortMsg, Msg, PrepareMsg, RecoverMsg, make
 from trainmover.protocol.store import AuthStore
 from trainmover.protocol.worker_spec import WorkerSpec
-from trainmover.runtime import heartbeat, usercode
-from trainmover.runtime import phase1
+from trainmover.runtime import heartbeat, phase1, usercode
 from trainmover.runtime.transfer import state as transfer
 from trainmover.runtime.dispatch import GONE, GONE_TYPE, Dispatcher, Plan, Started
 from trainmover.runtime.link import Link

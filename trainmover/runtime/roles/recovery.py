@@ -32,9 +32,8 @@ from trainmover.errors import MigrationError
 from trainmover.groups import rng
 from trainmover.groups.specs import delta
 from trainmover.protocol.messages import JOINER, AbortMsg, AnticipateMsg, ForeseeMsg, MoveRole, RecoverMsg
-from trainmover.runtime import stacks
+from trainmover.runtime import phase1, stacks
 from trainmover.runtime.protection import capture, checkpoint
-from trainmover.runtime import phase1
 from trainmover.runtime.transfer import state as transfer
 from trainmover.runtime.context import RankContext
 from trainmover.runtime.dispatch import GONE, Plan
