@@ -326,8 +326,7 @@ class Policy:
         actions: list[Action] = []
         for m in self.migrations:
             if m.active and m.recovery:
-                m.to(Phase.FAILED, now, f"void: {message}"[:300])
-                actions.append(self.planner.timeline(m, now, "failed", reason=f"void: {message}"))
+                actions += self.planner.fail(now, m, f"void: {message}")
         log.error("the job ends: %s", message)
         return actions + [Finish(False, message)]
 

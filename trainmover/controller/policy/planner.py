@@ -1,7 +1,9 @@
 """Planned migrations: a node asked to leave, a warm standby prepared for it, the switch, the
-release (pure). The migrations' own phases are controller/durable/migration.py's state machine; this
-part starts them (`request`, `dispatch`), abandons them (`abort`) and ends them (`released`).
-Recoveries (controller/policy/recovery.py) and a successor's takeover (controller/policy/takeover.py) use it too.
+release (pure). The migrations' own phases are controller/durable/migration.py's state machine;
+the Planner is the one owner that moves them (`Migration.to` is called here only, checked by
+tests/unit/test_migration_owner.py): it starts them (`request`, `dispatch`, `begin`), abandons
+them (`abort`, `fail`), and ends them (`released`). Recoveries (controller/policy/recovery.py), a
+successor's takeover (controller/policy/takeover.py), a lost standby and a rank's own error ask it.
 """
 from __future__ import annotations
 
@@ -91,15 +93,14 @@ class Planner:
                 gone = self.pool.none_left()  # in-job standbys used, no refill: said, then today's wait
                 if gone:
                     log.warning("migration %d of %s: %s; the job keeps running on %s", m.id, m.leaver, gone, m.leaver)
-                m.to(Phase.WAITING_STANDBY, now, f"{gone or 'no warm standby'}: the job keeps running on {m.leaver}")
-                return [self.timeline(m, now, "waiting_standby")] + self.maybe_acquire(now)
+                return self.wait_standby(now, m, f"{gone or 'no warm standby'}: the job keeps running on {m.leaver}")
             return self.maybe_acquire(now)
         view = self.state.view
         m.epoch, m.joiner = self.next_epoch(), joiner
         stayers = [n for n in view.train_nodes() if n != m.leaver]
         m.expected = ({(r, MoveRole.STAYER) for n in stayers for r in view.ranks_of(n)}
                       | {(r, MoveRole.LEAVER) for r in m.leaver_ranks} | {(r, MoveRole.JOINER) for r in m.leaver_ranks})
-        m.to(Phase.PREPARING, now, "")
+        self.begin(now, m)
         common = dict(epoch=m.epoch, leavers=list(m.leaver_ranks), joiner_node=m.joiner, options={})
         return [
             self.timeline(m, now, "prepare", stayers=stayers),
@@ -115,7 +116,7 @@ class Planner:
         actions = [self.timeline(m, now, "rank_prepared", rank=msg.rank, role=role, seconds=msg.seconds,
                                  groups=msg.groups, detail=msg.detail)]
         if m.prepared >= m.expected and m.phase is Phase.PREPARING:
-            m.to(Phase.SWITCHING, now)
+            self.switching(now, m)
             actions.append(self.timeline(m, now, "prepared"))
         return actions
 
@@ -123,7 +124,7 @@ class Planner:
         if (msg.rank, msg.role) in m.switched:  # re-sent after a controller restart
             return []
         if m.phase is Phase.PREPARING:  # ranks can switch before every 'prepared' has arrived
-            m.to(Phase.SWITCHING, now)
+            self.switching(now, m)
         m.switched[(msg.rank, msg.role)] = wire(msg)  # kept as sent (durable/migration.py reads it)
         m.switch_step = msg.step
         actions = []
@@ -134,6 +135,27 @@ class Planner:
             self.pool.remove(m.joiner)
             actions.append(self.timeline(m, now, "joined", rank=msg.rank, step=msg.step, detail=msg.detail))
         return actions + self.maybe_released(now, m)
+
+    # --- the phase changes: every one is made here -------------------------------------
+    def wait_standby(self, now: float, m: Migration, note: str) -> list:
+        """No warm standby for `m`: it waits for one (and more are asked for)."""
+        m.to(Phase.WAITING_STANDBY, now, note)
+        return [self.timeline(m, now, "waiting_standby")] + self.maybe_acquire(now)
+
+    def begin(self, now: float, m: Migration) -> None:
+        """Phase 1 of `m` (planned: `prepare`; a recovery: `recover`) is sent now; the caller
+        sends it and says so in the timeline."""
+        m.to(Phase.PREPARING, now, "")
+
+    def switching(self, now: float, m: Migration, note: str = "") -> None:
+        """Every rank built its groups (or one switched already): the state copy and swap."""
+        m.to(Phase.SWITCHING, now, note)
+
+    def fail(self, now: float, m: Migration, note: str, evidence: str = "") -> list:
+        """`m` ends unfinished and is not retried (its leaver is lost, or the job ends); the
+        timeline gives `evidence` where there is more to say than the note."""
+        m.to(Phase.FAILED, now, note[:300])
+        return [self.timeline(m, now, "failed", reason=evidence or note)]
 
     def abort(self, now: float, m: Migration, reason: str, retry: bool = True) -> list:
         m.to(Phase.ABORTED, now, reason)

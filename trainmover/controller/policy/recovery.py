@@ -85,15 +85,15 @@ class RecoveryPolicy:
             if planned.leaver == node and planned.phase in (Phase.SWITCHING, Phase.RELEASING):
                 # the leaver died during the state copy: the joiner already holds the slot
                 m.joiner = planned.joiner
-                planned.to(Phase.FAILED, now, "leaver lost during the state copy; its state comes from a replica")
-                actions.append(planner.timeline(planned, now, "failed", reason=evidence))
+                actions += planner.fail(now, planned, "leaver lost during the state copy; its state comes from a replica",
+                                        evidence)
                 self.pool.remove(m.joiner)
                 view.rank_node.update({r_: m.joiner for r_ in ranks})
             elif planned.phase in (Phase.PREPARING, Phase.SWITCHING):
                 actions += planner.abort(now, planned, f"{node} lost during the migration ({evidence})",
                                          retry=planned.leaver != node)
             elif planned.leaver == node:
-                planned.to(Phase.FAILED, now, f"{node} lost before it could migrate ({evidence})")
+                actions += planner.fail(now, planned, f"{node} lost before it could migrate ({evidence})")
         live = [n for n in view.train_nodes() if n != node]
         reason = f"{node} (ranks {list(ranks)}) lost: {evidence}"
         log.error("unexpected failure: %s", reason)
@@ -118,9 +118,8 @@ class RecoveryPolicy:
             joiner = self.pool.take_ready(self.snapshots.joiner_order)
             if joiner is None:
                 if m.phase is Phase.REQUESTED:
-                    m.to(Phase.WAITING_STANDBY, now, f"no warm standby: training is paused until one is ready "
-                                                      f"(at most {self.cfg.recovery_timeout_s:.0f}s)")
-                    return [planner.timeline(m, now, "waiting_standby")] + planner.maybe_acquire(now)
+                    return planner.wait_standby(now, m, f"no warm standby: training is paused until one is ready "
+                                                        f"(at most {self.cfg.recovery_timeout_s:.0f}s)")
                 return planner.maybe_acquire(now)
             m.joiner = joiner
             # the joiner binds itself and starts its groups while the live ranks stall (runtime/roles/recovery.py)
@@ -133,15 +132,14 @@ class RecoveryPolicy:
                               self.checkpoint_steps, joiner=dict(joiner.held) if joiner else {},
                               completed=self.progress.completed())
         if isinstance(choice, tiers.Stop):
-            m.to(Phase.FAILED, now, choice.message[:300])
-            return [planner.timeline(m, now, "failed", reason=choice.message),
+            return planner.fail(now, m, choice.message) + [
                     Finish(False, f"{m.leaver} (ranks {list(m.leaver_ranks)}) lost: {choice.message}")]
         step = choice.step
         needers = sorted(list(m.leaver_ranks) + list(choice.laggers))
         m.switch_step = step
         m.source = choice.to_json()
         m.expected = {(r, MoveRole.STAYER) for r in live} | {(r, MoveRole.JOINER) for r in m.leaver_ranks}
-        m.to(Phase.PREPARING, now, "")
+        planner.begin(now, m)
         stayer_nodes = tuple(sorted({view.rank_node[r] for r in live}))
         common = dict(epoch=m.epoch, failed=list(m.leaver_ranks), step=step, source=choice.source, needers=needers,
                       tier=choice.tier, holders={str(r): h for r, h in choice.holders.items()},
@@ -173,8 +171,7 @@ class RecoveryPolicy:
         if m is not None and now - m.requested_at > self.cfg.recovery_timeout_s:
             waiting = {Phase.REQUESTED: "for every live rank to stop", Phase.WAITING_STANDBY: "for a standby",
                        }.get(m.phase, "for the new groups and the state copy")
-            m.to(Phase.FAILED, now, f"no recovery within {self.cfg.recovery_timeout_s:.0f}s (waiting {waiting})")
-            return [self.planner.timeline(m, now, "failed", reason=m.note),
+            return self.planner.fail(now, m, f"no recovery within {self.cfg.recovery_timeout_s:.0f}s (waiting {waiting})") + [
                     Finish(False, f"{m.leaver} lost and not recovered within {self.cfg.recovery_timeout_s:.0f}s "
                                   f"(waiting {waiting}); the job stops")]
         if m is None and self.stalled and not self.done():

@@ -75,8 +75,7 @@ class StandbyLoss:
             if m.phase in (Phase.REQUESTED, Phase.WAITING_STANDBY):  # no plan sent: take another standby
                 m.joiner = ""
                 return [self.planner.timeline(m, now, "joiner_lost", node=node, evidence=evidence)]
-            m.to(Phase.FAILED, now, f"the standby on {node} taking over from {m.leaver} was lost ({evidence})")
-            return [self.planner.timeline(m, now, "failed", reason=m.note),
+            return self.planner.fail(now, m, f"the standby on {node} taking over from {m.leaver} was lost ({evidence})") + [
                     Finish(False, f"the standby on {node} taking over the lost ranks {list(m.leaver_ranks)} of "
                                   f"{m.leaver} was lost during the recovery ({evidence}): two overlapping failures "
                                   "are not recovered; the job stops")]

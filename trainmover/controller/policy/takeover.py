@@ -73,7 +73,7 @@ class Takeover:
         actions += [ReleaseNode(m.leaver) for m in migrations if m.phase is Phase.RELEASING and m.leaver_exited]
         r = self.planner.recovery()
         if r is not None:
-            r.to(Phase.FAILED, now, "the controller restarted during this recovery")
+            actions += self.planner.fail(now, r, "the controller restarted during this recovery")
             self.resuming = None
             return actions + [Finish(False, f"the controller restarted while recovering from the loss of {r.leaver} "
                                             f"(migration {r.id}); a recovery in flight is not resumed: the job stops")]
@@ -167,7 +167,7 @@ class Takeover:
     def _complete(self, now: float, m: Migration, waited: float) -> list:
         log.info("migration %d epoch %d was switched while the controller was down: completed", m.id, m.epoch)
         if m.phase is Phase.PREPARING:
-            m.to(Phase.SWITCHING, now, "switched while the controller was down")
+            self.planner.switching(now, m, "switched while the controller was down")
         for r in m.leaver_ranks:  # the leaver handed its state over and left
             m.switched.setdefault((r, MoveRole.LEAVER), {"rank": r, "role": MoveRole.LEAVER, "step": m.switch_step or 0,
                                                   "detail": {"implied": "controller restart"}})
