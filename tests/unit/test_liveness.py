@@ -97,6 +97,21 @@ def test_a_controller_that_did_not_run_for_a_while_judges_nobody_at_once():
     assert not [a for a in p.on_tick(t + 20.5) if isinstance(a, Fence)]
 
 
+def test_silence_is_counted_only_to_when_the_reader_last_looked():
+    """The channel's reader fell behind (a turn stalled 4 s): frames sent meanwhile are unread, so
+    no process is judged for that time; once the reader has looked past a process's deadline and
+    found nothing, the silent one is judged, and only it."""
+    p = new_policy()
+    t, n = train(p, 3.0)
+    p.on_tick(t)
+    for k in range(1, 10):  # the reader last looked at t + 0.2; the policy ticks on
+        assert not [a for a in p.on_tick(t + k * 0.5, {}, looked_at=t + 0.2) if isinstance(a, Fence)]
+    # it looked again at t + 4.6: ranks 0 and 2 were heard (their frames read), rank 1 nothing
+    arrivals = {(NODES[r], PIDS[r]): t + 4.5 for r in (0, 2)}
+    fences = [a for a in p.on_tick(t + 5.0, arrivals, looked_at=t + 4.6) if isinstance(a, Fence)]
+    assert [f.node for f in fences] == ["train2"]
+
+
 def test_a_rank_three_times_slower_is_slow_not_dead():
     p = new_policy()
     ready_standby(p)

@@ -172,3 +172,34 @@ def test_every_message_type_is_a_class_and_crosses_the_wire_unchanged():
     assert typed(make("abort", epoch=2, reason="r")) == AbortMsg(epoch=2, reason="r")
     with pytest.raises(ProtocolError, match="abort.epoch: must be >= 0"):
         wire(AbortMsg(epoch=-1, reason="r"))  # the wire form is validated as a received one is
+
+
+def test_looked_at_is_held_while_a_turn_is_stalled_and_moves_on_after_it():
+    """The reader's `looked_at` (what the silence rule counts to, liveness.py) is the start of its
+    last finished turn: a turn stalled in the middle (here: a hook that blocks, as a long turn
+    over 1,024 busy connections did at 128 nodes) holds it back, so no peer looks silent for the
+    reader's own delay; once the turn ends it moves past the stall."""
+    import threading
+    key = channel.new_secret()
+    release = threading.Event()
+    srv = channel.Server("127.0.0.1", key, handshake_timeout=5.0, on_hello=lambda conn, msg: release.wait(10))
+    try:
+        deadline = time.monotonic() + 5
+        first = srv.looked_at
+        while srv.looked_at == first and time.monotonic() < deadline:  # idle turns: it moves (each <= 1 s)
+            time.sleep(0.05)
+        assert srv.looked_at > first
+        peer = channel.connect(srv.address, key, hello())  # its hello stalls the selector's turn
+        time.sleep(0.3)
+        stalled = srv.looked_at
+        time.sleep(1.5)  # longer than an idle turn: had the reader turned, looked_at would have moved
+        assert srv.looked_at == stalled and stalled < time.time() - 1.5
+        released = time.time()
+        release.set()
+        while srv.looked_at < released and time.monotonic() < deadline + 5:
+            time.sleep(0.05)
+        assert srv.looked_at >= released  # a turn begun after the stall, finished
+        peer.close()
+    finally:
+        release.set()
+        srv.close()

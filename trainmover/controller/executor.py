@@ -505,7 +505,7 @@ class Controller:
                 actions += self.policy.on_nodes(now, states)
             if now >= next_tick:
                 next_tick = now + tick_s
-                actions += self.policy.on_tick(now, self._arrivals())
+                actions += self.policy.on_tick(now, self._arrivals(), looked_at=self.server.looked_at)
             for node, code in self.launcher.exited():
                 actions += self.policy.on_step_exit(now, node, code)
             while True:

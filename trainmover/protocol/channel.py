@@ -292,6 +292,9 @@ class Server:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.turned_at = time.monotonic()  # the selector's last turn (it turns at least every second)
+        # The wall time at which the last *finished* turn looked at every connection: a frame
+        # sent before it has been read (a peer silent up to then is silent; after it, unknown).
+        self.looked_at = time.time()
         self._arrived: queue.Queue[_Peer] = queue.Queue()  # accepted, challenged: for the selector
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -376,6 +379,7 @@ class Server:
         now = time.monotonic()
         self.turned_at = now
         timeout = min([1.0] + [max(0.0, p.deadline - now) for p in handshaking.values()])
+        looked = time.time()
         events = self._selector.select(timeout)
         for key, _ in events:
             if key.data is None:
@@ -409,6 +413,7 @@ class Server:
         now = time.monotonic()
         for p in [p for p in handshaking.values() if now > p.deadline]:
             self._drop(handshaking, p, socket.timeout("handshake deadline passed"))
+        self.looked_at = looked
 
     def _read(self, p: _Peer) -> None:
         """What arrived on `p`: its nonce, its hello, then frames, each delivered as it completes.

@@ -378,12 +378,14 @@ class Policy:
             return []
         return self.planner.released(now, m, node, ok, message)
 
-    def on_tick(self, now: float, arrivals: dict[tuple[str, int], float] | None = None) -> list[Action]:
-        """`arrivals`: (node, pid) -> when a frame of that process last arrived (liveness.py)."""
+    def on_tick(self, now: float, arrivals: dict[tuple[str, int], float] | None = None,
+                looked_at: float | None = None) -> list[Action]:
+        """`arrivals`: (node, pid) -> when a frame of that process last arrived; `looked_at`: when
+        the channel's reader last looked at every connection (liveness.py)."""
         if self.takeover.resuming is not None:  # nothing is decided before every rank has said where it is
             return self.takeover.tick(now)
         switching = any(m.phase is Phase.SWITCHING for m in self.migrations)  # a state copy may take long
-        verdicts = self.liveness.verdicts(now, arrivals or {}, judging=not self.done,
+        verdicts = self.liveness.verdicts(now, arrivals or {}, looked_at=looked_at, judging=not self.done,
                                           stuck_rule=self.recovery() is None and not self.progress.finished
                                           and not switching)
         actions = [a for h, why in verdicts for a in self._judged_dead(now, h, why)]

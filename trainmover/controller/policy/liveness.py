@@ -89,14 +89,15 @@ class Liveness:
     def stuck_deadline(self) -> float:
         return max(self.cfg.progress_timeout_s, self.cfg.progress_steps * self.progress.typical_step_s())
 
-    def _silent(self, now: float, arrivals: dict) -> list[Heard]:
+    def _silent(self, seen: float, arrivals: dict) -> list[Heard]:
         """`arrivals`: (node, pid) -> when the connection's reader last received a frame (the
-        executor's: a message still queued for the policy counts as heard)."""
+        executor's: a message still queued for the policy counts as heard); `seen`: up to when
+        the reader has read everything sent."""
         for key, t in arrivals.items():
             h = self.processes.get(key)
             if h is not None and t > h.t:
                 h.t = t
-        return [h for h in self.processes.values() if now - h.t > self.silence_allowed(h)]
+        return [h for h in self.processes.values() if seen - h.t > self.silence_allowed(h)]
 
     def silence_allowed(self, h: Heard) -> float:
         """TM_HEARTBEAT_TIMEOUT_S, or up to TM_GROUP_TIMEOUT_S before a process's first step (or
@@ -123,10 +124,15 @@ class Liveness:
         return out, deadline
 
     # --- verdicts --------------------------------------------------------------------
-    def verdicts(self, now: float, arrivals: dict, judging: bool, stuck_rule: bool) -> list[tuple[Heard, str]]:
+    def verdicts(self, now: float, arrivals: dict, judging: bool, stuck_rule: bool,
+                 looked_at: float | None = None) -> list[tuple[Heard, str]]:
         """Processes judged dead now, and why. `judging`: whether the policy judges at all (not
         once the job ended or while a successor resumes); `stuck_rule`: whether the stuck rule
-        applies (no recovery, nobody finished, no state copy under way, which may take long)."""
+        applies (no recovery, nobody finished, no state copy under way, which may take long).
+        `looked_at`: when the channel's reader last finished a look at every connection (None:
+        now). Silence is counted up to then, not to now: a reader that is behind (a turn over
+        1,024 connections stalled for 3.2 s on a loaded host, docs/scale.md) has not read what
+        was sent meanwhile, and counting to now blamed hundreds of live processes at once."""
         # A controller that did not run for a while (its node busy, the process stopped) has not
         # read its connections either: judging silence now would blame every rank.
         paused = self.last_tick is not None and now - self.last_tick > self.cfg.heartbeat_timeout_s / 2
@@ -136,7 +142,7 @@ class Liveness:
         out = [(h, f"no heartbeat for {now - h.t:.1f}s "
                    f"({'TM_HEARTBEAT_TIMEOUT_S' if h.started else 'starting: TM_GROUP_TIMEOUT_S'}"
                    f"={self.silence_allowed(h):g}; last: {h.step} steps complete)")
-               for h in self._silent(now, arrivals)]
+               for h in self._silent(now if looked_at is None else min(now, looked_at), arrivals)]
         if stuck_rule and not self._stuck_rule_on and self.last_progress_at is not None:
             # The rule was suspended (a recovery, a state copy): the ranks get a whole deadline from
             # now to complete a step, not what is left of one counted from before the pause (seen: a
