@@ -3,6 +3,7 @@ import json
 
 from trainmover.controller.steps import KeeperSteps
 from trainmover.controller.succession.keeper import Keeper, choose_home
+from trainmover.protocol.messages import LaunchMsg
 
 from trainmover.controller.durable.records import sealed_outcome
 
@@ -145,8 +146,7 @@ def test_a_successor_with_nowhere_to_go_is_placed_again_rarely_and_at_once_when_
     monkeypatch.setattr(keeper_mod, "start_srun", lambda *a, **kw: None)
     k.root, k.at, k.steps = tmp_path, tmp_path, {}
     env = {"TM_WORKER_SPEC": json.dumps({"node_addr": "10.0.0.7"}), "SLURM_JOB_NODELIST": "keep1,spare1,train1"}
-    k._launch({"node": "spare1", "role": "standby", "log": str(tmp_path / "standby-spare1.log"), "argv": ["srun"],
-               "env": env})
+    k._launch(LaunchMsg(node="spare1", role="standby", log=str(tmp_path / "standby-spare1.log"), argv=["srun"], env=env))
     assert k.successor_retry_at == 0.0 and k.successor_retry_s == keeper_mod.SUCCESSOR_RETRY_S[0]
     placed = []
     monkeypatch.setattr(k, "_srun", lambda home, argv, successor: placed.append(home) or "proc")

@@ -23,7 +23,7 @@ from trainmover.errors import ProtocolError, SlurmError
 from trainmover.healthcheck import Finding, Options, checks, run
 from trainmover.protocol import channel, endpoint, files
 from trainmover.protocol import checkpoint_layout
-from trainmover.protocol.messages import make
+from trainmover.protocol.messages import make, typed
 from trainmover.protocol.store import AuthStore, ForgedValue, open_value, seal
 from trainmover.slurm import argv as build
 from trainmover.slurm import commands, parse
@@ -543,9 +543,9 @@ def test_the_keeper_reads_the_key_once_and_launches_only_into_the_run_directory(
     started = []
     monkeypatch.setattr(keeper_mod, "start_srun", lambda argv, env, log: started.append((argv, env, log)))
     k.steps = {}
-    k._launch(make("launch", node="train1", role="worker", argv=["srun", "x"], env={"PATH": "/bin", "TOKEN": "t"},
-                   log="/tmp/elsewhere.log"))
+    k._launch(typed(make("launch", node="train1", role="worker", argv=["srun", "x"], env={"PATH": "/bin", "TOKEN": "t"},
+                   log="/tmp/elsewhere.log")))
     assert started == []  # a log outside the run directory: refused
-    k._launch(make("launch", node="train1", role="worker", argv=["srun", "x"], env={"PATH": "/bin", "TOKEN": "t"},
-                   log=str(k.root / "worker-train1.log")))
+    k._launch(typed(make("launch", node="train1", role="worker", argv=["srun", "x"], env={"PATH": "/bin", "TOKEN": "t"},
+                   log=str(k.root / "worker-train1.log"))))
     assert started == [(["srun", "x"], {"PATH": "/bin"}, k.at / "worker-train1.log")]  # through the held directory

@@ -27,7 +27,8 @@ from trainmover.controller.fencing import FencedNodes, kill_and_drain
 from trainmover.controller.policy import tiers
 from trainmover.protocol import channel, endpoint, files
 from trainmover.protocol import checkpoint_layout
-from trainmover.protocol.messages import make
+from trainmover.protocol.messages import (FailedMsg, FinishedMsg, HelloMsg, MigrateMsg, StatusMsg, StepExitMsg, StepMsg,
+                                          StepsMsg, SwitchedMsg, make, typed)
 from trainmover.slurm.model import TRAIN_FEATURE
 from trainmover.controller.policy.actions import (AcquireStandby, CheckpointDone, Fence, Finish, LaunchStandby, Record,
                                           ReleaseNode, Rewind, Send)
@@ -357,23 +358,26 @@ class Controller:
         self.work.start("fence", lambda: kill_and_drain(self.slurm, self.job_id, self.launcher.get(a.node), a.node,
                                                            a.reason, drain))
 
-    def handle_peer(self, conn, msg, now: float) -> list:
-        kind = msg["type"]
+    def handle_peer(self, conn, raw, now: float) -> list:
+        """One validated message of an authenticated peer, as its class from here on (typed once:
+        the policy's liveness and its handler read the same object)."""
+        msg = typed(raw)
+        kind = msg.TYPE
         ident = conn.identity or {}
         if (ident.get("node"), ident.get("pid")) in self.policy.fenced_pids:
             log.warning("refused %s from fenced process %s on %s", kind, ident.get("pid"), ident.get("node"))
             self._refuse(conn, "this process was judged dead and replaced")
             return []
-        if ident.get("role") == "keeper" and kind != "status":
+        if ident.get("role") == "keeper" and not isinstance(msg, StatusMsg):
             return self._from_keeper(conn, msg)
-        if kind == "hello":
-            self.conns.setdefault(msg["node"], []).append(conn)
-            self.conn_ranks[conn] = tuple(msg["ranks"])  # () for a standby, until it joins
-            self.policy.heard(now, msg["node"], msg["pid"], msg)
+        if isinstance(msg, HelloMsg):
+            self.conns.setdefault(msg.node, []).append(conn)
+            self.conn_ranks[conn] = tuple(msg.ranks)  # () for a standby, until it joins
+            self.policy.heard(now, msg.node, msg.pid, msg)
             return []
-        if kind in ("migrate", "status"):  # CLI requests: one reply, then the CLI hangs up
-            if kind == "migrate":
-                ok, text, actions = self.policy.request(now, msg["node"], "manual")
+        if isinstance(msg, (MigrateMsg, StatusMsg)):  # CLI requests: one reply, then the CLI hangs up
+            if isinstance(msg, MigrateMsg):
+                ok, text, actions = self.policy.request(now, msg.node, "manual")
             else:
                 ok, text, actions = True, "", []
             try:
@@ -384,27 +388,26 @@ class Controller:
         node = (conn.identity or {}).get("node")
         if node is None:
             return []
-        if "rank" in msg and kind in ("step", "switched", "finished"):  # a joiner's rank is learnt here
-            self.conn_ranks[conn] = (msg["rank"],)
+        if isinstance(msg, (StepMsg, SwitchedMsg, FinishedMsg)):  # a joiner's rank is learnt here
+            self.conn_ranks[conn] = (msg.rank,)
         self.policy.heard(now, node, ident.get("pid", 0), msg)
         if kind == "beat":
             return []
-        if kind == "failed":
-            log.error("rank %d on %s failed in %s%s at step %d: %s\n%s", msg["rank"], node, msg["phase"],
-                      " (the workload's own code)" if msg["user"] else "", msg["step"], msg["error"],
-                      msg["traceback"].rstrip())
+        if isinstance(msg, FailedMsg):
+            log.error("rank %d on %s failed in %s%s at step %d: %s\n%s", msg.rank, node, msg.phase,
+                      " (the workload's own code)" if msg.user else "", msg.step, msg.error, msg.traceback.rstrip())
         return self.policy.on_message(now, node, msg)
 
-    def _from_keeper(self, conn, msg: dict) -> list:
+    def _from_keeper(self, conn, msg) -> list:
         """The keeper runs our steps (controller/steps.py): what runs after it (re)connects, then
         each step's end (handled with the other step ends in the loop)."""
         if not isinstance(self.launcher, KeeperSteps):
-            log.warning("a keeper on %s connected, but this job runs its steps itself", msg.get("node"))
+            log.warning("a keeper on %s connected, but this job runs its steps itself", (conn.identity or {}).get("node"))
             return []
-        if msg["type"] == "steps":
-            self.launcher.connected(conn, msg["running"])
-        elif msg["type"] == "step_exit":
-            self.launcher.on_exit(msg["node"], msg["code"])
+        if isinstance(msg, StepsMsg):
+            self.launcher.connected(conn, msg.running)
+        elif isinstance(msg, StepExitMsg):
+            self.launcher.on_exit(msg.node, msg.code)
         return []
 
     def handle_gone(self, conn, now: float) -> list:

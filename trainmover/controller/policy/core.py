@@ -41,7 +41,7 @@ from trainmover.controller.policy.standby_loss import StandbyLoss
 from trainmover.controller.policy.standby_pool import StandbyPool
 from trainmover.controller.policy.straggler_watch import StragglerWatch
 from trainmover.controller.policy.takeover import Takeover
-from trainmover.protocol.messages import (CheckpointedMsg, FailedMsg, FinishedMsg, ForeseenMsg, Message, PreparedMsg,
+from trainmover.protocol.messages import (CheckpointedMsg, FailedMsg, FinishedMsg, ForeseenMsg, Message, Msg, PreparedMsg,
                                           PrepareFailedMsg, ReadyMsg, RecordedMsg, ResyncMsg, SnapshotHeldMsg,
                                           SnapshotTakenMsg, StalledMsg, StepMsg, SwitchedMsg, WarmingMsg, typed, wire)
 
@@ -167,8 +167,9 @@ class Policy:
     def resume(self, now: float, j: Replayed, metrics_through: int) -> list[Action]:
         return self.takeover.resume(now, j, metrics_through)
 
-    def heard(self, now: float, node: str, pid: int, msg: Message) -> None:
-        self.liveness.heard(now, node, pid, typed(msg))
+    def heard(self, now: float, node: str, pid: int, msg: Message | Msg) -> None:
+        """`msg` as its class (the executor types each message once) or as sent (tests)."""
+        self.liveness.heard(now, node, pid, msg if isinstance(msg, Msg) else typed(msg))
 
     def forget(self, node: str, pid: int) -> None:
         self.liveness.forget(node, pid)
@@ -216,12 +217,13 @@ class Policy:
             return self.recovery_part.fault(now, node, "control connection lost")
         return []
 
-    def on_message(self, now: float, node: str, msg: Message) -> list[Action]:
+    def on_message(self, now: float, node: str, msg: Message | Msg) -> list[Action]:
         """A process's report, to its handler by type (HANDLERS: one table, the policy's whole
         vocabulary). A type without a handler is not the policy's to decide on: `hello` and
         `beat` are heard (`heard`), the CLI's and the keeper's requests are the executor's."""
-        name = HANDLERS.get(msg["type"])
-        return getattr(self, name)(now, node, typed(msg)) if name is not None else []  # as its class
+        m = msg if isinstance(msg, Msg) else typed(msg)
+        name = HANDLERS.get(m.TYPE)
+        return getattr(self, name)(now, node, m) if name is not None else []  # as its class
 
     def _on_ready(self, now: float, node: str, msg: ReadyMsg) -> list[Action]:
         s = self.pool.get(node)

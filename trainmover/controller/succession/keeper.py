@@ -40,7 +40,7 @@ from trainmover.controller.steps import start_srun, step_environment
 from trainmover.controller.succession import rules as succession
 from trainmover.errors import ConfigError, ProtocolError, TrainMoverError
 from trainmover.protocol import channel, endpoint, files
-from trainmover.protocol.messages import make
+from trainmover.protocol.messages import ByeMsg, LaunchMsg, MovingMsg, make, typed
 from trainmover.protocol.worker_spec import ENV as SPEC_ENV
 from trainmover.slurm import parse
 from trainmover.slurm.job_env import JobEnv
@@ -283,7 +283,7 @@ class Keeper:
                                                              pid=os.getpid()), timeout=2.0, source=None)
             # a launch still waiting for its tokens runs as far as a controller is concerned
             self.conn.send(make("steps", running={**{n: role for n, (role, p) in self.steps.items()},
-                                                  **{m["node"]: m["role"] for m in self.launches.queued}}))
+                                                  **{m.node: m.role for m in self.launches.queued}}))
             for msg in self.unreported:  # ends while no controller ran: its successor must know
                 self.conn.send(msg)
             self.unreported = []
@@ -306,26 +306,27 @@ class Keeper:
                 self.conn = None
                 return self.primary.channel_closed(time.monotonic())
             self.primary.heard(time.monotonic())
-            if msg["type"] == "launch":
-                self.launches.add(msg)
-            elif msg["type"] == "moving":
+            m = typed(msg)
+            if isinstance(m, LaunchMsg):
+                self.launches.add(m)
+            elif isinstance(m, MovingMsg):
                 self.conn = None
-                return self.primary.moving(time.monotonic(), msg["reason"])
-            elif msg["type"] == "bye":
-                log.info("controller says bye: %s", msg["reason"])
+                return self.primary.moving(time.monotonic(), m.reason)
+            elif isinstance(m, ByeMsg):
+                log.info("controller says bye: %s", m.reason)
 
-    def _launch(self, msg: dict) -> None:
-        node, role = msg["node"], msg["role"]
-        log_path = Path(msg["log"])
+    def _launch(self, msg: LaunchMsg) -> None:
+        node, role = msg.node, msg.role
+        log_path = Path(msg.log)
         if log_path.resolve().parent != self.root.resolve():  # an authenticated controller of this job writes only there
             log.error("launch of %s on %s refused: its log %s is outside the run directory", role, node, log_path)
             return
         # opened through the held directory: a `runs/` swapped since gets none of the step's output
-        self.steps[node] = (role, start_srun(msg["argv"], step_environment(msg["env"]), self.at / log_path.name))
+        self.steps[node] = (role, start_srun(msg.argv, step_environment(msg.env), self.at / log_path.name))
         log.info("launched %s on %s for the controller", role, node)
         if role == "standby":  # a node joined the job: a warm successor may go there now
             self.successor_retry_at, self.successor_retry_s = 0.0, SUCCESSOR_RETRY_S[0]
-            self.joined = joined_from_launch(self.reading[0], node, msg["env"])
+            self.joined = joined_from_launch(self.reading[0], node, msg.env)
 
     def _report_exits(self) -> None:
         for node, (role, proc) in list(self.steps.items()):

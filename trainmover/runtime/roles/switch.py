@@ -147,6 +147,18 @@ class Switch:
             prep.plan = None
         prep.plan_s = max(time.perf_counter() - t0, 1e-9)  # set: made (or tried) once
 
+    def stay(self, prep: phase1.Prepared, step: int) -> None:
+        """The stayer's side, at the boundary every rank agreed on: its groups that held the
+        leaver take the backends Phase 1 built (the old ones retired once no step uses them)."""
+        for name, backend in prep.backends.items():
+            self.ctx.retire(self.ctx.groups[name].swap(backend), step)
+        self.ctx.pending = None
+        self.ctx.switched_epoch = prep.epoch
+        self.ctx.trace_next_steps()
+        self.ctx.send("switched", epoch=prep.epoch, rank=self.ctx.rank, role=MoveRole.STAYER, step=step, t=time.time(),
+                      detail={"prepare_s": prep.seconds, "comms_created": self.ctx.comms_created(),
+                              "comms_created_before": prep.comms_before})
+
     def leave(self, prep: phase1.Prepared, step: int):
         state = self.ctx.full_state(step)
         if self.ctx.faults.at("leaver-state"):  # skip-optimizer-state: negative control for the digest tests

@@ -116,15 +116,8 @@ class TrainingLoop:
             if prep.role == MoveRole.LEAVER:
                 self.switch.leave(prep, step)
                 return loss, -1
-            for name, backend in prep.backends.items():
-                self.ctx.retire(self.ctx.groups[name].swap(backend), step)
-            self.ctx.pending = None
-            self.ctx.switched_epoch = prep.epoch
-            self.ctx.trace_next_steps()
+            self.switch.stay(prep, step)
             trace("stayer swapped")
-            self.ctx.send("switched", epoch=prep.epoch, rank=self.ctx.rank, role=MoveRole.STAYER, step=step, t=time.time(),
-                          detail={"prepare_s": prep.seconds, "comms_created": self.ctx.comms_created(),
-                                  "comms_created_before": prep.comms_before})
         return loss, step
 
     def start_recording(self) -> None:
