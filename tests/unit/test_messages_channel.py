@@ -194,6 +194,7 @@ def test_looked_at_is_held_while_a_turn_is_stalled_and_moves_on_after_it():
         stalled = srv.looked_at
         time.sleep(1.5)  # longer than an idle turn: had the reader turned, looked_at would have moved
         assert srv.looked_at == stalled and stalled < time.time() - 1.5
+        assert "in _read" in srv.selector_stack() and "release.wait" in srv.selector_stack()  # where it is held
         released = time.time()
         release.set()
         while srv.looked_at < released and time.monotonic() < deadline + 5:

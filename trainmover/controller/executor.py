@@ -184,6 +184,7 @@ class Controller:
                                gate=lambda: self.grow_refusal)
         self.work = SlurmWork()  # grows, releases, fencing: on threads beside the loop
         self.loop_at = time.monotonic()            # the main loop's last turn (see _beat_keeper)
+        self._stall_shown = False                  # a stalled reader's stack logged (once per stall)
         if keeper:
             threading.Thread(target=self._beat_keeper, name="tm-keeper-beat", daemon=True).start()
 
@@ -565,6 +566,11 @@ class Controller:
         late = time.monotonic() - self.server.turned_at
         if late > 2 * TICK_S:  # it turns at least every second: its frames' times are stale
             log.warning("the control channel's reader has not turned for %.1fs", late)
+            if late > 5 * TICK_S and not self._stall_shown:  # once per stall: where it is held
+                self._stall_shown = True
+                log.warning("the control channel's reader is at:\n%s", self.server.selector_stack())
+        else:
+            self._stall_shown = False
         return {(node, (c.identity or {}).get("pid", 0)): c.last_frame_at
                 for node, conns in self.conns.items() for c in conns}
 

@@ -18,8 +18,10 @@ import secrets
 import selectors
 import socket
 import struct
+import sys
 import threading
 import time
+import traceback
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -301,7 +303,8 @@ class Server:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
-        threading.Thread(target=self._select, name="tm-channel", daemon=True).start()
+        self._selector_thread = threading.Thread(target=self._select, name="tm-channel", daemon=True)
+        self._selector_thread.start()
         threading.Thread(target=self._accept, name="tm-accept", daemon=True).start()
 
     # --- the accept thread ------------------------------------------------------------------
@@ -355,6 +358,11 @@ class Server:
             self._wake_w.send(b"w")
         except OSError:
             pass  # its buffer is full: a turn is due anyway; closed: the server stopped
+
+    def selector_stack(self) -> str:
+        """Where the selector thread is now (a diagnosis of a turn that does not end)."""
+        frame = sys._current_frames().get(self._selector_thread.ident or -1)
+        return "".join(traceback.format_stack(frame)) if frame is not None else "(not running)"
 
     # --- the selector thread ----------------------------------------------------------------
     def _select(self) -> None:
