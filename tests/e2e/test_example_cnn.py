@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import TEST_JOB_PREFIX, job_ended, wait_for
-from tests.e2e.test_migration import Run
+from tests.e2e.conftest import TEST_JOB_PREFIX, wait_for
+from tests.e2e.test_migration import Run, assert_same_training
+from tests.e2e.user_jobs import end_module_jobs, job_env
 from trainmover.controller.succession.keeper import sbatch_args
 from trainmover.slurm import commands
 
@@ -38,35 +39,22 @@ JOB = {"TM_WORKLOAD": "cnn:CNN", "TM_STEPS": str(STEPS), "TM_POLL_S": "1"}
 @pytest.fixture(scope="module")
 def cnn(slurm_cluster, tmp_path_factory):
     """submit(name, *sbatch_args, **env) -> Run: the template as a user submits it."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TM_")}
-    env.update(SLURM_CONF=str(slurm_cluster.slurm_conf), TM_PYTHON=sys.executable,
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "examples" / "cnn")]))
+    env = job_env(slurm_cluster, os.pathsep.join([str(ROOT), str(ROOT / "examples" / "cnn")]), keep=())
     runs: list[Run] = []
 
     def submit(name: str, *args: str, check: bool = True, **tm_env):
         workdir = tmp_path_factory.mktemp(name)
-        job_env = {**env, **JOB, **{k: str(v) for k, v in tm_env.items()}}
+        env_of_job = {**env, **JOB, **{k: str(v) for k, v in tm_env.items()}}
         out = commands.run(["sbatch", "--parsable", *(args or sbatch_args(3)), f"--job-name={TEST_JOB_PREFIX}{name}",
-                            f"--chdir={workdir}", str(TEMPLATE)], timeout=15, env=job_env, check=check)
+                            f"--chdir={workdir}", str(TEMPLATE)], timeout=15, env=env_of_job, check=check)
         if not check:
             return out
-        run = Run(int(out.stdout.strip().split(";")[0]), workdir, job_env)
+        run = Run(int(out.stdout.strip().split(";")[0]), workdir, env_of_job)
         runs.append(run)
         return run
 
     yield submit
-    commands.run(["scancel", *[str(r.job_id) for r in runs]], timeout=10, env=env, check=False)
-    from trainmover.slurm.client import CliSlurm
-    client = CliSlurm(slurm_conf=str(slurm_cluster.slurm_conf))
-    wait_for("this module's jobs to end", lambda: all(job_ended(client, r.job_id) for r in runs), timeout=60,
-             interval=1.0)
-    for name, node in client.nodes().items():
-        if "DRAIN" in node.flags and node.reason == DRAIN_REASON:
-            client.resume(name)
-
-
-def _losses(run: Run) -> dict[int, list]:
-    return {m["step"]: m["losses"] for m in run.metrics()}
+    end_module_jobs(slurm_cluster, env, runs, DRAIN_REASON)
 
 
 @pytest.fixture(scope="module")
@@ -96,11 +84,7 @@ def test_the_example_moves_to_a_standby_bit_exactly(cnn, reference, slurm_client
     (m,) = run.status()["migrations"]
     assert (m["leaver"], m["trigger"], m["state"]) == (leaver, "drain", "done"), m
     assert m["joiner"].startswith("spare") and m["switch_step"] < STEPS - 10, m
-    ref, got = _losses(reference), _losses(run)
-    assert sorted(got) == list(range(1, STEPS + 1)), "every step logged exactly once"
-    diff = [s for s in ref if ref[s] != got[s]]
-    assert not diff, f"losses differ from the uninterrupted run at steps {diff[:5]}"
-    assert run.final()["digest"] == reference.final()["digest"]
+    assert_same_training(run, reference, steps=STEPS)
     print(f"\ncnn:CNN: rank 1 moved {moved_after:.2f}s after the drain at step {m['switch_step']}; "
           f"downtime {m['downtime_s']:.3f}s")
 

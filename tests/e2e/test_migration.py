@@ -179,13 +179,14 @@ def leaver_of(run: Run) -> str:
     return run.metrics()[-1]["nodes"][1]  # rank 1: never the batch host, which cannot be released
 
 
-def assert_same_training(run: Run, reference: Run, *lost: tuple[int, int]):
-    """Losses and final digest equal to the reference. `lost`: (rank, step) pairs whose loss may
-    be missing (an unexpected failure: the lost rank's report died with its process, and a live
-    rank behind the switch step, a lagger, got that step's state instead of computing it)."""
+def assert_same_training(run: Run, reference: Run, *lost: tuple[int, int], steps: int = STEPS):
+    """Losses (every step 1..`steps` logged once) and final digest equal to the reference. `lost`:
+    (rank, step) pairs whose loss may be missing (an unexpected failure: the lost rank's report died
+    with its process, and a live rank behind the switch step, a lagger, got that step's state
+    instead of computing it)."""
     ref = {m["step"]: m["losses"] for m in reference.metrics()}
     got = {m["step"]: m["losses"] for m in run.metrics()}
-    assert sorted(got) == list(range(1, STEPS + 1)), "every step logged exactly once"
+    assert sorted(got) == list(range(1, steps + 1)), "every step logged exactly once"
     missing = [(r, s) for s, losses in got.items() for r, x in enumerate(losses) if x is None]
     assert set(missing) <= set(lost), f"losses missing at (rank, step) {missing[:5]}, allowed {sorted(lost)}"
     for r, s in missing:
