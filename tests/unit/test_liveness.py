@@ -348,3 +348,20 @@ def test_without_beats_while_steps_flow_a_frozen_or_stuck_rank_is_found_as_soon_
     (fence,) = fences
     assert fence.node == "train3" and "stuck" in fence.reason
     assert 5.0 < k * 0.5 <= 7.0
+
+
+def test_ranks_stalled_with_nobody_lost_wait_for_the_reader_to_catch_up():
+    """Stalled reports arrived but the reader is behind (a lost peer's closed connection may sit
+    unread after them): the detection window counts only to its last look, then ends the job."""
+    from trainmover.controller.policy.recovery import DETECT_WINDOW_S
+    p = new_policy()
+    t, n = train(p, 3.0)
+    for r in (0, 2):
+        p.on_message(t, NODES[r], {"type": "stalled", "rank": r, "step": n, "digest": "d", "error": "peer gone",
+                                   "role": "stayer", "holds": {"replicas": [], "own": [], "held": {}}})
+    late = t + DETECT_WINDOW_S + 5
+    for k in range(1, 2 * int(late - t)):  # the policy ticks on; the reader last looked at t + 1
+        assert not [a for a in p.on_tick(t + k * 0.5, {}, looked_at=t + 1.0) if isinstance(a, (Finish, Fence))]
+    heard = {(NODES[r], PIDS[r]): late for r in (0, 1, 2)}  # it caught up: everyone beat, nobody is lost
+    (fin,) = [a for a in p.on_tick(late, heard, looked_at=late) if isinstance(a, Finish)]
+    assert "no rank was found lost" in fin.message

@@ -231,6 +231,8 @@ class Controller:
             conn = self.keeper_conn
             if conn is None or conn.closed or time.monotonic() - self.loop_at > LOOP_STALL_S:
                 continue
+            if time.monotonic() - self.server.turned_at > READER_STALL_S:
+                continue  # the channel's reader is hung: nothing is judged meanwhile (liveness.py), so be replaced
             try:
                 conn.send(make("alive"))
             except OSError:
@@ -670,3 +672,7 @@ TURN_S = 0.05  # a loop turn handles messages for this long before its node poll
 STATUS_EVERY_S = 0.5  # status.json rewritten at most this often (when it changed)
 KEEPER_BEAT_S = 0.25  # the controller's beat to the keeper (controller/succession/keeper.py)
 LOOP_STALL_S = 30.0   # a main loop that has not turned for this long is hung: no more beats
+# A channel reader in one turn this long is hung, not busy (the longest busy turn seen: 30.5 s, a
+# recovery's burst at 128 nodes on 2 loaded cores): silence and "nobody lost" are counted only to
+# its last look, so a hung one would hold them for good; the keeper replaces us instead.
+READER_STALL_S = 120.0

@@ -391,7 +391,7 @@ class Policy:
                                           stuck_rule=self.recovery() is None and not self.progress.finished
                                           and not switching)
         actions = [a for h, why in verdicts for a in self._judged_dead(now, h, why)]
-        actions += self.recovery_part.tick(now) + self.planner.tick(now)
+        actions += self.recovery_part.tick(now, looked_at) + self.planner.tick(now)
         return (actions + self.recovery_part.maybe_recover(now) + self.planner.maybe_acquire(now)
                 + self.planner.dispatch(now) + self._holder_actions(now) + self.foresight.actions(now))
 
