@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from trainmover.config import Config
 from trainmover.controller.durable import codec
@@ -221,9 +221,11 @@ class Policy:
         """A process's report, to its handler by type (HANDLERS: one table, the policy's whole
         vocabulary). A type without a handler is not the policy's to decide on: `hello` and
         `beat` are heard (`heard`), the CLI's and the keeper's requests are the executor's."""
-        m = msg if isinstance(msg, Msg) else typed(msg)
-        name = HANDLERS.get(m.TYPE)
-        return getattr(self, name)(now, node, m) if name is not None else []  # as its class
+        name = HANDLERS.get(msg.TYPE if isinstance(msg, Msg) else msg["type"])
+        if name is None:
+            return []
+        handler: Callable[[float, str, Msg], list[Action]] = getattr(self, name)
+        return handler(now, node, msg if isinstance(msg, Msg) else typed(msg))  # as its class
 
     def _on_ready(self, now: float, node: str, msg: ReadyMsg) -> list[Action]:
         s = self.pool.get(node)
