@@ -57,6 +57,7 @@ class StubRank:
         self.spec, self.local, self.rank, self.role, self.key = spec, local, rank, role, key
         # set by the node: Phase 1 on the reader thread, at once
         self.on_prepare: Callable[[dict, StubRank], None] = lambda msg, rank: None
+        self.on_revoke: Callable[[dict], None] = lambda msg: None
         self.resync: Callable[[StubRank], list[dict]] = lambda rank: []  # the node says where it is
         host, port = spec.controller
         self.link = Link((str(host), int(port)), key, self._hello, lambda: self.resync(self), self._on_message,
@@ -66,6 +67,8 @@ class StubRank:
     def _on_message(self, msg: dict) -> None:
         if msg["type"] == "prepare" and not msg["assign"] and self.rank is not None:
             self.on_prepare(msg, self)
+        elif msg["type"] == "revoke":
+            self.on_revoke(msg)
 
     def _hello(self) -> dict:
         return make("hello", role=self.role, node=self.spec.node, ranks=[] if self.rank is None else [self.rank],
@@ -111,8 +114,12 @@ class StubNode:
         self.pending: dict | None = None  # the prepare this node holds: epoch, role, the step it came
         self.state = "training" if spec.role == "worker" else "starting"  # runtime/rankstate.py's names
         self.switched = 0  # the epoch of the last switch
+        # A revoke fails a real rank's collective at once (groups/swappable.py): it stalls inside
+        # its step. A stub's step is a sleep; the revoke ends it, and the node votes at once.
+        self.revoke = threading.Event()
+        self.revoked_epoch = 0
         for r in self.ranks:
-            r.on_prepare, r.resync = self._prepare, self._resync
+            r.on_prepare, r.resync, r.on_revoke = self._prepare, self._resync, self._revoked
         self.stepped_at: float | None = None  # the last step reports (monotonic): beats wait (heartbeat.beat_due_in)
         threading.Thread(target=self._beat, name="tm-stub-beat", daemon=True).start()
 
@@ -206,7 +213,13 @@ class StubNode:
             # the missed steps back to back sent 1,024 step reports per vote round, as fast as the
             # vote turned, at the 128-node start (and its controller fell seconds behind reading).
             nxt = max(nxt + self.step_s, time.monotonic())
-            time.sleep(max(0.0, nxt - time.monotonic()))
+            if self._revoked_in_step(nxt):
+                # vote again on the step complete: the vote's root has failed it (a member
+                # vanished), or answers its decision if it has not seen the loss yet
+                if self.vote.agree(self.step, 0, leaving=False) == FAILED:
+                    self._stall()
+                nxt = time.monotonic()
+                continue
             self.step += 1
             now = time.time()
             for r in self.ranks:
@@ -226,6 +239,21 @@ class StubNode:
         for r in self.ranks:
             r.send("finished", rank=r.rank, step=self.step, digest=DIGEST, loss=0.0)
         return 0
+
+    def _revoked(self, msg: dict) -> None:
+        """On a link's reader thread: a revoke for an epoch after the last switch (or recovery)."""
+        if msg["epoch"] > self.switched:
+            self.revoked_epoch = max(self.revoked_epoch, msg["epoch"])
+            self.revoke.set()
+
+    def _revoked_in_step(self, until: float) -> bool:
+        """Sleep the step out, or until a revoke of an epoch not yet recovered from arrives."""
+        while (left := until - time.monotonic()) > 0:
+            if self.revoke.wait(left):
+                self.revoke.clear()
+                if self.revoked_epoch > self.switched:
+                    return True
+        return False
 
     def _prepare(self, msg: dict, rank: StubRank) -> None:
         """A stayer's or leaver's prepare, on its link's reader thread as it arrives: Phase 1
