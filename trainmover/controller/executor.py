@@ -621,13 +621,7 @@ class Controller:
         status["outcome"] = records.sealed_outcome(self.key, bool(ok), message)  # the keeper believes only this
         self.files.write("status", status)
         log.info("controller: %s", message)
-        # a standby being taken right now must not outlive us
-        try:
-            gone = self.slurm.cancel_donors(self.job_id)
-            if gone:
-                log.info("withdrew donor allocation(s) %s", gone)
-        except SlurmError as exc:
-            log.warning("could not withdraw donor allocations: %s", exc)
+        self._withdraw_donors()  # a standby being taken right now must not outlive us
         for conns in self.conns.values():  # standbys exit when the controller says bye
             for conn in conns:
                 try:
@@ -636,10 +630,19 @@ class Controller:
                     pass
                 conn.close()
         self.launcher.stop(30)
+        self._withdraw_donors()  # and one granted meanwhile (an acquire under way as the job ended)
         self.server.close()
         self.files.close()
         self.journal.close()
         return 0 if ok else 1
+
+    def _withdraw_donors(self) -> None:
+        try:
+            gone = self.slurm.cancel_donors(self.job_id)
+            if gone:
+                log.info("withdrew donor allocation(s) %s", gone)
+        except SlurmError as exc:
+            log.warning("could not withdraw donor allocations: %s", exc)
 
     def _hand_over(self, why: str) -> int:
         """Leave the job to a successor on another node (the keeper starts it): everything it needs

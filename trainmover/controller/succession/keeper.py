@@ -512,13 +512,16 @@ def main(cfg: Config, slurm, job_id: int, node: str, reading: tuple | None = Non
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     code = keeper.run()
-    if keeper._outcome() is None:  # no controller ended the job (its shutdown withdraws its donors)
-        try:  # a standby request it left must not hold a spare after the job (seen on 24.11)
-            gone = slurm.cancel_donors(job_id)
-            if gone:
-                log.warning("withdrew donor allocation(s) %s the controller left", gone)
-        except TrainMoverError as exc:
-            log.warning("could not withdraw the job's donor allocations: %s", exc)
+    # Whatever ended the job, a standby request must not hold a spare after it (seen on 24.11).
+    # The controller withdraws its own as it ends, but one it had under way can be granted a
+    # moment later (seen in CI: a donor granted in the second its controller ended held spare1
+    # for the rest of the suite); the keeper ends after it, so it looks once more.
+    try:
+        gone = slurm.cancel_donors(job_id)
+        if gone:
+            log.warning("withdrew donor allocation(s) %s the controller left", gone)
+    except TrainMoverError as exc:
+        log.warning("could not withdraw the job's donor allocations: %s", exc)
     # The job's last word in slurm-<job>.out, however it ended (records.final_line).
     print(records.final_line(keeper.at, job_id, code, keeper.why, stopped=keeper.stopping, shown=keeper.root),
           file=sys.stderr, flush=True)
