@@ -88,6 +88,24 @@ def _clean(client: CliSlurm, slurm_conf) -> None:
             client.resume(name)
 
 
+# The reason the cluster's Epilog (slurm_plugin/epilog.sh) drains a node a job held after fencing it
+EPILOG_DRAIN = "trainmover: healthcheck fenced: job "
+
+
+@pytest.fixture(autouse=True)
+def _held_nodes_back(request):
+    """A node a job held after fencing it (its user may not drain) is drained by the Epilog at the
+    job's end, which may come after its test ended: each test on the shared cluster starts with
+    such nodes back in service, as an admin would put them after a look."""
+    if "slurm_cluster" in request.fixturenames:
+        info = request.getfixturevalue("slurm_cluster")
+        client = CliSlurm(slurm_conf=str(info.slurm_conf))
+        for name, node in client.nodes().items():
+            if "DRAIN" in node.flags and node.reason.startswith(EPILOG_DRAIN):
+                client.resume(name)
+    yield
+
+
 def job_ended(client: CliSlurm, job_id: int) -> bool:
     """Whether the job left RUNNING/PENDING/COMPLETING/CONFIGURING."""
     try:

@@ -80,8 +80,12 @@ def held_fenced(run, node: str) -> bool:
 
 
 def resume(slurm_client, node: str) -> None:
-    """Put a node fenced by TrainMover back into service if it was drained ('trainmover: ...';
-    a held node, its user not allowed to drain, is back with the job's end)."""
+    """Put a node fenced by TrainMover back into service if it was drained ('trainmover: ...',
+    by the job or, for a node the job held, by the Epilog at the job's end: waited for)."""
+    try:
+        wait_for(f"{node} to finish its last job", lambda: not slurm_client.nodes([node])[node].busy, timeout=30)
+    except AssertionError:
+        pass  # still the job's (a test that failed early): the session's clean-up resumes it
     info = slurm_client.nodes([node])[node]
     if "DRAIN" in info.flags or info.base_state == "DOWN":
         slurm_client.resume(node)
@@ -113,7 +117,16 @@ def test_a_frozen_worker_is_fenced_replaced_and_its_resumption_changes_nothing(d
         assert info.base_state in ("ALLOCATED", "MIXED"), info
         assert node in slurm_client.job(run.job_id).nodes
         assert "stays in the job" in run.slurm_out() or "held in the job" in run.slurm_out()
+        others = [n for n in slurm_client.job(run.job_id).nodes if n != node]
         m = recovered(run, slurm_client, node, frozen_at)
+        # at the job's end slurmd's Epilog (slurm_plugin/epilog.sh, installed as docs/admin.md
+        # says) drains the node the job held, naming the job and its user; control: the job's
+        # other nodes go back into service
+        why = f"trainmover: healthcheck fenced: job {run.job_id} (uid "
+        wait_for(f"the Epilog to drain {node}", lambda: slurm_client.nodes([node])[node].reason.startswith(why),
+                 timeout=30, explain=lambda: str(slurm_client.nodes([node])[node]))
+        assert "DRAIN" in slurm_client.nodes([node])[node].flags
+        assert not any("DRAIN" in i.flags for i in slurm_client.nodes(others).values()), others
         wait_for("the frozen process to be gone", lambda: not alive(pid), timeout=30)
         assert_exact(run, reference, m)
         (f,) = fenced(run)

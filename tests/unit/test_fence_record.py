@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -126,3 +127,27 @@ def test_the_installed_script_passes_the_ending_job_through(installed, tmp_path,
                   extra_env=["SLURM_JOB_ID=7", f"SLURM_JOB_UID={UID}", f"SLURM_JOB_WORK_DIR={work}", "HF_TOKEN=x"])
     assert p.returncode == rc, p.stdout + p.stderr
     assert ("fenced: job 7 (uid" in p.stdout) == (state == "held"), p.stdout
+
+
+@pytest.mark.parametrize("has_record, state", [(True, "held"), (True, "drained"), (False, "held")])
+def test_the_epilog_checks_only_after_a_job_that_left_a_record_and_keeps_the_checks_reason(
+        installed, tmp_path, has_record, state):  # noqa: F811
+    """slurm_plugin/epilog.sh as slurmd runs it (Epilog= takes no arguments, so the site file
+    gives --no-drain here): a job without runs/<job>/status.json starts no Python (its end costs
+    nothing); with one, the fence record is judged. It exits 0 whatever the check found: a
+    non-zero Epilog would make slurmctld replace the check's reason by "Epilog error"."""
+    if script_mark.args[0]:
+        pytest.skip(script_mark.kwargs["reason"])
+    shutil.copy(Path(fence_record.__file__).resolve().parents[2] / "slurm_plugin" / "epilog.sh", installed.bindir)
+    installed.env.write_text(installed.env.read_text().replace("--no-straggler", "--no-straggler --no-drain --no-gpu"))
+    work = tmp_path / "work"
+    if has_record:
+        job_dir(work, record(state=state))
+    else:
+        (work / "runs" / "7").mkdir(parents=True)
+    p = subprocess.run(["/usr/bin/env", "-i", "SLURMD_NODENAME=n1", "SLURM_JOB_ID=7", f"SLURM_JOB_UID={UID}",
+                        f"SLURM_JOB_WORK_DIR={work}", str(installed.bindir / "epilog.sh")],
+                       capture_output=True, text=True, timeout=20, cwd="/")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert ("fenced: job 7 (uid" in p.stdout) == (has_record and state == "held"), p.stdout
+    assert ("n1:" in p.stdout) == has_record, p.stdout  # the check ran, or did not start at all

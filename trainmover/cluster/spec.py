@@ -159,6 +159,10 @@ class ClusterSpec:
         return self.etc / "healthcheck.sh"
 
     @property
+    def epilog_program(self) -> Path:
+        return self.etc / "epilog.sh"
+
+    @property
     def healthcheck_state(self) -> Path:
         """The health check's state directory (kernel-log cursor, test hook inject-fault-<node>);
         ClusterInfo.healthcheck_state says the same to callers."""
@@ -302,6 +306,9 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         f"HealthCheckProgram={s.healthcheck_program}",
         f"HealthCheckInterval={HEALTHCHECK_INTERVAL_S}",
         "HealthCheckNodeState=IDLE,CYCLE",
+        "# The Epilog docs/admin.md gives admins: a node a job held after fencing it (its user may not",
+        "# drain) goes back drained at the job's end; other jobs' ends do not start Python.",
+        f"Epilog={s.epilog_program}",
         "",
     ]
     # Keepers (feature tm_keeper) run a job's batch script and no rank, so that every training
