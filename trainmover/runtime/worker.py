@@ -48,7 +48,8 @@ from trainmover.protocol import channel, endpoint, files
 from trainmover.protocol.messages import AbortMsg, Msg, PrepareMsg, RecoverMsg, make
 from trainmover.protocol.store import AuthStore
 from trainmover.protocol.worker_spec import WorkerSpec
-from trainmover.runtime import heartbeat, phase1, usercode
+from trainmover.runtime import changes, heartbeat, phase1, usercode
+from trainmover.runtime.changes import Change
 from trainmover.runtime.transfer import state as transfer
 from trainmover.runtime.dispatch import GONE, GONE_TYPE, Dispatcher, Plan, Started
 from trainmover.runtime.link import Link
@@ -301,6 +302,34 @@ class Agent:
             self.state.to(enter)
         if self.link.send(msg) and kind == "step" and self.heartbeat is not None:
             self.heartbeat.stepped(time.monotonic())  # a beat is redundant for a while (heartbeat.beat_due_in)
+
+    def apply(self, change: Change) -> None:
+        """A role's change to this process (runtime/changes.py): the one place where the fields
+        a role reads through RankContext are written."""
+        match change:
+            case changes.TakeRank(rank):
+                self.rank = rank
+            case changes.UseGroups(groups):
+                self.groups = groups
+            case changes.Completed(step):
+                self.completed = step
+            case changes.BeginPhase1(prep):
+                self.pending = prep
+            case changes.DropPhase1(epoch):
+                if self.pending is not None and self.pending.epoch == epoch:
+                    self.pending = None
+            case changes.Joining(epoch):
+                self.joining = epoch
+            case changes.Switched(epoch, redo_after):
+                self.pending = None
+                self.switched_epoch = epoch
+                if redo_after is not None:  # the steps after it are redone: their old reports must not resend
+                    kept = [r for r in self.step_reports if r["step"] <= redo_after]
+                    self.step_reports = deque(kept, maxlen=self.step_reports.maxlen)
+            case changes.StepTraced():
+                self.trace_steps = max(0, self.trace_steps - 1)
+            case _:
+                raise TypeError(f"not a rank change: {change!r}")
 
     def trace_next_steps(self) -> None:
         """After a switch: log the timings of the next TRACE_STEPS steps (TM_TRACE_SWITCH)."""

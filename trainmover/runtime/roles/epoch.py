@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from trainmover.protocol.messages import AbortMsg, MoveRole
+from trainmover.runtime.changes import DropPhase1
 from trainmover.runtime.context import RankContext
 from trainmover.runtime.phase1 import xfer_prefix
 
@@ -34,7 +35,7 @@ def abort(ctx: RankContext, msg: AbortMsg) -> None:
     failure): the planned migration in flight, if it is that one, is dropped."""
     prep = ctx.pending
     if prep and prep.epoch == msg.epoch:
-        ctx.pending = None
+        ctx.apply(DropPhase1(prep.epoch))
         if prep.role == MoveRole.LEAVER:
             # Once the leaver stops offering this epoch the MIN can never equal it again:
             # tell the joiner, which waits on exactly this key.

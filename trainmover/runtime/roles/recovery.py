@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from pathlib import Path
 
 from trainmover import config
@@ -33,6 +32,7 @@ from trainmover.groups import rng
 from trainmover.groups.specs import delta
 from trainmover.protocol.messages import JOINER, AbortMsg, AnticipateMsg, ForeseeMsg, MoveRole, RecoverMsg
 from trainmover.runtime import phase1, stacks
+from trainmover.runtime.changes import Switched, TakeRank, UseGroups
 from trainmover.runtime.protection import capture, checkpoint
 from trainmover.runtime.transfer import state as transfer
 from trainmover.runtime.context import RankContext
@@ -310,9 +310,7 @@ class RankRecovery:
             self.ctx.retire(self.ctx.groups[name].swap(backend), msg.step)
         self.foreseen.drop(msg.step)  # the other cases' groups: the membership they were for is gone
         # a rollback redoes the steps after msg.step: their old reports must not reach a restarted controller
-        reports = self.ctx.step_reports
-        self.ctx.step_reports = deque((r for r in reports if r["step"] <= msg.step), maxlen=reports.maxlen)
-        self.ctx.switched_epoch = msg.epoch
+        self.ctx.apply(Switched(msg.epoch, redo_after=msg.step))
         self.ctx.send("switched", epoch=msg.epoch, rank=self.ctx.rank, role=MoveRole.STAYER, step=msg.step,
                       t=time.time(), detail={**report, "redo_from": completed})
         self.ctx.trace_next_steps()
@@ -356,7 +354,7 @@ class RankRecovery:
             return
         rank = int(mine)
         t0 = time.perf_counter()
-        self.ctx.rank = rank
+        self.ctx.apply(TakeRank(rank))
         self.early = (int(msg.epoch), rank)
         self._bind(rank)
         log.info("anticipating rank %d (epoch %d): bound in %.3fs", rank, msg.epoch, time.perf_counter() - t0)
@@ -367,7 +365,7 @@ class RankRecovery:
         groups = self.ctx.groups
         if self.standby.rehearsed == rank and bool(groups) and all(g.sandboxed for g in groups.values()):
             return True
-        self.ctx.groups = self.ctx.make_groups(rank, sandbox=True)
+        self.ctx.apply(UseGroups(self.ctx.make_groups(rank, sandbox=True)))
         self.ctx.workload.rebind(self.ctx.build_context(rank))
         self.standby.rehearsed = rank
         self.standby.shadow_until_steady(self.ctx.spec.job.shadow_steps)
@@ -383,7 +381,7 @@ class RankRecovery:
         if config.setting("TM_TRACE_SWITCH"):
             stacks.sample()
         rank = int(msg.assign[str(self.ctx.local)])
-        self.ctx.rank = rank
+        self.ctx.apply(TakeRank(rank))
         early, self.early = self.early, None
         anticipated = early == (int(msg.epoch), rank)
         if early is not None and not anticipated:
@@ -398,7 +396,7 @@ class RankRecovery:
             self.ctx.retire(self.ctx.groups[name].swap(backend), msg.step)
         self.ctx.state.to(RankState.TRAINING)  # a worker now (its role follows its state)
         self.foreseen.drop(msg.step)  # as a worker's: retired after its first steps, off the critical path
-        self.ctx.switched_epoch = msg.epoch
+        self.ctx.apply(Switched(msg.epoch))
         report["after_rebuild_s"] = time.perf_counter() - t1
         self.ctx.send("switched", epoch=msg.epoch, rank=rank, role=MoveRole.JOINER, step=msg.step, t=time.time(),
                       detail={**report, "rebind_s": rebind_s, "prebound": prebound, "anticipated": anticipated,

@@ -29,6 +29,7 @@ import torch
 from trainmover.errors import MigrationError
 from trainmover.groups.swappable import CONTROL, SwappableGroup
 from trainmover.runtime.roles import ahead
+from trainmover.runtime.changes import UseGroups
 from trainmover.runtime.context import RankContext
 from trainmover.runtime.protection.role import Protection
 from trainmover.runtime.rankstate import RankState
@@ -144,7 +145,7 @@ class StandbyRole:
         if self.rehearsed is not None:
             self.ctx.workload.release()
             free_device_memory(self.ctx.device)
-        self.ctx.groups = groups
+        self.ctx.apply(UseGroups(groups))
         workload = self.ctx.workload
         (workload.rebind if self.rehearsed is not None else workload.build)(self.ctx.build_context(rank))
         self.rehearsed = rank

@@ -21,6 +21,7 @@ from trainmover.errors import MigrationError
 from trainmover.groups import rng
 from trainmover.groups.specs import delta
 from trainmover.runtime import phase1
+from trainmover.runtime.changes import BeginPhase1, Joining, Switched, TakeRank, UseGroups
 from trainmover.runtime.transfer import plan as xferplan, state as transfer
 from trainmover.protocol.messages import AbortMsg, MoveRole, PrepareMsg
 from trainmover.runtime.context import RankContext
@@ -119,9 +120,10 @@ class Switch:
             return  # no group of ours contains the leaver: nothing to do (never the case for world)
         if role == MoveRole.LEAVER:  # for the joiner to check its own against (Workload.collective_layout)
             self.ctx.store.set(layout_key(epoch, self.ctx.rank), self.ctx.workload.collective_layout())
-        self.ctx.pending = phase1.Prepared(epoch, d, role, self.ctx.rank)
-        self.ctx.pending.memory_before, self.ctx.pending.comms_before = self.ctx.memory(), self.ctx.comms_created()
-        phase1.start(self.ctx.pending, self.ctx.phase1_builder())
+        prep = phase1.Prepared(epoch, d, role, self.ctx.rank)
+        prep.memory_before, prep.comms_before = self.ctx.memory(), self.ctx.comms_created()
+        self.ctx.apply(BeginPhase1(prep))
+        phase1.start(prep, self.ctx.phase1_builder())
         log.info("phase 1 epoch %d as %s: %s", epoch, role, [g.name for g in d.groups_to_build(self.ctx.rank)])
         if self.ctx.role == "worker":
             self.ctx.faults.at("phase1", who=self.ctx.rank, epoch=epoch)
@@ -152,8 +154,7 @@ class Switch:
         leaver take the backends Phase 1 built (the old ones retired once no step uses them)."""
         for name, backend in prep.backends.items():
             self.ctx.retire(self.ctx.groups[name].swap(backend), step)
-        self.ctx.pending = None
-        self.ctx.switched_epoch = prep.epoch
+        self.ctx.apply(Switched(prep.epoch))
         self.ctx.trace_next_steps()
         self.ctx.send("switched", epoch=prep.epoch, rank=self.ctx.rank, role=MoveRole.STAYER, step=step, t=time.time(),
                       detail={"prepare_s": prep.seconds, "comms_created": self.ctx.comms_created(),
@@ -168,9 +169,8 @@ class Switch:
         stats = transfer.send_verified(state, prep.xfer, key=self.ctx.key, dst=1, plan=prep.plan,
                                        context=phase1.xfer_prefix(prep.epoch, prep.rank),  # sealed for this pair only
                                        corrupt=self.ctx.faults.at("transfer-send"))
-        self.ctx.pending = None
+        self.ctx.apply(Switched(prep.epoch))
         self.ctx.state.to(RankState.LEFT)
-        self.ctx.switched_epoch = prep.epoch
         self.ctx.send("switched", epoch=prep.epoch, rank=self.ctx.rank, role=MoveRole.LEAVER, step=step, t=time.time(),
                       detail={"send_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
                               "tensors": stats.tensors, "plan_s": prep.plan_s, "parts": stats.parts})
@@ -180,19 +180,19 @@ class Switch:
         """Take a leaver's slot. Returns the step to continue from, or None if the
         migration was cancelled (the agent then stays a standby)."""
         epoch = msg.epoch
-        self.ctx.joining = epoch
+        self.ctx.apply(Joining(epoch))
         self.ctx.state.to(RankState.JOINING)
         try:
             return self._join(msg, epoch)
         finally:
-            self.ctx.joining = 0
+            self.ctx.apply(Joining(0))
 
     def _join(self, msg: PrepareMsg, epoch: int) -> int | None:
         rank = int(msg.assign[str(self.ctx.local)])
         leaver = rank
         # Off the critical path: rebuild groups with the rank we now know, rebind the workload,
         # and run shadow steps so that the new wrappers' one-time work happens in the sandbox.
-        self.ctx.groups = self.ctx.make_groups(rank, sandbox=True)
+        self.ctx.apply(UseGroups(self.ctx.make_groups(rank, sandbox=True)))
         self.ctx.workload.rebind(self.ctx.build_context(rank))
         with self.standby.warm_stance():
             self.standby.shadow_until_steady(self.ctx.spec.job.shadow_steps)
@@ -237,7 +237,7 @@ class Switch:
             state, stats = transfer.recv_verified(prep.xfer, key=self.ctx.key, src=0, like=like, plan=prep.plan,
                                                   context=phase1.xfer_prefix(prep.epoch, prep.rank))
         except (MigrationError, RuntimeError) as exc:  # the leaver died mid-copy: a replica will send it
-            self.ctx.rank = rank
+            self.ctx.apply(TakeRank(rank))
             self.ctx.send("stalled", rank=rank, step=0, digest="", error=str(exc)[:500], role=MoveRole.JOINER,
                           holds={"replicas": [], "own": [], "held": {}})
             return self.recovery.take_failed_rank(self.recovery.wait_recover(exc), rebind=False)
@@ -250,9 +250,9 @@ class Switch:
         # The transfer pair is done too; dropping its last reference here would abort the
         # communicator synchronously, inside the pause (measured: 0.5 s on an H200).
         self.ctx.retire(prep.xfer, int(state["step"]))
-        self.ctx.rank = rank
+        self.ctx.apply(TakeRank(rank))
         self.ctx.state.to(RankState.TRAINING)
-        self.ctx.switched_epoch = epoch
+        self.ctx.apply(Switched(epoch))
         self.ctx.send("switched", epoch=epoch, rank=rank, role=MoveRole.JOINER, step=int(state["step"]), t=time.time(),
                       detail={"recv_s": stats.seconds, "copy_s": stats.copy_s, "bytes": stats.bytes,
                               "apply_s": time.perf_counter() - t_switch, "prepare_s": prep.seconds,

@@ -18,6 +18,7 @@ from trainmover.protocol.messages import MoveRole
 from trainmover import config
 from trainmover.groups.swappable import CONTROL, CollectiveFailure, first_failure
 from trainmover.runtime.roles import boundary
+from trainmover.runtime.changes import Completed, StepTraced
 from trainmover.runtime.context import RankContext
 from trainmover.runtime.protection.role import Protection
 from trainmover.runtime.roles.recovery import RankRecovery
@@ -56,7 +57,7 @@ class TrainingLoop:
         loss = 0.0
         trace("train loop entered")
         while step < self.ctx.spec.job.steps:
-            self.ctx.completed = step
+            self.ctx.apply(Completed(step))
             try:
                 loss, step = self._iteration(step)
             except ScriptEnded:  # a script's own loop is over (trainmover/script): this rank is done
@@ -85,7 +86,7 @@ class TrainingLoop:
         if self.recorder:
             self.recorder.before(step)
         if self.ctx.trace_steps:
-            self.ctx.trace_steps -= 1
+            self.ctx.apply(StepTraced())
             trace(f"step {step + 1} begins")
             self.ctx.workload.trace = trace
         elif getattr(self.ctx.workload, "trace", None):
@@ -104,7 +105,7 @@ class TrainingLoop:
             if report:  # the recorder stays: it records again if the collectives change shape
                 self.ctx.send("recorded", **report)
         step += 1
-        self.ctx.completed = step  # from here on a failure finds this step complete in our state
+        self.ctx.apply(Completed(step))  # from here on a failure finds this step complete in our state
         self.ctx.send("step", rank=self.ctx.rank, step=step, loss=loss, step_s=time.perf_counter() - t0,
                       compute_s=compute_s, t=time.time())
         self.protection.protect(step)
