@@ -9,6 +9,7 @@ reaches them through one hook, `Injector.at(point, **context)`, called at a few 
     phase1           who (rank or "joiner"), epoch die-in-phase1
     warmup           -                             die-in-warmup (the controller picks the standby)
     copy             -                             die-in-copy
+    joiner-copy      -                             die-in-copy:joiner
     leaver-state     -                             skip-optimizer-state
     transfer-send    -                             corrupt-transfer
     snapshot-send    -                             corrupt-snapshot
@@ -39,6 +40,7 @@ INJECTIONS = {
     "pace:<seconds>": "every process that trains (any rank, any role) sleeps <seconds> per step: a longer job with the same bits, so a test on a loaded machine has a wide window (not a fault)",
     "slow:<rank>:<fraction>": "the worker launched for <rank> sleeps <fraction> of its compute time each step (a straggling node)",
     "die-in-copy": "the leaver of a planned migration kills itself (SIGKILL) as the joiner starts to wait for its state",
+    "die-in-copy:joiner": "the joiner of a planned migration kills itself (SIGKILL) as it starts to receive the leaver's state (the leaver's send then fails)",
     "die:<rank>:<step>": "the worker launched for <rank> kills itself (SIGKILL) as it begins step <step>: an unexpected failure mid-run",
     "raise:<rank>:<step>[:<error>]": "the workload's code raises inside train_step of step <step> on the worker launched for <rank>, as the user's code would (a user error, not a lost node); <step> 'build': as the workload is built; <error> shape (default: a real shape-mismatch RuntimeError), oom (torch.OutOfMemoryError) or value (ValueError)",
     "freeze:<rank>:<step>": "the worker launched for <rank> stops itself (SIGSTOP) as it begins step <step>: a frozen process whose sockets stay open",
@@ -54,6 +56,7 @@ INJECTIONS = {
 
 # faults without arguments, and the point where each fires
 _PLAIN = {"skip-optimizer-state": "leaver-state", "corrupt-transfer": "transfer-send", "die-in-copy": "copy",
+          "die-in-copy:joiner": "joiner-copy",
           "corrupt-snapshot": "snapshot-send", "no-rollback": "rollback"}
 _RANK_STEP = ("die", "freeze", "hang")
 RAISE_ERRORS = ("shape", "oom", "value")  # raise:<rank>:<step>[:<error>]
@@ -187,7 +190,7 @@ class Injector:
             return False
         hit = any(_PLAIN.get(f.text) == point or (point == "warmup" and f.text == "die-in-warmup")
                   for f in self.faults)
-        if hit and point in ("copy", "warmup"):
+        if hit and point in ("copy", "joiner-copy", "warmup"):
             _kill(f"dies at {point}")
         if hit:
             log.warning("injected: %s", point)

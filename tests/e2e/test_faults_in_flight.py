@@ -3,6 +3,8 @@
 * A stayer, or the joiner, SIGKILLed in Phase 1 of a drain (TM_INJECT die-in-phase1): the
   migration is aborted with no group half-switched; a lost stayer is rebuilt from a replica
   on the standby that was joining; the drain is asked again and completes on the next standby.
+* The joiner SIGKILLed as the leaver's state copy starts (TM_INJECT die-in-copy:joiner): the
+  leaver's send fails, it stops as a lost rank, and its rank is recovered from a replica.
 * A standby SIGKILLed as its warm-up begins (TM_INJECT die-in-warmup), a drain pending: the
   controller drops it, takes another, and the drain completes there; with no standby left
   (TM_STANDBY_LOSSES) the job trains on on the drained node and says so.
@@ -112,6 +114,37 @@ def test_the_joiner_killed_in_phase1_aborts_and_the_drain_completes_on_another_s
     assert slurm_client.job(run.job_id).restart_count == 0
     print(f"\njoiner {lost['node']} killed in phase 1: lost -> aborted {planned['phases']['aborted'] - lost['t']:.3f}s, "
           f"-> drain done on {retry['joiner']} {retry['phases']['done'] - lost['t']:.2f}s")
+
+
+def test_the_joiner_killed_in_the_copy_stops_the_leaver_and_its_rank_is_recovered(demo, reference, slurm_client):
+    """The joiner dies as it starts to receive the leaver's state (TM_INJECT die-in-copy:joiner):
+    the stayers switched to it at that boundary, and the leaver's send fails. The leaver stops as
+    a lost rank (raised, its error would have ended the job: roles/switch.py `stop_as_lost`), the
+    drain's migration fails, and the rank is recovered onto a new standby from a replica; the
+    job completes bit-exactly, never requeued."""
+    run = demo("joiner-in-copy", TM_INJECT=f"die-in-copy:joiner,{PACE}")
+    training(run, slurm_client, min_step=20)
+    warm_standby(run)
+    leaver = leaver_of(run)
+    drain(run, leaver)
+    assert run.wait_done(slurm_client, timeout=240) == "COMPLETED", run.slurm_out()[-3000:]
+    status = run.status()
+    planned, *after = status["migrations"]
+    assert (planned["leaver"], planned["trigger"], planned["state"]) == (leaver, "drain", "failed"), planned
+    (recovered,) = [m for m in after if m["recovery"] and m["state"] == "done"]
+    assert recovered["leaver"] == leaver and recovered["joiner"] not in (planned["joiner"], None), recovered
+    assert recovered["state_source"]["tier"] == "replica"
+    assert all(m["state"] in ("done", "aborted") for m in after), after
+    logs = "".join(p.read_text(errors="replace") for p in run.dir.glob("*.log"))
+    assert "sending this leaver's state at step" in logs and "stopping as a lost rank" in logs
+    assert "injected: dies at joiner-copy" in logs  # control: the fault fired where it should
+    assert_same_training(run, reference, *[(r, recovered["switch_step"])
+                                          for r in recovered["state_source"].get("laggers", [])])
+    job = slurm_client.job(run.job_id)
+    assert job.restart_count == 0 and leaver not in job.nodes
+    print(f"\njoiner {planned['joiner']} killed in the copy: leaver {leaver} stopped, rank recovered on "
+          f"{recovered['joiner']} ({recovered['state_source']['tier']}), "
+          f"drain failed -> recovery done {recovered['phases']['done'] - planned['phases']['failed']:.2f}s")
 
 
 def test_a_standby_killed_in_warmup_is_replaced_and_a_pending_drain_completes(demo, reference, slurm_client):

@@ -387,8 +387,9 @@ def test_a_rogue_pair_peer_feeds_the_joiner_nothing(env, slurm_client, reference
     admits whoever sends a pending pair's sequence number first, so the outcome depends on the
     race: either the job's own peers connect first and the migration is done and the job
     completes bit-exactly (an attempt the attack broke is aborted with its reason and retried, or
-    a rank it cost is recovered: seen once in CI, more than one migration), or the other user takes over a pair (seen: a pair of the new `world`
-    group, or the transfer pair) and the job fails clearly, its message naming the peer and
+    a leaver whose send the attack broke stops as a lost rank and its rank is recovered), or the
+    other user takes over a pair of the new groups (seen: of the new `world` group) and the job
+    fails clearly, its message naming the peer and
     saying that it is none of the job's nodes (a denial of service: docs/security.md, "Known
     limits"); a
     hijacked transfer pair would be refused by the manifest's MAC or gloo's framing, never
@@ -436,16 +437,20 @@ def test_a_rogue_pair_peer_feeds_the_joiner_nothing(env, slurm_client, reference
         refused = logs.count("is not sealed with the job's key") + logs.count("not the ones a rank holding")
         migrations = run.status()["migrations"]
         if state == "COMPLETED":
-            # the drain's migration done; an attempt the attack broke first (a pair taken over, then
-            # lost) is aborted with its reason and retried, or its lost rank recovered: never half-done
-            (m,) = [m for m in migrations if (m["leaver"], m["trigger"], m["state"]) == (leaver, "drain", "done")]
+            # the drain's migration done; or an attempt the attack broke (a pair taken over, then
+            # lost) aborted with its reason and retried; or the leaver's send failed, it stopped as
+            # a lost rank (roles/switch.py) and its rank was recovered: never half-done
+            done = [m for m in migrations if m["state"] == "done"]
             broken = [m for m in migrations if m["state"] != "done"]
-            assert all(b["state"] == "aborted" and b["note"] for b in broken), broken
+            assert done and all(b["state"] in ("aborted", "failed") and b["note"] for b in broken), migrations
+            if not any((m["leaver"], m["trigger"]) == (leaver, "drain") for m in done):
+                assert any(b["trigger"] == "drain" and b["state"] == "failed" for b in broken), migrations
+                assert any(m.get("recovery") and m["leaver"] == leaver for m in done), migrations
+            assert all(b["state"] == "aborted" for b in broken if b["trigger"] != "drain"), broken
             assert_same_training(run, reference)
-            outcome = (f"the job completed bit-exactly, migration downtime {m['downtime_s']:.3f}s"
-                       + "".join(f"; an attempt aborted first: {b['note']}" for b in broken)
-                       + "".join(f"; {r['leaver']} recovered ({r['trigger']})" for r in migrations
-                                 if r["state"] == "done" and r is not m))
+            outcome = ("the job completed bit-exactly: "
+                       + "; ".join(f"{m['trigger']} of {m['leaver']} done ({m['downtime_s'] or 0:.3f}s down)" for m in done)
+                       + "".join(f"; an attempt {b['state']} first: {b['note']}" for b in broken))
         else:  # the other user took over a pair first: a denial of service, clearly said
             said = run.slurm_out()
             assert state == "FAILED", (state, said[-3000:])

@@ -23,7 +23,7 @@ from trainmover.config import Config, parse_tiers
 from trainmover.controller.durable.migration import Phase
 from trainmover.controller.durable.state import PolicyState
 from trainmover.controller.policy import tiers
-from trainmover.controller.policy.actions import CheckpointDone, Finish, Rewind, Send
+from trainmover.controller.policy.actions import CheckpointDone, Finish, ReleaseNode, Rewind, Send
 from trainmover.controller.policy.foresight import Foresight
 from trainmover.controller.policy.holder import SnapshotHolder
 from trainmover.controller.policy.planner import Planner
@@ -70,6 +70,8 @@ class RecoveryPolicy:
             return []
         planner, view = self.planner, self.state.view
         r = planner.recovery()
+        if r is not None and node == r.joiner and r.phase in (Phase.REQUESTED, Phase.WAITING_STANDBY):
+            return self._joiner_lost_before_the_plan(now, r, node, evidence)
         if r is not None and node in (r.leaver, r.joiner):
             return []  # already being recovered
         if r is not None:
@@ -82,7 +84,12 @@ class RecoveryPolicy:
         m.recovery, m.epoch, m.leaver_exited = True, epoch, True
         actions = []
         if planned is not None:
-            if planned.leaver == node and planned.phase in (Phase.SWITCHING, Phase.RELEASING):
+            if planned.phase is Phase.SWITCHING and planned.leaver == node and self._joiner_lost(planned):
+                # the joiner was lost in the copy (and the leaver's send failed, or the loss of
+                # the joiner is what brought us here): the slot goes to another standby
+                actions += planner.fail(now, planned, f"joiner {planned.joiner} lost during the state copy; the "
+                                                      "rank comes from a replica onto another standby", evidence)
+            elif planned.leaver == node and planned.phase in (Phase.SWITCHING, Phase.RELEASING):
                 # the leaver died during the state copy: the joiner already holds the slot
                 m.joiner = planned.joiner
                 actions += planner.fail(now, planned, "leaver lost during the state copy; its state comes from a replica",
@@ -100,6 +107,25 @@ class RecoveryPolicy:
         actions += [planner.timeline(m, now, "detected", evidence=evidence),
                     Send(tuple(live), make("revoke", epoch=m.epoch, failed=list(ranks), reason=reason[:500]))]
         return actions + self.maybe_recover(now)
+
+    def _joiner_lost(self, planned) -> bool:
+        """Whether the planned migration's joiner was lost since it began (a lost standby's node
+        may come back later as a new standby: only a loss after the migration started counts)."""
+        began = planned.times.get(Phase.PREPARING.value, planned.requested_at)
+        return any(x["node"] == planned.joiner and x["t"] >= began for x in self.state.standbys_lost)
+
+    def _joiner_lost_before_the_plan(self, now: float, r, node: str, evidence: str) -> list:
+        """The standby a recovery took over from a leaver lost in the copy (it already held the
+        slot) is lost too, before the plan: its ranks are the leaver's again and another standby
+        is taken, as for any recovery whose standby is lost before its plan."""
+        view = self.state.view
+        view.rank_node.update({r_: r.leaver for r_ in r.leaver_ranks})
+        self.state.standbys_lost.append({"node": node, "state": "joining", "evidence": evidence, "t": now})
+        log.error("the standby on %s taking over from %s was lost before the recovery's plan (%s); another is "
+                  "taken", node, r.leaver, evidence)
+        r.joiner = ""
+        return [self.planner.timeline(r, now, "joiner_lost", node=node, evidence=evidence),
+                ReleaseNode(node)] + self.maybe_recover(now)
 
     # --- the plan ----------------------------------------------------------------------
     def on_stalled(self, now: float, node: str, msg: StalledMsg) -> list:

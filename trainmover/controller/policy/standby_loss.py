@@ -81,10 +81,11 @@ class StandbyLoss:
                                   "are not recovered; the job stops")]
         if m.phase is Phase.PREPARING:
             return self.planner.abort(now, m, f"joiner {node} lost during phase 1 ({evidence})")
-        # SWITCHING: the stayers may already run on groups with the joiner in the slot; what
-        # follows is a lost rank (the stayers stall, the job stops within its deadlines).
+        # SWITCHING: the stayers may already run on groups with the joiner in the slot, which
+        # is now held by a lost process: the leaver's ranks are recovered as lost, from a
+        # replica onto another standby (the leaver, whose send fails, stops: roles/switch.py).
         log.error("joiner %s of migration %d lost during the switch (%s)", node, m.id, evidence)
-        return []
+        return self.recovery.fault(now, m.leaver, f"its joiner {node} was lost during the state copy ({evidence})")
 
     def released(self, now: float, node: str, ok: bool, message: str) -> list:
         """Slurm's answer to the release of a lost standby's node."""

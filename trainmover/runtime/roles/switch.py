@@ -12,6 +12,8 @@ late abort can never leave the joiner waiting for a state that will not come.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from typing import TYPE_CHECKING
 
@@ -78,6 +80,20 @@ def await_go(store, epoch: int, leaver: int, aborted, deadline: float, poll_s: f
         if time.monotonic() > deadline:
             return "timeout"
         time.sleep(max(0.0, poll_s - (time.monotonic() - started)))
+
+
+def stop_as_lost(epoch: int, step: int, exc: Exception) -> None:
+    """The leaver's send failed: its joiner was lost mid-copy, or the pair broke or was taken over
+    by a process outside the job (gloo admits whoever sends a pending pair's sequence number
+    first: docs/security.md). The stayers switched to the joiner at this very boundary, so this
+    rank cannot go back, and raising would end the job as this rank's own error. It stops the
+    way a lost rank does (SIGKILL: nothing it holds is torn down half-way), and the controller
+    recovers its rank as after a leaver lost in the copy: from a replica, or it ends the job
+    saying why where no state is left."""
+    log.error("epoch %d: sending this leaver's state at step %d failed (%s: %s); stopping as a lost rank so "
+              "that the job recovers the rank", epoch, step, type(exc).__name__, str(exc)[:500])
+    logging.shutdown()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Switch:
@@ -166,9 +182,12 @@ class Switch:
             state["workload"].pop("optimizer", None)
         self.ctx.store.set(go_key(prep.epoch, self.ctx.rank), "1")
         self.ctx.faults.at("copy")  # die-in-copy: the state must then come from a replica
-        stats = transfer.send_verified(state, prep.xfer, key=self.ctx.key, dst=1, plan=prep.plan,
-                                       context=phase1.xfer_prefix(prep.epoch, prep.rank),  # sealed for this pair only
-                                       corrupt=self.ctx.faults.at("transfer-send"))
+        try:
+            stats = transfer.send_verified(state, prep.xfer, key=self.ctx.key, dst=1, plan=prep.plan,
+                                           context=phase1.xfer_prefix(prep.epoch, prep.rank),  # sealed for this pair only
+                                           corrupt=self.ctx.faults.at("transfer-send"))
+        except (MigrationError, RuntimeError) as exc:
+            stop_as_lost(prep.epoch, step, exc)
         self.ctx.apply(Switched(prep.epoch))
         self.ctx.state.to(RankState.LEFT)
         self.ctx.send("switched", epoch=prep.epoch, rank=self.ctx.rank, role=MoveRole.LEAVER, step=step, t=time.time(),
@@ -233,6 +252,7 @@ class Switch:
             self.ctx.send("prepare_failed", epoch=epoch, rank=rank, error="leaver never sent its state")
             return None
         t_switch = time.perf_counter()
+        self.ctx.faults.at("joiner-copy")  # die-in-copy:joiner: the leaver's send fails
         try:
             state, stats = transfer.recv_verified(prep.xfer, key=self.ctx.key, src=0, like=like, plan=prep.plan,
                                                   context=phase1.xfer_prefix(prep.epoch, prep.rank))
