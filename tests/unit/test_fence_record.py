@@ -151,3 +151,19 @@ def test_the_epilog_checks_only_after_a_job_that_left_a_record_and_keeps_the_che
     assert p.returncode == 0, p.stdout + p.stderr
     assert ("fenced: job 7 (uid" in p.stdout) == (has_record and state == "held"), p.stdout
     assert ("n1:" in p.stdout) == has_record, p.stdout  # the check ran, or did not start at all
+
+
+def test_an_epilog_whose_check_cannot_run_lets_the_node_go_back_and_says_so(installed, tmp_path):  # noqa: F811
+    """A misconfigured check (no interpreter where healthcheck.env says) must not drain every node
+    at every job's end: the Epilog exits 0 and slurmd's log gets why."""
+    if script_mark.args[0]:
+        pytest.skip(script_mark.kwargs["reason"])
+    shutil.copy(Path(fence_record.__file__).resolve().parents[2] / "slurm_plugin" / "epilog.sh", installed.bindir)
+    installed.env.write_text(f"TRAINMOVER_PYTHON={tmp_path}/no-such-python\n")
+    work = tmp_path / "work"
+    job_dir(work, record())
+    p = subprocess.run(["/usr/bin/env", "-i", "SLURMD_NODENAME=n1", "SLURM_JOB_ID=7", f"SLURM_JOB_UID={UID}",
+                        f"SLURM_JOB_WORK_DIR={work}", str(installed.bindir / "epilog.sh")],
+                       capture_output=True, text=True, timeout=20, cwd="/")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "no Python interpreter" in p.stderr and "the health check did not run (exit 2)" in p.stderr, p.stderr
