@@ -167,7 +167,7 @@ def test_a_standby_killed_in_warmup_is_replaced_and_a_pending_drain_completes(de
 
 
 def test_with_no_standby_left_the_drained_node_keeps_training_and_says_so(demo, reference, slurm_client):
-    run = demo("no-standby-left", TM_INJECT="die-in-warmup:1", TM_STANDBY_LOSSES=1)
+    run = demo("no-standby-left", TM_INJECT=f"die-in-warmup:1,{PACE}", TM_STANDBY_LOSSES=1)  # paced: an unloaded machine ran all 300 steps before the drain was seen
     training(run, slurm_client, min_step=5)
     leaver = leaver_of(run)
     drain(run, leaver)
