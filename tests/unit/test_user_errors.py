@@ -28,6 +28,7 @@ from trainmover.protocol.messages import make
 from trainmover.runtime.rankstate import RankState, RankStateMachine
 from trainmover.runtime.roles.training import TrainingLoop, lost_peer
 from trainmover.runtime.usercode import MAX_TRACEBACK, UserCodeError, UserWorkload, user_code
+from trainmover.runtime.worker import Agent
 
 from test_policy import new_policy, ready_standby, sends, stalled
 
@@ -162,6 +163,7 @@ class LoopAgent(TrainingLoop):
         ctx = types.SimpleNamespace(spec=types.SimpleNamespace(job=types.SimpleNamespace(steps=4)), rank=0, groups=groups, completed=0,
                                     state=RankStateMachine(RankState.TRAINING), digest=lambda: "d",
                                     send=lambda kind, **fields: self.sent.append(kind))
+        ctx.apply = lambda change: Agent.apply(ctx, change)  # the process's one writer of its fields
         super().__init__(ctx, protection=None, switch=None, recovery=types.SimpleNamespace(stall=self.stall))
 
     def _iteration(self, step):
