@@ -129,28 +129,33 @@ def test_the_installed_script_passes_the_ending_job_through(installed, tmp_path,
     assert ("fenced: job 7 (uid" in p.stdout) == (state == "held"), p.stdout
 
 
-@pytest.mark.parametrize("has_record, state", [(True, "held"), (True, "drained"), (False, "held")])
-def test_the_epilog_checks_only_after_a_job_that_left_a_record_and_keeps_the_checks_reason(
-        installed, tmp_path, has_record, state):  # noqa: F811
+def run_epilog(installed, work):  # noqa: F811
+    shutil.copy(Path(fence_record.__file__).resolve().parents[2] / "slurm_plugin" / "epilog.sh", installed.bindir)
+    return subprocess.run(["/usr/bin/env", "-i", "SLURMD_NODENAME=n1", "SLURM_JOB_ID=7", f"SLURM_JOB_UID={UID}",
+                           f"SLURM_JOB_WORK_DIR={work}", str(installed.bindir / "epilog.sh")],
+                          capture_output=True, text=True, timeout=20, cwd="/")
+
+
+@pytest.mark.parametrize("marked, state", [(True, "held"), (True, "drained"), (False, "held")])
+def test_the_epilog_checks_only_a_node_its_job_marked_held_and_keeps_the_checks_reason(
+        installed, tmp_path, marked, state):  # noqa: F811
     """slurm_plugin/epilog.sh as slurmd runs it (Epilog= takes no arguments, so the site file
-    gives --no-drain here): a job without runs/<job>/status.json starts no Python (its end costs
-    nothing); with one, the fence record is judged. It exits 0 whatever the check found: a
-    non-zero Epilog would make slurmctld replace the check's reason by "Epilog error"."""
+    gives --no-drain here): without the job's mark for this node (runs/<job>/held-<node>.json,
+    the controller's) it starts no Python, so other jobs' ends cost nothing; with it, the
+    record (status.json alone) is judged. It exits 0 whatever the check found: a non-zero
+    Epilog would make slurmctld replace the check's reason by "Epilog error"."""
     if script_mark.args[0]:
         pytest.skip(script_mark.kwargs["reason"])
-    shutil.copy(Path(fence_record.__file__).resolve().parents[2] / "slurm_plugin" / "epilog.sh", installed.bindir)
     installed.env.write_text(installed.env.read_text().replace("--no-straggler", "--no-straggler --no-drain --no-gpu"))
     work = tmp_path / "work"
-    if has_record:
-        job_dir(work, record(state=state))
-    else:
-        (work / "runs" / "7").mkdir(parents=True)
-    p = subprocess.run(["/usr/bin/env", "-i", "SLURMD_NODENAME=n1", "SLURM_JOB_ID=7", f"SLURM_JOB_UID={UID}",
-                        f"SLURM_JOB_WORK_DIR={work}", str(installed.bindir / "epilog.sh")],
-                       capture_output=True, text=True, timeout=20, cwd="/")
+    job_dir(work, record(state=state))
+    if marked:
+        (work / "runs" / "7" / "held-n1.json").write_text("{}")
+    (work / "runs" / "7" / "held-n2.json").write_text("{}")  # another node's mark: not this one's
+    p = run_epilog(installed, work)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert ("fenced: job 7 (uid" in p.stdout) == (has_record and state == "held"), p.stdout
-    assert ("n1:" in p.stdout) == has_record, p.stdout  # the check ran, or did not start at all
+    assert ("fenced: job 7 (uid" in p.stdout) == (marked and state == "held"), p.stdout
+    assert ("n1:" in p.stdout) == marked, p.stdout  # the check ran, or did not start at all
 
 
 def test_an_epilog_whose_check_cannot_run_lets_the_node_go_back_and_says_so(installed, tmp_path):  # noqa: F811
@@ -158,12 +163,10 @@ def test_an_epilog_whose_check_cannot_run_lets_the_node_go_back_and_says_so(inst
     at every job's end: the Epilog exits 0 and slurmd's log gets why."""
     if script_mark.args[0]:
         pytest.skip(script_mark.kwargs["reason"])
-    shutil.copy(Path(fence_record.__file__).resolve().parents[2] / "slurm_plugin" / "epilog.sh", installed.bindir)
     installed.env.write_text(f"TRAINMOVER_PYTHON={tmp_path}/no-such-python\n")
     work = tmp_path / "work"
     job_dir(work, record())
-    p = subprocess.run(["/usr/bin/env", "-i", "SLURMD_NODENAME=n1", "SLURM_JOB_ID=7", f"SLURM_JOB_UID={UID}",
-                        f"SLURM_JOB_WORK_DIR={work}", str(installed.bindir / "epilog.sh")],
-                       capture_output=True, text=True, timeout=20, cwd="/")
+    (work / "runs" / "7" / "held-n1.json").write_text("{}")
+    p = run_epilog(installed, work)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "no Python interpreter" in p.stderr and "the health check did not run (exit 2)" in p.stderr, p.stderr

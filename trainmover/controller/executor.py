@@ -358,8 +358,19 @@ class Controller:
         if not drain:
             log.warning("fenced %s is not drained (%s): held in the job until it ends", a.node,
                         self.fencing.nodes[a.node].held or "drained already")
+            if self.fencing.nodes[a.node].held:
+                self._mark_held(a.node, a.reason)
         self.work.start("fence", lambda: kill_and_drain(self.slurm, self.job_id, self.launcher.get(a.node), a.node,
                                                            a.reason, drain))
+
+    def _mark_held(self, node: str, why: str) -> None:
+        """`held-<node>.json` beside status.json: by its existence alone it tells that node's Epilog
+        (slurm_plugin/epilog.sh, root) that this job's record is to be read at its end, so that
+        every other job's end starts no check at all (status.json stays what is judged)."""
+        try:
+            self.files.write(f"held-{node}", {"node": node, "why": why[:500]})
+        except OSError as exc:  # the record in status.json still says it; only the Epilog's shortcut is lost
+            log.warning("could not mark %s held for the Epilog: %s", node, exc)
 
     def handle_peer(self, conn, raw, now: float) -> list:
         """One validated message of an authenticated peer, as its class from here on (typed once:
@@ -588,6 +599,7 @@ class Controller:
                 if drain_error:
                     log.warning("drain of fenced %s refused (%s): held in the job, out of training and of the "
                                 "standby pool, until the job ends", node, drain_error)
+                    self._mark_held(node, drain_error)
                 for n, why in held:
                     actions += self.policy.on_released(now, n, False, why)
                 return actions
