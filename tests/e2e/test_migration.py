@@ -250,7 +250,8 @@ def test_drain_moves_the_rank_to_a_standby_bit_exactly(demo, reference, slurm_cl
 
 def test_manual_migration_without_optimizer_state_differs(demo, reference, slurm_client):
     """The negative control, through `trainmover migrate` (no drain); also bad CLI input."""
-    run = demo("negative", TM_INJECT="skip-optimizer-state")
+    run = demo("negative", TM_INJECT="skip-optimizer-state,pace:0.035")  # paced as the drain test: unpaced,
+    # an idle CI machine ran the 300 steps before the standby was warm
     start_training(run, slurm_client)
     leaver = leaver_of(run)
     bad = run.cli("migrate", "--job", str(run.job_id), "--node", "train99")
@@ -278,10 +279,12 @@ def test_drain_outside_the_job_and_with_no_free_standby(demo, reference, slurm_c
     try:
         wait_for("the holder job to hold both spares", lambda: slurm_client.job(int(holder)).running, timeout=30)
         # The free standby is seen at the next node poll (TM_POLL_S: 1 s here, default 10 s), then
-        # warms up: pace:0.085 (the same bits) keeps the job running well past that (CI on an idle
-        # machine, unpaced: the steps ended first, the migration still waiting). With the
-        # default poll it took pace:0.1, 25 s more of this test.
-        run = demo("nostandby", TM_INJECT="pace:0.085", TM_POLL_S=1)
+        # warms up; the pace (the same bits) keeps the job running well past that. An ask made
+        # while the holder's nodes still complete fails, and asks are paced to the job's share of
+        # its user's RPCs (controller/resize.py: then the next in up to 45 s): with pace:0.085 an
+        # idle CI machine ended the job first, twice (2026-11-28). pace:0.2: about 60 s after the
+        # holder ends.
+        run = demo("nostandby", TM_INJECT="pace:0.2", TM_POLL_S=1)
         start_training(run, slurm_client)
         outsider = next(n for n in ("train4", "train3", "train2") if n not in slurm_client.job(run.job_id).nodes)
         leaver = leaver_of(run)
@@ -389,7 +392,9 @@ def test_an_injected_20_percent_straggler_is_detected_and_evicted(demo, referenc
     """Rank 1's node computes 20% slower (TM_INJECT=slow:1:0.2): the controller's straggler
     policy names it from the ranks' own compute times and moves it to the standby; the run
     speeds up again and is still bit-exact (the injection only sleeps)."""
-    run = demo("straggler", TM_INJECT="slow:1:0.2", TM_STRAGGLER="evict", TM_STRAGGLER_WINDOW_STEPS=10)
+    # paced (a sleep outside the ranks' compute times the policy judges): on an idle machine the
+    # unpaced job ended a second after the eviction, before a window of the new layout was seen
+    run = demo("straggler", TM_INJECT="slow:1:0.2,pace:0.05", TM_STRAGGLER="evict", TM_STRAGGLER_WINDOW_STEPS=10)
     start_training(run, slurm_client, min_step=5)
     slow_node = run.metrics()[-1]["nodes"][1]
     assert run.wait_done(slurm_client) == "COMPLETED", run.slurm_out()[-3000:]
