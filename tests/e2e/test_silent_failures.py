@@ -62,7 +62,9 @@ def assert_exact(run, reference, m):
 
 def warm_job(demo, slurm_client, name: str):
     """A demo job past step 60 with its standby warm: (run, the node of rank 1, its worker's pid)."""
-    run = demo(name)
+    # paced (a sleep per step, the same bits): on an idle CI machine the unpaced job ran its 300
+    # steps before a partition was even detected (2026-11-28)
+    run = demo(name, TM_INJECT="pace:0.1")
     start_training(run, slurm_client, min_step=60)
     warm(run)
     node = leaver_of(run)
