@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from trainmover import config
-from trainmover.cluster import install, source
+from trainmover.cluster import install, rootdirs, source
 from trainmover.cluster.procs import ClusterError, flocked, run_cmd
 from trainmover.cluster.releases import RELEASES, Release, parse_version, release
 from trainmover.cluster.releases import unfixed as releases_unfixed
@@ -160,6 +160,9 @@ def ensure_built(rel: Release, cache: Path, *, log: Callable[[str], None], mirro
         raise ClusterError(f"building the Slurm {rel.version} root filesystem in {root} needs root")
     # A waiter may sit out another process's whole build, a source build included.
     wait = BUILD_TIMEOUT + (source.CONFIGURE_TIMEOUT * 2 + source.MAKE_TIMEOUT if rel.source else 0)
+    # the cache made here on a fresh machine (root's, checked: the lock below needs its folder;
+    # a fresh clone's `make slurm-matrix` stopped at "cannot open the lock file")
+    rootdirs.own_dir(cache, 0o755)
     with _lock(cache / f".{rel.root_name}.lock", timeout=wait):
         marker = built(root)
         if marker is None:
