@@ -83,8 +83,13 @@ def _clean(client: CliSlurm, slurm_conf) -> None:
            if "|" in line and line.split("|", 1)[1].startswith((TEST_JOB_PREFIX, "trainmover-donor-"))]
     if ids:
         commands.run(["scancel", *ids], timeout=10, env=env, check=False)
+    resume_drained_by(client, (DRAIN_PREFIX,))
+
+
+def resume_drained_by(client: CliSlurm, prefixes: tuple[str, ...]) -> None:
+    """Resume every node drained with a reason that starts with one of `prefixes`."""
     for name, node in client.nodes().items():
-        if "DRAIN" in node.flags and node.reason.startswith(DRAIN_PREFIX):
+        if "DRAIN" in node.flags and node.reason.startswith(prefixes):
             client.resume(name)
 
 
@@ -98,11 +103,7 @@ def _held_nodes_back(request):
     job's end, which may come after its test ended: each test on the shared cluster starts with
     such nodes back in service, as an admin would put them after a look."""
     if "slurm_cluster" in request.fixturenames:
-        info = request.getfixturevalue("slurm_cluster")
-        client = CliSlurm(slurm_conf=str(info.slurm_conf))
-        for name, node in client.nodes().items():
-            if "DRAIN" in node.flags and node.reason.startswith(EPILOG_DRAIN):
-                client.resume(name)
+        resume_drained_by(request.getfixturevalue("slurm_client"), (EPILOG_DRAIN,))
     yield
 
 

@@ -90,14 +90,21 @@ def test_a_stayer_killed_in_phase1_aborts_the_drain_is_recovered_and_the_drain_c
           f"abort to retry done {retry['phases']['done'] - planned['phases']['aborted']:.2f}s")
 
 
-def test_the_joiner_killed_in_phase1_aborts_and_the_drain_completes_on_another_standby(demo, reference,
-                                                                                       slurm_client):
-    run = demo("joiner-in-phase1", TM_INJECT=f"die-in-phase1:joiner:1,{PACE}")
+def drained_to_its_end(demo, slurm_client, name: str, inject: str):
+    """A paced demo job with `inject`, its standby warm, rank 1's node drained: (run, that
+    node) once the job COMPLETED."""
+    run = demo(name, TM_INJECT=f"{inject},{PACE}")
     training(run, slurm_client, min_step=20)
     warm_standby(run)
     leaver = leaver_of(run)
     drain(run, leaver)
     assert run.wait_done(slurm_client, timeout=240) == "COMPLETED", run.slurm_out()[-3000:]
+    return run, leaver
+
+
+def test_the_joiner_killed_in_phase1_aborts_and_the_drain_completes_on_another_standby(demo, reference,
+                                                                                       slurm_client):
+    run, leaver = drained_to_its_end(demo, slurm_client, "joiner-in-phase1", "die-in-phase1:joiner:1")
     status = run.status()
     planned, retry = status["migrations"]
     assert planned["state"] == "aborted" and "lost during phase 1" in planned["note"]
@@ -122,12 +129,7 @@ def test_the_joiner_killed_in_the_copy_stops_the_leaver_and_its_rank_is_recovere
     a lost rank (raised, its error would have ended the job: roles/switch.py `stop_as_lost`), the
     drain's migration fails, and the rank is recovered onto a new standby from a replica; the
     job completes bit-exactly, never requeued."""
-    run = demo("joiner-in-copy", TM_INJECT=f"die-in-copy:joiner,{PACE}")
-    training(run, slurm_client, min_step=20)
-    warm_standby(run)
-    leaver = leaver_of(run)
-    drain(run, leaver)
-    assert run.wait_done(slurm_client, timeout=240) == "COMPLETED", run.slurm_out()[-3000:]
+    run, leaver = drained_to_its_end(demo, slurm_client, "joiner-in-copy", "die-in-copy:joiner")
     status = run.status()
     planned, *after = status["migrations"]
     assert (planned["leaver"], planned["trigger"], planned["state"]) == (leaver, "drain", "failed"), planned

@@ -22,6 +22,7 @@ from typing import Callable
 from trainmover.config import Config, parse_tiers
 from trainmover.controller.durable.migration import Phase
 from trainmover.controller.durable.state import PolicyState
+from trainmover.controller.durable.view import StandbyState
 from trainmover.controller.policy import tiers
 from trainmover.controller.policy.actions import CheckpointDone, Finish, ReleaseNode, Rewind, Send
 from trainmover.controller.policy.foresight import Foresight
@@ -120,7 +121,7 @@ class RecoveryPolicy:
         is taken, as for any recovery whose standby is lost before its plan."""
         view = self.state.view
         view.rank_node.update({r_: r.leaver for r_ in r.leaver_ranks})
-        self.state.standbys_lost.append({"node": node, "state": "joining", "evidence": evidence, "t": now})
+        self.pool.count_lost(now, node, StandbyState.JOINING, evidence)
         log.error("the standby on %s taking over from %s was lost before the recovery's plan (%s); another is "
                   "taken", node, r.leaver, evidence)
         r.joiner = ""

@@ -194,12 +194,17 @@ class StandbyPool:
     def lost(self, now: float, node: str, evidence: str) -> Standby:
         """Drop a lost standby from the pool and count it against TM_STANDBY_LOSSES."""
         s = self.standbys.pop(node)
-        self.state.standbys_lost.append({"node": node, "state": s.state.value, "evidence": evidence, "t": now})
+        self.count_lost(now, node, s.state, evidence)
         log.warning("standby on %s lost while %s (%s); %d of %d allowed losses", node, s.state.value, evidence,
                     len(self.state.standbys_lost), self.cfg.standby_losses)
         if self.refill_refused and self.cfg.injob_standbys:
             log.info("standby pool: %s", self.left_line())
         return s
+
+    def count_lost(self, now: float, node: str, state: S, evidence: str) -> None:
+        """One lost standby in the job's record (status.standbys_lost; TM_STANDBY_LOSSES counts
+        them): one already out of the pool too, e.g. a recovery's joiner lost before its plan."""
+        self.state.standbys_lost.append({"node": node, "state": state.value, "evidence": evidence, "t": now})
 
     def status(self) -> dict:
         out = {"wanted": self.wanted(), "acquiring": self.acquiring, "note": self.note() or self.acquire_note}
